@@ -1,0 +1,149 @@
+// meshmem::Comm: one-sided put / get / signal / barrier over symmetric windows.
+//
+// A Comm is built collectively from an MPI communicator (which it duplicates). Every
+// collective call (the constructor, alloc, alloc_signals, Window::free, barrier, the
+// destructor) must be made by all ranks of the Comm in the same order. A Comm is used
+// from one thread at a time.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "meshmem/config.hpp"
+#include "meshmem/error.hpp"
+
+// The CUDA stream type, declared without CUDA headers: cudaStream_t and CUstream are both
+// `CUstream_st*`, so a meshmem::Stream is passed where either is expected.
+struct CUstream_st;
+
+namespace meshmem {
+
+using Stream = CUstream_st*;
+
+enum class Memory {
+  Device,  // GPU memory of this rank's device
+  Host,    // host memory; works with no GPU
+};
+const char* to_string(Memory memory) noexcept;
+
+enum class SignalOp { Set, Add };
+enum class Cmp { EQ, NE, GT, GE, LT, LE };
+
+namespace detail {
+class CommImpl;
+struct WindowState;
+}  // namespace detail
+
+// A symmetric window: `bytes` on every rank of a Comm. Move-only; its destructor frees it
+// collectively (as Window::free does), so every rank must let go of it at the same point.
+class Window {
+ public:
+  Window() = default;
+  Window(Window&&) noexcept = default;
+  Window& operator=(Window&& other) noexcept;
+  Window(const Window&) = delete;
+  Window& operator=(const Window&) = delete;
+  ~Window();
+
+  // Collective. The handle is empty afterwards; using it raises Error(InvalidArgument).
+  void free();
+
+  bool valid() const noexcept;
+  std::size_t size() const;    // bytes, as asked for in alloc
+  Memory memory() const;
+  void* local() const;         // this rank's part
+  void* peer(int rank) const;  // rank's part mapped here, or nullptr if not mapped
+
+ private:
+  friend class Comm;
+  friend class detail::CommImpl;
+  explicit Window(std::shared_ptr<detail::WindowState> state) : state_(std::move(state)) {}
+  void release_noexcept() noexcept;
+  std::shared_ptr<detail::WindowState> state_;
+};
+
+// `count` symmetric 64-bit signal words, zero at allocation. Move-only, collective free.
+class Signals {
+ public:
+  Signals() = default;
+  std::size_t count() const;
+  bool valid() const noexcept { return words_.valid(); }
+  void free() { words_.free(); }
+  // This rank's words (host memory: readable directly; atomics recommended).
+  std::uint64_t* local() const { return static_cast<std::uint64_t*>(words_.local()); }
+  // Reads this rank's word `index` with acquire ordering.
+  std::uint64_t read(std::size_t index) const;
+  const Window& words() const { return words_; }
+
+ private:
+  friend class Comm;
+  explicit Signals(Window words) : words_(std::move(words)) {}
+  Window words_;
+};
+
+class Comm {
+ public:
+  explicit Comm(MPI_Comm comm);
+  Comm(MPI_Comm comm, const Options& options);
+  ~Comm();  // collective: quiet, barrier, free every live window
+  Comm(Comm&&) noexcept;
+  Comm& operator=(Comm&&) noexcept;
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+
+  int rank() const;
+  int size() const;
+  int node() const;            // index of this rank's (real or simulated) node
+  int node_of(int rank) const;
+  int node_count() const;
+  MPI_Comm mpi_comm() const;   // the duplicated communicator meshmem uses for collectives
+  const Options& options() const;
+
+  // Collective; every rank passes the same size.
+  Window alloc(std::size_t bytes, Memory memory = Memory::Device);
+  Signals alloc_signals(std::size_t count, Memory memory = Memory::Device);
+
+  // Copies `bytes` from `src` (local memory) into `target`'s part of `win` at `dst_offset`.
+  // With a null stream the call returns when `src` may be reused; the data is complete at
+  // the target after quiet() or barrier().
+  void put(const Window& win, int target, std::size_t dst_offset, const void* src,
+           std::size_t bytes, Stream stream = nullptr);
+  // Copies from `target`'s part of `win` into `dst`; complete when the call returns
+  // (null stream).
+  void get(void* dst, const Window& win, int target, std::size_t src_offset, std::size_t bytes,
+           Stream stream = nullptr);
+  // put, then update `target`'s signal word `index`: whoever sees the signal sees the data.
+  void put_signal(const Window& win, int target, std::size_t dst_offset, const void* src,
+                  std::size_t bytes, const Signals& sig, std::size_t index, std::uint64_t value,
+                  SignalOp op, Stream stream = nullptr);
+  // Updates `target`'s signal word `index`, ordered after this rank's earlier puts to target.
+  void signal(const Signals& sig, int target, std::size_t index, std::uint64_t value, SignalOp op,
+              Stream stream = nullptr);
+  // Blocks until this rank's word `index` compares true against `value`. Host-blocking with
+  // a null stream; times out after MESHMEM_TIMEOUT.
+  void wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::uint64_t value,
+                  Stream stream = nullptr);
+  // Every put and signal issued by this rank is complete at its target.
+  void quiet(Stream stream = nullptr);
+  // quiet + every rank has arrived. With a null stream the host waits.
+  void barrier(Stream stream);
+  void barrier();
+
+  // Which path reaches `rank` for windows of kind `memory`.
+  TransportKind transport(int rank, Memory memory) const;
+  // How descriptors are passed between ranks of this node.
+  FdPassing fd_passing() const;
+
+ private:
+  std::unique_ptr<detail::CommImpl> impl_;
+};
+
+// The memory kind a program should use by default: Device where this build supports GPU
+// windows and a device is visible, Host otherwise.
+Memory default_memory();
+
+}  // namespace meshmem

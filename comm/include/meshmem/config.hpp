@@ -1,0 +1,54 @@
+// Options read from the MESHMEM_* environment variables (documented in README.md).
+// CUDA-free and MPI-free so that parsing is unit-testable anywhere.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace meshmem {
+
+enum class TransportKind {
+  None,  // no transport reaches the peer
+  Shm,   // same node, host memory: the peer's memfd is mapped here
+  Mpi,   // any node: requests served by the target's progress thread over MPI
+};
+const char* to_string(TransportKind kind) noexcept;
+
+enum class FdPassing {
+  Auto,    // pidfd_getfd where every node peer permits it, else Socket
+  Pidfd,   // pidfd_open + pidfd_getfd (needs ptrace permission over the peer)
+  Socket,  // SCM_RIGHTS over an abstract Unix socket, SO_PEERCRED checked
+};
+const char* to_string(FdPassing mode) noexcept;
+
+enum class LogLevel { Error, Warn, Info, Debug };
+const char* to_string(LogLevel level) noexcept;
+
+struct Options {
+  // MESHMEM_TIMEOUT: how long a host-side wait may take. "0" or "inf": forever.
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // MESHMEM_SIMULATE_NODES: split each real node into this many simulated nodes.
+  int simulate_nodes = 1;
+  // MESHMEM_FD_PASSING
+  FdPassing fd_passing = FdPassing::Auto;
+  // MESHMEM_TRANSPORTS: the transports allowed, in the order they are tried.
+  std::vector<TransportKind> transports{TransportKind::Shm, TransportKind::Mpi};
+  // MESHMEM_LOG_LEVEL
+  LogLevel log_level = LogLevel::Warn;
+
+  bool waits_forever() const { return timeout.count() == 0; }
+
+  // Parses from a getenv-like lookup; an unparsable value raises Error(InvalidArgument)
+  // naming the variable and the value.
+  static Options parse(const std::function<const char*(const char*)>& lookup);
+  static Options from_environment();
+
+  // One line per variable, "NAME=value (meaning)", for the diagnostics tool and logs.
+  std::vector<std::string> describe() const;
+  // A canonical string of every setting, compared across ranks at Comm creation.
+  std::string fingerprint() const;
+};
+
+}  // namespace meshmem

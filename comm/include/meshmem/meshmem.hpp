@@ -1,0 +1,6 @@
+// Umbrella header of the meshmem host API.
+#pragma once
+
+#include "meshmem/comm.hpp"
+#include "meshmem/config.hpp"
+#include "meshmem/error.hpp"

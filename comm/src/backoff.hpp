@@ -1,0 +1,38 @@
+// Backoff for host-side polling loops. Several ranks often share few cores (CI runs 4 ranks
+// on 2), so a waiter spins briefly, then yields, then sleeps with growing intervals, and a
+// wait that sees progress starts over fast.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+namespace meshmem::detail {
+
+class Backoff {
+ public:
+  // One step of waiting: pause, yield or sleep depending on how long this wait has lasted.
+  void pause();
+  void reset() { polls_ = 0; }
+
+ private:
+  std::uint64_t polls_ = 0;
+};
+
+// A deadline from a timeout; zero means none.
+class Deadline {
+ public:
+  explicit Deadline(std::chrono::milliseconds timeout);
+  bool expired() const;
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  std::chrono::milliseconds remaining() const;  // zero when none is set
+
+ private:
+  std::chrono::milliseconds timeout_;
+  std::chrono::steady_clock::time_point end_;
+};
+
+// "2.5 s" etc. for messages.
+std::string describe_timeout(std::chrono::milliseconds timeout);
+
+}  // namespace meshmem::detail

@@ -1,0 +1,258 @@
+#include "bootstrap.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include "backoff.hpp"
+#include "log.hpp"
+
+namespace meshmem::detail {
+
+namespace {
+constexpr int kTagArrive = 101;
+constexpr int kTagRelease = 102;
+
+bool mpi_finalized() {
+  int done = 0;
+  MPI_Finalized(&done);
+  return done != 0;
+}
+
+int to_int_count(std::size_t bytes, const std::string& what) {
+  if (bytes > static_cast<std::size_t>(INT32_MAX))
+    throw Error(ErrorCode::Internal, what + ": bootstrap message of " + std::to_string(bytes) +
+                                         " bytes is too large for one MPI call");
+  return static_cast<int>(bytes);
+}
+}  // namespace
+
+void check_mpi(int rc, const char* call, const std::string& context) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  throw Error(ErrorCode::Mpi, context + ": " + call + " failed: " + std::string(text, len) +
+                                  " (error " + std::to_string(rc) + ")");
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string s;
+  const std::size_t shown = std::min<std::size_t>(ranks.size(), 64);
+  for (std::size_t i = 0; i < shown; ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  if (ranks.size() > shown) s += " and " + std::to_string(ranks.size() - shown) + " more";
+  return s;
+}
+
+MpiComm MpiComm::dup(MPI_Comm parent, const std::string& context) {
+  MPI_Comm c = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_dup(parent, &c), "MPI_Comm_dup", context);
+  MpiComm owner(c);
+  check_mpi(MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler", context);
+  return owner;
+}
+
+MpiComm MpiComm::split(MPI_Comm parent, int color, int key, const std::string& context) {
+  MPI_Comm c = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_split(parent, color, key, &c), "MPI_Comm_split", context);
+  MpiComm owner(c);
+  check_mpi(MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler", context);
+  return owner;
+}
+
+MpiComm& MpiComm::operator=(MpiComm&& other) noexcept {
+  if (this != &other) {
+    MpiComm old(comm_);
+    comm_ = other.comm_;
+    other.comm_ = MPI_COMM_NULL;
+  }
+  return *this;
+}
+
+MpiComm::~MpiComm() {
+  if (comm_ == MPI_COMM_NULL) return;
+  if (mpi_finalized()) return;  // too late to free; MPI released everything
+  // MPI_Comm_free is collective only in name for local teardown; it does not wait for peers.
+  MPI_Comm_free(&comm_);
+}
+
+Bootstrap::Bootstrap(MPI_Comm parent, std::chrono::milliseconds timeout)
+    : comm_(MpiComm::dup(parent, "meshmem::Comm")), timeout_(timeout) {
+  check_mpi(MPI_Comm_rank(comm_.get(), &rank_), "MPI_Comm_rank", "meshmem::Comm");
+  check_mpi(MPI_Comm_size(comm_.get(), &size_), "MPI_Comm_size", "meshmem::Comm");
+  arrivals_.assign(static_cast<std::size_t>(size_), 0);
+}
+
+void Bootstrap::ensure_usable(const std::string& what) const {
+  if (broken_)
+    throw Error(ErrorCode::Timeout,
+                what + " on rank " + std::to_string(rank_) +
+                    ": an earlier wait of this Comm timed out, so its ranks no longer agree on "
+                    "where they are; the Comm cannot be used for collectives any more");
+}
+
+void Bootstrap::fail_timeout(const std::string& message) {
+  broken_ = true;
+  log(LogLevel::Error, message);
+  throw Error(ErrorCode::Timeout, message);
+}
+
+bool Bootstrap::wait(MPI_Request* req, const std::string& what) {
+  Deadline deadline(timeout_);
+  Backoff backoff;
+  for (;;) {
+    int done = 0;
+    check_mpi(MPI_Test(req, &done, MPI_STATUS_IGNORE), "MPI_Test", what);
+    if (done) return true;
+    if (deadline.expired()) return false;
+    backoff.pause();
+  }
+}
+
+void Bootstrap::arrive(const std::string& what) {
+  ensure_usable(what);
+  if (size_ == 1) return;
+  const std::string where = what + " on rank " + std::to_string(rank_);
+  const std::int64_t epoch = ++epoch_;
+  if (rank_ == 0) {
+    // Gather arrivals, then release everyone; on timeout, release the ranks that did arrive
+    // with the list of those that did not, so every rank reports the same culprits.
+    std::vector<MPI_Request> reqs(static_cast<std::size_t>(size_), MPI_REQUEST_NULL);
+    for (int r = 1; r < size_; ++r)
+      check_mpi(MPI_Irecv(&arrivals_[r], 1, MPI_INT64_T, r, kTagArrive, comm_.get(), &reqs[r]),
+                "MPI_Irecv", where);
+    Deadline deadline(timeout_);
+    Backoff backoff;
+    int pending = size_ - 1;
+    while (pending > 0 && !deadline.expired()) {
+      int done = 0;
+      int index = MPI_UNDEFINED;
+      check_mpi(MPI_Testany(size_, reqs.data(), &index, &done, MPI_STATUS_IGNORE), "MPI_Testany",
+                where);
+      if (done && index != MPI_UNDEFINED) {
+        if (arrivals_[index] != epoch)
+          throw Error(ErrorCode::Internal, where + ": rank " + std::to_string(index) +
+                                               " arrived at barrier epoch " +
+                                               std::to_string(arrivals_[index]) + ", expected " +
+                                               std::to_string(epoch));
+        --pending;
+        backoff.reset();
+      } else {
+        backoff.pause();
+      }
+    }
+    std::vector<int> missing;
+    for (int r = 1; r < size_; ++r)
+      if (reqs[r] != MPI_REQUEST_NULL) missing.push_back(r);
+    release_.fill(0);
+    release_[0] = epoch;
+    release_[1] = static_cast<std::int64_t>(missing.size());
+    for (std::size_t i = 0; i < missing.size() && i < kMaxNamed; ++i) release_[2 + i] = missing[i];
+    for (int r = 1; r < size_; ++r) {
+      if (std::find(missing.begin(), missing.end(), r) != missing.end()) continue;
+      check_mpi(MPI_Send(release_.data(), static_cast<int>(release_.size()), MPI_INT64_T, r,
+                         kTagRelease, comm_.get()),
+                "MPI_Send", where);
+    }
+    if (!missing.empty()) {
+      // The receives for absent ranks stay posted into arrivals_, which outlives them.
+      for (auto& req : reqs)
+        if (req != MPI_REQUEST_NULL) MPI_Request_free(&req);
+      fail_timeout(where + ": rank(s) " + rank_list(missing) + " did not arrive within " +
+                   describe_timeout(timeout_));
+    }
+    return;
+  }
+  my_arrival_ = epoch;
+  MPI_Request send_req = MPI_REQUEST_NULL;
+  MPI_Request recv_req = MPI_REQUEST_NULL;
+  check_mpi(MPI_Irecv(release_.data(), static_cast<int>(release_.size()), MPI_INT64_T, 0,
+                      kTagRelease, comm_.get(), &recv_req),
+            "MPI_Irecv", where);
+  check_mpi(MPI_Isend(&my_arrival_, 1, MPI_INT64_T, 0, kTagArrive, comm_.get(), &send_req),
+            "MPI_Isend", where);
+  // Rank 0 decides who is missing; give its verdict time to arrive before deciding alone.
+  const auto grace = std::chrono::milliseconds(timeout_.count() == 0 ? 0 : 2000 + timeout_.count() / 10);
+  Deadline deadline(timeout_ + grace);
+  Backoff backoff;
+  for (;;) {
+    int done = 0;
+    check_mpi(MPI_Test(&recv_req, &done, MPI_STATUS_IGNORE), "MPI_Test", where);
+    if (done) break;
+    if (deadline.expired()) {
+      MPI_Request_free(&recv_req);
+      MPI_Request_free(&send_req);
+      fail_timeout(where + ": rank 0, which coordinates the wait, did not answer within " +
+                   describe_timeout(deadline.timeout()) + " (it may have failed or not arrived)");
+    }
+    backoff.pause();
+  }
+  check_mpi(MPI_Wait(&send_req, MPI_STATUS_IGNORE), "MPI_Wait", where);
+  if (release_[0] != epoch)
+    throw Error(ErrorCode::Internal, where + ": release for epoch " + std::to_string(release_[0]) +
+                                         ", expected " + std::to_string(epoch));
+  if (release_[1] > 0) {
+    std::vector<int> missing;
+    for (std::int64_t i = 0; i < release_[1] && i < kMaxNamed; ++i)
+      missing.push_back(static_cast<int>(release_[2 + i]));
+    if (release_[1] > kMaxNamed) missing.push_back(-1);
+    fail_timeout(where + ": rank(s) " + rank_list(missing) + " did not arrive within " +
+                 describe_timeout(timeout_) + " (reported by rank 0)");
+  }
+}
+
+void Bootstrap::allgather(const void* mine, void* all, std::size_t bytes_each,
+                          const std::string& what) {
+  ensure_usable(what);
+  const int count = to_int_count(bytes_each, what);
+  MPI_Request req = MPI_REQUEST_NULL;
+  check_mpi(MPI_Iallgather(mine, count, MPI_BYTE, all, count, MPI_BYTE, comm_.get(), &req),
+            "MPI_Iallgather", what);
+  if (!wait(&req, what))
+    fail_timeout(what + " on rank " + std::to_string(rank_) +
+                 ": MPI_Iallgather did not complete within " + describe_timeout(timeout_));
+}
+
+void Bootstrap::broadcast(void* data, std::size_t bytes, int root, const std::string& what) {
+  ensure_usable(what);
+  const int count = to_int_count(bytes, what);
+  MPI_Request req = MPI_REQUEST_NULL;
+  check_mpi(MPI_Ibcast(data, count, MPI_BYTE, root, comm_.get(), &req), "MPI_Ibcast", what);
+  if (!wait(&req, what))
+    fail_timeout(what + " on rank " + std::to_string(rank_) +
+                 ": MPI_Ibcast did not complete within " + describe_timeout(timeout_));
+}
+
+std::uint64_t Bootstrap::allreduce_max(std::uint64_t value, const std::string& what) {
+  ensure_usable(what);
+  std::uint64_t result = 0;
+  MPI_Request req = MPI_REQUEST_NULL;
+  check_mpi(MPI_Iallreduce(&value, &result, 1, MPI_UINT64_T, MPI_MAX, comm_.get(), &req),
+            "MPI_Iallreduce", what);
+  if (!wait(&req, what))
+    fail_timeout(what + " on rank " + std::to_string(rank_) +
+                 ": MPI_Iallreduce did not complete within " + describe_timeout(timeout_));
+  return result;
+}
+
+void Bootstrap::agree(bool ok, ErrorCode code, const std::string& message, const std::string& what) {
+  std::int32_t mine[2] = {ok ? 1 : 0, static_cast<std::int32_t>(code)};
+  std::vector<std::int32_t> all(2 * static_cast<std::size_t>(size_));
+  allgather(mine, all.data(), sizeof(mine), what);
+  std::vector<int> failed;
+  for (int r = 0; r < size_; ++r)
+    if (all[2 * r] == 0) failed.push_back(r);
+  if (failed.empty()) return;
+  // The lowest failing rank's message goes to everyone.
+  const int speaker = failed.front();
+  std::uint64_t len = rank_ == speaker ? message.size() : 0;
+  broadcast(&len, sizeof(len), speaker, what);
+  std::string text(len, '\0');
+  if (rank_ == speaker) text = message;
+  if (len > 0) broadcast(text.data(), len, speaker, what);
+  const auto speaker_code = static_cast<ErrorCode>(all[2 * speaker + 1]);
+  std::string prefix = what + " failed on rank(s) " + rank_list(failed);
+  if (rank_ != speaker) prefix += " (this is rank " + std::to_string(rank_) + ")";
+  throw Error(speaker_code, prefix + "; rank " + std::to_string(speaker) + " reports: " + text);
+}
+
+}  // namespace meshmem::detail

@@ -1,0 +1,89 @@
+// Bootstrap: the collectives meshmem itself runs over MPI, on a communicator of its own.
+// Every wait is bounded by MESHMEM_TIMEOUT and says which ranks never arrived; a collective
+// that fails on some ranks fails on all (agree()).
+#pragma once
+
+#include <mpi.h>
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "meshmem/error.hpp"
+
+namespace meshmem::detail {
+
+// Raises Error(Mpi) naming the call and MPI's own message unless rc == MPI_SUCCESS.
+void check_mpi(int rc, const char* call, const std::string& context);
+
+// MPI_Comm_dup'd communicator owner, MPI_ERRORS_RETURN set. Freed on destruction, unless
+// MPI was finalised already (then nothing can be freed).
+class MpiComm {
+ public:
+  MpiComm() = default;
+  static MpiComm dup(MPI_Comm parent, const std::string& context);
+  static MpiComm split(MPI_Comm parent, int color, int key, const std::string& context);
+  MpiComm(MpiComm&& other) noexcept : comm_(other.comm_) { other.comm_ = MPI_COMM_NULL; }
+  MpiComm& operator=(MpiComm&& other) noexcept;
+  MpiComm(const MpiComm&) = delete;
+  MpiComm& operator=(const MpiComm&) = delete;
+  ~MpiComm();
+  MPI_Comm get() const { return comm_; }
+
+ private:
+  explicit MpiComm(MPI_Comm c) : comm_(c) {}
+  MPI_Comm comm_ = MPI_COMM_NULL;
+};
+
+class Bootstrap {
+ public:
+  Bootstrap(MPI_Comm parent, std::chrono::milliseconds timeout);
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  MPI_Comm comm() const { return comm_.get(); }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // Waits until every rank has called arrive(); raises Error(Timeout) on every rank that
+  // gets an answer, naming the ranks that did not arrive. `what` names the calling API.
+  void arrive(const std::string& what);
+
+  // Collectives with the same timeout (they follow an arrive(), so a rank that is absent
+  // is named there; these time out only if MPI itself stalls).
+  void allgather(const void* mine, void* all, std::size_t bytes_each, const std::string& what);
+  void broadcast(void* data, std::size_t bytes, int root, const std::string& what);
+  std::uint64_t allreduce_max(std::uint64_t value, const std::string& what);
+
+  // Every rank passes whether its part succeeded. If any failed, every rank raises the
+  // same Error: the lowest failing rank's code and message, and the list of failing ranks.
+  void agree(bool ok, ErrorCode code, const std::string& message, const std::string& what);
+
+  // Waits for `req` with backoff; false on timeout.
+  bool wait(MPI_Request* req, const std::string& what);
+
+  // After a timeout the ranks disagree on where they are: further collectives would hang.
+  void ensure_usable(const std::string& what) const;
+
+ private:
+  [[noreturn]] void fail_timeout(const std::string& message);
+
+  MpiComm comm_;
+  int rank_ = 0;
+  int size_ = 1;
+  std::chrono::milliseconds timeout_;
+  bool broken_ = false;
+  std::int64_t epoch_ = 0;
+  // Buffers of requests that may still be in flight after a timeout; they live as long as
+  // the Bootstrap so that MPI never writes into freed memory.
+  static constexpr int kMaxNamed = 64;
+  std::vector<std::int64_t> arrivals_;
+  std::array<std::int64_t, 2 + kMaxNamed> release_{};
+  std::int64_t my_arrival_ = 0;
+};
+
+// "1, 3, 5" (at most 64 shown, then "and N more").
+std::string rank_list(const std::vector<int>& ranks);
+
+}  // namespace meshmem::detail

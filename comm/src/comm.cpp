@@ -1,0 +1,531 @@
+#include <atomic>
+#include <cstring>
+
+#include "backoff.hpp"
+#include "comm_impl.hpp"
+#include "host_window.hpp"
+#include "log.hpp"
+#include "meshmem/comm.hpp"
+
+namespace meshmem {
+
+const char* to_string(Memory memory) noexcept {
+  return memory == Memory::Device ? "device" : "host";
+}
+
+Memory default_memory() { return Memory::Host; }  // device windows: not in this build yet
+
+namespace detail {
+
+namespace {
+
+std::atomic<std::uint64_t> g_next_comm_uid{1};
+
+const char* cmp_text(Cmp cmp) {
+  switch (cmp) {
+    case Cmp::EQ: return "==";
+    case Cmp::NE: return "!=";
+    case Cmp::GT: return ">";
+    case Cmp::GE: return ">=";
+    case Cmp::LT: return "<";
+    case Cmp::LE: return "<=";
+  }
+  return "?";
+}
+
+bool compare(std::uint64_t v, Cmp cmp, std::uint64_t value) {
+  switch (cmp) {
+    case Cmp::EQ: return v == value;
+    case Cmp::NE: return v != value;
+    case Cmp::GT: return v > value;
+    case Cmp::GE: return v >= value;
+    case Cmp::LT: return v < value;
+    case Cmp::LE: return v <= value;
+  }
+  return false;
+}
+
+std::uint64_t fnv1a(const std::string& s) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+int world_rank() {
+  int r = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+Bootstrap make_bootstrap(MPI_Comm comm, const Options& options) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized)
+    throw Error(ErrorCode::InvalidArgument,
+                "meshmem::Comm: MPI must be initialised (and not finalised) before a Comm is made");
+  set_log_level(options.log_level);
+  set_log_rank(world_rank());
+  return Bootstrap(comm, options.timeout);
+}
+
+// Every rank must run with the same MESHMEM_* settings, or they would pick different
+// transports for one pair of ranks.
+void agree_on_options(Bootstrap& boot, const Options& options) {
+  const std::string mine = options.fingerprint();
+  const std::uint64_t hash = fnv1a(mine);
+  std::vector<std::uint64_t> all(static_cast<std::size_t>(boot.size()));
+  boot.allgather(&hash, all.data(), sizeof(hash), "meshmem::Comm");
+  int differs = -1;
+  for (int r = 0; r < boot.size(); ++r)
+    if (all[r] != all[0]) { differs = r; break; }
+  if (differs < 0) return;
+  std::string theirs[2];
+  const int speakers[2] = {0, differs};
+  for (int i = 0; i < 2; ++i) {
+    std::uint64_t len = boot.rank() == speakers[i] ? mine.size() : 0;
+    boot.broadcast(&len, sizeof(len), speakers[i], "meshmem::Comm");
+    theirs[i].assign(len, '\0');
+    if (boot.rank() == speakers[i]) theirs[i] = mine;
+    boot.broadcast(theirs[i].data(), len, speakers[i], "meshmem::Comm");
+  }
+  throw Error(ErrorCode::InvalidArgument,
+              "meshmem::Comm on rank " + std::to_string(boot.rank()) +
+                  ": MESHMEM_* settings differ between ranks: rank 0 has {" + theirs[0] +
+                  "}, rank " + std::to_string(differs) + " has {" + theirs[1] + "}");
+}
+
+}  // namespace
+
+CommImpl::CommImpl(MPI_Comm comm, const Options& opts)
+    : options(opts),
+      boot(make_bootstrap(comm, opts)),
+      topo((agree_on_options(boot, opts), Topology::discover(boot, opts.simulate_nodes))),
+      uid(g_next_comm_uid++) {
+  fds = std::make_unique<FdExchange>(boot, topo, options.fd_passing);
+  shm = std::make_unique<ShmTransport>();
+  bool needs_mpi = false;
+  for (TransportKind k : options.transports)
+    if (k == TransportKind::Mpi)
+      for (int r = 0; r < topo.size; ++r) {
+        // Mpi is used for a peer when no transport before it in the list reaches the peer.
+        bool earlier = false;
+        for (TransportKind e : options.transports) {
+          if (e == TransportKind::Mpi) break;
+          if (e == TransportKind::Shm && topo.same_node(r)) earlier = true;
+        }
+        needs_mpi = needs_mpi || !earlier;
+      }
+  if (boot.allreduce_max(needs_mpi ? 1 : 0, "meshmem::Comm") != 0) {
+    int provided = MPI_THREAD_SINGLE;
+    MPI_Query_thread(&provided);
+    boot.agree(provided >= MPI_THREAD_MULTIPLE, ErrorCode::Unsupported,
+               "the mpi transport serves one-sided requests from a progress thread and needs "
+               "MPI_THREAD_MULTIPLE, but MPI was initialised with thread level " +
+                   std::to_string(provided) +
+                   "; call MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)",
+               "meshmem::Comm");
+    mpi = std::make_unique<MpiTransport>(boot.comm(), options.timeout);
+  }
+  select_routes();
+  log(LogLevel::Info, "Comm #" + std::to_string(uid) + ": rank " + std::to_string(topo.rank) +
+                          " of " + std::to_string(topo.size) + ", node " +
+                          std::to_string(topo.node()) + " of " + std::to_string(topo.node_count) +
+                          ", fd passing " + to_string(fds->mode()));
+}
+
+void CommImpl::select_routes() {
+  host_routes_.assign(static_cast<std::size_t>(topo.size), Route{});
+  for (int r = 0; r < topo.size; ++r) {
+    for (TransportKind k : options.transports) {
+      if (k == TransportKind::Shm && topo.same_node(r)) host_routes_[r].transport = shm.get();
+      if (k == TransportKind::Mpi) host_routes_[r].transport = mpi.get();
+      if (host_routes_[r].transport != nullptr) break;
+    }
+    if (host_routes_[r].transport == nullptr)
+      host_routes_[r].why_none = "rank " + std::to_string(r) + " is on node " +
+                                 std::to_string(topo.node_of[r]) + " and rank " +
+                                 std::to_string(topo.rank) + " on node " +
+                                 std::to_string(topo.node()) +
+                                 ", and MESHMEM_TRANSPORTS allows no transport between nodes "
+                                 "(add mpi)";
+  }
+}
+
+CommImpl::~CommImpl() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  try {
+    if (finalized) {
+      log(LogLevel::Warn, "meshmem::Comm destroyed after MPI_Finalize: its windows are released "
+                          "here without synchronising with the other ranks");
+    } else {
+      quiet(nullptr, "~Comm");
+      boot.arrive("~Comm");
+    }
+  } catch (const std::exception& e) {
+    log(LogLevel::Error, std::string("~Comm: ") + e.what() + "; releasing local resources anyway");
+  }
+  for (auto& [id, weak] : live_)
+    if (auto state = weak.lock()) release(*state);
+  live_.clear();
+  if (mpi) mpi->stop();
+}
+
+std::string CommImpl::where(const char* call) const {
+  return std::string(call) + " on rank " + std::to_string(topo.rank);
+}
+
+void CommImpl::check_rank(int rank, const char* call, const char* what) const {
+  if (rank < 0 || rank >= topo.size)
+    throw Error(ErrorCode::InvalidArgument, where(call) + ": " + what + " rank " +
+                                                std::to_string(rank) + " is out of range (the Comm has " +
+                                                std::to_string(topo.size) + " ranks)");
+}
+
+const WindowState& CommImpl::checked(const Window& win, const char* call) const {
+  const WindowState* s = win.state_.get();
+  if (s == nullptr)
+    throw Error(ErrorCode::InvalidArgument, where(call) + ": the window is empty (default-constructed or moved from)");
+  if (s->freed())
+    throw Error(ErrorCode::InvalidArgument,
+                where(call) + ": window #" + std::to_string(s->id) + " was freed");
+  if (s->owner != this)
+    throw Error(ErrorCode::InvalidArgument,
+                where(call) + ": window #" + std::to_string(s->id) + " belongs to Comm #" +
+                    std::to_string(s->comm_uid) + ", not to this Comm #" + std::to_string(uid));
+  return *s;
+}
+
+void CommImpl::check_range(const WindowState& win, int target, std::size_t offset, std::size_t bytes,
+                           const char* call, const char* offset_name) const {
+  if (offset > win.bytes || bytes > win.bytes - offset)
+    throw Error(ErrorCode::InvalidArgument,
+                where(call) + ": " + offset_name + " " + std::to_string(offset) + " + bytes " +
+                    std::to_string(bytes) + " is past the end of window #" + std::to_string(win.id) +
+                    " (" + std::to_string(win.bytes) + " bytes) of rank " + std::to_string(target));
+}
+
+void CommImpl::check_stream(const WindowState& win, Stream stream, const char* call) const {
+  if (stream != nullptr && win.memory == Memory::Host)
+    throw Error(ErrorCode::Unsupported,
+                where(call) + ": stream-ordered operations on host windows are not implemented "
+                              "yet; pass a null stream (the call then runs on the host)");
+}
+
+void CommImpl::check_index(const WindowState& sig, std::size_t index, const char* call) const {
+  if (!sig.is_signals)
+    throw Error(ErrorCode::Internal, where(call) + ": window #" + std::to_string(sig.id) + " is not a signals window");
+  const std::size_t count = sig.bytes / sizeof(std::uint64_t);
+  if (index >= count)
+    throw Error(ErrorCode::InvalidArgument,
+                where(call) + ": signal index " + std::to_string(index) + " is out of range (" +
+                    std::to_string(count) + " signals)");
+}
+
+Transport& CommImpl::route(const WindowState& win, int target, const char* call) const {
+  if (win.memory == Memory::Device)
+    throw Error(ErrorCode::Internal, where(call) + ": device window without a device route");
+  const Route& r = host_routes_[target];
+  if (r.transport == nullptr)
+    throw Error(ErrorCode::Unsupported, where(call) + ": no transport reaches rank " +
+                                            std::to_string(target) + ": " + r.why_none);
+  return *r.transport;
+}
+
+TransportKind CommImpl::transport(int rank, Memory memory, const char* call) const {
+  check_rank(rank, call, "peer");
+  if (memory == Memory::Device) return TransportKind::None;
+  const Route& r = host_routes_[rank];
+  return r.transport ? r.transport->kind() : TransportKind::None;
+}
+
+std::shared_ptr<WindowState> CommImpl::alloc(std::size_t bytes, Memory memory, bool signals,
+                                             const std::string& call) {
+  const std::string at = where(call.c_str());
+  boot.arrive(call);
+  // Every rank checks the same gathered values, so all raise the same error together.
+  struct Ask {
+    std::uint64_t bytes;
+    std::uint64_t id;
+    std::int32_t memory;
+    std::int32_t signals;
+  } mine{bytes, next_window_id_, static_cast<std::int32_t>(memory), signals ? 1 : 0};
+  std::vector<Ask> all(static_cast<std::size_t>(topo.size));
+  boot.allgather(&mine, all.data(), sizeof(Ask), call);
+  for (int r = 1; r < topo.size; ++r) {
+    const Ask& a = all[r];
+    const Ask& z = all[0];
+    if (a.bytes != z.bytes || a.memory != z.memory)
+      throw Error(ErrorCode::InvalidArgument,
+                  at + ": ranks asked for different windows: rank 0 " + std::to_string(z.bytes) +
+                      (signals ? " signal bytes" : " bytes") + " of " +
+                      to_string(static_cast<Memory>(z.memory)) + " memory, rank " +
+                      std::to_string(r) + " " + std::to_string(a.bytes) + " bytes of " +
+                      to_string(static_cast<Memory>(a.memory)) + " memory");
+    if (a.id != z.id || a.signals != z.signals)
+      throw Error(ErrorCode::InvalidArgument,
+                  at + ": collective calls out of order: rank 0 makes window #" +
+                      std::to_string(z.id) + ", rank " + std::to_string(r) + " window #" +
+                      std::to_string(a.id) + " (every rank must alloc and free in the same order)");
+  }
+  if (memory == Memory::Device)
+    throw Error(ErrorCode::Unsupported,
+                at + ": Memory::Device windows are not available in this build yet (GPU support "
+                     "is still to come); use Memory::Host");
+
+  auto state = std::make_shared<WindowState>();
+  state->owner = this;
+  state->comm_uid = uid;
+  state->id = next_window_id_++;
+  state->bytes = bytes;
+  state->memory = memory;
+  state->is_signals = signals;
+  std::vector<bool> map_peer(static_cast<std::size_t>(topo.size), false);
+  for (int r = 0; r < topo.size; ++r) map_peer[r] = host_routes_[r].transport == shm.get();
+  create_host_window(*state, boot, *fds, topo, map_peer, call);
+  if (mpi) mpi->register_window(*state);
+  live_[state->id] = state;
+  return state;
+}
+
+void CommImpl::release(WindowState& state) {
+  if (mpi) mpi->unregister_window(state.id);
+  state.storage.reset();
+  state.local = nullptr;
+  state.peer.clear();
+  state.owner = nullptr;
+}
+
+void CommImpl::free_window(WindowState& state) {
+  const char* call = "Window::free";
+  quiet(nullptr, call);
+  boot.arrive(call);
+  std::uint64_t mine = state.id;
+  std::vector<std::uint64_t> all(static_cast<std::size_t>(topo.size));
+  boot.allgather(&mine, all.data(), sizeof(mine), call);
+  for (int r = 0; r < topo.size; ++r)
+    if (all[r] != mine)
+      throw Error(ErrorCode::InvalidArgument,
+                  where(call) + ": ranks free different windows: this rank frees #" +
+                      std::to_string(mine) + ", rank " + std::to_string(r) + " frees #" +
+                      std::to_string(all[r]));
+  live_.erase(state.id);
+  release(state);
+}
+
+void CommImpl::put(const Window& win, int target, std::size_t offset, const void* src,
+                   std::size_t bytes, const Signals* sig, std::size_t index, std::uint64_t value,
+                   SignalOp op, Stream stream, const char* call) {
+  const WindowState& w = checked(win, call);
+  check_rank(target, call, "target");
+  check_range(w, target, offset, bytes, call, "dst_offset");
+  if (bytes > 0 && src == nullptr)
+    throw Error(ErrorCode::InvalidArgument, where(call) + ": src is null for a put of " + std::to_string(bytes) + " bytes");
+  check_stream(w, stream, call);
+  SignalUpdate update;
+  if (sig != nullptr) {
+    const WindowState& s = checked(sig->words(), call);
+    check_index(s, index, call);
+    check_stream(s, stream, call);
+    if (s.memory != w.memory)
+      throw Error(ErrorCode::Unsupported, where(call) + ": the data window and the signals differ in memory kind");
+    update = SignalUpdate{&s, index, value, op};
+  }
+  route(w, target, call).put(w, target, offset, src, bytes, update);
+}
+
+void CommImpl::get(void* dst, const Window& win, int target, std::size_t offset, std::size_t bytes,
+                   Stream stream) {
+  const char* call = "comm.get";
+  const WindowState& w = checked(win, call);
+  check_rank(target, call, "target");
+  check_range(w, target, offset, bytes, call, "src_offset");
+  if (bytes > 0 && dst == nullptr)
+    throw Error(ErrorCode::InvalidArgument, where(call) + ": dst is null for a get of " + std::to_string(bytes) + " bytes");
+  check_stream(w, stream, call);
+  route(w, target, call).get(dst, w, target, offset, bytes);
+}
+
+void CommImpl::signal(const Signals& sig, int target, std::size_t index, std::uint64_t value,
+                      SignalOp op, Stream stream) {
+  const char* call = "comm.signal";
+  const WindowState& s = checked(sig.words(), call);
+  check_rank(target, call, "target");
+  check_index(s, index, call);
+  check_stream(s, stream, call);
+  route(s, target, call).put(s, target, 0, nullptr, 0, SignalUpdate{&s, index, value, op});
+}
+
+void CommImpl::wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::uint64_t value,
+                          Stream stream) {
+  const char* call = "comm.wait_until";
+  const WindowState& s = checked(sig.words(), call);
+  check_index(s, index, call);
+  check_stream(s, stream, call);
+  const auto* word = static_cast<const std::uint64_t*>(s.local) + index;
+  Deadline deadline(options.timeout);
+  Backoff backoff;
+  for (;;) {
+    const std::uint64_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+    if (compare(v, cmp, value)) return;
+    if (deadline.expired()) {
+      const std::string msg = where(call) + ": signal " + std::to_string(index) + " is " +
+                              std::to_string(v) + ", still not " + cmp_text(cmp) + " " +
+                              std::to_string(value) + " after " + describe_timeout(options.timeout);
+      log(LogLevel::Error, msg);
+      throw Error(ErrorCode::Timeout, msg);
+    }
+    backoff.pause();
+  }
+}
+
+void CommImpl::quiet(Stream stream, const char* call) {
+  if (stream != nullptr)
+    throw Error(ErrorCode::Unsupported, where(call) + ": stream-ordered quiet is not implemented yet; pass a null stream");
+  shm->quiet();
+  if (mpi) mpi->quiet();
+}
+
+void CommImpl::barrier(Stream stream) {
+  const char* call = "comm.barrier";
+  if (stream != nullptr)
+    throw Error(ErrorCode::Unsupported, where(call) + ": stream-ordered barrier is not implemented yet; pass a null stream");
+  quiet(nullptr, call);
+  boot.arrive(call);
+}
+
+}  // namespace detail
+
+// ---- public handles ----
+
+// Frees a live window from a destructor or move-assignment, where nothing may throw.
+void Window::release_noexcept() noexcept {
+  if (!state_ || state_->freed()) return;
+  try {
+    state_->owner->free_window(*state_);
+  } catch (const std::exception& e) {
+    detail::log(LogLevel::Error, std::string("Window destructor: ") + e.what());
+  }
+}
+
+Window& Window::operator=(Window&& other) noexcept {
+  if (this != &other) {
+    release_noexcept();
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+
+Window::~Window() { release_noexcept(); }
+
+void Window::free() {
+  if (!state_) throw Error(ErrorCode::InvalidArgument, "Window::free: the window is empty");
+  if (state_->freed())
+    throw Error(ErrorCode::InvalidArgument, "Window::free: window #" + std::to_string(state_->id) + " was freed already");
+  state_->owner->free_window(*state_);
+}
+
+bool Window::valid() const noexcept { return state_ && !state_->freed(); }
+
+namespace {
+const detail::WindowState& live_state(const std::shared_ptr<detail::WindowState>& s, const char* call) {
+  if (!s) throw Error(ErrorCode::InvalidArgument, std::string(call) + ": the window is empty");
+  if (s->freed())
+    throw Error(ErrorCode::InvalidArgument, std::string(call) + ": window #" + std::to_string(s->id) + " was freed");
+  return *s;
+}
+}  // namespace
+
+std::size_t Window::size() const { return live_state(state_, "Window::size").bytes; }
+Memory Window::memory() const { return live_state(state_, "Window::memory").memory; }
+void* Window::local() const { return live_state(state_, "Window::local").local; }
+void* Window::peer(int rank) const {
+  const auto& s = live_state(state_, "Window::peer");
+  if (rank < 0 || static_cast<std::size_t>(rank) >= s.peer.size())
+    throw Error(ErrorCode::InvalidArgument, "Window::peer: rank " + std::to_string(rank) +
+                                                " is out of range (the Comm has " +
+                                                std::to_string(s.peer.size()) + " ranks)");
+  return s.peer[rank];
+}
+
+std::size_t Signals::count() const { return words_.size() / sizeof(std::uint64_t); }
+
+std::uint64_t Signals::read(std::size_t index) const {
+  if (index >= count())
+    throw Error(ErrorCode::InvalidArgument, "Signals::read: index " + std::to_string(index) +
+                                                " is out of range (" + std::to_string(count()) + " signals)");
+  return __atomic_load_n(local() + index, __ATOMIC_ACQUIRE);
+}
+
+Comm::Comm(MPI_Comm comm) : Comm(comm, Options::from_environment()) {}
+Comm::Comm(MPI_Comm comm, const Options& options)
+    : impl_(std::make_unique<detail::CommImpl>(comm, options)) {}
+Comm::~Comm() = default;
+Comm::Comm(Comm&&) noexcept = default;
+Comm& Comm::operator=(Comm&&) noexcept = default;
+
+namespace {
+detail::CommImpl& live(const std::unique_ptr<detail::CommImpl>& impl) {
+  if (!impl) throw Error(ErrorCode::InvalidArgument, "meshmem::Comm: used after being moved from");
+  return *impl;
+}
+}  // namespace
+
+int Comm::rank() const { return live(impl_).topo.rank; }
+int Comm::size() const { return live(impl_).topo.size; }
+int Comm::node() const { return live(impl_).topo.node(); }
+int Comm::node_of(int rank) const {
+  live(impl_).check_rank(rank, "comm.node_of", "peer");
+  return impl_->topo.node_of[rank];
+}
+int Comm::node_count() const { return live(impl_).topo.node_count; }
+MPI_Comm Comm::mpi_comm() const { return live(impl_).boot.comm(); }
+const Options& Comm::options() const { return live(impl_).options; }
+FdPassing Comm::fd_passing() const { return live(impl_).fds->mode(); }
+
+Window Comm::alloc(std::size_t bytes, Memory memory) {
+  return Window(live(impl_).alloc(bytes, memory, false, "comm.alloc"));
+}
+
+Signals Comm::alloc_signals(std::size_t count, Memory memory) {
+  if (count > SIZE_MAX / sizeof(std::uint64_t))
+    throw Error(ErrorCode::InvalidArgument, "comm.alloc_signals: count " + std::to_string(count) + " is too large");
+  return Signals(Window(live(impl_).alloc(count * sizeof(std::uint64_t), memory, true, "comm.alloc_signals")));
+}
+
+void Comm::put(const Window& win, int target, std::size_t dst_offset, const void* src,
+               std::size_t bytes, Stream stream) {
+  live(impl_).put(win, target, dst_offset, src, bytes, nullptr, 0, 0, SignalOp::Set, stream, "comm.put");
+}
+
+void Comm::get(void* dst, const Window& win, int target, std::size_t src_offset, std::size_t bytes,
+               Stream stream) {
+  live(impl_).get(dst, win, target, src_offset, bytes, stream);
+}
+
+void Comm::put_signal(const Window& win, int target, std::size_t dst_offset, const void* src,
+                      std::size_t bytes, const Signals& sig, std::size_t index, std::uint64_t value,
+                      SignalOp op, Stream stream) {
+  live(impl_).put(win, target, dst_offset, src, bytes, &sig, index, value, op, stream, "comm.put_signal");
+}
+
+void Comm::signal(const Signals& sig, int target, std::size_t index, std::uint64_t value, SignalOp op,
+                  Stream stream) {
+  live(impl_).signal(sig, target, index, value, op, stream);
+}
+
+void Comm::wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::uint64_t value, Stream stream) {
+  live(impl_).wait_until(sig, index, cmp, value, stream);
+}
+
+void Comm::quiet(Stream stream) { live(impl_).quiet(stream, "comm.quiet"); }
+void Comm::barrier(Stream stream) { live(impl_).barrier(stream); }
+void Comm::barrier() { live(impl_).barrier(nullptr); }
+
+TransportKind Comm::transport(int rank, Memory memory) const {
+  return live(impl_).transport(rank, memory, "comm.transport");
+}
+
+}  // namespace meshmem

@@ -1,0 +1,73 @@
+// CommImpl: the state behind meshmem::Comm, and the argument checks of every API call.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bootstrap.hpp"
+#include "fd_exchange.hpp"
+#include "meshmem/comm.hpp"
+#include "topology.hpp"
+#include "transport.hpp"
+#include "transport_mpi.hpp"
+#include "transport_shm.hpp"
+#include "window_state.hpp"
+
+namespace meshmem::detail {
+
+class CommImpl {
+ public:
+  CommImpl(MPI_Comm comm, const Options& options);
+  ~CommImpl();  // collective teardown; never throws
+
+  std::shared_ptr<WindowState> alloc(std::size_t bytes, Memory memory, bool signals,
+                                     const std::string& call);
+  void free_window(WindowState& state);
+
+  void put(const Window& win, int target, std::size_t offset, const void* src, std::size_t bytes,
+           const Signals* sig, std::size_t index, std::uint64_t value, SignalOp op, Stream stream,
+           const char* call);
+  void get(void* dst, const Window& win, int target, std::size_t offset, std::size_t bytes,
+           Stream stream);
+  void signal(const Signals& sig, int target, std::size_t index, std::uint64_t value, SignalOp op,
+              Stream stream);
+  void wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::uint64_t value, Stream stream);
+  void quiet(Stream stream, const char* call);
+  void barrier(Stream stream);
+
+  TransportKind transport(int rank, Memory memory, const char* call) const;
+
+  // "comm.put on rank 3: " etc.
+  std::string where(const char* call) const;
+  const WindowState& checked(const Window& win, const char* call) const;
+  void check_rank(int rank, const char* call, const char* what) const;
+
+  Options options;
+  Bootstrap boot;
+  Topology topo;
+  std::unique_ptr<FdExchange> fds;
+  std::unique_ptr<ShmTransport> shm;
+  std::unique_ptr<MpiTransport> mpi;
+  std::uint64_t uid;
+
+ private:
+  struct Route {
+    Transport* transport = nullptr;
+    std::string why_none;  // when transport is null
+  };
+  void select_routes();
+  Transport& route(const WindowState& win, int target, const char* call) const;
+  void check_range(const WindowState& win, int target, std::size_t offset, std::size_t bytes,
+                   const char* call, const char* offset_name) const;
+  void check_stream(const WindowState& win, Stream stream, const char* call) const;
+  void check_index(const WindowState& sig, std::size_t index, const char* call) const;
+  void release(WindowState& state);
+
+  std::vector<Route> host_routes_;  // by rank
+  std::uint64_t next_window_id_ = 1;
+  std::map<std::uint64_t, std::weak_ptr<WindowState>> live_;
+};
+
+}  // namespace meshmem::detail

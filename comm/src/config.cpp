@@ -1,0 +1,169 @@
+#include "meshmem/config.hpp"
+
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+
+#include "meshmem/error.hpp"
+
+namespace meshmem {
+
+const char* to_string(TransportKind kind) noexcept {
+  switch (kind) {
+    case TransportKind::None: return "none";
+    case TransportKind::Shm: return "shm";
+    case TransportKind::Mpi: return "mpi";
+  }
+  return "?";
+}
+
+const char* to_string(FdPassing mode) noexcept {
+  switch (mode) {
+    case FdPassing::Auto: return "auto";
+    case FdPassing::Pidfd: return "pidfd";
+    case FdPassing::Socket: return "socket";
+  }
+  return "?";
+}
+
+const char* to_string(LogLevel level) noexcept {
+  switch (level) {
+    case LogLevel::Error: return "error";
+    case LogLevel::Warn: return "warn";
+    case LogLevel::Info: return "info";
+    case LogLevel::Debug: return "debug";
+  }
+  return "?";
+}
+
+namespace {
+
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t");
+  if (b == std::string::npos) return {};
+  const auto e = s.find_last_not_of(" \t");
+  return s.substr(b, e - b + 1);
+}
+
+[[noreturn]] void bad_value(const char* var, const std::string& value, const std::string& expected) {
+  throw Error(ErrorCode::InvalidArgument,
+              std::string(var) + "='" + value + "' is not valid: expected " + expected);
+}
+
+// "30", "30s", "2.5s", "500ms", "5min", "0" / "inf" (forever).
+std::chrono::milliseconds parse_duration(const char* var, const std::string& raw) {
+  const std::string v = lower(trim(raw));
+  const char* expected = "seconds such as 30, 2.5s, 500ms or 5min; 0 or inf to wait forever";
+  if (v == "inf" || v == "infinite" || v == "forever") return std::chrono::milliseconds(0);
+  char* end = nullptr;
+  const double number = std::strtod(v.c_str(), &end);
+  if (end == v.c_str() || !std::isfinite(number) || number < 0) bad_value(var, raw, expected);
+  const std::string unit = trim(end);
+  double ms = 0;
+  if (unit.empty() || unit == "s") ms = number * 1e3;
+  else if (unit == "ms") ms = number;
+  else if (unit == "min" || unit == "m") ms = number * 60e3;
+  else bad_value(var, raw, expected);
+  if (ms > 1e12) bad_value(var, raw, expected);
+  // A positive value under 1 ms still means "time out", not "forever".
+  return std::chrono::milliseconds(ms > 0 && ms < 1 ? 1 : static_cast<long long>(ms));
+}
+
+int parse_positive_int(const char* var, const std::string& raw, int max) {
+  const std::string v = trim(raw);
+  char* end = nullptr;
+  const long n = std::strtol(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || n < 1 || n > max)
+    bad_value(var, raw, "an integer from 1 to " + std::to_string(max));
+  return static_cast<int>(n);
+}
+
+TransportKind parse_transport(const char* var, const std::string& raw, const std::string& name) {
+  const std::string n = lower(trim(name));
+  if (n == "shm") return TransportKind::Shm;
+  if (n == "mpi") return TransportKind::Mpi;
+  bad_value(var, raw, "a comma-separated list of transports from: shm, mpi");
+}
+
+}  // namespace
+
+Options Options::parse(const std::function<const char*(const char*)>& lookup) {
+  Options o;
+  auto get = [&](const char* var) -> const char* {
+    const char* v = lookup(var);
+    return (v != nullptr && v[0] != '\0') ? v : nullptr;
+  };
+  if (const char* v = get("MESHMEM_TIMEOUT")) o.timeout = parse_duration("MESHMEM_TIMEOUT", v);
+  if (const char* v = get("MESHMEM_SIMULATE_NODES"))
+    o.simulate_nodes = parse_positive_int("MESHMEM_SIMULATE_NODES", v, 1 << 20);
+  if (const char* v = get("MESHMEM_FD_PASSING")) {
+    const std::string m = lower(trim(v));
+    if (m == "auto") o.fd_passing = FdPassing::Auto;
+    else if (m == "pidfd") o.fd_passing = FdPassing::Pidfd;
+    else if (m == "socket") o.fd_passing = FdPassing::Socket;
+    else bad_value("MESHMEM_FD_PASSING", v, "auto, pidfd or socket");
+  }
+  if (const char* v = get("MESHMEM_TRANSPORTS")) {
+    o.transports.clear();
+    std::stringstream ss(v);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      const TransportKind kind = parse_transport("MESHMEM_TRANSPORTS", v, item);
+      for (TransportKind seen : o.transports)
+        if (seen == kind) bad_value("MESHMEM_TRANSPORTS", v, "each transport named once");
+      o.transports.push_back(kind);
+    }
+    if (o.transports.empty()) bad_value("MESHMEM_TRANSPORTS", v, "at least one transport");
+  }
+  if (const char* v = get("MESHMEM_LOG_LEVEL")) {
+    const std::string m = lower(trim(v));
+    if (m == "error") o.log_level = LogLevel::Error;
+    else if (m == "warn" || m == "warning") o.log_level = LogLevel::Warn;
+    else if (m == "info") o.log_level = LogLevel::Info;
+    else if (m == "debug") o.log_level = LogLevel::Debug;
+    else bad_value("MESHMEM_LOG_LEVEL", v, "error, warn, info or debug");
+  }
+  return o;
+}
+
+Options Options::from_environment() {
+  return parse([](const char* var) { return std::getenv(var); });
+}
+
+namespace {
+std::string transport_list(const std::vector<TransportKind>& kinds) {
+  std::string s;
+  for (TransportKind k : kinds) s += (s.empty() ? "" : ",") + std::string(to_string(k));
+  return s;
+}
+std::string timeout_text(std::chrono::milliseconds t) {
+  if (t.count() == 0) return "inf";
+  return std::to_string(t.count()) + "ms";
+}
+}  // namespace
+
+std::vector<std::string> Options::describe() const {
+  return {
+      "MESHMEM_TIMEOUT=" + timeout_text(timeout) + " (longest host-side wait; inf = forever)",
+      "MESHMEM_SIMULATE_NODES=" + std::to_string(simulate_nodes) +
+          " (each real node split into this many simulated nodes)",
+      std::string("MESHMEM_FD_PASSING=") + to_string(fd_passing) +
+          " (how descriptors move between ranks of a node: auto, pidfd, socket)",
+      "MESHMEM_TRANSPORTS=" + transport_list(transports) + " (allowed transports, in the order tried)",
+      std::string("MESHMEM_LOG_LEVEL=") + to_string(log_level) + " (error, warn, info, debug)",
+  };
+}
+
+std::string Options::fingerprint() const {
+  // The log level may differ between ranks; everything else changes what ranks agree on.
+  return "timeout=" + timeout_text(timeout) + ";nodes=" + std::to_string(simulate_nodes) +
+         ";fd=" + to_string(fd_passing) + ";transports=" + transport_list(transports);
+}
+
+}  // namespace meshmem

@@ -1,0 +1,21 @@
+#include "meshmem/error.hpp"
+
+namespace meshmem {
+
+const char* to_string(ErrorCode code) noexcept {
+  switch (code) {
+    case ErrorCode::InvalidArgument: return "invalid argument";
+    case ErrorCode::Cuda: return "CUDA error";
+    case ErrorCode::Mpi: return "MPI error";
+    case ErrorCode::System: return "system error";
+    case ErrorCode::Timeout: return "timeout";
+    case ErrorCode::Unsupported: return "unsupported";
+    case ErrorCode::Internal: return "internal error";
+  }
+  return "unknown error";
+}
+
+Error::Error(ErrorCode code, const std::string& message)
+    : std::runtime_error("meshmem: " + message), code_(code) {}
+
+}  // namespace meshmem

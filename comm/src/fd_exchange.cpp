@@ -1,0 +1,186 @@
+#include "fd_exchange.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "backoff.hpp"
+#include "bootstrap.hpp"
+#include "log.hpp"
+#include "meshmem/ipc/pidfd.hpp"
+#include "topology.hpp"
+
+namespace meshmem::detail {
+
+namespace {
+
+// What a sender writes along with its descriptor.
+struct FdHeader {
+  std::int32_t rank;
+  std::int32_t reserved;
+  std::uint64_t seq;
+};
+
+std::string make_token(Bootstrap& boot) {
+  char token[33] = {};
+  if (boot.rank() == 0) {
+    const std::string t = ipc::random_token();
+    std::memcpy(token, t.data(), std::min<std::size_t>(t.size(), 32));
+  }
+  boot.broadcast(token, sizeof(token), 0, "meshmem::Comm (fd passing token)");
+  return std::string(token, 32);
+}
+
+}  // namespace
+
+std::string FdExchange::socket_name(int rank) const {
+  return "meshmem-" + token_ + "-" + std::to_string(rank);
+}
+
+FdExchange::FdExchange(Bootstrap& boot, const Topology& topo, FdPassing requested)
+    : boot_(boot), topo_(topo), token_(make_token(boot)), listener_(socket_name(boot.rank())) {
+  const std::string what = "meshmem::Comm (fd passing)";
+  // Probe pidfd_getfd: each rank takes the listener descriptor of the next rank of its node.
+  std::vector<std::int32_t> listener_fds(static_cast<std::size_t>(topo.size));
+  const std::int32_t mine = listener_.fd();
+  boot.allgather(&mine, listener_fds.data(), sizeof(mine), what);
+
+  std::string probe_error;
+  bool probed = false;
+  if (requested != FdPassing::Socket && topo.node_ranks.size() > 1) {
+    const auto& nr = topo.node_ranks;
+    const auto me = std::find(nr.begin(), nr.end(), topo.rank) - nr.begin();
+    const int peer = nr[(static_cast<std::size_t>(me) + 1) % nr.size()];
+    int err = 0;
+    ipc::UniqueFd probe = ipc::try_fetch_fd(topo.pid_of[peer], listener_fds[peer], &err);
+    probed = true;
+    if (!probe)
+      probe_error = "pidfd_getfd from rank " + std::to_string(peer) + " (pid " +
+                    std::to_string(topo.pid_of[peer]) + ") failed: " + std::strerror(err);
+  }
+  // The listener fds must stay valid until every probe is done; agreeing is the barrier.
+  const std::uint64_t failed = boot.allreduce_max(probe_error.empty() ? 0 : 1, what);
+  if (requested == FdPassing::Pidfd) {
+    boot.agree(probe_error.empty(), ErrorCode::Unsupported,
+               "MESHMEM_FD_PASSING=pidfd, but " + probe_error +
+                   " (ptrace permission is needed; use MESHMEM_FD_PASSING=socket or auto)",
+               what);
+    mode_ = FdPassing::Pidfd;
+    reason_ = "forced by MESHMEM_FD_PASSING=pidfd";
+  } else if (requested == FdPassing::Socket) {
+    mode_ = FdPassing::Socket;
+    reason_ = "forced by MESHMEM_FD_PASSING=socket";
+  } else if (failed == 0) {
+    mode_ = FdPassing::Pidfd;
+    reason_ = probed ? "pidfd_getfd permitted between node peers"
+                     : "no node peers here; pidfd_getfd unprobed";
+  } else {
+    mode_ = FdPassing::Socket;
+    reason_ = probe_error.empty() ? "pidfd_getfd refused on another rank"
+                                  : probe_error + "; using SCM_RIGHTS sockets";
+  }
+  log(LogLevel::Info, std::string("fd passing: ") + to_string(mode_) + " (" + reason_ + ")");
+}
+
+std::vector<ipc::UniqueFd> FdExchange::exchange(int my_fd, const std::string& what) {
+  boot_.ensure_usable(what);
+  const std::uint64_t seq = ++seq_;
+  std::string error;
+  std::vector<ipc::UniqueFd> result;
+  try {
+    if (mode_ == FdPassing::Pidfd) {
+      std::vector<std::int32_t> fds(static_cast<std::size_t>(topo_.size));
+      const std::int32_t mine = my_fd;
+      boot_.allgather(&mine, fds.data(), sizeof(mine), what);
+      result = exchange_pidfd(fds, &error);
+    } else {
+      result = exchange_socket(my_fd, seq, &error);
+    }
+  } catch (const Error& e) {
+    if (e.code() == ErrorCode::Timeout) throw;  // ranks disagree already; do not agree()
+    error = e.what();
+  }
+  // Doubles as the barrier that keeps every offered descriptor open until all have it.
+  boot_.agree(error.empty(), ErrorCode::System, error, what);
+  return result;
+}
+
+std::vector<ipc::UniqueFd> FdExchange::exchange_pidfd(const std::vector<int>& fds,
+                                                      std::string* error) {
+  std::vector<ipc::UniqueFd> out(static_cast<std::size_t>(topo_.size));
+  for (int peer : topo_.node_ranks) {
+    if (peer == topo_.rank) continue;
+    int err = 0;
+    out[peer] = ipc::try_fetch_fd(topo_.pid_of[peer], fds[peer], &err);
+    if (!out[peer]) {
+      *error = "pidfd_getfd(pid " + std::to_string(topo_.pid_of[peer]) + " of rank " +
+               std::to_string(peer) + ", fd " + std::to_string(fds[peer]) +
+               ") failed: " + std::strerror(err);
+      return {};
+    }
+  }
+  return out;
+}
+
+std::vector<ipc::UniqueFd> FdExchange::exchange_socket(int my_fd, std::uint64_t seq,
+                                                       std::string* error) {
+  std::vector<ipc::UniqueFd> out(static_cast<std::size_t>(topo_.size));
+  // Send first, to everyone: a connect completes once queued in the listener's backlog, so
+  // no rank waits for another to accept before it can receive.
+  const FdHeader header{topo_.rank, 0, seq};
+  for (int peer : topo_.node_ranks) {
+    if (peer == topo_.rank) continue;
+    ipc::send_fds(socket_name(peer), &header, sizeof(header), &my_fd, 1, boot_.timeout());
+  }
+  std::size_t expected = topo_.node_ranks.size() - 1;
+  std::size_t got = 0;
+  for (int peer : topo_.node_ranks) {
+    auto it = early_.find({peer, seq});
+    if (it != early_.end()) {
+      out[peer] = std::move(it->second);
+      early_.erase(it);
+      ++got;
+    }
+  }
+  std::vector<std::string> refused;
+  const auto check = [&](const ipc::FdMessage& m) {
+    if (m.payload.size() != sizeof(FdHeader) || m.fds.size() != 1) return false;
+    FdHeader h;
+    std::memcpy(&h, m.payload.data(), sizeof(h));
+    if (h.rank < 0 || h.rank >= topo_.size || !topo_.same_node(h.rank) || h.rank == topo_.rank)
+      return false;
+    // The sender must be the process of the rank it claims to be, run by the same user.
+    return m.sender.pid == topo_.pid_of[h.rank] &&
+           static_cast<int>(m.sender.uid) == topo_.uid_of[h.rank] && h.seq >= seq;
+  };
+  Deadline deadline(boot_.timeout());
+  while (got < expected) {
+    auto msg = listener_.receive(deadline.remaining(), check, &refused);
+    for (const auto& r : refused) log(LogLevel::Warn, r);
+    refused.clear();
+    if (!msg) {
+      std::vector<int> missing;
+      for (int peer : topo_.node_ranks)
+        if (peer != topo_.rank && !out[peer]) missing.push_back(peer);
+      throw Error(ErrorCode::Timeout,
+                  "rank " + std::to_string(topo_.rank) + " received no descriptor from rank(s) " +
+                      rank_list(missing) + " within " + describe_timeout(boot_.timeout()));
+    }
+    FdHeader h;
+    std::memcpy(&h, msg->payload.data(), sizeof(h));
+    if (h.seq > seq) {
+      early_[{h.rank, h.seq}] = std::move(msg->fds.front());
+    } else if (out[h.rank]) {
+      *error = "rank " + std::to_string(h.rank) + " sent two descriptors for one exchange";
+      return {};
+    } else {
+      out[h.rank] = std::move(msg->fds.front());
+      ++got;
+    }
+  }
+  return out;
+}
+
+}  // namespace meshmem::detail

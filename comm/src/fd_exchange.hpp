@@ -1,0 +1,53 @@
+// FdExchange: collective passing of one descriptor per rank to every other rank of its node.
+// The mechanism is pidfd_getfd where every node peer permits it (or where forced), else
+// SCM_RIGHTS over abstract Unix sockets whose names carry a per-Comm random token; senders
+// are checked against the pid and uid of the rank they claim to be (SO_PEERCRED).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "meshmem/config.hpp"
+#include "meshmem/ipc/fd_channel.hpp"
+#include "meshmem/ipc/unique_fd.hpp"
+
+namespace meshmem::detail {
+
+class Bootstrap;
+struct Topology;
+
+class FdExchange {
+ public:
+  // Collective over the Comm.
+  FdExchange(Bootstrap& boot, const Topology& topo, FdPassing requested);
+
+  FdPassing mode() const { return mode_; }  // Pidfd or Socket
+  const std::string& reason() const { return reason_; }  // why this mode, for diagnostics
+
+  // Collective over the Comm: every rank offers `my_fd` (kept open by the caller until the
+  // call returns everywhere, which it guarantees by agreeing at the end). Returns one entry
+  // per rank: a descriptor of that node peer's `my_fd`, empty for this rank and other nodes.
+  // A failure anywhere raises the same Error on every rank.
+  std::vector<ipc::UniqueFd> exchange(int my_fd, const std::string& what);
+
+ private:
+  std::vector<ipc::UniqueFd> exchange_pidfd(const std::vector<int>& fds, std::string* error);
+  std::vector<ipc::UniqueFd> exchange_socket(int my_fd, std::uint64_t seq, std::string* error);
+  std::string socket_name(int rank) const;
+
+  Bootstrap& boot_;
+  const Topology& topo_;
+  std::string token_;
+  ipc::FdListener listener_;
+  FdPassing mode_ = FdPassing::Socket;
+  std::string reason_;
+  std::uint64_t seq_ = 0;
+  // Messages of a later exchange that a fast peer sent before this rank finished the
+  // current one: (rank, seq) -> descriptor.
+  std::map<std::pair<int, std::uint64_t>, ipc::UniqueFd> early_;
+};
+
+}  // namespace meshmem::detail

@@ -1,0 +1,40 @@
+// Which ranks share a node. Ranks of different simulated nodes (MESHMEM_SIMULATE_NODES) are
+// treated exactly like ranks of different real nodes.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace meshmem::detail {
+
+class Bootstrap;
+
+// Where one rank runs, as read on the real machine.
+struct RealPlacement {
+  int host = 0;         // lowest rank of its real node (MPI_COMM_TYPE_SHARED)
+  int local_rank = 0;   // its rank within the real node
+  int local_size = 1;   // ranks on the real node
+};
+
+// Node index per rank: ranks of one real node are split into `simulate` contiguous groups
+// of (nearly) equal size (at most one group per rank); nodes are numbered in rank order.
+std::vector<int> assign_nodes(const std::vector<RealPlacement>& placement, int simulate);
+
+struct Topology {
+  int rank = 0;
+  int size = 1;
+  std::vector<int> node_of;    // node index of every rank
+  int node_count = 1;
+  std::vector<int> node_ranks; // ranks on this rank's node, ascending (this rank included)
+  std::vector<pid_t> pid_of;   // process id of every rank (meaningful for node peers)
+  std::vector<int> uid_of;     // user id of every rank
+
+  bool same_node(int r) const { return node_of[r] == node_of[rank]; }
+  int node() const { return node_of[rank]; }
+
+  static Topology discover(Bootstrap& boot, int simulate_nodes);
+};
+
+}  // namespace meshmem::detail

@@ -1,0 +1,67 @@
+// MpiTransport: reaches any rank, on this node or another. Each rank runs a progress thread
+// that serves one-sided requests (put, get, signal, flush) over two-sided MPI on a
+// communicator of its own, so a put completes without the target making any call. Needs
+// MPI_THREAD_MULTIPLE. The thread polls with backoff: it never spins without yielding.
+#pragma once
+
+#include <mpi.h>
+
+#include <atomic>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "bootstrap.hpp"
+#include "transport.hpp"
+
+namespace meshmem::detail {
+
+class MpiTransport final : public Transport {
+ public:
+  // Collective over `parent` (duplicates it twice). Starts the progress thread.
+  MpiTransport(MPI_Comm parent, std::chrono::milliseconds timeout);
+  ~MpiTransport() override;  // stops the progress thread; the Comm has quieted and agreed
+
+  TransportKind kind() const override { return TransportKind::Mpi; }
+  void put(const WindowState& win, int target, std::size_t offset, const void* src,
+           std::size_t bytes, const SignalUpdate& signal) override;
+  void get(void* dst, const WindowState& win, int target, std::size_t offset,
+           std::size_t bytes) override;
+  void quiet() override;
+
+  // Windows the progress thread may serve, by id.
+  void register_window(const WindowState& win);
+  void unregister_window(std::uint64_t id);
+
+  // Stops the progress thread; also called when MPI_Finalize starts (MPI_COMM_SELF
+  // attribute), so that the thread never calls MPI after it.
+  void stop() noexcept;
+
+ private:
+  struct Region {
+    char* base;
+    std::size_t bytes;
+  };
+  struct Request;
+
+  void serve();
+  void handle(const Request& req, int source);
+  Region find(std::uint64_t id, std::size_t offset, std::size_t bytes, int source) const;
+  void wait(MPI_Request* req, const char* call, int peer, const std::string& what);
+
+  MpiComm requests_;  // origin -> target's progress thread
+  MpiComm replies_;   // target's progress thread -> origin's calling thread
+  int rank_ = 0;
+  std::chrono::milliseconds timeout_;
+  std::vector<char> unflushed_;  // per target: puts or signals sent since the last quiet
+
+  mutable std::mutex regions_mutex_;
+  std::unordered_map<std::uint64_t, Region> regions_;
+
+  std::atomic<bool> stop_{false};
+  std::thread progress_;
+  int finalize_keyval_ = MPI_KEYVAL_INVALID;
+};
+
+}  // namespace meshmem::detail

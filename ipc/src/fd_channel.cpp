@@ -1,0 +1,401 @@
+// Wire format, one message per connection (both ends on one host, so native byte order):
+//   uint32_t payload length (<= kMaxFdPayload), then the payload bytes.
+// The descriptors ride in one SCM_RIGHTS control message on the first sendmsg, so they
+// arrive with the first bytes of the stream.
+#include "meshmem/ipc/fd_channel.hpp"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <cstring>
+#include <thread>
+
+#include "meshmem/error.hpp"
+
+namespace meshmem::ipc {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::microseconds;
+using std::chrono::milliseconds;
+
+constexpr std::size_t kHeaderBytes = sizeof(std::uint32_t);
+// Longest a single connection may stall a receive (or a send): one stuck peer must not
+// hold the listener up for the whole job timeout.
+constexpr milliseconds kMaxStall{5000};
+// Room for kMaxFdsPerMessage descriptors; a sender passing more sees MSG_CTRUNC here.
+constexpr std::size_t kControlBytes = CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage);
+
+[[noreturn]] void throw_system(const std::string& what, int err) {
+  throw Error(ErrorCode::System, what + ": " + std::strerror(err));
+}
+
+// Abstract names are shown with a leading '@', as ss(8) and /proc/net/unix do.
+std::string display(const std::string& name) { return "\"@" + name + "\""; }
+
+struct AbstractAddress {
+  sockaddr_un addr;
+  socklen_t length;
+};
+
+AbstractAddress abstract_address(const std::string& name) {
+  AbstractAddress a{};
+  // The name goes after the leading NUL; it is not NUL-terminated, the length delimits it.
+  if (name.empty() || name.size() > sizeof(a.addr.sun_path) - 1) {
+    throw Error(ErrorCode::InvalidArgument,
+                "socket name " + display(name) + " must have 1 to " +
+                    std::to_string(sizeof(a.addr.sun_path) - 1) + " bytes");
+  }
+  a.addr.sun_family = AF_UNIX;
+  a.addr.sun_path[0] = '\0';
+  std::memcpy(a.addr.sun_path + 1, name.data(), name.size());
+  a.length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return a;
+}
+
+timeval to_timeval(milliseconds ms) {
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(ms.count() / 1000);
+  tv.tv_usec = static_cast<suseconds_t>((ms.count() % 1000) * 1000);
+  return tv;
+}
+
+milliseconds ceil_ms(Clock::duration d) { return std::chrono::ceil<milliseconds>(d); }
+
+// Moves every descriptor of every SCM_RIGHTS message into `fds` at once, before anything
+// else can fail, so that none of them can leak. `fds` must have room reserved for them.
+void take_fds(msghdr& mh, std::vector<UniqueFd>& fds) noexcept {
+  for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    const unsigned char* data = CMSG_DATA(c);
+    for (std::size_t i = 0; i < count; ++i) {
+      int fd = -1;
+      std::memcpy(&fd, data + i * sizeof(int), sizeof(int));  // CMSG_DATA may be unaligned
+      fds.emplace_back(fd);
+    }
+  }
+}
+
+enum class ReadStatus { Ok, Closed, ControlTruncated, Failed };
+
+// Reads exactly `n` bytes into `buf`, collecting descriptors on the way.
+// `*got` counts the bytes read; `*err` is errno for Failed (EAGAIN: SO_RCVTIMEO expired).
+ReadStatus read_exact(int conn, std::uint8_t* buf, std::size_t n, std::vector<UniqueFd>& fds,
+                      std::size_t* got, int* err) {
+  *got = 0;
+  while (*got < n) {
+    iovec iov{buf + *got, n - *got};
+    alignas(cmsghdr) unsigned char control[kControlBytes];
+    msghdr mh{};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = control;
+    mh.msg_controllen = sizeof(control);
+    // The control buffer holds at most kMaxFdsPerMessage descriptors; reserving that
+    // much first keeps take_fds from allocating (and so from throwing) midway.
+    fds.reserve(fds.size() + kMaxFdsPerMessage);
+    // MSG_CMSG_CLOEXEC: received descriptors must not leak into programs we exec.
+    const ssize_t r = ::recvmsg(conn, &mh, MSG_CMSG_CLOEXEC);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      *err = errno;
+      return ReadStatus::Failed;
+    }
+    take_fds(mh, fds);
+    if ((mh.msg_flags & MSG_CTRUNC) != 0) return ReadStatus::ControlTruncated;
+    if (r == 0) return ReadStatus::Closed;
+    *got += static_cast<std::size_t>(r);
+  }
+  return ReadStatus::Ok;
+}
+
+// Reads one message from an accepted connection. On refusal returns nullopt and sets
+// `*reason`; every descriptor received is closed by then.
+std::optional<FdMessage> read_message(int conn, milliseconds stall, std::string* reason) {
+  ucred cred{};
+  socklen_t cred_len = sizeof(cred);
+  // SO_PEERCRED holds the sender's credentials as of its connect(), set by the kernel;
+  // the sender cannot forge them.
+  if (::getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0) {
+    *reason = std::string("refused a connection: SO_PEERCRED failed: ") + std::strerror(errno);
+    return std::nullopt;
+  }
+  FdMessage msg;
+  msg.sender = PeerCredentials{cred.pid, cred.uid, cred.gid};
+  const std::string who =
+      "pid " + std::to_string(cred.pid) + " uid " + std::to_string(cred.uid);
+
+  // Another user's descriptors are never even read: closing the connection unread makes
+  // the kernel drop whatever it carried.
+  const uid_t our_uid = ::geteuid();
+  if (cred.uid != our_uid) {
+    *reason = "refused a connection from " + who + ": uid differs from ours (" +
+              std::to_string(our_uid) + ")";
+    return std::nullopt;
+  }
+
+  const timeval tv = to_timeval(stall);
+  if (::setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) != 0) {
+    *reason = "refused a message from " + who + ": setsockopt(SO_RCVTIMEO): " +
+              std::strerror(errno);
+    return std::nullopt;
+  }
+
+  const std::string refused = "refused a message from " + who + ": ";
+  auto describe_failure = [&](ReadStatus status, std::size_t got, std::size_t expected,
+                              int err) -> std::string {
+    const std::string progress =
+        std::to_string(got) + " of " + std::to_string(expected) + " bytes";
+    switch (status) {
+      case ReadStatus::Closed:
+        return refused + "truncated message (connection closed after " + progress + ")";
+      case ReadStatus::ControlTruncated:
+        return refused + "control data truncated (MSG_CTRUNC; more than " +
+               std::to_string(kMaxFdsPerMessage) + " descriptors?)";
+      case ReadStatus::Failed:
+        if (err == EAGAIN || err == EWOULDBLOCK) {
+          return refused + "sender stalled: no complete message within " +
+                 std::to_string(stall.count()) + " ms (" + progress + ")";
+        }
+        return refused + "recvmsg: " + std::strerror(err) + " (after " + progress + ")";
+      case ReadStatus::Ok: break;
+    }
+    return refused + "internal error";
+  };
+
+  std::uint8_t header[kHeaderBytes];
+  std::size_t got = 0;
+  int err = 0;
+  ReadStatus status = read_exact(conn, header, kHeaderBytes, msg.fds, &got, &err);
+  if (status != ReadStatus::Ok) {
+    *reason = describe_failure(status, got, kHeaderBytes, err);
+    return std::nullopt;
+  }
+  std::uint32_t length = 0;
+  std::memcpy(&length, header, sizeof(length));
+  if (length > kMaxFdPayload) {
+    *reason = refused + "payload length " + std::to_string(length) + " exceeds " +
+              std::to_string(kMaxFdPayload) + " bytes";
+    return std::nullopt;
+  }
+  msg.payload.resize(length);
+  status = read_exact(conn, msg.payload.data(), length, msg.fds, &got, &err);
+  if (status != ReadStatus::Ok) {
+    *reason = describe_failure(status, kHeaderBytes + got, kHeaderBytes + length, err);
+    return std::nullopt;
+  }
+  // Only a sender that split its descriptors over several sendmsg calls can exceed this.
+  if (msg.fds.size() > kMaxFdsPerMessage) {
+    *reason = refused + std::to_string(msg.fds.size()) + " descriptors, more than " +
+              std::to_string(kMaxFdsPerMessage);
+    return std::nullopt;
+  }
+  return msg;
+}
+
+}  // namespace
+
+std::string random_token() {
+  unsigned char bytes[16];
+  std::size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t r = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      throw_system("getrandom(16 bytes)", errno);
+    }
+    got += static_cast<std::size_t>(r);
+  }
+  static const char digits[] = "0123456789abcdef";
+  std::string token;
+  token.reserve(2 * sizeof(bytes));
+  for (unsigned char b : bytes) {
+    token.push_back(digits[b >> 4]);
+    token.push_back(digits[b & 0xf]);
+  }
+  return token;
+}
+
+FdListener::FdListener(const std::string& name) : name_(name) {
+  const AbstractAddress address = abstract_address(name);
+  // Non-blocking so that a connection that vanishes between poll() and accept4() gives
+  // EAGAIN instead of blocking receive() past its timeout.
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) throw_system("socket(AF_UNIX) for listener " + display(name), errno);
+  socket_.reset(fd);
+  if (::bind(fd, reinterpret_cast<const sockaddr*>(&address.addr), address.length) != 0) {
+    throw_system("bind to socket " + display(name), errno);
+  }
+  if (::listen(fd, 128) != 0) throw_system("listen on socket " + display(name), errno);
+}
+
+std::optional<FdMessage> FdListener::receive(milliseconds timeout, const Check& accept,
+                                             std::vector<std::string>* refused) {
+  const bool forever = timeout == milliseconds::zero();
+  const Clock::time_point deadline = Clock::now() + timeout;
+  for (;;) {
+    int poll_ms = -1;
+    if (!forever) {
+      const Clock::duration left = deadline - Clock::now();
+      // Rounded up: rounding down would spin on poll(0) through the last millisecond.
+      poll_ms = left <= Clock::duration::zero()
+                    ? 0
+                    : static_cast<int>(std::min<milliseconds::rep>(ceil_ms(left).count(), INT_MAX));
+    }
+    pollfd p{socket_.get(), POLLIN, 0};
+    const int ready = ::poll(&p, 1, poll_ms);
+    if (ready < 0) {
+      if (errno == EINTR) continue;
+      throw_system("poll on socket " + display(name_), errno);
+    }
+    if (ready == 0) {
+      if (!forever && Clock::now() >= deadline) return std::nullopt;
+      continue;
+    }
+    if ((p.revents & POLLNVAL) != 0) {
+      throw Error(ErrorCode::Internal, "poll on socket " + display(name_) + ": descriptor closed");
+    }
+
+    const int c = ::accept4(socket_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+    if (c < 0) {
+      // The connection went away before we took it, or a signal came: wait again.
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ECONNABORTED || errno == EINTR) {
+        continue;
+      }
+      throw_system("accept4 on socket " + display(name_), errno);
+    }
+    UniqueFd conn(c);  // blocking (accept4 does not pass O_NONBLOCK on), bounded by SO_RCVTIMEO
+
+    milliseconds stall = kMaxStall;
+    if (!forever) {
+      // At least 1 ms: an SO_RCVTIMEO of zero would mean "no timeout".
+      stall = std::clamp(ceil_ms(deadline - Clock::now()), milliseconds(1), kMaxStall);
+    }
+    std::string reason;
+    std::optional<FdMessage> msg = read_message(conn.get(), stall, &reason);
+    conn.reset();
+    if (msg) {
+      if (!accept || accept(*msg)) return msg;
+      reason = "refused a message from pid " + std::to_string(msg->sender.pid) + " uid " +
+               std::to_string(msg->sender.uid) + ": rejected by the caller's check (" +
+               std::to_string(msg->payload.size()) + " payload bytes, " +
+               std::to_string(msg->fds.size()) + " descriptors)";
+      msg.reset();  // closes its descriptors now, not at the next message
+    }
+    if (refused != nullptr) refused->push_back(std::move(reason));
+  }
+}
+
+void send_fds(const std::string& name, const void* payload, std::size_t payload_bytes,
+              const int* fds, std::size_t fd_count, milliseconds timeout) {
+  if (payload_bytes > kMaxFdPayload) {
+    throw Error(ErrorCode::InvalidArgument,
+                "send_fds to " + display(name) + ": payload of " + std::to_string(payload_bytes) +
+                    " bytes exceeds " + std::to_string(kMaxFdPayload));
+  }
+  if (fd_count > kMaxFdsPerMessage) {
+    throw Error(ErrorCode::InvalidArgument,
+                "send_fds to " + display(name) + ": " + std::to_string(fd_count) +
+                    " descriptors exceed " + std::to_string(kMaxFdsPerMessage));
+  }
+  if ((payload_bytes > 0 && payload == nullptr) || (fd_count > 0 && fds == nullptr)) {
+    throw Error(ErrorCode::InvalidArgument, "send_fds to " + display(name) + ": null buffer");
+  }
+  const AbstractAddress address = abstract_address(name);
+
+  const bool forever = timeout == milliseconds::zero();
+  const Clock::time_point start = Clock::now();
+  const Clock::time_point deadline = start + timeout;
+  microseconds pause(100);
+  UniqueFd sock;
+  for (;;) {
+    // Non-blocking connect: with the listener's backlog full it fails with EAGAIN at
+    // once (and we retry) instead of blocking without a bound.
+    const int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (s < 0) throw_system("socket(AF_UNIX) to send to " + display(name), errno);
+    sock.reset(s);
+    if (::connect(s, reinterpret_cast<const sockaddr*>(&address.addr), address.length) == 0) {
+      break;
+    }
+    const int err = errno;
+    // Nobody listening yet (abstract names give ECONNREFUSED), or a full backlog: retry.
+    if (err != ECONNREFUSED && err != ENOENT && err != EAGAIN && err != EINTR) {
+      throw_system("connect to socket " + display(name), err);
+    }
+    sock.reset();  // a socket whose connect failed is not reused
+    const Clock::time_point now = Clock::now();
+    if (!forever && now >= deadline) {
+      throw Error(ErrorCode::Timeout,
+                  "send_fds: no listener took a connection on socket " + display(name) +
+                      " in " + std::to_string(ceil_ms(now - start).count()) +
+                      " ms of trying (last error: " + std::strerror(err) + ")");
+    }
+    Clock::duration sleep = pause;
+    if (!forever) sleep = std::min(sleep, deadline - now);
+    std::this_thread::sleep_for(sleep);
+    pause = std::min<microseconds>(pause * 2, milliseconds(10));
+  }
+
+  // Blocking from here on, bounded by SO_SNDTIMEO. One small message never fills a Unix
+  // socket buffer, so this only guards against the unexpected.
+  const int flags = ::fcntl(sock.get(), F_GETFL);
+  if (flags < 0) throw_system("fcntl(F_GETFL) on socket to " + display(name), errno);
+  if (::fcntl(sock.get(), F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    throw_system("fcntl(F_SETFL) on socket to " + display(name), errno);
+  }
+  const timeval tv = to_timeval(kMaxStall);
+  if (::setsockopt(sock.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) != 0) {
+    throw_system("setsockopt(SO_SNDTIMEO) on socket to " + display(name), errno);
+  }
+
+  std::uint8_t wire[kHeaderBytes + kMaxFdPayload];
+  const std::uint32_t length = static_cast<std::uint32_t>(payload_bytes);
+  std::memcpy(wire, &length, kHeaderBytes);
+  if (payload_bytes > 0) std::memcpy(wire + kHeaderBytes, payload, payload_bytes);
+  const std::size_t total = kHeaderBytes + payload_bytes;
+
+  alignas(cmsghdr) unsigned char control[kControlBytes] = {};
+  std::size_t sent = 0;
+  while (sent < total) {
+    iovec iov{wire + sent, total - sent};
+    msghdr mh{};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    // The descriptors go with the first bytes only; a partial write's rest goes without.
+    if (sent == 0 && fd_count > 0) {
+      mh.msg_control = control;
+      mh.msg_controllen = CMSG_SPACE(sizeof(int) * fd_count);
+      cmsghdr* c = CMSG_FIRSTHDR(&mh);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int) * fd_count);
+      std::memcpy(CMSG_DATA(c), fds, sizeof(int) * fd_count);
+    }
+    // MSG_NOSIGNAL: a receiver that has gone away gives EPIPE, not a SIGPIPE that kills us.
+    const ssize_t r = ::sendmsg(sock.get(), &mh, MSG_NOSIGNAL);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        throw Error(ErrorCode::Timeout, "send_fds to socket " + display(name) +
+                                            ": the receiver took nothing for " +
+                                            std::to_string(kMaxStall.count()) + " ms");
+      }
+      throw_system("sendmsg to socket " + display(name) + " (" + std::to_string(total) +
+                       " bytes, " + std::to_string(fd_count) + " descriptors)",
+                   errno);
+    }
+    sent += static_cast<std::size_t>(r);
+  }
+}
+
+}  // namespace meshmem::ipc

@@ -1,0 +1,147 @@
+// Bad input: each case raises meshmem::Error with the documented code, on the documented
+// ranks (local checks: the calling rank; collective checks: every rank), and writes nothing.
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <meshmem/meshmem.hpp>
+#include <thread>
+
+#include "mpi_test.hpp"
+
+using namespace meshmem;
+using meshmem::test::first_not;
+using meshmem::test::kPoison;
+
+namespace {
+
+class Errors : public meshmem::test::MpiTest {
+ protected:
+  Comm comm{MPI_COMM_WORLD};
+  int me = comm.rank();
+  int n = comm.size();
+};
+
+// Runs `f`, expects an Error of `code` whose message contains every piece of `parts`.
+template <class F>
+void expect_error(F&& f, ErrorCode code, std::initializer_list<std::string> parts) {
+  try {
+    f();
+    ADD_FAILURE() << "no error raised (expected " << to_string(code) << ")";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    for (const auto& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << "'" << p << "' not in: " << e.what();
+  }
+}
+
+Options options_with_timeout(std::chrono::milliseconds t) {
+  Options o = Options::from_environment();
+  o.timeout = t;
+  return o;
+}
+
+}  // namespace
+
+TEST_F(Errors, BadArgumentsWriteNothing) {
+  const std::size_t size = 1000;
+  Window win = comm.alloc(size, Memory::Host);
+  Signals sig = comm.alloc_signals(2, Memory::Host);
+  std::memset(win.local(), kPoison, size);
+  comm.barrier();
+  std::vector<unsigned char> src(size + 1, 0x11);
+  const int right = (me + 1) % n;
+  expect_error([&] { comm.put(win, n, 0, src.data(), 8); }, ErrorCode::InvalidArgument,
+               {"comm.put", "rank " + std::to_string(me), "target rank " + std::to_string(n), "out of range"});
+  expect_error([&] { comm.put(win, -1, 0, src.data(), 8); }, ErrorCode::InvalidArgument, {"target rank -1"});
+  expect_error([&] { comm.put(win, right, size - 3, src.data(), 4); }, ErrorCode::InvalidArgument,
+               {"dst_offset 997 + bytes 4", "past the end", "(1000 bytes)"});
+  expect_error([&] { comm.put(win, right, 0, src.data(), size + 1); }, ErrorCode::InvalidArgument, {"bytes 1001"});
+  expect_error([&] { comm.put(win, right, SIZE_MAX, src.data(), 2); }, ErrorCode::InvalidArgument, {"past the end"});
+  expect_error([&] { comm.put(win, right, 0, nullptr, 8); }, ErrorCode::InvalidArgument, {"src is null"});
+  expect_error([&] { comm.put_signal(win, right, 999, src.data(), 2, sig, 0, 1, SignalOp::Set); },
+               ErrorCode::InvalidArgument, {"comm.put_signal", "past the end"});
+  expect_error([&] { comm.put_signal(win, right, 0, src.data(), 2, sig, 2, 1, SignalOp::Set); },
+               ErrorCode::InvalidArgument, {"signal index 2", "2 signals"});
+  expect_error([&] { comm.signal(sig, n + 3, 0, 1, SignalOp::Add); }, ErrorCode::InvalidArgument, {"comm.signal", "out of range"});
+  std::vector<unsigned char> dst(8, kPoison);
+  expect_error([&] { comm.get(dst.data(), win, right, size, 1); }, ErrorCode::InvalidArgument, {"comm.get", "src_offset 1000"});
+  expect_error([&] { comm.get(nullptr, win, right, 0, 1); }, ErrorCode::InvalidArgument, {"dst is null"});
+  EXPECT_EQ(first_not(dst.data(), kPoison, dst.size()), -1) << "a failed get wrote into dst";
+  expect_error([&] { comm.put(win, right, 0, src.data(), 8, reinterpret_cast<Stream>(0x1)); },
+               ErrorCode::Unsupported, {"stream"});
+  comm.barrier();
+  EXPECT_EQ(first_not(win.local(), kPoison, size), -1) << "a failed put wrote into the window";
+  EXPECT_EQ(sig.read(0), 0u);
+  EXPECT_EQ(sig.read(1), 0u);
+}
+
+TEST_F(Errors, FreedWindow) {
+  Window win = comm.alloc(64, Memory::Host);
+  win.free();
+  EXPECT_FALSE(win.valid());
+  const int v = 1;
+  expect_error([&] { comm.put(win, 0, 0, &v, sizeof(v)); }, ErrorCode::InvalidArgument, {"comm.put", "was freed"});
+  expect_error([&] { comm.get(const_cast<int*>(&v), win, 0, 0, sizeof(v)); }, ErrorCode::InvalidArgument, {"was freed"});
+  expect_error([&] { win.free(); }, ErrorCode::InvalidArgument, {"freed already"});
+  expect_error([&] { (void)win.local(); }, ErrorCode::InvalidArgument, {"was freed"});
+  Window empty;
+  expect_error([&] { comm.put(empty, 0, 0, &v, sizeof(v)); }, ErrorCode::InvalidArgument, {"empty"});
+}
+
+TEST_F(Errors, WindowOfAnotherComm) {
+  Comm other(MPI_COMM_WORLD);
+  Window theirs = other.alloc(64, Memory::Host);
+  std::memset(theirs.local(), kPoison, 64);
+  other.barrier();
+  const std::uint64_t v = 42;
+  expect_error([&] { comm.put(theirs, (me + 1) % n, 0, &v, sizeof(v)); }, ErrorCode::InvalidArgument,
+               {"belongs to Comm"});
+  Signals sig = other.alloc_signals(1, Memory::Host);
+  expect_error([&] { comm.wait_until(sig, 0, Cmp::EQ, 0); }, ErrorCode::InvalidArgument, {"comm.wait_until", "belongs to Comm"});
+  other.barrier();
+  EXPECT_EQ(first_not(theirs.local(), kPoison, 64), -1);
+}
+
+TEST_F(Errors, MismatchedAllocSizesFailOnEveryRank) {
+  expect_error([&] { (void)comm.alloc(me == n - 1 ? 2048 : 1024, Memory::Host); }, ErrorCode::InvalidArgument,
+               {"comm.alloc", "different windows", "rank 0 1024 bytes", "rank " + std::to_string(n - 1) + " 2048 bytes"});
+  // The Comm stays usable.
+  Window ok = comm.alloc(512, Memory::Host);
+  EXPECT_EQ(ok.size(), 512u);
+}
+
+TEST_F(Errors, DeviceWindowsNotYetAvailable) {
+  expect_error([&] { (void)comm.alloc(1024); }, ErrorCode::Unsupported, {"Memory::Device"});
+}
+
+TEST_F(Errors, MismatchedSettingsFailOnEveryRank) {
+  Options o = Options::from_environment();
+  if (me == n - 1) o.simulate_nodes += 1;
+  expect_error([&] { Comm bad(MPI_COMM_WORLD, o); }, ErrorCode::InvalidArgument,
+               {"settings differ", "rank " + std::to_string(n - 1) + " has"});
+}
+
+TEST_F(Errors, WaitUntilTimesOut) {
+  Comm quick(MPI_COMM_WORLD, options_with_timeout(std::chrono::milliseconds(200)));
+  Signals sig = quick.alloc_signals(4, Memory::Host);
+  const auto t0 = std::chrono::steady_clock::now();
+  expect_error([&] { quick.wait_until(sig, 3, Cmp::GE, 7); }, ErrorCode::Timeout,
+               {"comm.wait_until", "signal 3 is 0", ">= 7", "200 ms"});
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(200));
+  quick.barrier();
+}
+
+// The last rank arrives late: every other rank's barrier times out naming it, and the
+// late rank's times out too (rank 0 has given up on it).
+TEST_F(Errors, BarrierTimeoutNamesMissingRank) {
+  Comm quick(MPI_COMM_WORLD, options_with_timeout(std::chrono::milliseconds(300)));
+  const int late = n - 1;
+  if (me == late) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  if (me == late)
+    expect_error([&] { quick.barrier(); }, ErrorCode::Timeout, {"comm.barrier", "rank 0"});
+  else
+    expect_error([&] { quick.barrier(); }, ErrorCode::Timeout,
+                 {"comm.barrier", "rank(s) " + std::to_string(late) + " did not arrive within 300 ms"});
+  // The Comm refuses further collectives instead of hanging.
+  expect_error([&] { quick.barrier(); }, ErrorCode::Timeout, {"earlier wait"});
+  MPI_Barrier(MPI_COMM_WORLD);
+}

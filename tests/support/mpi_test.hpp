@@ -1,0 +1,84 @@
+// Support for multi-rank GoogleTest suites: every rank runs every test; MpiTest agrees the
+// verdict across ranks in TearDown, so a failure on any rank fails the test on all of them
+// (and rank 0's report is the job's report).
+#pragma once
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace meshmem::test {
+
+inline int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+inline int world_size() {
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+class MpiTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    int mine = HasFailure() ? 1 : 0;
+    std::vector<int> all(static_cast<std::size_t>(world_size()));
+    MPI_Allgather(&mine, 1, MPI_INT, all.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    std::string failed;
+    for (std::size_t r = 0; r < all.size(); ++r)
+      if (all[r] && static_cast<int>(r) != world_rank()) failed += " " + std::to_string(r);
+    if (!failed.empty()) ADD_FAILURE() << "the test failed on rank(s)" << failed;
+  }
+};
+
+// A seed that is fresh for every test run, the same on every rank.
+inline std::uint64_t shared_seed() {
+  std::uint64_t seed = 0;
+  if (world_rank() == 0) seed = (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+  MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+  return seed;
+}
+
+// Deterministic bytes for (seed, stream): every rank can recompute what another sent.
+inline std::vector<unsigned char> pattern(std::uint64_t seed, std::uint64_t stream, std::size_t bytes) {
+  std::vector<unsigned char> out(bytes);
+  std::mt19937_64 gen(seed ^ (stream * 0x9E3779B97F4A7C15ull));
+  std::size_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    const std::uint64_t v = gen();
+    std::memcpy(out.data() + i, &v, 8);
+  }
+  if (i < bytes) {
+    const std::uint64_t v = gen();
+    std::memcpy(out.data() + i, &v, bytes - i);
+  }
+  return out;
+}
+
+inline constexpr unsigned char kPoison = 0xA5;
+
+// Index of the first byte that differs, or -1. (Byte-by-byte EXPECT_EQ would flood the log.)
+inline long long first_difference(const void* a, const void* b, std::size_t bytes) {
+  if (std::memcmp(a, b, bytes) == 0) return -1;
+  const auto* x = static_cast<const unsigned char*>(a);
+  const auto* y = static_cast<const unsigned char*>(b);
+  for (std::size_t i = 0; i < bytes; ++i)
+    if (x[i] != y[i]) return static_cast<long long>(i);
+  return -1;
+}
+
+inline long long first_not(const void* a, unsigned char value, std::size_t bytes) {
+  const auto* x = static_cast<const unsigned char*>(a);
+  for (std::size_t i = 0; i < bytes; ++i)
+    if (x[i] != value) return static_cast<long long>(i);
+  return -1;
+}
+
+}  // namespace meshmem::test

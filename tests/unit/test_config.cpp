@@ -1,0 +1,107 @@
+#include <gtest/gtest.h>
+
+#include <map>
+#include <meshmem/config.hpp>
+#include <meshmem/error.hpp>
+
+#include "topology.hpp"
+
+using namespace meshmem;
+
+namespace {
+Options parse(std::map<std::string, std::string> env) {
+  return Options::parse([env](const char* name) -> const char* {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  });
+}
+
+void expect_invalid(std::map<std::string, std::string> env, const std::string& var) {
+  try {
+    parse(env);
+    ADD_FAILURE() << "accepted " << var;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::InvalidArgument);
+    EXPECT_NE(std::string(e.what()).find(var), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(env.begin()->second), std::string::npos) << e.what();
+  }
+}
+}  // namespace
+
+TEST(Options, Defaults) {
+  const Options o = parse({});
+  EXPECT_EQ(o.timeout, std::chrono::minutes(5));
+  EXPECT_EQ(o.simulate_nodes, 1);
+  EXPECT_EQ(o.fd_passing, FdPassing::Auto);
+  EXPECT_EQ(o.transports, (std::vector<TransportKind>{TransportKind::Shm, TransportKind::Mpi}));
+  EXPECT_EQ(o.log_level, LogLevel::Warn);
+  EXPECT_EQ(parse({{"MESHMEM_TIMEOUT", ""}}).timeout, std::chrono::minutes(5));  // empty = unset
+}
+
+TEST(Options, Timeout) {
+  EXPECT_EQ(parse({{"MESHMEM_TIMEOUT", "30"}}).timeout, std::chrono::seconds(30));
+  EXPECT_EQ(parse({{"MESHMEM_TIMEOUT", "2.5s"}}).timeout, std::chrono::milliseconds(2500));
+  EXPECT_EQ(parse({{"MESHMEM_TIMEOUT", "500ms"}}).timeout, std::chrono::milliseconds(500));
+  EXPECT_EQ(parse({{"MESHMEM_TIMEOUT", " 2min "}}).timeout, std::chrono::minutes(2));
+  EXPECT_TRUE(parse({{"MESHMEM_TIMEOUT", "inf"}}).waits_forever());
+  EXPECT_TRUE(parse({{"MESHMEM_TIMEOUT", "0"}}).waits_forever());
+  EXPECT_EQ(parse({{"MESHMEM_TIMEOUT", "0.0001"}}).timeout, std::chrono::milliseconds(1));
+  expect_invalid({{"MESHMEM_TIMEOUT", "soon"}}, "MESHMEM_TIMEOUT");
+  expect_invalid({{"MESHMEM_TIMEOUT", "-1"}}, "MESHMEM_TIMEOUT");
+  expect_invalid({{"MESHMEM_TIMEOUT", "5 hours"}}, "MESHMEM_TIMEOUT");
+  expect_invalid({{"MESHMEM_TIMEOUT", "nan"}}, "MESHMEM_TIMEOUT");
+}
+
+TEST(Options, SimulateNodesFdPassingLogLevel) {
+  EXPECT_EQ(parse({{"MESHMEM_SIMULATE_NODES", "4"}}).simulate_nodes, 4);
+  expect_invalid({{"MESHMEM_SIMULATE_NODES", "0"}}, "MESHMEM_SIMULATE_NODES");
+  expect_invalid({{"MESHMEM_SIMULATE_NODES", "2x"}}, "MESHMEM_SIMULATE_NODES");
+  EXPECT_EQ(parse({{"MESHMEM_FD_PASSING", "Socket"}}).fd_passing, FdPassing::Socket);
+  EXPECT_EQ(parse({{"MESHMEM_FD_PASSING", "pidfd"}}).fd_passing, FdPassing::Pidfd);
+  expect_invalid({{"MESHMEM_FD_PASSING", "fifo"}}, "MESHMEM_FD_PASSING");
+  EXPECT_EQ(parse({{"MESHMEM_LOG_LEVEL", "debug"}}).log_level, LogLevel::Debug);
+  expect_invalid({{"MESHMEM_LOG_LEVEL", "loud"}}, "MESHMEM_LOG_LEVEL");
+}
+
+TEST(Options, Transports) {
+  EXPECT_EQ(parse({{"MESHMEM_TRANSPORTS", "mpi"}}).transports, std::vector<TransportKind>{TransportKind::Mpi});
+  EXPECT_EQ(parse({{"MESHMEM_TRANSPORTS", "mpi, shm"}}).transports,
+            (std::vector<TransportKind>{TransportKind::Mpi, TransportKind::Shm}));
+  expect_invalid({{"MESHMEM_TRANSPORTS", "shm,tcp"}}, "MESHMEM_TRANSPORTS");
+  expect_invalid({{"MESHMEM_TRANSPORTS", "shm,shm"}}, "MESHMEM_TRANSPORTS");
+  expect_invalid({{"MESHMEM_TRANSPORTS", ","}}, "MESHMEM_TRANSPORTS");
+}
+
+TEST(Options, DescribeAndFingerprint) {
+  const Options a = parse({{"MESHMEM_TIMEOUT", "10"}});
+  const Options b = parse({{"MESHMEM_TIMEOUT", "10"}, {"MESHMEM_LOG_LEVEL", "debug"}});
+  const Options c = parse({{"MESHMEM_TIMEOUT", "10"}, {"MESHMEM_SIMULATE_NODES", "2"}});
+  EXPECT_EQ(a.fingerprint(), b.fingerprint());  // the log level may differ per rank
+  EXPECT_NE(a.fingerprint(), c.fingerprint());
+  const auto lines = a.describe();
+  ASSERT_EQ(lines.size(), 5u);
+  EXPECT_EQ(lines[0].rfind("MESHMEM_TIMEOUT=10000ms", 0), 0u) << lines[0];
+}
+
+TEST(Error, MessageAndCode) {
+  const Error e(ErrorCode::Timeout, "comm.barrier on rank 3: rank(s) 1 did not arrive");
+  EXPECT_EQ(e.code(), ErrorCode::Timeout);
+  EXPECT_STREQ(e.what(), "meshmem: comm.barrier on rank 3: rank(s) 1 did not arrive");
+  EXPECT_STREQ(to_string(ErrorCode::InvalidArgument), "invalid argument");
+}
+
+TEST(Topology, AssignNodes) {
+  using meshmem::detail::assign_nodes;
+  using meshmem::detail::RealPlacement;
+  // 4 ranks on one host.
+  std::vector<RealPlacement> one = {{0, 0, 4}, {0, 1, 4}, {0, 2, 4}, {0, 3, 4}};
+  EXPECT_EQ(assign_nodes(one, 1), (std::vector<int>{0, 0, 0, 0}));
+  EXPECT_EQ(assign_nodes(one, 2), (std::vector<int>{0, 0, 1, 1}));
+  EXPECT_EQ(assign_nodes(one, 3), (std::vector<int>{0, 0, 1, 2}));
+  EXPECT_EQ(assign_nodes(one, 4), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(assign_nodes(one, 99), (std::vector<int>{0, 1, 2, 3}));  // at most one node a rank
+  // Two real hosts (ranks interleaved), each split in two.
+  std::vector<RealPlacement> two = {{0, 0, 2}, {1, 0, 2}, {0, 1, 2}, {1, 1, 2}};
+  EXPECT_EQ(assign_nodes(two, 1), (std::vector<int>{0, 1, 0, 1}));
+  EXPECT_EQ(assign_nodes(two, 2), (std::vector<int>{0, 1, 2, 3}));
+}
