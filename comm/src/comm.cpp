@@ -284,8 +284,16 @@ std::shared_ptr<WindowState> CommImpl::alloc(std::size_t bytes, Memory memory, b
   state->is_signals = signals;
   std::vector<bool> map_peer(static_cast<std::size_t>(topo.size), false);
   for (int r = 0; r < topo.size; ++r) map_peer[r] = host_routes_[r].transport == shm.get();
-  create_host_window(*state, boot, *fds, topo, map_peer, call);
+  create_host_part(*state, boot, call);
+  // Registered before the peers can learn of the window (connect_host_peers ends with an
+  // agreement), so no request for it can reach the progress thread first.
   if (mpi) mpi->register_window(*state);
+  try {
+    connect_host_peers(*state, boot, *fds, topo, map_peer, call);
+  } catch (...) {
+    if (mpi) mpi->unregister_window(state->id);
+    throw;
+  }
   live_[state->id] = state;
   return state;
 }

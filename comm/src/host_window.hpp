@@ -18,9 +18,13 @@ class HostWindowMemory final : public WindowMemory {
   std::vector<ipc::MappedRegion> peers;  // by rank; empty where not mapped
 };
 
-// Collective: creates this rank's part, passes its descriptor to the node peers and maps
-// the parts of the peers in `map_peer` (by rank). Fills state.local / state.peer.
-void create_host_window(WindowState& state, Bootstrap& boot, FdExchange& fds, const Topology& topo,
+// Collective, in two steps so that the caller can make the new part reachable (register it
+// with the progress thread) before any peer can know the window exists:
+// create_host_part makes this rank's part (state.local); connect_host_peers passes its
+// descriptor to the node peers and maps the parts of the peers in `map_peer` (state.peer).
+// Either raises the same Error on every rank if it fails on one.
+void create_host_part(WindowState& state, Bootstrap& boot, const std::string& what);
+void connect_host_peers(WindowState& state, Bootstrap& boot, FdExchange& fds, const Topology& topo,
                         const std::vector<bool>& map_peer, const std::string& what);
 
 }  // namespace meshmem::detail
