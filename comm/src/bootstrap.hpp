@@ -83,6 +83,23 @@ class Bootstrap {
   std::int64_t my_arrival_ = 0;
 };
 
+// Runs one local step of a collective, then agrees on its outcome, so that a failure on
+// one rank fails the call on every rank instead of leaving the others waiting.
+template <class Step>
+void agreed_step(Bootstrap& boot, const std::string& what, Step&& step) {
+  bool ok = true;
+  ErrorCode code = ErrorCode::Internal;
+  std::string message;
+  try {
+    step();
+  } catch (const Error& e) {
+    ok = false;
+    code = e.code();
+    message = e.what();
+  }
+  boot.agree(ok, code, message, what);
+}
+
 // "1, 3, 5" (at most 64 shown, then "and N more").
 std::string rank_list(const std::vector<int>& ranks);
 

@@ -13,7 +13,9 @@ const char* to_string(Memory memory) noexcept {
   return memory == Memory::Device ? "device" : "host";
 }
 
-Memory default_memory() { return Memory::Host; }  // device windows: not in this build yet
+Memory default_memory() { return gpu_available() ? Memory::Device : Memory::Host; }
+
+bool gpu_available(std::string* why) { return detail::device_runtime_available(why); }
 
 namespace detail {
 
@@ -129,10 +131,17 @@ CommImpl::CommImpl(MPI_Comm comm, const Options& opts)
     mpi = std::make_unique<MpiTransport>(boot.comm(), options.timeout);
   }
   select_routes();
+  bool ipc_allowed = false;
+  for (TransportKind k : options.transports) ipc_allowed = ipc_allowed || k == TransportKind::Ipc;
+  if (ipc_allowed)
+    device = make_device_backend(DeviceContext{boot, topo, *fds, options}, &device_why);
+  else
+    device_why = "MESHMEM_TRANSPORTS does not include ipc";
   log(LogLevel::Info, "Comm #" + std::to_string(uid) + ": rank " + std::to_string(topo.rank) +
                           " of " + std::to_string(topo.size) + ", node " +
                           std::to_string(topo.node()) + " of " + std::to_string(topo.node_count) +
-                          ", fd passing " + to_string(fds->mode()));
+                          ", fd passing " + to_string(fds->mode()) + ", device: " +
+                          (device ? device->describe() : "none (" + device_why + ")"));
 }
 
 void CommImpl::select_routes() {
@@ -170,6 +179,7 @@ CommImpl::~CommImpl() {
   for (auto& [id, weak] : live_)
     if (auto state = weak.lock()) release(*state);
   live_.clear();
+  device.reset();
   if (mpi) mpi->stop();
 }
 
@@ -225,8 +235,15 @@ void CommImpl::check_index(const WindowState& sig, std::size_t index, const char
 }
 
 Transport& CommImpl::route(const WindowState& win, int target, const char* call) const {
-  if (win.memory == Memory::Device)
-    throw Error(ErrorCode::Internal, where(call) + ": device window without a device route");
+  if (win.memory == Memory::Device) {
+    std::string why;
+    Transport* t = device->route(target, &why);
+    if (t == nullptr)
+      throw Error(ErrorCode::Unsupported, where(call) + ": no transport reaches device window #" +
+                                              std::to_string(win.id) + " of rank " +
+                                              std::to_string(target) + ": " + why);
+    return *t;
+  }
   const Route& r = host_routes_[target];
   if (r.transport == nullptr)
     throw Error(ErrorCode::Unsupported, where(call) + ": no transport reaches rank " +
@@ -236,7 +253,12 @@ Transport& CommImpl::route(const WindowState& win, int target, const char* call)
 
 TransportKind CommImpl::transport(int rank, Memory memory, const char* call) const {
   check_rank(rank, call, "peer");
-  if (memory == Memory::Device) return TransportKind::None;
+  if (memory == Memory::Device) {
+    if (!device) return TransportKind::None;
+    std::string why;
+    const Transport* t = device->route(rank, &why);
+    return t ? t->kind() : TransportKind::None;
+  }
   const Route& r = host_routes_[rank];
   return r.transport ? r.transport->kind() : TransportKind::None;
 }
@@ -270,10 +292,8 @@ std::shared_ptr<WindowState> CommImpl::alloc(std::size_t bytes, Memory memory, b
                       std::to_string(z.id) + ", rank " + std::to_string(r) + " window #" +
                       std::to_string(a.id) + " (every rank must alloc and free in the same order)");
   }
-  if (memory == Memory::Device)
-    throw Error(ErrorCode::Unsupported,
-                at + ": Memory::Device windows are not available in this build yet (GPU support "
-                     "is still to come); use Memory::Host");
+  if (memory == Memory::Device && !device)
+    throw Error(ErrorCode::Unsupported, at + ": Memory::Device windows are unavailable: " + device_why);
 
   auto state = std::make_shared<WindowState>();
   state->owner = this;
@@ -282,6 +302,11 @@ std::shared_ptr<WindowState> CommImpl::alloc(std::size_t bytes, Memory memory, b
   state->bytes = bytes;
   state->memory = memory;
   state->is_signals = signals;
+  if (memory == Memory::Device) {
+    device->create_window(*state, call);
+    live_[state->id] = state;
+    return state;
+  }
   std::vector<bool> map_peer(static_cast<std::size_t>(topo.size), false);
   for (int r = 0; r < topo.size; ++r) map_peer[r] = host_routes_[r].transport == shm.get();
   create_host_part(*state, boot, call);
@@ -299,7 +324,7 @@ std::shared_ptr<WindowState> CommImpl::alloc(std::size_t bytes, Memory memory, b
 }
 
 void CommImpl::release(WindowState& state) {
-  if (mpi) mpi->unregister_window(state.id);
+  if (mpi && state.memory == Memory::Host) mpi->unregister_window(state.id);
   state.storage.reset();
   state.local = nullptr;
   state.peer.clear();
@@ -341,7 +366,7 @@ void CommImpl::put(const Window& win, int target, std::size_t offset, const void
       throw Error(ErrorCode::Unsupported, where(call) + ": the data window and the signals differ in memory kind");
     update = SignalUpdate{&s, index, value, op};
   }
-  route(w, target, call).put(w, target, offset, src, bytes, update);
+  route(w, target, call).put(w, target, offset, src, bytes, update, stream);
 }
 
 void CommImpl::get(void* dst, const Window& win, int target, std::size_t offset, std::size_t bytes,
@@ -353,7 +378,7 @@ void CommImpl::get(void* dst, const Window& win, int target, std::size_t offset,
   if (bytes > 0 && dst == nullptr)
     throw Error(ErrorCode::InvalidArgument, where(call) + ": dst is null for a get of " + std::to_string(bytes) + " bytes");
   check_stream(w, stream, call);
-  route(w, target, call).get(dst, w, target, offset, bytes);
+  route(w, target, call).get(dst, w, target, offset, bytes, stream);
 }
 
 void CommImpl::signal(const Signals& sig, int target, std::size_t index, std::uint64_t value,
@@ -363,7 +388,7 @@ void CommImpl::signal(const Signals& sig, int target, std::size_t index, std::ui
   check_rank(target, call, "target");
   check_index(s, index, call);
   check_stream(s, stream, call);
-  route(s, target, call).put(s, target, 0, nullptr, 0, SignalUpdate{&s, index, value, op});
+  route(s, target, call).put(s, target, 0, nullptr, 0, SignalUpdate{&s, index, value, op}, stream);
 }
 
 void CommImpl::wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::uint64_t value,
@@ -372,6 +397,10 @@ void CommImpl::wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::u
   const WindowState& s = checked(sig.words(), call);
   check_index(s, index, call);
   check_stream(s, stream, call);
+  if (s.memory == Memory::Device) {
+    device->wait_until(s, index, cmp, value, stream);
+    return;
+  }
   const auto* word = static_cast<const std::uint64_t*>(s.local) + index;
   Deadline deadline(options.timeout);
   Backoff backoff;
@@ -390,18 +419,29 @@ void CommImpl::wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::u
 }
 
 void CommImpl::quiet(Stream stream, const char* call) {
-  if (stream != nullptr)
-    throw Error(ErrorCode::Unsupported, where(call) + ": stream-ordered quiet is not implemented yet; pass a null stream");
+  // Device puts are complete at their target once their stream passes them (copies and
+  // copy kernels finish before the stream moves on), so quiet(stream) adds no stream work.
+  if (stream != nullptr && !device)
+    throw Error(ErrorCode::Unsupported, where(call) + ": a stream was given but device windows are unavailable: " + device_why);
   shm->quiet();
   if (mpi) mpi->quiet();
 }
 
 void CommImpl::barrier(Stream stream) {
   const char* call = "comm.barrier";
-  if (stream != nullptr)
-    throw Error(ErrorCode::Unsupported, where(call) + ": stream-ordered barrier is not implemented yet; pass a null stream");
+  if (!device) {
+    if (stream != nullptr)
+      throw Error(ErrorCode::Unsupported, where(call) + ": a stream was given but device windows are unavailable: " + device_why);
+    barrier_host();
+    return;
+  }
   quiet(nullptr, call);
-  boot.arrive(call);
+  device->barrier(stream);
+}
+
+void CommImpl::barrier_host() {
+  quiet(nullptr, "comm.barrier");
+  boot.arrive("comm.barrier");
 }
 
 }  // namespace detail
@@ -456,6 +496,19 @@ void* Window::peer(int rank) const {
                                                 " is out of range (the Comm has " +
                                                 std::to_string(s.peer.size()) + " ranks)");
   return s.peer[rank];
+}
+
+device::WindowView Window::view() const {
+  const auto& s = live_state(state_, "Window::view");
+  if (s.memory != Memory::Device)
+    throw Error(ErrorCode::InvalidArgument, "Window::view: window #" + std::to_string(s.id) + " is a host window; views are for device windows");
+  return device::WindowView{static_cast<void* const*>(s.device_peer_table), s.bytes,
+                            s.owner->topo.rank, s.owner->topo.size};
+}
+
+device::SignalsView Signals::view() const {
+  const auto v = words_.view();
+  return device::SignalsView{reinterpret_cast<std::uint64_t* const*>(v.peers), v.bytes / sizeof(std::uint64_t), v.rank, v.size};
 }
 
 std::size_t Signals::count() const { return words_.size() / sizeof(std::uint64_t); }
@@ -530,7 +583,7 @@ void Comm::wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::uint6
 
 void Comm::quiet(Stream stream) { live(impl_).quiet(stream, "comm.quiet"); }
 void Comm::barrier(Stream stream) { live(impl_).barrier(stream); }
-void Comm::barrier() { live(impl_).barrier(nullptr); }
+void Comm::barrier() { live(impl_).barrier_host(); }
 
 TransportKind Comm::transport(int rank, Memory memory) const {
   return live(impl_).transport(rank, memory, "comm.transport");

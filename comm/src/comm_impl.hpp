@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "bootstrap.hpp"
+#include "device_backend.hpp"
 #include "fd_exchange.hpp"
 #include "meshmem/comm.hpp"
 #include "topology.hpp"
@@ -36,6 +37,7 @@ class CommImpl {
   void wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::uint64_t value, Stream stream);
   void quiet(Stream stream, const char* call);
   void barrier(Stream stream);
+  void barrier_host();
 
   TransportKind transport(int rank, Memory memory, const char* call) const;
 
@@ -50,6 +52,8 @@ class CommImpl {
   std::unique_ptr<FdExchange> fds;
   std::unique_ptr<ShmTransport> shm;
   std::unique_ptr<MpiTransport> mpi;
+  std::unique_ptr<DeviceBackend> device;  // null where device windows are unavailable
+  std::string device_why;                 // why they are unavailable
   std::uint64_t uid;
 
  private:

@@ -12,6 +12,7 @@ namespace meshmem {
 const char* to_string(TransportKind kind) noexcept {
   switch (kind) {
     case TransportKind::None: return "none";
+    case TransportKind::Ipc: return "ipc";
     case TransportKind::Shm: return "shm";
     case TransportKind::Mpi: return "mpi";
   }
@@ -86,9 +87,10 @@ int parse_positive_int(const char* var, const std::string& raw, int max) {
 
 TransportKind parse_transport(const char* var, const std::string& raw, const std::string& name) {
   const std::string n = lower(trim(name));
+  if (n == "ipc") return TransportKind::Ipc;
   if (n == "shm") return TransportKind::Shm;
   if (n == "mpi") return TransportKind::Mpi;
-  bad_value(var, raw, "a comma-separated list of transports from: shm, mpi");
+  bad_value(var, raw, "a comma-separated list of transports from: ipc, shm, mpi");
 }
 
 }  // namespace
@@ -120,6 +122,20 @@ Options Options::parse(const std::function<const char*(const char*)>& lookup) {
       o.transports.push_back(kind);
     }
     if (o.transports.empty()) bad_value("MESHMEM_TRANSPORTS", v, "at least one transport");
+  }
+  if (const char* v = get("MESHMEM_SM_COPY_MAX")) {
+    const std::string t = trim(v);
+    char* end = nullptr;
+    const unsigned long long n = std::strtoull(t.c_str(), &end, 10);
+    if (t.empty() || t[0] == '-' || *end != '\0' || n > (1ull << 40))
+      bad_value("MESHMEM_SM_COPY_MAX", v, "a byte count (0 = always the copy engine)");
+    o.sm_copy_max = static_cast<std::size_t>(n);
+  }
+  if (const char* v = get("MESHMEM_BARRIER")) {
+    const std::string m = lower(trim(v));
+    if (m == "flag") o.barrier = Barrier::Flag;
+    else if (m == "event") o.barrier = Barrier::Event;
+    else bad_value("MESHMEM_BARRIER", v, "flag or event");
   }
   if (const char* v = get("MESHMEM_LOG_LEVEL")) {
     const std::string m = lower(trim(v));
@@ -156,6 +172,10 @@ std::vector<std::string> Options::describe() const {
       std::string("MESHMEM_FD_PASSING=") + to_string(fd_passing) +
           " (how descriptors move between ranks of a node: auto, pidfd, socket)",
       "MESHMEM_TRANSPORTS=" + transport_list(transports) + " (allowed transports, in the order tried)",
+      "MESHMEM_SM_COPY_MAX=" + std::to_string(sm_copy_max) +
+          " (device puts/gets up to this size run on the SMs, larger on the copy engine)",
+      std::string("MESHMEM_BARRIER=") + (barrier == Barrier::Flag ? "flag" : "event") +
+          " (barrier(stream): flag = stream memory operations on mapped flags, event = IPC events)",
       std::string("MESHMEM_LOG_LEVEL=") + to_string(log_level) + " (error, warn, info, debug)",
   };
 }
@@ -163,7 +183,9 @@ std::vector<std::string> Options::describe() const {
 std::string Options::fingerprint() const {
   // The log level may differ between ranks; everything else changes what ranks agree on.
   return "timeout=" + timeout_text(timeout) + ";nodes=" + std::to_string(simulate_nodes) +
-         ";fd=" + to_string(fd_passing) + ";transports=" + transport_list(transports);
+         ";fd=" + to_string(fd_passing) + ";transports=" + transport_list(transports) +
+         ";sm_copy_max=" + std::to_string(sm_copy_max) +
+         ";barrier=" + (barrier == Barrier::Flag ? "flag" : "event");
 }
 
 }  // namespace meshmem

@@ -6,24 +6,6 @@
 
 namespace meshmem::detail {
 
-namespace {
-// Runs one local step of a collective, then agrees on its outcome, so that a failure on
-// one rank fails the call on every rank instead of leaving the others waiting.
-template <class Step>
-void agreed_step(Bootstrap& boot, const std::string& what, Step&& step) {
-  bool ok = true;
-  ErrorCode code = ErrorCode::Internal;
-  std::string message;
-  try {
-    step();
-  } catch (const Error& e) {
-    ok = false;
-    code = e.code();
-    message = e.what();
-  }
-  boot.agree(ok, code, message, what);
-}
-}  // namespace
 
 void create_host_part(WindowState& state, Bootstrap& boot, const std::string& what) {
   auto memory = std::make_unique<HostWindowMemory>();

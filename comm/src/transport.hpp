@@ -25,12 +25,13 @@ class Transport {
   virtual TransportKind kind() const = 0;
 
   // Copies `bytes` into target's part of `win`, then applies `signal` (if any) so that a
-  // reader who sees the signal sees the data. Returns when `src` may be reused.
+  // reader who sees the signal sees the data. Host transports (null stream) return when
+  // `src` may be reused; device transports enqueue on `stream`.
   virtual void put(const WindowState& win, int target, std::size_t offset, const void* src,
-                   std::size_t bytes, const SignalUpdate& signal) = 0;
-  // Copies from target's part of `win`; complete on return.
+                   std::size_t bytes, const SignalUpdate& signal, Stream stream) = 0;
+  // Copies from target's part of `win`; complete on return (host) or when `stream` passes.
   virtual void get(void* dst, const WindowState& win, int target, std::size_t offset,
-                   std::size_t bytes) = 0;
+                   std::size_t bytes, Stream stream) = 0;
   // Every put and signal issued through this transport is complete at its target.
   virtual void quiet() = 0;
 };

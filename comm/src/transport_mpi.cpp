@@ -107,7 +107,7 @@ void MpiTransport::wait(MPI_Request* req, const char* call, int peer, const std:
 }
 
 void MpiTransport::put(const WindowState& win, int target, std::size_t offset, const void* src,
-                       std::size_t bytes, const SignalUpdate& signal) {
+                       std::size_t bytes, const SignalUpdate& signal, Stream) {
   const std::string what = "mpi transport put to rank " + std::to_string(target) + " on rank " +
                            std::to_string(rank_);
   Request req{};
@@ -138,7 +138,7 @@ void MpiTransport::put(const WindowState& win, int target, std::size_t offset, c
 }
 
 void MpiTransport::get(void* dst, const WindowState& win, int target, std::size_t offset,
-                       std::size_t bytes) {
+                       std::size_t bytes, Stream) {
   const std::string what = "mpi transport get from rank " + std::to_string(target) + " on rank " +
                            std::to_string(rank_);
   const int chunks = chunk_count(bytes);

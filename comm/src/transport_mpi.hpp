@@ -25,9 +25,9 @@ class MpiTransport final : public Transport {
 
   TransportKind kind() const override { return TransportKind::Mpi; }
   void put(const WindowState& win, int target, std::size_t offset, const void* src,
-           std::size_t bytes, const SignalUpdate& signal) override;
+           std::size_t bytes, const SignalUpdate& signal, Stream stream) override;
   void get(void* dst, const WindowState& win, int target, std::size_t offset,
-           std::size_t bytes) override;
+           std::size_t bytes, Stream stream) override;
   void quiet() override;
 
   // Windows the progress thread may serve, by id.

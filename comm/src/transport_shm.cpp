@@ -6,7 +6,7 @@
 namespace meshmem::detail {
 
 void ShmTransport::put(const WindowState& win, int target, std::size_t offset, const void* src,
-                       std::size_t bytes, const SignalUpdate& signal) {
+                       std::size_t bytes, const SignalUpdate& signal, Stream) {
   if (bytes > 0) std::memcpy(static_cast<char*>(win.peer[target]) + offset, src, bytes);
   if (signal.sig != nullptr) {
     auto* words = static_cast<std::uint64_t*>(signal.sig->peer[target]);
@@ -15,7 +15,7 @@ void ShmTransport::put(const WindowState& win, int target, std::size_t offset, c
 }
 
 void ShmTransport::get(void* dst, const WindowState& win, int target, std::size_t offset,
-                       std::size_t bytes) {
+                       std::size_t bytes, Stream) {
   if (bytes > 0) std::memcpy(dst, static_cast<const char*>(win.peer[target]) + offset, bytes);
 }
 

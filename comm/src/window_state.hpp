@@ -28,6 +28,7 @@ struct WindowState {
   bool is_signals = false;
   void* local = nullptr;
   std::vector<void*> peer;         // rank -> mapped pointer, or nullptr
+  void* device_peer_table = nullptr;  // device windows: `peer` copied to device memory
   std::unique_ptr<WindowMemory> storage;
 
   bool freed() const { return owner == nullptr; }

@@ -109,8 +109,13 @@ TEST_F(Errors, MismatchedAllocSizesFailOnEveryRank) {
   EXPECT_EQ(ok.size(), 512u);
 }
 
-TEST_F(Errors, DeviceWindowsNotYetAvailable) {
-  expect_error([&] { (void)comm.alloc(1024); }, ErrorCode::Unsupported, {"Memory::Device"});
+TEST_F(Errors, DeviceWindowsUnavailableWithoutGpu) {
+  std::string why;
+  if (gpu_available(&why)) GTEST_SKIP() << "a GPU is present; device windows are tested in tests/gpu";
+  EXPECT_EQ(default_memory(), Memory::Host);
+  // Every rank gets the same reason, naming the first rank without a usable device.
+  expect_error([&] { (void)comm.alloc(1024); }, ErrorCode::Unsupported, {"Memory::Device windows are unavailable"});
+  expect_error([&] { comm.barrier(reinterpret_cast<Stream>(0x1)); }, ErrorCode::Unsupported, {"comm.barrier", "device windows are unavailable"});
 }
 
 TEST_F(Errors, MismatchedSettingsFailOnEveryRank) {

@@ -33,7 +33,9 @@ TEST(Options, Defaults) {
   EXPECT_EQ(o.timeout, std::chrono::minutes(5));
   EXPECT_EQ(o.simulate_nodes, 1);
   EXPECT_EQ(o.fd_passing, FdPassing::Auto);
-  EXPECT_EQ(o.transports, (std::vector<TransportKind>{TransportKind::Shm, TransportKind::Mpi}));
+  EXPECT_EQ(o.transports, (std::vector<TransportKind>{TransportKind::Ipc, TransportKind::Shm, TransportKind::Mpi}));
+  EXPECT_EQ(o.sm_copy_max, 64u * 1024);
+  EXPECT_EQ(o.barrier, Options::Barrier::Flag);
   EXPECT_EQ(o.log_level, LogLevel::Warn);
   EXPECT_EQ(parse({{"MESHMEM_TIMEOUT", ""}}).timeout, std::chrono::minutes(5));  // empty = unset
 }
@@ -60,11 +62,18 @@ TEST(Options, SimulateNodesFdPassingLogLevel) {
   EXPECT_EQ(parse({{"MESHMEM_FD_PASSING", "pidfd"}}).fd_passing, FdPassing::Pidfd);
   expect_invalid({{"MESHMEM_FD_PASSING", "fifo"}}, "MESHMEM_FD_PASSING");
   EXPECT_EQ(parse({{"MESHMEM_LOG_LEVEL", "debug"}}).log_level, LogLevel::Debug);
+  EXPECT_EQ(parse({{"MESHMEM_SM_COPY_MAX", "4096"}}).sm_copy_max, 4096u);
+  expect_invalid({{"MESHMEM_SM_COPY_MAX", "-1"}}, "MESHMEM_SM_COPY_MAX");
+  expect_invalid({{"MESHMEM_SM_COPY_MAX", "4k"}}, "MESHMEM_SM_COPY_MAX");
+  EXPECT_EQ(parse({{"MESHMEM_BARRIER", "event"}}).barrier, Options::Barrier::Event);
+  expect_invalid({{"MESHMEM_BARRIER", "spin"}}, "MESHMEM_BARRIER");
   expect_invalid({{"MESHMEM_LOG_LEVEL", "loud"}}, "MESHMEM_LOG_LEVEL");
 }
 
 TEST(Options, Transports) {
   EXPECT_EQ(parse({{"MESHMEM_TRANSPORTS", "mpi"}}).transports, std::vector<TransportKind>{TransportKind::Mpi});
+  EXPECT_EQ(parse({{"MESHMEM_TRANSPORTS", "ipc,mpi"}}).transports,
+            (std::vector<TransportKind>{TransportKind::Ipc, TransportKind::Mpi}));
   EXPECT_EQ(parse({{"MESHMEM_TRANSPORTS", "mpi, shm"}}).transports,
             (std::vector<TransportKind>{TransportKind::Mpi, TransportKind::Shm}));
   expect_invalid({{"MESHMEM_TRANSPORTS", "shm,tcp"}}, "MESHMEM_TRANSPORTS");
@@ -79,7 +88,7 @@ TEST(Options, DescribeAndFingerprint) {
   EXPECT_EQ(a.fingerprint(), b.fingerprint());  // the log level may differ per rank
   EXPECT_NE(a.fingerprint(), c.fingerprint());
   const auto lines = a.describe();
-  ASSERT_EQ(lines.size(), 5u);
+  ASSERT_EQ(lines.size(), 7u);
   EXPECT_EQ(lines[0].rfind("MESHMEM_TIMEOUT=10000ms", 0), 0u) << lines[0];
 }
 

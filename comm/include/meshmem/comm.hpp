@@ -14,24 +14,13 @@
 #include <string>
 
 #include "meshmem/config.hpp"
+#include "meshmem/device/views.hpp"
 #include "meshmem/error.hpp"
-
-// The CUDA stream type, declared without CUDA headers: cudaStream_t and CUstream are both
-// `CUstream_st*`, so a meshmem::Stream is passed where either is expected.
-struct CUstream_st;
+#include "meshmem/types.hpp"
 
 namespace meshmem {
 
-using Stream = CUstream_st*;
-
-enum class Memory {
-  Device,  // GPU memory of this rank's device
-  Host,    // host memory; works with no GPU
-};
 const char* to_string(Memory memory) noexcept;
-
-enum class SignalOp { Set, Add };
-enum class Cmp { EQ, NE, GT, GE, LT, LE };
 
 namespace detail {
 class CommImpl;
@@ -57,6 +46,7 @@ class Window {
   Memory memory() const;
   void* local() const;         // this rank's part
   void* peer(int rank) const;  // rank's part mapped here, or nullptr if not mapped
+  device::WindowView view() const;  // for kernels (device windows)
 
  private:
   friend class Comm;
@@ -78,6 +68,7 @@ class Signals {
   // Reads this rank's word `index` with acquire ordering.
   std::uint64_t read(std::size_t index) const;
   const Window& words() const { return words_; }
+  device::SignalsView view() const;  // for kernels (device signals)
 
  private:
   friend class Comm;
@@ -127,10 +118,15 @@ class Comm {
   // a null stream; times out after MESHMEM_TIMEOUT.
   void wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::uint64_t value,
                   Stream stream = nullptr);
-  // Every put and signal issued by this rank is complete at its target.
+  // Every put and signal issued by this rank (on `stream`, for device windows) is complete
+  // at its target.
   void quiet(Stream stream = nullptr);
-  // quiet + every rank has arrived. With a null stream the host waits.
+  // Stream-ordered barrier: once `stream` passes it, every rank's stream has reached its
+  // barrier and their earlier puts are complete. The host does not wait. Where no GPU part
+  // runs (host windows only), the same as barrier().
   void barrier(Stream stream);
+  // Host barrier: quiet + every rank has arrived; the host waits. Device puts issued on
+  // streams are not covered (synchronise the stream first, or use barrier(stream)).
   void barrier();
 
   // Which path reaches `rank` for windows of kind `memory`.
@@ -142,8 +138,11 @@ class Comm {
   std::unique_ptr<detail::CommImpl> impl_;
 };
 
-// The memory kind a program should use by default: Device where this build supports GPU
-// windows and a device is visible, Host otherwise.
+// The memory kind a program should use by default: Device where this build has the GPU part
+// and a CUDA device is visible, Host otherwise.
 Memory default_memory();
+
+// Whether this build has the GPU part and a CUDA device is visible; `why` says why not.
+bool gpu_available(std::string* why = nullptr);
 
 }  // namespace meshmem

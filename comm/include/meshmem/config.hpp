@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <functional>
 #include <string>
 #include <vector>
@@ -11,6 +12,7 @@ namespace meshmem {
 
 enum class TransportKind {
   None,  // no transport reaches the peer
+  Ipc,   // same node, device memory: the peer's VMM allocation is mapped here
   Shm,   // same node, host memory: the peer's memfd is mapped here
   Mpi,   // any node: requests served by the target's progress thread over MPI
 };
@@ -34,7 +36,12 @@ struct Options {
   // MESHMEM_FD_PASSING
   FdPassing fd_passing = FdPassing::Auto;
   // MESHMEM_TRANSPORTS: the transports allowed, in the order they are tried.
-  std::vector<TransportKind> transports{TransportKind::Shm, TransportKind::Mpi};
+  std::vector<TransportKind> transports{TransportKind::Ipc, TransportKind::Shm, TransportKind::Mpi};
+  // MESHMEM_SM_COPY_MAX: device puts/gets up to this many bytes run as a copy kernel on the
+  // SMs, larger ones on the copy engine.
+  std::size_t sm_copy_max = 64 * 1024;
+  // MESHMEM_BARRIER: how barrier(stream) synchronises the ranks of a node.
+  enum class Barrier { Flag, Event } barrier = Barrier::Flag;
   // MESHMEM_LOG_LEVEL
   LogLevel log_level = LogLevel::Warn;
 

@@ -1,0 +1,1129 @@
+// host_bench: meshmem's host-memory windows between exactly 2 ranks, against MPI and memcpy.
+//
+// Benchmarks (rank 0 is the origin, rank 1 the target):
+//   host_put         latency: one put + completion per iteration; bandwidth: a window of W puts
+//                    to W different offsets, then completion, per iteration (OSU put_latency /
+//                    put_bw style)
+//   host_get         latency: one get per iteration; bandwidth: W gets from W offsets
+//   host_put_signal  ping-pong of put + signal; latency is one way (round trip / 2)
+// Variants (same run, same tables): memcpy, meshmem (shm), meshmem-remote (mpi transport through
+// a simulated second node), mpi-sendrecv, mpi-put (MPI-3 RMA, passive target).
+//
+// Rank 0 prints one OSU-style table per (benchmark, variant) and a summary with the target
+// ratios; --csv FILE writes the rows in the bench/results schema. See bench/README.md.
+#include <mpi.h>
+#include <sched.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cerrno>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <memory>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <meshmem/meshmem.hpp>
+
+#ifndef MESHMEM_BENCH_BUILD_TYPE
+#define MESHMEM_BENCH_BUILD_TYPE "unknown"
+#endif
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// OSU's LARGE_MESSAGE_SIZE: above it the iteration and warm-up counts drop.
+constexpr std::size_t kLargeMessage = 8192;
+
+const char* const kBenchmarks[] = {"host_put", "host_get", "host_put_signal"};
+const char* const kVariants[] = {"memcpy", "meshmem", "meshmem-remote", "mpi-sendrecv", "mpi-put"};
+
+enum class Bench { Put, Get, PutSignal };
+
+int g_rank = -1;
+
+// ---- errors ----
+
+std::string mpi_error_text(int rc) {
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int len = 0;
+  if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) return "MPI error " + std::to_string(rc);
+  return std::string(text, static_cast<std::size_t>(len));
+}
+
+void check_mpi(int rc, const char* call, int line) {
+  if (rc != MPI_SUCCESS)
+    throw std::runtime_error(std::string(call) + " failed (host_bench.cpp:" + std::to_string(line) +
+                             "): " + mpi_error_text(rc));
+}
+#define MPI_CHECK(call) check_mpi((call), #call, __LINE__)
+
+// A failure on one rank would leave the other waiting in a collective: abort the job.
+[[noreturn]] void die(const std::string& message) {
+  std::fflush(stdout);
+  std::fprintf(stderr, "host_bench rank %d: %s\n", g_rank, message.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 2);
+  std::abort();
+}
+
+// Keeps the compiler from merging or dropping copies whose result it cannot see used.
+inline void clobber(const void* p) { __asm__ __volatile__("" : : "r"(p) : "memory"); }
+
+// ---- options ----
+
+struct Args {
+  std::size_t min_size = 1;
+  std::size_t max_size = std::size_t{4} << 20;
+  int iters = 10000;       // timed iterations, sizes <= 8 KiB
+  int iters_large = 1000;  // timed iterations, sizes > 8 KiB
+  int warmup = 200;
+  int warmup_large = 20;
+  int min_iters = 5;
+  // Each measurement is capped at about this long; the iteration count comes from the
+  // warm-up's time per iteration (rank 0 decides and broadcasts it).
+  double seconds_per_size = 0.15;
+  int window = 64;                              // puts / gets / sends per bandwidth iteration
+  std::size_t window_bytes = std::size_t{64} << 20;  // cap on window * size (fewer above it)
+  std::string csv;
+  std::string commit = "unknown";
+  std::string machine = "unknown";
+  std::set<std::string> benchmarks;  // empty: all
+  std::set<std::string> variants;    // empty: all
+};
+
+const char* const kUsage =
+    "usage: mpirun -np 2 host_bench [options]\n"
+    "  --min-size N          smallest message (default 1); sizes are powers of two\n"
+    "  --max-size N          largest message (default 4M); N may end in K, M or G (binary)\n"
+    "  --iters N             timed iterations for sizes <= 8 KiB (default 10000)\n"
+    "  --iters-large N       timed iterations for sizes > 8 KiB (default 1000)\n"
+    "  --warmup N            warm-up iterations for sizes <= 8 KiB (default 200)\n"
+    "  --warmup-large N      warm-up iterations for sizes > 8 KiB (default 20)\n"
+    "  --min-iters N         at least this many timed iterations (default 5)\n"
+    "  --time-per-size S     cap each measurement at about S seconds (default 0.15; 0: no cap)\n"
+    "  --window N            operations per bandwidth iteration (default 64)\n"
+    "  --window-bytes N      cap on window * size; fewer operations above it (default 64M)\n"
+    "  --benchmarks A,B      subset of host_put,host_get,host_put_signal\n"
+    "  --variants A,B        subset of memcpy,meshmem,meshmem-remote,mpi-sendrecv,mpi-put\n"
+    "  --csv FILE            also write the rows as CSV (overwrites FILE)\n"
+    "  --commit ID           recorded in the header and the CSV (default unknown)\n"
+    "  --machine NAME        recorded in the header and the CSV (default unknown)\n";
+
+std::size_t parse_size(const std::string& text) {
+  std::size_t pos = 0;
+  unsigned long long v = 0;
+  try {
+    v = std::stoull(text, &pos, 10);
+  } catch (const std::exception&) {
+    throw std::invalid_argument("not a size: '" + text + "'");
+  }
+  std::string suffix = text.substr(pos);
+  std::size_t shift = 0;
+  if (suffix == "" || suffix == "B") shift = 0;
+  else if (suffix == "K" || suffix == "KiB" || suffix == "k") shift = 10;
+  else if (suffix == "M" || suffix == "MiB") shift = 20;
+  else if (suffix == "G" || suffix == "GiB") shift = 30;
+  else throw std::invalid_argument("not a size: '" + text + "' (suffixes: K, M, G)");
+  if (v > (~0ull >> shift)) throw std::invalid_argument("size too large: '" + text + "'");
+  return static_cast<std::size_t>(v << shift);
+}
+
+int parse_int(const std::string& text, int lo) {
+  std::size_t pos = 0;
+  long v = 0;
+  try {
+    v = std::stol(text, &pos, 10);
+  } catch (const std::exception&) {
+    throw std::invalid_argument("not a number: '" + text + "'");
+  }
+  if (pos != text.size() || v < lo || v > 1000000000L)
+    throw std::invalid_argument("bad count: '" + text + "' (at least " + std::to_string(lo) + ")");
+  return static_cast<int>(v);
+}
+
+std::set<std::string> parse_list(const std::string& text, const char* const* known, std::size_t n) {
+  std::set<std::string> out;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    const std::size_t comma = text.find(',', start);
+    const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    if (!item.empty()) {
+      if (std::find(known, known + n, item) == known + n)
+        throw std::invalid_argument("unknown name '" + item + "'");
+      out.insert(item);
+    }
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+bool is_power_of_two(std::size_t v) { return v != 0 && (v & (v - 1)) == 0; }
+
+// Throws std::invalid_argument; returns false for --help.
+bool parse_args(int argc, char** argv, Args& a) {
+  for (int i = 1; i < argc; ++i) {
+    std::string opt = argv[i];
+    std::string value;
+    if (opt == "-h" || opt == "--help") return false;
+    const std::size_t eq = opt.find('=');
+    if (eq != std::string::npos) {
+      value = opt.substr(eq + 1);
+      opt = opt.substr(0, eq);
+    } else {
+      if (i + 1 >= argc) throw std::invalid_argument(opt + " needs a value");
+      value = argv[++i];
+    }
+    if (opt == "--min-size") a.min_size = parse_size(value);
+    else if (opt == "--max-size") a.max_size = parse_size(value);
+    else if (opt == "--iters") a.iters = parse_int(value, 1);
+    else if (opt == "--iters-large") a.iters_large = parse_int(value, 1);
+    else if (opt == "--warmup") a.warmup = parse_int(value, 0);
+    else if (opt == "--warmup-large") a.warmup_large = parse_int(value, 0);
+    else if (opt == "--min-iters") a.min_iters = parse_int(value, 1);
+    else if (opt == "--time-per-size") {
+      try {
+        a.seconds_per_size = std::stod(value);
+      } catch (const std::exception&) {
+        throw std::invalid_argument("not a number of seconds: '" + value + "'");
+      }
+      if (!(a.seconds_per_size >= 0)) throw std::invalid_argument("--time-per-size must be >= 0");
+    } else if (opt == "--window") a.window = parse_int(value, 1);
+    else if (opt == "--window-bytes") a.window_bytes = parse_size(value);
+    else if (opt == "--benchmarks") a.benchmarks = parse_list(value, kBenchmarks, 3);
+    else if (opt == "--variants") a.variants = parse_list(value, kVariants, 5);
+    else if (opt == "--csv") a.csv = value;
+    else if (opt == "--commit") a.commit = value;
+    else if (opt == "--machine") a.machine = value;
+    else throw std::invalid_argument("unknown option " + opt);
+  }
+  if (!is_power_of_two(a.min_size) || !is_power_of_two(a.max_size) || a.min_size > a.max_size)
+    throw std::invalid_argument("--min-size and --max-size must be powers of two, min <= max");
+  if (a.max_size > (std::size_t{1} << 30)) throw std::invalid_argument("--max-size is at most 1G");
+  return true;
+}
+
+// ---- buffers and data checks ----
+
+struct FreeDeleter {
+  void operator()(unsigned char* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<unsigned char, FreeDeleter>;
+
+// Page-aligned like a window mapping (malloc's large blocks start 16 bytes into a page,
+// which changes memcpy's speed), and touched so that no measurement pays the first fault.
+Buffer page_buffer(std::size_t bytes) {
+  void* p = nullptr;
+  if (posix_memalign(&p, 4096, std::max<std::size_t>(bytes, 1)) != 0)
+    throw std::runtime_error("posix_memalign of " + std::to_string(bytes) + " bytes failed");
+  std::memset(p, 0, bytes);
+  return Buffer(static_cast<unsigned char*>(p));
+}
+
+void fill_pattern(unsigned char* p, std::size_t n, std::uint32_t seed) {
+  for (std::size_t k = 0; k < n; ++k)
+    p[k] = static_cast<unsigned char>((seed >> (k % 4 * 8)) + k * 131u + (k >> 10) + 1u);
+}
+
+std::uint32_t seed_for(Bench b, int variant, std::size_t size) {
+  return static_cast<std::uint32_t>(size * 2654435761u) ^ (static_cast<std::uint32_t>(b) << 24) ^
+         (static_cast<std::uint32_t>(variant) << 16) ^ 0x5a5au;
+}
+
+// Index of the first of `count` consecutive `size`-byte regions that differs from ref, or -1.
+long first_bad_region(const unsigned char* base, int count, std::size_t size, const unsigned char* ref) {
+  for (int i = 0; i < count; ++i)
+    if (std::memcmp(base + static_cast<std::size_t>(i) * size, ref, size) != 0) return i;
+  return -1;
+}
+
+// ---- run context and results ----
+
+struct Ctx {
+  Args args;
+  int rank = 0;
+  int provided = 0;
+  std::size_t region_bytes = 0;  // max over sizes of window_for(size) * size
+  Buffer src;                    // max_size: what every put / send sends (both ranks)
+  Buffer dst;                    // region_bytes: where gets land (rank 0)
+  Buffer ref;                    // max_size: the expected pattern, for checks
+  std::string osc;               // the osc component of the mpi-put window, once known
+
+  int window_for(std::size_t size) const {
+    const std::size_t cap = std::max<std::size_t>(1, args.window_bytes / size);
+    return static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(args.window), cap));
+  }
+  std::vector<std::size_t> sizes() const {
+    std::vector<std::size_t> out;
+    for (std::size_t s = args.min_size; s <= args.max_size; s *= 2) out.push_back(s);
+    return out;
+  }
+};
+
+struct Row {
+  std::string benchmark;
+  std::string variant;
+  std::size_t size;
+  double latency_us;
+  double bandwidth_mbps;  // 1e6 bytes per second
+};
+
+// ---- variants ----
+
+// One way of moving the bytes. Every method is called on both ranks, which each play
+// their part (rank 0 the origin, rank 1 the target); a part may be empty.
+class Variant {
+ public:
+  explicit Variant(Ctx& ctx) : ctx_(ctx) {}
+  virtual ~Variant() = default;
+  Variant(const Variant&) = delete;
+  Variant& operator=(const Variant&) = delete;
+
+  virtual const char* name() const = 0;
+  virtual bool supports(Bench) const { return true; }
+  virtual std::string path() const = 0;          // how rank 0 reaches rank 1, for the header
+  virtual std::string how(Bench b) const = 0;    // what one iteration does, for the header
+  virtual void sync() = 0;                       // a barrier of this variant's own kind
+
+  // The rank that holds the memory puts land in and gets read from.
+  virtual int owner() const { return 1; }
+  virtual unsigned char* put_target() = 0;       // on owner()
+  virtual unsigned char* get_source() { return put_target(); }  // on owner()
+  virtual unsigned char* pingpong_target() { return put_target(); }  // on each rank
+  virtual void wrote_locally() {}     // after this rank wrote its own target memory directly
+  virtual void will_read_locally() {}
+
+  virtual void put_once(std::size_t size) = 0;
+  virtual void put_window(std::size_t size, int window) = 0;
+  virtual void get_once(std::size_t size) = 0;
+  virtual void get_window(std::size_t size, int window) = 0;
+  virtual void pingpong(std::size_t) {}
+
+ protected:
+  Ctx& ctx_;
+  std::size_t at(int i, std::size_t size) const { return static_cast<std::size_t>(i) * size; }
+};
+
+// Plain memcpy in rank 0: the ceiling for a same-node put. Rank 1 only waits.
+class MemcpyVariant final : public Variant {
+ public:
+  explicit MemcpyVariant(Ctx& ctx)
+      : Variant(ctx),
+        target_(ctx.rank == 0 ? page_buffer(ctx.region_bytes) : nullptr),
+        source_(ctx.rank == 0 ? page_buffer(ctx.region_bytes) : nullptr) {}
+  const char* name() const override { return "memcpy"; }
+  bool supports(Bench b) const override { return b != Bench::PutSignal; }
+  std::string path() const override { return "memcpy between two private buffers of rank 0"; }
+  std::string how(Bench b) const override {
+    return b == Bench::Put ? "latency: 1 memcpy src->target; bandwidth: W memcpys to W offsets"
+                           : "latency: 1 memcpy source->dst; bandwidth: W memcpys from W offsets";
+  }
+  void sync() override { MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD)); }
+  int owner() const override { return 0; }
+  unsigned char* put_target() override { return target_.get(); }
+  unsigned char* get_source() override { return source_.get(); }
+
+  void put_once(std::size_t size) override {
+    if (ctx_.rank != 0) return;
+    std::memcpy(target_.get(), ctx_.src.get(), size);
+    clobber(target_.get());
+  }
+  void put_window(std::size_t size, int window) override {
+    if (ctx_.rank != 0) return;
+    for (int i = 0; i < window; ++i) {
+      std::memcpy(target_.get() + at(i, size), ctx_.src.get(), size);
+      clobber(target_.get());
+    }
+  }
+  void get_once(std::size_t size) override {
+    if (ctx_.rank != 0) return;
+    std::memcpy(ctx_.dst.get(), source_.get(), size);
+    clobber(ctx_.dst.get());
+  }
+  void get_window(std::size_t size, int window) override {
+    if (ctx_.rank != 0) return;
+    for (int i = 0; i < window; ++i) {
+      std::memcpy(ctx_.dst.get() + at(i, size), source_.get() + at(i, size), size);
+      clobber(ctx_.dst.get());
+    }
+  }
+
+ private:
+  Buffer target_;
+  Buffer source_;
+};
+
+// meshmem host windows. `remote`: a Comm whose two ranks sit on two simulated nodes, so
+// that rank 1 is reached through the mpi transport and its progress thread.
+class MeshmemVariant final : public Variant {
+ public:
+  MeshmemVariant(Ctx& ctx, bool remote)
+      : Variant(ctx),
+        remote_(remote),
+        comm_(make_comm(remote)),
+        win_(comm_.alloc(ctx.region_bytes, meshmem::Memory::Host)),
+        sig_(comm_.alloc_signals(1, meshmem::Memory::Host)) {
+    const int peer = 1 - comm_.rank();
+    kind_ = comm_.transport(peer, meshmem::Memory::Host);
+    const meshmem::TransportKind want = remote ? meshmem::TransportKind::Mpi : meshmem::TransportKind::Shm;
+    if (kind_ != want)
+      throw std::runtime_error(std::string(name()) + ": comm.transport(" + std::to_string(peer) +
+                               ", Memory::Host) is " + meshmem::to_string(kind_) + ", expected " +
+                               meshmem::to_string(want) + " (check MESHMEM_TRANSPORTS / MESHMEM_SIMULATE_NODES)");
+    std::memset(win_.local(), 0, ctx.region_bytes);  // the owner's first touch, outside any timing
+  }
+
+  const char* name() const override { return remote_ ? "meshmem-remote" : "meshmem"; }
+  std::string path() const override {
+    std::string p = std::string("comm.transport(1, Memory::Host) == ") + meshmem::to_string(kind_) +
+                    " (checked on both ranks); rank 0 on node " + std::to_string(comm_.node_of(0)) +
+                    ", rank 1 on node " + std::to_string(comm_.node_of(1)) + " of " +
+                    std::to_string(comm_.node_count());
+    if (remote_) p += " (simulate_nodes = 2)";
+    else p += ", fd passing " + std::string(meshmem::to_string(comm_.fd_passing()));
+    return p;
+  }
+  std::string how(Bench b) const override {
+    switch (b) {
+      case Bench::Put: return "latency: put + quiet; bandwidth: W puts to W offsets + quiet";
+      case Bench::Get: return "latency: 1 get (complete on return); bandwidth: W gets from W offsets";
+      case Bench::PutSignal:
+        return "ping-pong: put_signal(Set, i) -> wait_until(GE, i) -> put_signal back; one way = round trip / 2";
+    }
+    return "";
+  }
+  void sync() override { comm_.barrier(); }
+  unsigned char* put_target() override { return static_cast<unsigned char*>(win_.local()); }
+
+  void put_once(std::size_t size) override {
+    if (comm_.rank() != 0) return;
+    comm_.put(win_, 1, 0, ctx_.src.get(), size);
+    comm_.quiet();
+  }
+  void put_window(std::size_t size, int window) override {
+    if (comm_.rank() != 0) return;
+    for (int i = 0; i < window; ++i) comm_.put(win_, 1, at(i, size), ctx_.src.get(), size);
+    comm_.quiet();
+  }
+  void get_once(std::size_t size) override {
+    if (comm_.rank() != 0) return;
+    comm_.get(ctx_.dst.get(), win_, 1, 0, size);
+  }
+  void get_window(std::size_t size, int window) override {
+    if (comm_.rank() != 0) return;
+    for (int i = 0; i < window; ++i) comm_.get(ctx_.dst.get() + at(i, size), win_, 1, at(i, size), size);
+  }
+  void pingpong(std::size_t size) override {
+    ++seq_;
+    using meshmem::Cmp;
+    using meshmem::SignalOp;
+    if (comm_.rank() == 0) {
+      comm_.put_signal(win_, 1, 0, ctx_.src.get(), size, sig_, 0, seq_, SignalOp::Set);
+      comm_.wait_until(sig_, 0, Cmp::GE, seq_);
+    } else {
+      comm_.wait_until(sig_, 0, Cmp::GE, seq_);
+      comm_.put_signal(win_, 0, 0, ctx_.src.get(), size, sig_, 0, seq_, SignalOp::Set);
+    }
+  }
+
+ private:
+  static meshmem::Comm make_comm(bool remote) {
+    if (!remote) return meshmem::Comm(MPI_COMM_WORLD);  // default options (MESHMEM_* of the environment)
+    // Built the same way on both ranks, so the Comm's option fingerprints agree.
+    meshmem::Options options = meshmem::Options::from_environment();
+    options.simulate_nodes = 2;
+    return meshmem::Comm(MPI_COMM_WORLD, options);
+  }
+
+  bool remote_;
+  meshmem::Comm comm_;       // declared before the windows: they are freed first
+  meshmem::Window win_;
+  meshmem::Signals sig_;
+  meshmem::TransportKind kind_ = meshmem::TransportKind::None;
+  std::uint64_t seq_ = 0;
+};
+
+// Two-sided MPI on a communicator of its own.
+class MpiSendrecvVariant final : public Variant {
+ public:
+  explicit MpiSendrecvVariant(Ctx& ctx) : Variant(ctx), buf_(page_buffer(ctx.region_bytes)) {
+    MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
+    MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+    reqs_.assign(static_cast<std::size_t>(ctx.args.window), MPI_REQUEST_NULL);
+  }
+  ~MpiSendrecvVariant() override {
+    if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  }
+  const char* name() const override { return "mpi-sendrecv"; }
+  std::string path() const override { return "MPI_Send/MPI_Recv (Isend/Irecv for windows), MPI_COMM_WORLD dup"; }
+  std::string how(Bench b) const override {
+    switch (b) {
+      case Bench::Put:
+        return "latency: Send(size) + 0-byte ack back; bandwidth: W Isend / W Irecv + Waitall + ack (OSU bw)";
+      case Bench::Get:
+        return "latency: 0-byte request, Send(size) reply; bandwidth: 1 request, W Isend replies";
+      case Bench::PutSignal: return "ping-pong: Send / Recv, one way = round trip / 2 (OSU latency)";
+    }
+    return "";
+  }
+  void sync() override { MPI_CHECK(MPI_Barrier(comm_)); }
+  unsigned char* put_target() override { return buf_.get(); }
+
+  void put_once(std::size_t size) override {
+    const int n = static_cast<int>(size);
+    if (ctx_.rank == 0) {
+      MPI_CHECK(MPI_Send(ctx_.src.get(), n, MPI_BYTE, 1, kData, comm_));
+      MPI_CHECK(MPI_Recv(nullptr, 0, MPI_BYTE, 1, kAck, comm_, MPI_STATUS_IGNORE));
+    } else {
+      MPI_CHECK(MPI_Recv(buf_.get(), n, MPI_BYTE, 0, kData, comm_, MPI_STATUS_IGNORE));
+      MPI_CHECK(MPI_Send(nullptr, 0, MPI_BYTE, 0, kAck, comm_));
+    }
+  }
+  void put_window(std::size_t size, int window) override {
+    const int n = static_cast<int>(size);
+    if (ctx_.rank == 0) {
+      for (int i = 0; i < window; ++i)
+        MPI_CHECK(MPI_Isend(ctx_.src.get(), n, MPI_BYTE, 1, kData, comm_, &reqs_[i]));
+      MPI_CHECK(MPI_Waitall(window, reqs_.data(), MPI_STATUSES_IGNORE));
+      MPI_CHECK(MPI_Recv(&ack_, 1, MPI_INT, 1, kAck, comm_, MPI_STATUS_IGNORE));
+    } else {
+      for (int i = 0; i < window; ++i)
+        MPI_CHECK(MPI_Irecv(buf_.get() + at(i, size), n, MPI_BYTE, 0, kData, comm_, &reqs_[i]));
+      MPI_CHECK(MPI_Waitall(window, reqs_.data(), MPI_STATUSES_IGNORE));
+      MPI_CHECK(MPI_Send(&ack_, 1, MPI_INT, 0, kAck, comm_));
+    }
+  }
+  void get_once(std::size_t size) override {
+    const int n = static_cast<int>(size);
+    if (ctx_.rank == 0) {
+      MPI_Request r = MPI_REQUEST_NULL;
+      MPI_CHECK(MPI_Irecv(ctx_.dst.get(), n, MPI_BYTE, 1, kReply, comm_, &r));
+      MPI_CHECK(MPI_Send(nullptr, 0, MPI_BYTE, 1, kRequest, comm_));
+      MPI_CHECK(MPI_Wait(&r, MPI_STATUS_IGNORE));
+    } else {
+      MPI_CHECK(MPI_Recv(nullptr, 0, MPI_BYTE, 0, kRequest, comm_, MPI_STATUS_IGNORE));
+      MPI_CHECK(MPI_Send(buf_.get(), n, MPI_BYTE, 0, kReply, comm_));
+    }
+  }
+  void get_window(std::size_t size, int window) override {
+    const int n = static_cast<int>(size);
+    if (ctx_.rank == 0) {
+      for (int i = 0; i < window; ++i)
+        MPI_CHECK(MPI_Irecv(ctx_.dst.get() + at(i, size), n, MPI_BYTE, 1, kReply, comm_, &reqs_[i]));
+      MPI_CHECK(MPI_Send(nullptr, 0, MPI_BYTE, 1, kRequest, comm_));
+      MPI_CHECK(MPI_Waitall(window, reqs_.data(), MPI_STATUSES_IGNORE));
+    } else {
+      MPI_CHECK(MPI_Recv(nullptr, 0, MPI_BYTE, 0, kRequest, comm_, MPI_STATUS_IGNORE));
+      for (int i = 0; i < window; ++i)
+        MPI_CHECK(MPI_Isend(buf_.get() + at(i, size), n, MPI_BYTE, 0, kReply, comm_, &reqs_[i]));
+      MPI_CHECK(MPI_Waitall(window, reqs_.data(), MPI_STATUSES_IGNORE));
+    }
+  }
+  void pingpong(std::size_t size) override {
+    const int n = static_cast<int>(size);
+    if (ctx_.rank == 0) {
+      MPI_CHECK(MPI_Send(ctx_.src.get(), n, MPI_BYTE, 1, kData, comm_));
+      MPI_CHECK(MPI_Recv(buf_.get(), n, MPI_BYTE, 1, kData, comm_, MPI_STATUS_IGNORE));
+    } else {
+      MPI_CHECK(MPI_Recv(buf_.get(), n, MPI_BYTE, 0, kData, comm_, MPI_STATUS_IGNORE));
+      MPI_CHECK(MPI_Send(ctx_.src.get(), n, MPI_BYTE, 0, kData, comm_));
+    }
+  }
+
+ private:
+  static constexpr int kData = 1, kAck = 2, kRequest = 3, kReply = 4;
+  Buffer buf_;  // region_bytes on both ranks: where puts and ping-pong data land / gets come from
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  std::vector<MPI_Request> reqs_;
+  int ack_ = 0;
+};
+
+// MPI-3 RMA: MPI_Win_allocate, one passive-target epoch (MPI_Win_lock_all) for the whole run.
+class MpiPutVariant final : public Variant {
+ public:
+  explicit MpiPutVariant(Ctx& ctx) : Variant(ctx) {
+    flag_disp_ = (ctx.region_bytes + 63) / 64 * 64;
+    MPI_CHECK(MPI_Win_allocate(static_cast<MPI_Aint>(flag_disp_ + 64), 1, MPI_INFO_NULL, MPI_COMM_WORLD,
+                               &base_, &win_));
+    MPI_CHECK(MPI_Win_set_errhandler(win_, MPI_ERRORS_RETURN));
+    std::memset(base_, 0, flag_disp_ + 64);
+    osc_ = detect_osc();
+    ctx.osc = osc_;
+    MPI_CHECK(MPI_Win_lock_all(MPI_MODE_NOCHECK, win_));
+  }
+  ~MpiPutVariant() override {
+    if (win_ == MPI_WIN_NULL) return;
+    MPI_Win_unlock_all(win_);
+    MPI_Win_free(&win_);
+  }
+  const char* name() const override { return "mpi-put"; }
+  std::string path() const override {
+    return "MPI_Win_allocate + MPI_Win_lock_all; osc component: " + osc_ + ", memory model " + model_;
+  }
+  std::string how(Bench b) const override {
+    switch (b) {
+      case Bench::Put: return "latency: MPI_Put + MPI_Win_flush; bandwidth: W MPI_Puts to W offsets + MPI_Win_flush";
+      case Bench::Get: return "latency: MPI_Get + MPI_Win_flush; bandwidth: W MPI_Gets from W offsets + MPI_Win_flush";
+      case Bench::PutSignal:
+        return "ping-pong: MPI_Put + flush, MPI_Accumulate(REPLACE) of a flag + flush; the target polls the "
+               "flag with MPI_Fetch_and_op(NO_OP) on itself, then MPI_Win_sync; one way = round trip / 2";
+    }
+    return "";
+  }
+  void sync() override { MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD)); }
+  unsigned char* put_target() override { return static_cast<unsigned char*>(base_); }
+  void wrote_locally() override { MPI_CHECK(MPI_Win_sync(win_)); }
+  void will_read_locally() override { MPI_CHECK(MPI_Win_sync(win_)); }
+
+  void put_once(std::size_t size) override {
+    if (ctx_.rank != 0) return;
+    const int n = static_cast<int>(size);
+    MPI_CHECK(MPI_Put(ctx_.src.get(), n, MPI_BYTE, 1, 0, n, MPI_BYTE, win_));
+    MPI_CHECK(MPI_Win_flush(1, win_));
+  }
+  void put_window(std::size_t size, int window) override {
+    if (ctx_.rank != 0) return;
+    const int n = static_cast<int>(size);
+    for (int i = 0; i < window; ++i)
+      MPI_CHECK(MPI_Put(ctx_.src.get(), n, MPI_BYTE, 1, static_cast<MPI_Aint>(at(i, size)), n, MPI_BYTE, win_));
+    MPI_CHECK(MPI_Win_flush(1, win_));
+  }
+  void get_once(std::size_t size) override {
+    if (ctx_.rank != 0) return;
+    const int n = static_cast<int>(size);
+    MPI_CHECK(MPI_Get(ctx_.dst.get(), n, MPI_BYTE, 1, 0, n, MPI_BYTE, win_));
+    MPI_CHECK(MPI_Win_flush(1, win_));
+  }
+  void get_window(std::size_t size, int window) override {
+    if (ctx_.rank != 0) return;
+    const int n = static_cast<int>(size);
+    for (int i = 0; i < window; ++i)
+      MPI_CHECK(MPI_Get(ctx_.dst.get() + at(i, size), n, MPI_BYTE, 1, static_cast<MPI_Aint>(at(i, size)), n,
+                        MPI_BYTE, win_));
+    MPI_CHECK(MPI_Win_flush(1, win_));
+  }
+  void pingpong(std::size_t size) override {
+    ++seq_;
+    if (ctx_.rank == 0) {
+      send(1, size);
+      wait();
+    } else {
+      wait();
+      send(0, size);
+    }
+  }
+
+ private:
+  // MPI orders neither two puts nor a put and an accumulate: the data is flushed before
+  // the flag goes out. The flag is written with an accumulate, atomic per element.
+  void send(int peer, std::size_t size) {
+    const int n = static_cast<int>(size);
+    MPI_CHECK(MPI_Put(ctx_.src.get(), n, MPI_BYTE, peer, 0, n, MPI_BYTE, win_));
+    MPI_CHECK(MPI_Win_flush(peer, win_));
+    flag_out_ = seq_;
+    MPI_CHECK(MPI_Accumulate(&flag_out_, 1, MPI_UINT64_T, peer, static_cast<MPI_Aint>(flag_disp_), 1,
+                             MPI_UINT64_T, MPI_REPLACE, win_));
+    MPI_CHECK(MPI_Win_flush(peer, win_));
+  }
+  // Reading the flag with an accumulate-class call (atomic with respect to the writer's
+  // accumulate), then MPI_Win_sync so that the data read afterwards is the public copy.
+  void wait() {
+    const auto start = Clock::now();
+    std::uint64_t value = 0;
+    const std::uint64_t none = 0;
+    for (unsigned polls = 0;; ++polls) {
+      MPI_CHECK(MPI_Fetch_and_op(&none, &value, MPI_UINT64_T, ctx_.rank, static_cast<MPI_Aint>(flag_disp_),
+                                 MPI_NO_OP, win_));
+      MPI_CHECK(MPI_Win_flush_local(ctx_.rank, win_));
+      if (value >= seq_) break;
+      if (polls % 4096 == 4095 && Clock::now() - start > std::chrono::seconds(60))
+        throw std::runtime_error("mpi-put ping-pong: flag " + std::to_string(value) + " never reached " +
+                                 std::to_string(seq_) + " in 60 s");
+    }
+    MPI_CHECK(MPI_Win_sync(win_));
+  }
+
+  // Open MPI names its windows after the component ("rdma window 3"); osc sm leaves the
+  // name empty but is the one that answers MPI_Win_shared_query for an MPI_Win_allocate window.
+  std::string detect_osc() {
+    char name[MPI_MAX_OBJECT_NAME] = {};
+    int len = 0;
+    MPI_CHECK(MPI_Win_get_name(win_, name, &len));
+    int* model = nullptr;
+    int found = 0;
+    MPI_CHECK(MPI_Win_get_attr(win_, MPI_WIN_MODEL, &model, &found));
+    model_ = !found ? "unknown" : *model == MPI_WIN_UNIFIED ? "unified" : "separate";
+    MPI_Aint peer_bytes = 0;
+    int disp = 0;
+    void* peer = nullptr;
+    const bool shared = MPI_Win_shared_query(win_, 1 - ctx_.rank, &peer_bytes, &disp, &peer) == MPI_SUCCESS &&
+                        peer != nullptr;
+    const std::string n(name, static_cast<std::size_t>(len));
+    std::string what = n.empty() ? "unnamed" : n.substr(0, n.find(" window"));
+    if (n.empty() && shared) what = "sm";
+    return what + " (window name '" + n + "', MPI_Win_shared_query " + (shared ? "works" : "refused") + ")";
+  }
+
+  void* base_ = nullptr;
+  MPI_Win win_ = MPI_WIN_NULL;
+  std::size_t flag_disp_ = 0;
+  std::uint64_t seq_ = 0;
+  std::uint64_t flag_out_ = 0;
+  std::string osc_;
+  std::string model_;
+};
+
+std::unique_ptr<Variant> make_variant(const std::string& name, Ctx& ctx) {
+  if (name == "memcpy") return std::make_unique<MemcpyVariant>(ctx);
+  if (name == "meshmem") return std::make_unique<MeshmemVariant>(ctx, false);
+  if (name == "meshmem-remote") return std::make_unique<MeshmemVariant>(ctx, true);
+  if (name == "mpi-sendrecv") return std::make_unique<MpiSendrecvVariant>(ctx);
+  if (name == "mpi-put") return std::make_unique<MpiPutVariant>(ctx);
+  throw std::invalid_argument("unknown variant " + name);
+}
+
+// ---- timing ----
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+int clamp_count(double x, int lo, int hi) {
+  lo = std::min(lo, hi);
+  if (!(x >= lo)) return lo;  // also NaN
+  if (x >= hi) return hi;
+  return static_cast<int>(x);
+}
+
+int bcast_from_0(int value) {
+  MPI_CHECK(MPI_Bcast(&value, 1, MPI_INT, 0, MPI_COMM_WORLD));
+  return value;
+}
+
+// Seconds per iteration of `iter`, as timed by rank 0. Both ranks call `iter` the same
+// number of times: one first iteration (page faults, lazy connections), a warm-up sized so
+// it takes about a quarter of the time budget, then the timed loop, its count capped by
+// the budget. Rank 0 decides the counts and broadcasts them; the variant's barrier comes
+// before every broadcast, so a rank never busy-polls MPI while the other one is timing.
+template <class Iter>
+double measure(Ctx& ctx, Variant& v, std::size_t size, Iter&& iter) {
+  const Args& a = ctx.args;
+  const bool large = size > kLargeMessage;
+  const int max_iters = large ? a.iters_large : a.iters;
+  const int max_warmup = large ? a.warmup_large : a.warmup;
+  const double budget = a.seconds_per_size > 0 ? a.seconds_per_size : 1e30;
+
+  v.sync();
+  auto t0 = Clock::now();
+  iter();
+  const double first = seconds_since(t0);
+  v.sync();
+  const int warm = bcast_from_0(clamp_count(0.25 * budget / first, 0, std::max(0, max_warmup - 1)));
+  t0 = Clock::now();
+  for (int i = 0; i < warm; ++i) iter();
+  const double warm_time = seconds_since(t0);
+  v.sync();
+  const double per = warm > 0 ? warm_time / warm : first;
+  const int iters = bcast_from_0(clamp_count(budget / per, a.min_iters, max_iters));
+  v.sync();
+  t0 = Clock::now();
+  for (int i = 0; i < iters; ++i) iter();
+  const double elapsed = seconds_since(t0);
+  v.sync();
+  return elapsed / iters;
+}
+
+// ---- the benchmarks ----
+
+class Runner {
+ public:
+  explicit Runner(Ctx& ctx) : ctx_(ctx) {}
+
+  void run_variant(Variant& v, int variant_index) {
+    for (int b = 0; b < 3; ++b) {
+      const Bench bench = static_cast<Bench>(b);
+      if (!selected(ctx_.args.benchmarks, kBenchmarks[b]) || !v.supports(bench)) continue;
+      if (ctx_.rank == 0) {
+        std::printf("\n# %s / %s: %s\n", kBenchmarks[b], v.name(), v.path().c_str());
+        std::printf("#   %s\n", v.how(bench).c_str());
+        if (bench != Bench::PutSignal)
+          std::printf("#   W = %d operations per bandwidth iteration (fewer where W * size > %zu bytes)\n",
+                      ctx_.args.window, ctx_.args.window_bytes);
+        std::printf("# %-10s %18s %20s\n", "size", "latency(us)", "bandwidth(MB/s)");
+        std::fflush(stdout);
+      }
+      for (std::size_t size : ctx_.sizes()) run_size(v, bench, variant_index, size);
+    }
+  }
+
+  const std::vector<Row>& rows() const { return rows_; }
+  int failures() const { return failures_; }
+
+  static bool selected(const std::set<std::string>& set, const std::string& name) {
+    return set.empty() || set.count(name) != 0;
+  }
+
+ private:
+  void run_size(Variant& v, Bench bench, int variant_index, std::size_t size) {
+    const std::uint32_t seed = seed_for(bench, variant_index, size);
+    const int me = ctx_.rank;
+    unsigned char* src = ctx_.src.get();
+    unsigned char* ref = ctx_.ref.get();
+    fill_pattern(src, size, seed);
+    fill_pattern(ref, size, seed);
+    const int w = ctx_.window_for(size);
+    double latency = 0;   // seconds
+    double bandwidth = 0; // bytes per second
+    long bad = -1;        // first region that failed the check, on the rank that checked
+    std::string where;
+
+    switch (bench) {
+      case Bench::Put: {
+        if (me == v.owner()) {
+          std::memset(v.put_target(), 0, static_cast<std::size_t>(w) * size);
+          v.wrote_locally();
+        }
+        latency = measure(ctx_, v, size, [&] { v.put_once(size); });
+        bandwidth = static_cast<double>(w) * static_cast<double>(size) /
+                    measure(ctx_, v, size, [&] { v.put_window(size, w); });
+        if (me == v.owner()) {
+          v.will_read_locally();
+          bad = first_bad_region(v.put_target(), w, size, ref);
+          where = "put target region";
+        }
+        break;
+      }
+      case Bench::Get: {
+        if (me == v.owner()) {
+          for (int i = 0; i < w; ++i) std::memcpy(v.get_source() + static_cast<std::size_t>(i) * size, ref, size);
+          v.wrote_locally();
+        }
+        if (me == 0) std::memset(ctx_.dst.get(), 0, static_cast<std::size_t>(w) * size);
+        latency = measure(ctx_, v, size, [&] { v.get_once(size); });
+        bandwidth = static_cast<double>(w) * static_cast<double>(size) /
+                    measure(ctx_, v, size, [&] { v.get_window(size, w); });
+        if (me == 0) {
+          bad = first_bad_region(ctx_.dst.get(), w, size, ref);
+          where = "get destination region";
+        }
+        break;
+      }
+      case Bench::PutSignal: {
+        std::memset(v.pingpong_target(), 0, size);
+        v.wrote_locally();
+        const double round_trip = measure(ctx_, v, size, [&] { v.pingpong(size); });
+        latency = round_trip / 2;
+        bandwidth = static_cast<double>(size) / latency;
+        v.will_read_locally();
+        bad = first_bad_region(v.pingpong_target(), 1, size, ref);
+        where = "ping-pong target";
+        break;
+      }
+    }
+
+    // Every rank learns whether the data arrived, so both count the failure.
+    int ok = bad < 0 ? 1 : 0;
+    if (!ok)
+      std::fprintf(stderr, "host_bench rank %d: %s / %s, size %zu: DATA CHECK FAILED (%s %ld differs)\n", me,
+                   kBenchmarks[static_cast<int>(bench)], v.name(), size, where.c_str(), bad);
+    int all_ok = 0;
+    MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+    if (me != 0) return;
+    if (!all_ok) {
+      ++failures_;
+      std::printf("%-12zu %18s %20s   # data check failed: not recorded\n", size, "-", "-");
+    } else {
+      rows_.push_back(Row{kBenchmarks[static_cast<int>(bench)], v.name(), size, latency * 1e6, bandwidth / 1e6});
+      std::printf("%-12zu %18.3f %20.2f\n", size, latency * 1e6, bandwidth / 1e6);
+    }
+    std::fflush(stdout);
+  }
+
+  Ctx& ctx_;
+  std::vector<Row> rows_;
+  int failures_ = 0;
+};
+
+// ---- how busy the machine was ----
+
+int cpus_usable() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+  return CPU_COUNT(&set);
+}
+
+
+// All CPUs' time from /proc/stat, in seconds: busy (everything but idle and iowait) and
+// stolen by the hypervisor. Zero where /proc/stat cannot be read.
+struct CpuTimes {
+  double busy = 0;
+  double steal = 0;
+  bool valid = false;
+};
+
+CpuTimes machine_cpu_times() {
+  CpuTimes t;
+  std::FILE* f = std::fopen("/proc/stat", "r");
+  if (f == nullptr) return t;
+  unsigned long long v[10] = {};
+  const int n = std::fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2], &v[3],
+                            &v[4], &v[5], &v[6], &v[7], &v[8], &v[9]);
+  std::fclose(f);
+  if (n < 8) return t;
+  const double tick = static_cast<double>(sysconf(_SC_CLK_TCK));
+  // user nice system idle iowait irq softirq steal (guest time is counted in user already)
+  t.busy = static_cast<double>(v[0] + v[1] + v[2] + v[5] + v[6]) / tick;
+  t.steal = static_cast<double>(v[7]) / tick;
+  t.valid = true;
+  return t;
+}
+
+// CPU seconds of this process, all threads.
+double own_cpu_seconds() {
+  rusage u{};
+  if (getrusage(RUSAGE_SELF, &u) != 0) return 0;
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
+}
+
+struct Busyness {
+  CpuTimes machine;
+  double own = 0;
+  Clock::time_point wall = Clock::now();
+  static Busyness now() { return Busyness{machine_cpu_times(), own_cpu_seconds(), Clock::now()}; }
+};
+
+// Both ranks call it. Other processes competing for the CPUs make busy-polling loops wait
+// whole scheduler time slices (milliseconds): the run is only as good as the machine was quiet.
+void report_busyness(const Busyness& start, int rank) {
+  const Busyness end = Busyness::now();
+  const double mine = end.own - start.own;
+  double ours = 0;
+  MPI_Reduce(&mine, &ours, 1, MPI_DOUBLE, MPI_SUM, 0, MPI_COMM_WORLD);
+  if (rank != 0 || !start.machine.valid || !end.machine.valid) return;
+  const double wall = std::chrono::duration<double>(end.wall - start.wall).count();
+  const double capacity = wall * cpus_usable();
+  const double others = std::max(0.0, end.machine.busy - start.machine.busy - ours);
+  const double steal = end.machine.steal - start.machine.steal;
+  std::printf("\nmachine during the run: %.1f s wall on %d CPUs; host_bench used %.1f CPU s, other processes "
+              "%.1f CPU s (%.0f%% of the machine), hypervisor steal %.1f s\n",
+              wall, cpus_usable(), ours, others, 100.0 * others / capacity, steal);
+  if (others > 0.05 * capacity || steal > 0.05 * capacity)
+    std::printf("WARNING: the machine was not quiet (other processes or steal above 5%%): the timings, "
+                "latencies above all, are disturbed; run again on an idle machine\n");
+}
+
+// ---- output ----
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+std::string csv_field(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
+bool write_csv(const Ctx& ctx, const std::string& date, const std::vector<Row>& rows) {
+  std::FILE* f = std::fopen(ctx.args.csv.c_str(), "w");
+  if (f == nullptr) {
+    std::fprintf(stderr, "host_bench: cannot open %s for writing: %s\n", ctx.args.csv.c_str(), std::strerror(errno));
+    return false;
+  }
+  std::fprintf(f, "date,commit,machine,benchmark,variant,ranks,size_bytes,latency_us,bandwidth_gbps\n");
+  for (const Row& r : rows)
+    std::fprintf(f, "%s,%s,%s,%s,%s,2,%zu,%.4f,%.6f\n", csv_field(date).c_str(), csv_field(ctx.args.commit).c_str(),
+                 csv_field(ctx.args.machine).c_str(), r.benchmark.c_str(), r.variant.c_str(), r.size, r.latency_us,
+                 r.bandwidth_mbps / 1000.0);
+  const bool ok = std::fflush(f) == 0 && !std::ferror(f);
+  if (std::fclose(f) != 0 || !ok) {
+    std::fprintf(stderr, "host_bench: writing %s failed\n", ctx.args.csv.c_str());
+    return false;
+  }
+  return true;
+}
+
+const Row* find_row(const std::vector<Row>& rows, const char* bench, const char* variant, std::size_t size) {
+  for (const Row& r : rows)
+    if (r.benchmark == bench && r.variant == variant && r.size == size) return &r;
+  return nullptr;
+}
+
+// One ratio line of the summary; `higher_is_better` decides how the target reads.
+void print_ratio(const std::vector<Row>& rows, const char* label, const char* bench, std::size_t size,
+                 const char* num, const char* den, bool bandwidth, const char* target, double limit,
+                 bool at_least) {
+  const Row* a = find_row(rows, bench, num, size);
+  const Row* b = find_row(rows, bench, den, size);
+  if (a == nullptr || b == nullptr) {
+    std::printf("%s: n/a (%s or %s at %zu bytes not measured in this run)\n", label, num, den, size);
+    return;
+  }
+  const double x = bandwidth ? a->bandwidth_mbps : a->latency_us;
+  const double y = bandwidth ? b->bandwidth_mbps : b->latency_us;
+  const double ratio = x / y;
+  std::printf("%s: %.3f", label, ratio);
+  if (target != nullptr) {
+    const bool met = at_least ? ratio >= limit : ratio <= limit;
+    std::printf("  (target %s: %s)", target, met ? "met" : "MISSED");
+  }
+  if (bandwidth)
+    std::printf("\n    %s %.1f MB/s, %s %.1f MB/s\n", num, x, den, y);
+  else
+    std::printf("\n    %s %.3f us, %s %.3f us\n", num, x, den, y);
+}
+
+void print_summary(const std::vector<Row>& rows) {
+  const std::size_t mib = std::size_t{1} << 20;
+  std::printf("\nsummary (ratios of rows of this run):\n");
+  print_ratio(rows, "(a) host_put 1 MiB bandwidth, meshmem / memcpy", "host_put", mib, "meshmem", "memcpy", true,
+              ">= 0.9", 0.9, true);
+  print_ratio(rows, "(b) host_put_signal 8 B one-way latency, meshmem / mpi-sendrecv", "host_put_signal", 8, "meshmem",
+              "mpi-sendrecv", false, "<= 1.0", 1.0, false);
+  std::printf("for reference:\n");
+  print_ratio(rows, "    host_put 1 MiB bandwidth, meshmem-remote / mpi-sendrecv", "host_put", mib, "meshmem-remote",
+              "mpi-sendrecv", true, nullptr, 0, true);
+  print_ratio(rows, "    host_put_signal 8 B one-way latency, meshmem-remote / mpi-sendrecv", "host_put_signal", 8,
+              "meshmem-remote", "mpi-sendrecv", false, nullptr, 0, false);
+  print_ratio(rows, "    host_put 1 MiB bandwidth, meshmem / mpi-put", "host_put", mib, "meshmem", "mpi-put", true,
+              nullptr, 0, true);
+  print_ratio(rows, "    host_put_signal 8 B one-way latency, meshmem / mpi-put", "host_put_signal", 8, "meshmem",
+              "mpi-put", false, nullptr, 0, false);
+}
+
+void print_header(const Ctx& ctx, const std::string& date) {
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "unknown");
+  char lib[MPI_MAX_LIBRARY_VERSION_STRING] = {};
+  int len = 0;
+  MPI_Get_library_version(lib, &len);
+  std::string mpi(lib, static_cast<std::size_t>(len));
+  mpi = mpi.substr(0, mpi.find_first_of(",\n"));
+  const Args& a = ctx.args;
+  std::printf("# meshmem host_bench: machine %s, host %s, nproc %d, date %s, commit %s\n", a.machine.c_str(), host,
+              cpus_usable(), date.c_str(), a.commit.c_str());
+  std::printf("# 2 ranks, %s, thread level %s, build %s\n", mpi.c_str(),
+              ctx.provided >= MPI_THREAD_MULTIPLE ? "MPI_THREAD_MULTIPLE" : "below MPI_THREAD_MULTIPLE",
+              MESHMEM_BENCH_BUILD_TYPE);
+  std::printf("# sizes %zu..%zu B; iterations <= %d (<= %d above %zu B), warm-up <= %d (%d), at least %d, "
+              "each measurement capped near %.2f s\n",
+              a.min_size, a.max_size, a.iters, a.iters_large, kLargeMessage, a.warmup, a.warmup_large, a.min_iters,
+              a.seconds_per_size);
+  std::printf("# latency in microseconds; bandwidth in MB/s (1e6 bytes/s; the CSV has GB/s = 1e9 bytes/s)\n");
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int provided = 0;
+  if (MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS) {
+    std::fprintf(stderr, "host_bench: MPI_Init_thread failed\n");
+    return 2;
+  }
+  MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+  int nranks = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &nranks);
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+
+  Ctx ctx;
+  ctx.rank = g_rank;
+  ctx.provided = provided;
+  try {
+    if (!parse_args(argc, argv, ctx.args)) {
+      if (g_rank == 0) std::fputs(kUsage, stdout);
+      MPI_Finalize();
+      return 0;
+    }
+  } catch (const std::exception& e) {
+    if (g_rank == 0) std::fprintf(stderr, "host_bench: %s\n%s", e.what(), kUsage);
+    MPI_Finalize();
+    return 2;
+  }
+  if (nranks != 2) {
+    if (g_rank == 0) std::fprintf(stderr, "host_bench: needs exactly 2 ranks, got %d (mpirun -np 2)\n", nranks);
+    MPI_Finalize();
+    return 2;
+  }
+  if (provided < MPI_THREAD_MULTIPLE) {
+    if (g_rank == 0)
+      std::fprintf(stderr, "host_bench: MPI provides thread level %d, below MPI_THREAD_MULTIPLE (the "
+                           "meshmem-remote variant's progress thread needs it)\n", provided);
+    MPI_Finalize();
+    return 2;
+  }
+
+  std::string date;
+  Busyness start;
+  int failures = 0;
+  std::vector<Row> rows;
+  try {
+    const auto sizes = ctx.sizes();
+    for (std::size_t s : sizes)
+      ctx.region_bytes = std::max(ctx.region_bytes, static_cast<std::size_t>(ctx.window_for(s)) * s);
+    ctx.src = page_buffer(ctx.args.max_size);
+    ctx.ref = page_buffer(ctx.args.max_size);
+    ctx.dst = page_buffer(g_rank == 0 ? ctx.region_bytes : 0);
+    date = utc_now();
+    if (g_rank == 0) print_header(ctx, date);
+    start = Busyness::now();
+
+    Runner runner(ctx);
+    for (int vi = 0; vi < 5; ++vi) {
+      if (!Runner::selected(ctx.args.variants, kVariants[vi])) continue;
+      std::unique_ptr<Variant> v;
+      try {
+        v = make_variant(kVariants[vi], ctx);
+      } catch (const std::exception& e) {
+        die(std::string(kVariants[vi]) + ": setup failed: " + e.what());
+      }
+      // Abort before unwinding: the variant's destructor is collective and the other rank
+      // may never get there.
+      try {
+        runner.run_variant(*v, vi);
+      } catch (const std::exception& e) {
+        die(std::string(kVariants[vi]) + ": " + e.what());
+      }
+      v.reset();  // collective: frees windows / Comm before the next variant runs
+    }
+    rows = runner.rows();
+    failures = runner.failures();
+  } catch (const std::exception& e) {
+    die(e.what());
+  }
+
+  int rc = failures > 0 ? 1 : 0;
+  report_busyness(start, g_rank);
+  if (g_rank == 0) {
+    print_summary(rows);
+    if (failures > 0) std::printf("\n%d measurement(s) failed their data check (see stderr)\n", failures);
+    if (!ctx.args.csv.empty()) {
+      if (write_csv(ctx, date, rows))
+        std::printf("\nwrote %zu rows to %s\n", rows.size(), ctx.args.csv.c_str());
+      else
+        rc = 1;
+    }
+    std::fflush(stdout);
+  }
+  MPI_Bcast(&rc, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return rc;
+}

@@ -1,0 +1,353 @@
+// The GPU part: device windows in CUDA VMM memory shared between the ranks of a node,
+// stream-ordered signals, and the stream-ordered barrier.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+
+#include "../bootstrap.hpp"
+#include "../device_backend.hpp"
+#include "../fd_exchange.hpp"
+#include "../log.hpp"
+#include "../topology.hpp"
+#include "kernels.hpp"
+#include "meshmem/ipc/cuda_driver.hpp"
+#include "meshmem/ipc/ipc_event.hpp"
+#include "meshmem/ipc/vmm.hpp"
+#include "transport_ipc.hpp"
+
+namespace meshmem::detail {
+
+namespace {
+
+struct CudaFree {
+  void operator()(void* p) const noexcept {
+    if (p != nullptr) (void)cudaFree(p);
+  }
+};
+using DevicePtr = std::unique_ptr<void, CudaFree>;
+
+class OwnedStream {
+ public:
+  OwnedStream() {
+    ipc::check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags",
+                    "meshmem::Comm (device setup)");
+  }
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
+  ~OwnedStream() {
+    if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+  }
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+class DeviceWindowMemory final : public WindowMemory {
+ public:
+  ~DeviceWindowMemory() override {
+    // Work of this device may still use the mappings: let it finish before unmapping.
+    (void)cudaDeviceSynchronize();
+  }
+  ipc::VmmAllocation mine;
+  std::vector<ipc::PeerMapping> peers;  // by rank; empty where not mapped
+  DevicePtr table;                      // device copy of WindowState::peer
+};
+
+class CudaDeviceBackend final : public DeviceBackend {
+ public:
+  CudaDeviceBackend(const DeviceContext& ctx, int device);
+
+  void create_window(WindowState& state, const std::string& what) override;
+  Transport* route(int target, std::string* why) const override;
+  void wait_until(const WindowState& sig, std::size_t index, Cmp cmp, std::uint64_t value,
+                  Stream stream) override;
+  void barrier(Stream stream) override;
+  std::string describe() const override { return description_; }
+
+ private:
+  void probe_peers();
+  void setup_barrier();
+  std::string where(const char* call) const { return std::string(call) + " on rank " + std::to_string(ctx_.topo.rank); }
+
+  DeviceContext ctx_;
+  int device_;
+  std::string description_;
+  std::size_t granularity_ = 0;
+  unsigned wait_flags_ = 0;  // extra flags of stream waits (flush of remote writes)
+  OwnedStream setup_stream_;
+  IpcTransport ipc_;
+  std::vector<std::string> no_route_;  // by rank: why it cannot be reached ("" = it can)
+
+  // barrier(stream)
+  bool node_barrier_ = false;  // every rank on this node and mapped: no host involvement
+  std::uint64_t epoch_ = 0;
+  WindowState flags_;          // MESHMEM_BARRIER=flag: one word per rank, symmetric
+  static constexpr int kEventRing = 4;
+  std::vector<ipc::IpcEvent> events_;                     // MESHMEM_BARRIER=event
+  std::vector<std::vector<ipc::PeerEvent>> peer_events_;  // [slot][rank]
+  bool warned_host_barrier_ = false;
+};
+
+CudaDeviceBackend::CudaDeviceBackend(const DeviceContext& ctx, int device)
+    : ctx_(ctx), device_(device), ipc_(ctx.options.sm_copy_max, ctx.topo.rank) {
+  const std::string what = "meshmem::Comm (device setup)";
+  agreed_step(ctx_.boot, what, [&] {
+    ipc::check_cuda(cudaSetDevice(device_), "cudaSetDevice", what);
+    cudaDeviceProp prop{};
+    ipc::check_cuda(cudaGetDeviceProperties(&prop, device_), "cudaGetDeviceProperties", what);
+    char bus[32] = {};
+    ipc::check_cuda(cudaDeviceGetPCIBusId(bus, sizeof(bus), device_), "cudaDeviceGetPCIBusId", what);
+    description_ = "device " + std::to_string(device_) + " (" + prop.name + ", " + bus + ")";
+    granularity_ = ipc::vmm_granularity(device_);
+    CUdevice dev = 0;
+    ipc::check_cu(ipc::cuda_driver().cuDeviceGet(&dev, device_), "cuDeviceGet", what);
+    int flush = 0;
+    ipc::check_cu(ipc::cuda_driver().cuDeviceGetAttribute(&flush, CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES, dev),
+                  "cuDeviceGetAttribute", what);
+    wait_flags_ = flush ? CU_STREAM_WAIT_VALUE_FLUSH : 0;
+  });
+  // Granularities are powers of two: the largest is a multiple of all, so every rank
+  // rounds a window to the same size.
+  granularity_ = ctx_.boot.allreduce_max(granularity_, what);
+  probe_peers();
+  setup_barrier();
+}
+
+void CudaDeviceBackend::probe_peers() {
+  const std::string what = "meshmem::Comm (device peer probe)";
+  const Topology& topo = ctx_.topo;
+  no_route_.assign(static_cast<std::size_t>(topo.size), std::string());
+  for (int r = 0; r < topo.size; ++r)
+    if (!topo.same_node(r))
+      no_route_[r] = "rank " + std::to_string(r) + " is on node " + std::to_string(topo.node_of[r]) +
+                     " and this rank on node " + std::to_string(topo.node()) +
+                     "; device windows across nodes need the NCCL/MPI transport, which is not "
+                     "implemented yet";
+  // Map one granule of every node peer: where that fails (no peer access between the two
+  // GPUs, or the driver refuses), the pair has no device route, and says why.
+  ipc::VmmAllocation probe;
+  ipc::UniqueFd fd;
+  agreed_step(ctx_.boot, what, [&] {
+    probe = ipc::VmmAllocation::create(granularity_, device_);
+    fd = probe.export_fd();
+  });
+  std::vector<ipc::UniqueFd> received = ctx_.fds.exchange(fd.get(), what);
+  for (int r : topo.node_ranks) {
+    if (r == topo.rank) continue;
+    try {
+      ipc::PeerMapping m = ipc::PeerMapping::import(received[r].get(), granularity_, device_);
+    } catch (const Error& e) {
+      no_route_[r] = "the GPU memory of rank " + std::to_string(r) + " cannot be mapped for " +
+                     description_ + " (no peer access between the GPUs?): " + e.what() +
+                     "; the staged transport for such pairs is not implemented yet";
+      log(LogLevel::Warn, "no device route to rank " + std::to_string(r) + ": " + no_route_[r]);
+    }
+  }
+}
+
+void CudaDeviceBackend::setup_barrier() {
+  const std::string what = "meshmem::Comm (barrier setup)";
+  const Topology& topo = ctx_.topo;
+  bool all_mapped = topo.node_count == 1;
+  for (const auto& why : no_route_) all_mapped = all_mapped && why.empty();
+  node_barrier_ = ctx_.boot.allreduce_max(all_mapped ? 0 : 1, what) == 0;
+  if (!node_barrier_) {
+    log(LogLevel::Info, "barrier(stream): ranks span nodes or unmapped GPUs; the host waits for the stream, then meets the other ranks");
+    return;
+  }
+  if (ctx_.options.barrier == Options::Barrier::Flag) {
+    flags_.bytes = static_cast<std::size_t>(topo.size) * sizeof(std::uint64_t);
+    flags_.memory = Memory::Device;
+    create_window(flags_, what);
+    return;
+  }
+  std::vector<cudaIpcEventHandle_t> mine(kEventRing);
+  agreed_step(ctx_.boot, what, [&] {
+    for (int k = 0; k < kEventRing; ++k) {
+      events_.push_back(ipc::IpcEvent::create());
+      mine[k] = events_.back().handle();
+    }
+  });
+  std::vector<cudaIpcEventHandle_t> all(static_cast<std::size_t>(kEventRing) * topo.size);
+  ctx_.boot.allgather(mine.data(), all.data(), sizeof(cudaIpcEventHandle_t) * kEventRing, what);
+  peer_events_.resize(kEventRing);
+  for (auto& ring : peer_events_) ring.resize(static_cast<std::size_t>(topo.size));
+  agreed_step(ctx_.boot, what, [&] {
+    for (int k = 0; k < kEventRing; ++k)
+      for (int r = 0; r < topo.size; ++r)
+        if (r != topo.rank) peer_events_[k][r] = ipc::PeerEvent::open(all[static_cast<std::size_t>(r) * kEventRing + k]);
+  });
+}
+
+void CudaDeviceBackend::create_window(WindowState& state, const std::string& what) {
+  const Topology& topo = ctx_.topo;
+  const std::size_t bytes = ipc::vmm_round(state.bytes, granularity_);
+  auto memory = std::make_unique<DeviceWindowMemory>();
+  ipc::UniqueFd fd;
+  agreed_step(ctx_.boot, what, [&] {
+    memory->mine = ipc::VmmAllocation::create(bytes, device_);
+    // Zeroed (signals start at 0) and complete before any peer can write into it.
+    ipc::check_cuda(cudaMemsetAsync(memory->mine.data(), 0, bytes, setup_stream_.get()), "cudaMemsetAsync", what);
+    ipc::check_cuda(cudaStreamSynchronize(setup_stream_.get()), "cudaStreamSynchronize", what);
+    fd = memory->mine.export_fd();
+  });
+  std::vector<ipc::UniqueFd> received = ctx_.fds.exchange(fd.get(), what);
+  state.local = memory->mine.data();
+  state.peer.assign(static_cast<std::size_t>(topo.size), nullptr);
+  state.peer[topo.rank] = state.local;
+  memory->peers.resize(static_cast<std::size_t>(topo.size));
+  agreed_step(ctx_.boot, what, [&] {
+    for (int r : topo.node_ranks) {
+      if (r == topo.rank || !no_route_[r].empty()) continue;
+      memory->peers[r] = ipc::PeerMapping::import(received[r].get(), bytes, device_);
+      state.peer[r] = memory->peers[r].data();
+    }
+    void* table = nullptr;
+    const std::size_t table_bytes = state.peer.size() * sizeof(void*);
+    ipc::check_cuda(cudaMalloc(&table, table_bytes), "cudaMalloc", what);
+    memory->table.reset(table);
+    ipc::check_cuda(cudaMemcpy(table, state.peer.data(), table_bytes, cudaMemcpyHostToDevice), "cudaMemcpy", what);
+  });
+  state.device_peer_table = memory->table.get();
+  state.storage = std::move(memory);
+}
+
+Transport* CudaDeviceBackend::route(int target, std::string* why) const {
+  if (no_route_[target].empty()) return const_cast<IpcTransport*>(&ipc_);
+  if (why) *why = no_route_[target];
+  return nullptr;
+}
+
+void CudaDeviceBackend::wait_until(const WindowState& sig, std::size_t index, Cmp cmp, std::uint64_t value,
+                                   Stream stream) {
+  const std::string what = where("comm.wait_until");
+  auto* word = static_cast<std::uint64_t*>(sig.local) + index;
+  const auto addr = reinterpret_cast<CUdeviceptr>(word);
+  const auto& drv = ipc::cuda_driver();
+  // The stream's front end waits for GE / EQ (and GT as GE value+1); the other comparisons
+  // need a polling kernel.
+  if (cmp == Cmp::GE || (cmp == Cmp::GT && value != UINT64_MAX)) {
+    const std::uint64_t v = cmp == Cmp::GT ? value + 1 : value;
+    ipc::check_cu(drv.cuStreamWaitValue64(stream, addr, v, CU_STREAM_WAIT_VALUE_GEQ | wait_flags_),
+                  "cuStreamWaitValue64(GEQ)", what);
+  } else if (cmp == Cmp::EQ) {
+    ipc::check_cu(drv.cuStreamWaitValue64(stream, addr, value, CU_STREAM_WAIT_VALUE_EQ | wait_flags_),
+                  "cuStreamWaitValue64(EQ)", what);
+  } else {
+    ipc::check_cuda(cuda::launch_wait(word, cmp, value, stream), "wait kernel launch", what);
+  }
+}
+
+void CudaDeviceBackend::barrier(Stream stream) {
+  const std::string what = where("comm.barrier(stream)");
+  const Topology& topo = ctx_.topo;
+  if (!node_barrier_) {
+    if (!warned_host_barrier_)
+      log(LogLevel::Info, what + ": ranks span nodes or unmapped GPUs; the host waits for the stream, then meets the others");
+    warned_host_barrier_ = true;
+    ipc::check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize", what);
+    ctx_.boot.arrive("comm.barrier(stream)");
+    return;
+  }
+  ++epoch_;
+  if (topo.size == 1) return;
+  if (ctx_.options.barrier == Options::Barrier::Flag) {
+    // Tell every peer this rank arrived (its word `rank` in the peer's flags), then wait
+    // for every peer's word here. Flags only grow, so nothing is ever reset.
+    std::vector<CUstreamBatchMemOpParams> ops;
+    ops.reserve(2 * static_cast<std::size_t>(topo.size));
+    for (int r = 0; r < topo.size; ++r) {
+      if (r == topo.rank) continue;
+      CUstreamBatchMemOpParams op{};
+      op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+      op.writeValue.address = reinterpret_cast<CUdeviceptr>(static_cast<std::uint64_t*>(flags_.peer[r]) + topo.rank);
+      op.writeValue.value64 = epoch_;
+      op.writeValue.flags = 0;  // memory barrier first: earlier puts land before the flag
+      ops.push_back(op);
+    }
+    for (int r = 0; r < topo.size; ++r) {
+      if (r == topo.rank) continue;
+      CUstreamBatchMemOpParams op{};
+      op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+      op.waitValue.address = reinterpret_cast<CUdeviceptr>(static_cast<std::uint64_t*>(flags_.local) + r);
+      op.waitValue.value64 = epoch_;
+      op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ | wait_flags_;
+      ops.push_back(op);
+    }
+    // The driver takes at most 256 operations a call; the halves stay in order on the stream.
+    for (std::size_t i = 0; i < ops.size(); i += 256) {
+      const unsigned count = static_cast<unsigned>(std::min<std::size_t>(256, ops.size() - i));
+      ipc::check_cu(ipc::cuda_driver().cuStreamBatchMemOp(stream, count, ops.data() + i, 0), "cuStreamBatchMemOp", what);
+    }
+    return;
+  }
+  // Events: record, meet on the host (which never waits for the GPU), then make the stream
+  // wait for every peer's record. A ring of events: a peer cannot re-record slot k before
+  // this rank has issued its waits on it (that needs this rank at a later barrier).
+  const int slot = static_cast<int>(epoch_ % kEventRing);
+  ipc::check_cuda(cudaEventRecord(events_[slot].get(), stream), "cudaEventRecord", what);
+  ctx_.boot.arrive("comm.barrier(stream)");
+  for (int r = 0; r < topo.size; ++r)
+    if (r != topo.rank)
+      ipc::check_cuda(cudaStreamWaitEvent(stream, peer_events_[slot][r].get(), 0), "cudaStreamWaitEvent", what);
+}
+
+}  // namespace
+
+bool device_runtime_available(std::string* why) {
+  auto fail = [&](const std::string& text) {
+    if (why) *why = text;
+    return false;
+  };
+  int count = 0;
+  const cudaError_t rc = cudaGetDeviceCount(&count);
+  if (rc != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fail(std::string("no usable CUDA device: cudaGetDeviceCount: ") + cudaGetErrorString(rc));
+  }
+  if (count == 0) return fail("no CUDA device is visible");
+  try {
+    const auto& drv = ipc::cuda_driver();
+    int device = 0;
+    ipc::check_cuda(cudaGetDevice(&device), "cudaGetDevice", "device check");
+    CUdevice dev = 0;
+    ipc::check_cu(drv.cuDeviceGet(&dev, device), "cuDeviceGet", "device check");
+    int vmm = 0, fd = 0;
+    ipc::check_cu(drv.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev), "cuDeviceGetAttribute", "device check");
+    ipc::check_cu(drv.cuDeviceGetAttribute(&fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev), "cuDeviceGetAttribute", "device check");
+    if (!vmm) return fail("device " + std::to_string(device) + " does not support CUDA virtual memory management");
+    if (!fd) return fail("device " + std::to_string(device) + " cannot export memory as POSIX file descriptors");
+  } catch (const Error& e) {
+    return fail(e.what());
+  }
+  return true;
+}
+
+std::unique_ptr<DeviceBackend> make_device_backend(const DeviceContext& ctx, std::string* why) {
+  const std::string what = "meshmem::Comm (device check)";
+  std::string mine_why;
+  const bool ok = device_runtime_available(&mine_why);
+  int device = -1;
+  if (ok) (void)cudaGetDevice(&device);
+  // Device windows exist on all ranks or on none: the first rank that cannot says why.
+  const std::int32_t flag = ok ? 1 : 0;
+  std::vector<std::int32_t> all(static_cast<std::size_t>(ctx.topo.size));
+  ctx.boot.allgather(&flag, all.data(), sizeof(flag), what);
+  const auto first = std::find(all.begin(), all.end(), 0);
+  if (first != all.end()) {
+    const int speaker = static_cast<int>(first - all.begin());
+    std::uint64_t len = ctx.topo.rank == speaker ? mine_why.size() : 0;
+    ctx.boot.broadcast(&len, sizeof(len), speaker, what);
+    std::string text(len, '\0');
+    if (ctx.topo.rank == speaker) text = mine_why;
+    if (len > 0) ctx.boot.broadcast(text.data(), len, speaker, what);
+    *why = "rank " + std::to_string(speaker) + ": " + text;
+    return nullptr;
+  }
+  return std::make_unique<CudaDeviceBackend>(ctx, device);
+}
+
+}  // namespace meshmem::detail

@@ -1,0 +1,62 @@
+#include "kernels.hpp"
+#include "meshmem/device/device.cuh"
+
+namespace meshmem::detail::cuda {
+
+namespace {
+
+constexpr int kThreads = 512;
+
+__global__ void copy_kernel(void* dst, const void* src, std::size_t bytes) {
+  // Each block copies its own contiguous slice.
+  const std::size_t per_block = (bytes + gridDim.x - 1) / gridDim.x;
+  const std::size_t begin = per_block * blockIdx.x;
+  if (begin >= bytes) return;
+  const std::size_t len = begin + per_block > bytes ? bytes - begin : per_block;
+  device::copy_block(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin, len);
+}
+
+// One block, so that one thread can signal once the block's writes are done.
+__global__ void copy_signal_kernel(void* dst, const void* src, std::size_t bytes, std::uint64_t* signal,
+                                   std::uint64_t value, SignalOp op) {
+  if (bytes > 0) device::copy_block(dst, src, bytes);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    device::SignalWord word(*signal);
+    if (op == SignalOp::Set)
+      word.store(value, ::cuda::memory_order_release);
+    else
+      word.fetch_add(value, ::cuda::memory_order_release);
+  }
+}
+
+__global__ void wait_kernel(const std::uint64_t* word, Cmp cmp, std::uint64_t value) {
+  device::SignalWord w(*const_cast<std::uint64_t*>(word));
+  while (!device::compare(w.load(::cuda::memory_order_acquire), cmp, value)) __nanosleep(100);
+}
+
+}  // namespace
+
+cudaError_t launch_copy(void* dst, const void* src, std::size_t bytes, std::uint64_t* signal,
+                        std::uint64_t value, SignalOp op, cudaStream_t stream) {
+  const std::size_t wide = (bytes + 15) / 16;
+  const int threads = static_cast<int>(wide < kThreads ? (wide < 32 ? 32 : (wide + 31) / 32 * 32) : kThreads);
+  if (signal != nullptr) {
+    copy_signal_kernel<<<1, threads, 0, stream>>>(dst, src, bytes, signal, value, op);
+  } else {
+    if (bytes == 0) return cudaSuccess;
+    // About 16 KiB a block, at most 32 blocks: small puts are latency-bound.
+    std::size_t blocks = (bytes + 16383) / 16384;
+    if (blocks > 32) blocks = 32;
+    copy_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(dst, src, bytes);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_wait(const std::uint64_t* word, Cmp cmp, std::uint64_t value, cudaStream_t stream) {
+  wait_kernel<<<1, 1, 0, stream>>>(word, cmp, value);
+  return cudaGetLastError();
+}
+
+}  // namespace meshmem::detail::cuda

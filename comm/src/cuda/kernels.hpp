@@ -1,0 +1,23 @@
+// Launchers of meshmem's own kernels (comm/src/cuda/kernels.cu).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "meshmem/types.hpp"
+
+namespace meshmem::detail::cuda {
+
+// SM copy of `bytes` (dst, src device-accessible). If `signal` is non-null, the word is
+// updated (system-scope release) after the whole copy is written: one launch for a small
+// put_signal. bytes may be 0 (signal only).
+cudaError_t launch_copy(void* dst, const void* src, std::size_t bytes, std::uint64_t* signal,
+                        std::uint64_t value, SignalOp op, cudaStream_t stream);
+
+// Blocks `stream` until *word compares true (for the comparisons stream memory operations
+// lack).
+cudaError_t launch_wait(const std::uint64_t* word, Cmp cmp, std::uint64_t value, cudaStream_t stream);
+
+}  // namespace meshmem::detail::cuda

@@ -1,0 +1,34 @@
+// IpcTransport: device windows of peers on this node, mapped here through CUDA VMM. Puts
+// and gets are stream-ordered copies through the mapped pointer: a copy kernel up to
+// MESHMEM_SM_COPY_MAX bytes (lower latency), the copy engine above it (full bandwidth).
+// Signals follow their data on the same stream: one fused kernel for small put_signals,
+// else the copy then a stream write (Set) or a one-thread kernel (Add).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "../transport.hpp"
+
+namespace meshmem::detail {
+
+class IpcTransport final : public Transport {
+ public:
+  IpcTransport(std::size_t sm_copy_max, int rank) : sm_copy_max_(sm_copy_max), rank_(rank) {}
+  TransportKind kind() const override { return TransportKind::Ipc; }
+  void put(const WindowState& win, int target, std::size_t offset, const void* src,
+           std::size_t bytes, const SignalUpdate& signal, Stream stream) override;
+  void get(void* dst, const WindowState& win, int target, std::size_t offset, std::size_t bytes,
+           Stream stream) override;
+  void quiet() override {}  // completion is stream order
+
+ private:
+  bool use_sm(const void* local, std::size_t bytes) const;
+  std::size_t sm_copy_max_;
+  int rank_;
+};
+
+// Whether kernels of the current device can dereference `p` (device, managed, or mapped
+// pinned host memory).
+bool device_accessible(const void* p);
+
+}  // namespace meshmem::detail

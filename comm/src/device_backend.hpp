@@ -1,0 +1,50 @@
+// The GPU part, seen from the CUDA-free core. The core calls make_device_backend(); the
+// library links one of its two definitions: comm/src/cuda/ (CUDA VMM windows, IPC events)
+// or comm/src/device_none.cpp (builds without CUDA).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "meshmem/config.hpp"
+#include "transport.hpp"
+
+namespace meshmem::detail {
+
+class Bootstrap;
+class FdExchange;
+struct Topology;
+
+struct DeviceContext {
+  Bootstrap& boot;
+  const Topology& topo;
+  FdExchange& fds;
+  const Options& options;
+};
+
+class DeviceBackend {
+ public:
+  virtual ~DeviceBackend() = default;
+  // Collective: this rank's part, its descriptor passed to the node peers, their parts
+  // mapped where peer access allows. Fills local, peer, storage and device_peer_table.
+  virtual void create_window(WindowState& state, const std::string& what) = 0;
+  // Transport to `target` for device windows, or nullptr and the reason in *why.
+  virtual Transport* route(int target, std::string* why) const = 0;
+  // Stream-ordered wait on this rank's signal word.
+  virtual void wait_until(const WindowState& sig, std::size_t index, Cmp cmp, std::uint64_t value,
+                          Stream stream) = 0;
+  // Collective, stream-ordered: the host does not wait.
+  virtual void barrier(Stream stream) = 0;
+  virtual std::string describe() const = 0;
+};
+
+// Collective over the Comm. Null where this build has no GPU part or a rank has no usable
+// CUDA device; *why then says which rank and why.
+std::unique_ptr<DeviceBackend> make_device_backend(const DeviceContext& ctx, std::string* why);
+
+// Whether this process can use a CUDA device (no collective; for default_memory()).
+bool device_runtime_available(std::string* why);
+
+}  // namespace meshmem::detail
