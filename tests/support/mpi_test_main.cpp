@@ -4,7 +4,11 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <dirent.h>
+
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 namespace {
 
@@ -22,9 +26,28 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
   int rank_;
 };
 
+// MESHMEM_TEST_ISOLATE=1: give each rank only its own GPU through CUDA_VISIBLE_DEVICES,
+// as per-rank isolating launchers do. Done before any CUDA call; GPUs are counted from
+// the driver's /proc entries so that no CUDA call is needed.
+void isolate_gpu() {
+  const char* isolate = std::getenv("MESHMEM_TEST_ISOLATE");
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  if (isolate == nullptr || std::string(isolate) != "1" || local == nullptr) return;
+  int gpus = 0;
+  if (DIR* d = opendir("/proc/driver/nvidia/gpus")) {
+    while (dirent* e = readdir(d))
+      if (e->d_name[0] != '.') ++gpus;
+    closedir(d);
+  }
+  if (gpus == 0) return;
+  const std::string device = std::to_string(std::atoi(local) % gpus);
+  setenv("CUDA_VISIBLE_DEVICES", device.c_str(), 1);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  isolate_gpu();
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   if (provided < MPI_THREAD_MULTIPLE) {
@@ -42,6 +65,13 @@ int main(int argc, char** argv) {
   int failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
   int any_failed = 0;
   MPI_Allreduce(&failed, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  // Exit code 77 when every test skipped itself (no GPU, say): CTest reports the test as
+  // skipped (SKIP_RETURN_CODE), not as passed.
+  const auto* unit = ::testing::UnitTest::GetInstance();
+  int all_skipped = unit->test_to_run_count() > 0 && unit->skipped_test_count() == unit->test_to_run_count() ? 1 : 0;
+  int everywhere = 0;
+  MPI_Allreduce(&all_skipped, &everywhere, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
   MPI_Finalize();
-  return any_failed;
+  if (any_failed) return 1;
+  return everywhere ? 77 : 0;
 }
