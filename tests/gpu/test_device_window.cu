@@ -74,6 +74,13 @@ struct DeviceBuffer {
   std::size_t bytes;
 };
 
+// cudaMemcpy from pageable memory may return before the DMA into `dev` is done, and the
+// tests' streams do not synchronise with the legacy stream: wait for it.
+void upload(void* dev, const void* host, std::size_t bytes) {
+  cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice);
+  cudaDeviceSynchronize();
+}
+
 std::vector<unsigned char> to_host(const void* dev, std::size_t bytes) {
   std::vector<unsigned char> h(bytes);
   cudaMemcpy(h.data(), dev, bytes, cudaMemcpyDeviceToHost);
@@ -110,7 +117,7 @@ void put_every_pair(Comm& comm, cudaStream_t stream, std::uint64_t seed, bool pa
       const void* src = host_src.back().data();
       if (!pageable_source) {
         dev_src.push_back(std::make_unique<DeviceBuffer>(size));
-        CUDA_OK(cudaMemcpy(dev_src.back()->p, src, size, cudaMemcpyHostToDevice));
+        upload(dev_src.back()->p, src, size);
         src = dev_src.back()->p;
       }
       comm.put(win, t, slot_offset(me, size), src, size, stream);
@@ -164,7 +171,7 @@ TEST_F(DeviceWindow, GetEveryPairEverySize) {
     const std::size_t bytes = size + 2 * kGuard + 16;
     Window win = comm->alloc(bytes);
     auto mine = pattern(seed, key(size, me, 0, 1), bytes);
-    CUDA_OK(cudaMemcpy(win.local(), mine.data(), bytes, cudaMemcpyHostToDevice));
+    upload(win.local(), mine.data(), bytes);
     comm->barrier(stream);
     for (int t = 0; t < n; ++t) {
       if (size > (8u << 20) && t != (me + 1) % n) continue;
@@ -207,7 +214,7 @@ TEST_F(DeviceWindow, PutSignalRingDataVisibleWithSignal) {
   std::size_t used = 0;
   for (int k = 0; k < 20; ++k) {
     src_off[k] = used;
-    CUDA_OK(cudaMemcpy(static_cast<char*>(src.p) + used, sent[k].data(), sent[k].size(), cudaMemcpyHostToDevice));
+    upload(static_cast<char*>(src.p) + used, sent[k].data(), sent[k].size());
     used += sent[k].size();
   }
   for (int it = 0; it < iterations; ++it) {
@@ -277,7 +284,7 @@ TEST_F(DeviceWindow, BarrierTenThousandRounds) {
   DeviceBuffer values(10000 * sizeof(std::uint64_t));
   std::vector<std::uint64_t> host(10000);
   for (int i = 0; i < 10000; ++i) host[i] = (static_cast<std::uint64_t>(me) << 32) | static_cast<std::uint64_t>(i + 1);
-  CUDA_OK(cudaMemcpy(values.p, host.data(), values.bytes, cudaMemcpyHostToDevice));
+  upload(values.p, host.data(), values.bytes);
   DeviceBuffer errors(sizeof(unsigned));
   CUDA_OK(cudaMemset(errors.p, 0, sizeof(unsigned)));
   const int left = (me + n - 1) % n;
@@ -319,7 +326,7 @@ TEST_F(DeviceWindow, KernelsWriteIntoPeersThroughDeviceApi) {
   const int right = (me + 1) % n, left = (me + n - 1) % n;
   auto data = pattern(seed, key(bytes, me, right, 3), bytes);
   DeviceBuffer src(bytes);
-  CUDA_OK(cudaMemcpy(src.p, data.data(), bytes, cudaMemcpyHostToDevice));
+  upload(src.p, data.data(), bytes);
   CUDA_OK(cudaMemset(win.local(), kPoison, bytes));
   comm->barrier(stream);
   ring_kernel<<<blocks, 256, 0, stream>>>(win.view(), sig.view(), static_cast<unsigned char*>(src.p), bytes, 1);

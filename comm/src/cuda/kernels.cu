@@ -46,9 +46,10 @@ cudaError_t launch_copy(void* dst, const void* src, std::size_t bytes, std::uint
     copy_signal_kernel<<<1, threads, 0, stream>>>(dst, src, bytes, signal, value, op);
   } else {
     if (bytes == 0) return cudaSuccess;
-    // About 16 KiB a block, at most 32 blocks: small puts are latency-bound.
+    // About 16 KiB a block: one block for small puts (latency), a full grid of several
+    // blocks per SM for large ones (NVLink needs many stores in flight).
     std::size_t blocks = (bytes + 16383) / 16384;
-    if (blocks > 32) blocks = 32;
+    if (blocks > 1024) blocks = 1024;
     copy_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(dst, src, bytes);
   }
   return cudaGetLastError();

@@ -1,0 +1,16 @@
+# device_bench: device windows (meshmem default / copy engine / copy kernel) against
+# cudaMemcpyAsync into a CUDA-IPC-mapped peer buffer, NCCL and meshmem's barrier variants.
+if(MESHMEM_HAVE_CUDA)
+  add_executable(device_bench device_bench.cu)
+  target_link_libraries(device_bench PRIVATE meshmem::meshmem)
+  if(MESHMEM_NCCL_LIBRARY AND MESHMEM_NCCL_INCLUDE)
+    target_compile_definitions(device_bench PRIVATE MESHMEM_BENCH_HAVE_NCCL=1)
+    target_include_directories(device_bench PRIVATE ${MESHMEM_NCCL_INCLUDE})
+    target_link_libraries(device_bench PRIVATE ${MESHMEM_NCCL_LIBRARY})
+  else()
+    message(STATUS "device_bench: NCCL not found, its NCCL baselines are left out")
+  endif()
+  if(EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/nvshmem.cmake)
+    include(${CMAKE_CURRENT_SOURCE_DIR}/nvshmem.cmake)
+  endif()
+endif()

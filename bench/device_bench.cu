@@ -1,0 +1,519 @@
+// device_bench: device windows between the GPUs of one node, against the baselines of the
+// same run: cudaMemcpyAsync into a CUDA-IPC-mapped peer buffer (+ stream memory ops for
+// signals), NCCL send/recv and all-reduce, and meshmem's two barrier variants. Rank 0 ->
+// rank 1 for the pairwise figures; barriers with 2 ranks and with every rank of the job.
+// Prints OSU-style tables; --csv appends rows in the bench/results format.
+//   mpirun -np 4 device_bench [--csv FILE] [--commit C] [--machine M] [--date D] [--quick]
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <meshmem/ipc/cuda_driver.hpp>
+#include <meshmem/meshmem.hpp>
+#include <string>
+#include <vector>
+
+#ifdef MESHMEM_BENCH_HAVE_NCCL
+#include <nccl.h>
+#endif
+
+namespace {
+
+int g_rank = 0;
+
+#define CK(call)                                                                                     \
+  do {                                                                                               \
+    cudaError_t rc_ = (call);                                                                        \
+    if (rc_ != cudaSuccess) {                                                                        \
+      std::fprintf(stderr, "rank %d: %s failed: %s (%s:%d)\n", g_rank, #call, cudaGetErrorString(rc_), \
+                   __FILE__, __LINE__);                                                              \
+      MPI_Abort(MPI_COMM_WORLD, 1);                                                                  \
+    }                                                                                                \
+  } while (0)
+#define CU(call)                                                                                     \
+  do {                                                                                               \
+    CUresult rc_ = (call);                                                                           \
+    if (rc_ != CUDA_SUCCESS) {                                                                       \
+      std::fprintf(stderr, "rank %d: %s failed: CUresult %d (%s:%d)\n", g_rank, #call, (int)rc_, __FILE__, __LINE__); \
+      MPI_Abort(MPI_COMM_WORLD, 1);                                                                  \
+    }                                                                                                \
+  } while (0)
+#define MK(call)                                                                                     \
+  do {                                                                                               \
+    int rc_ = (call);                                                                                \
+    if (rc_ != MPI_SUCCESS) {                                                                        \
+      std::fprintf(stderr, "rank %d: %s failed: MPI error %d\n", g_rank, #call, rc_);                \
+      MPI_Abort(MPI_COMM_WORLD, 1);                                                                  \
+    }                                                                                                \
+  } while (0)
+#ifdef MESHMEM_BENCH_HAVE_NCCL
+#define NK(call)                                                                                     \
+  do {                                                                                               \
+    ncclResult_t rc_ = (call);                                                                       \
+    if (rc_ != ncclSuccess) {                                                                        \
+      std::fprintf(stderr, "rank %d: %s failed: %s\n", g_rank, #call, ncclGetErrorString(rc_));      \
+      MPI_Abort(MPI_COMM_WORLD, 1);                                                                  \
+    }                                                                                                \
+  } while (0)
+#endif
+
+struct Row {
+  std::string benchmark, variant;
+  int ranks;
+  long long size;  // -1: none
+  double latency_us, bandwidth_gbps;  // <0: none
+};
+std::vector<Row> g_rows;
+
+void record(const std::string& bench, const std::string& variant, int ranks, long long size, double lat_us, double bw) {
+  if (g_rank == 0) g_rows.push_back({bench, variant, ranks, size, lat_us, bw});
+}
+
+// GPU time of `body` (enqueueing `iters` operations on `s`) per operation, in microseconds.
+template <class F>
+double stream_time_us(cudaStream_t s, int iters, F&& body) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  CK(cudaEventRecord(a, s));
+  for (int i = 0; i < iters; ++i) body(i);
+  CK(cudaEventRecord(b, s));
+  CK(cudaEventSynchronize(b));
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, a, b));
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  return ms * 1e3 / iters;
+}
+
+int iterations_for(std::size_t bytes, bool quick) {
+  const double budget = quick ? 2e8 : 2e9;  // bytes moved per measurement
+  int n = static_cast<int>(std::min(1000.0, std::max(20.0, budget / static_cast<double>(bytes))));
+  return quick ? std::max(10, n / 5) : n;
+}
+
+std::vector<std::size_t> bw_sizes(bool quick) {
+  std::vector<std::size_t> v;
+  for (std::size_t s = 8; s <= (std::size_t{1} << 30); s *= 4) v.push_back(s);
+  if (v.back() != (std::size_t{1} << 30)) v.push_back(std::size_t{1} << 30);
+  if (quick) v.erase(std::remove_if(v.begin(), v.end(), [](std::size_t s) { return s > (64u << 20); }), v.end());
+  return v;
+}
+
+meshmem::Options with(void (*edit)(meshmem::Options&)) {
+  meshmem::Options o = meshmem::Options::from_environment();
+  edit(o);
+  return o;
+}
+
+// A cudaMalloc'd buffer of rank `owner`, mapped on rank `user` through CUDA IPC.
+struct IpcBuffer {
+  void* local = nullptr;   // on owner
+  void* mapped = nullptr;  // on user
+  bool opened = false;
+  IpcBuffer(std::size_t bytes, int owner, int user, MPI_Comm comm) {
+    cudaIpcMemHandle_t h{};
+    if (g_rank == owner) {
+      CK(cudaMalloc(&local, bytes));
+      CK(cudaMemset(local, 0, bytes));
+      CK(cudaDeviceSynchronize());
+      CK(cudaIpcGetMemHandle(&h, local));
+    }
+    MK(MPI_Bcast(&h, sizeof(h), MPI_BYTE, owner, comm));
+    if (g_rank == user) {
+      CK(cudaIpcOpenMemHandle(&mapped, h, cudaIpcMemLazyEnablePeerAccess));
+      opened = true;
+    }
+    MK(MPI_Barrier(comm));
+  }
+  ~IpcBuffer() {
+    if (opened) cudaIpcCloseMemHandle(mapped);
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (local) cudaFree(local);
+  }
+};
+
+void print_tables() {
+  std::map<std::pair<std::string, std::string>, std::vector<const Row*>> by;
+  std::vector<std::pair<std::string, std::string>> order;
+  for (const Row& r : g_rows) {
+    auto key = std::make_pair(r.benchmark + (r.benchmark.rfind("barrier", 0) == 0 ? " (" + std::to_string(r.ranks) + " ranks)" : ""), r.variant);
+    if (!by.count(key)) order.push_back(key);
+    by[key].push_back(&r);
+  }
+  for (const auto& key : order) {
+    std::printf("\n# %s, %s\n# %12s %14s %16s\n", key.first.c_str(), key.second.c_str(), "size", "latency(us)", "bandwidth(GB/s)");
+    for (const Row* r : by[key]) {
+      std::printf("  %12s %14s %16s\n", r->size < 0 ? "-" : std::to_string(r->size).c_str(),
+                  r->latency_us < 0 ? "-" : std::to_string(r->latency_us).substr(0, 8).c_str(),
+                  r->bandwidth_gbps < 0 ? "-" : std::to_string(r->bandwidth_gbps).substr(0, 8).c_str());
+    }
+  }
+  std::fflush(stdout);
+}
+
+double find(const std::string& bench, const std::string& variant, long long size, int ranks, bool bw) {
+  for (const Row& r : g_rows)
+    if (r.benchmark == bench && r.variant == variant && r.size == size && (ranks < 0 || r.ranks == ranks))
+      return bw ? r.bandwidth_gbps : r.latency_us;
+  return -1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+  int nranks = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &nranks);
+  std::string csv, commit = "unknown", machine = "unknown", date = "unknown";
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
+    if (a == "--csv") csv = next();
+    else if (a == "--commit") commit = next();
+    else if (a == "--machine") machine = next();
+    else if (a == "--date") date = next();
+    else if (a == "--quick") quick = true;
+  }
+  if (nranks < 2) {
+    if (g_rank == 0) std::fprintf(stderr, "device_bench needs at least 2 ranks\n");
+    MPI_Finalize();
+    return 2;
+  }
+  std::string why;
+  if (!meshmem::gpu_available(&why)) {
+    if (g_rank == 0) std::fprintf(stderr, "device_bench: no GPU: %s\n", why.c_str());
+    MPI_Finalize();
+    return 2;
+  }
+  MPI_Comm node;
+  MK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  int local = 0, devices = 0;
+  MK(MPI_Comm_rank(node, &local));
+  CK(cudaGetDeviceCount(&devices));
+  CK(cudaSetDevice(local % devices));
+  CK(cudaFree(nullptr));
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const auto& drv = meshmem::ipc::cuda_driver();
+  const bool pair = g_rank < 2;  // ranks 0 and 1 run the pairwise figures
+  MPI_Comm pair_comm;
+  MK(MPI_Comm_split(MPI_COMM_WORLD, pair ? 0 : 1, g_rank, &pair_comm));
+
+  if (g_rank == 0) {
+    cudaDeviceProp p{};
+    CK(cudaGetDeviceProperties(&p, 0));
+    std::printf("# meshmem device_bench: %d ranks, %d GPUs (%s), machine %s, commit %s, date %s\n", nranks, devices, p.name,
+                machine.c_str(), commit.c_str(), date.c_str());
+  }
+
+  {
+    // ---- put / get bandwidth and latency ----
+    meshmem::Comm comm(MPI_COMM_WORLD);
+    meshmem::Comm comm_ce(MPI_COMM_WORLD, with([](meshmem::Options& o) { o.sm_copy_max = 0; }));
+    meshmem::Comm comm_sm(MPI_COMM_WORLD, with([](meshmem::Options& o) { o.sm_copy_max = SIZE_MAX; }));
+    const std::size_t max = quick ? (64u << 20) : (std::size_t{1} << 30);
+    void* src = nullptr;
+    CK(cudaMalloc(&src, max));
+    CK(cudaMemset(src, 0x5a, max));
+    CK(cudaDeviceSynchronize());
+    IpcBuffer peer(max, 1, 0, MPI_COMM_WORLD);
+    struct V {
+      const char* name;
+      meshmem::Comm* comm;
+    } variants[] = {{"meshmem", &comm}, {"meshmem-ce", &comm_ce}, {"meshmem-sm", &comm_sm}};
+    for (const char* op : {"put", "get"}) {
+      std::vector<meshmem::Window> wins;
+      for (auto& v : variants) wins.push_back(v.comm->alloc(max));
+      for (std::size_t size : bw_sizes(quick)) {
+        const int iters = iterations_for(size, quick);
+        for (std::size_t k = 0; k < 4; ++k) {
+          MK(MPI_Barrier(MPI_COMM_WORLD));
+          if (g_rank != 0) continue;
+          std::string name = k < 3 ? variants[k].name : "cuda-memcpy-peer";
+          auto one = [&](int) {
+            if (k < 3) {
+              if (op[0] == 'p') variants[k].comm->put(wins[k], 1, 0, src, size, s);
+              else variants[k].comm->get(src, wins[k], 1, 0, size, s);
+            } else {
+              if (op[0] == 'p') CK(cudaMemcpyAsync(peer.mapped, src, size, cudaMemcpyDefault, s));
+              else CK(cudaMemcpyAsync(src, peer.mapped, size, cudaMemcpyDefault, s));
+            }
+          };
+          for (int w = 0; w < std::min(iters, 20); ++w) one(w);  // warm-up
+          const double us = stream_time_us(s, iters, one);
+          record(op, name, 2, static_cast<long long>(size), size <= (64u << 10) ? us : -1, size / us / 1e3);
+        }
+      }
+      MK(MPI_Barrier(MPI_COMM_WORLD));
+    }
+#ifdef MESHMEM_BENCH_HAVE_NCCL
+    // NCCL send/recv bandwidth, rank 0 -> rank 1.
+    {
+      ncclUniqueId id;
+      if (g_rank == 0) NK(ncclGetUniqueId(&id));
+      MK(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, pair_comm));
+      ncclComm_t nc = nullptr;
+      if (pair) NK(ncclCommInitRank(&nc, 2, id, g_rank));
+      void* dst = nullptr;
+      CK(cudaMalloc(&dst, max));
+      for (std::size_t size : bw_sizes(quick)) {
+        const int iters = iterations_for(size, quick);
+        MK(MPI_Barrier(MPI_COMM_WORLD));
+        if (!pair) continue;
+        auto one = [&](int) {
+          if (g_rank == 0) NK(ncclSend(src, size, ncclChar, 1, nc, s));
+          else NK(ncclRecv(dst, size, ncclChar, 0, nc, s));
+        };
+        for (int w = 0; w < std::min(iters, 20); ++w) one(w);
+        const double us = stream_time_us(s, iters, one);
+        record("put", "nccl", 2, static_cast<long long>(size), size <= (64u << 10) ? us : -1, size / us / 1e3);
+      }
+      MK(MPI_Barrier(MPI_COMM_WORLD));
+      // put_signal peer: NCCL ping-pong one-way latency.
+      for (std::size_t size : {std::size_t{8}, std::size_t{4096}, std::size_t{65536}}) {
+        const int iters = 1000;
+        MK(MPI_Barrier(MPI_COMM_WORLD));
+        if (!pair) continue;
+        auto one = [&](int) {
+          NK(ncclGroupStart());
+          if (g_rank == 0) NK(ncclSend(src, size, ncclChar, 1, nc, s));
+          else NK(ncclRecv(dst, size, ncclChar, 0, nc, s));
+          NK(ncclGroupEnd());
+          NK(ncclGroupStart());
+          if (g_rank == 1) NK(ncclSend(src, size, ncclChar, 0, nc, s));
+          else NK(ncclRecv(dst, size, ncclChar, 1, nc, s));
+          NK(ncclGroupEnd());
+        };
+        for (int w = 0; w < 100; ++w) one(w);
+        MK(MPI_Barrier(pair_comm));
+        const double us = stream_time_us(s, iters, one) / 2;
+        record("put_signal", "nccl", 2, static_cast<long long>(size), us, size / us / 1e3);
+      }
+      MK(MPI_Barrier(MPI_COMM_WORLD));
+      if (nc) NK(ncclCommDestroy(nc));
+      CK(cudaFree(dst));
+    }
+#endif
+    CK(cudaFree(src));
+  }
+
+  {
+    // ---- put_signal one-way latency: ping-pong / 2, all on the GPU ----
+    meshmem::Comm comm(MPI_COMM_WORLD);
+    meshmem::Window win = comm.alloc(1 << 20);
+    meshmem::Signals sig = comm.alloc_signals(1);
+    void* src = nullptr;
+    CK(cudaMalloc(&src, 1 << 20));
+    CK(cudaMemset(src, 1, 1 << 20));
+    CK(cudaDeviceSynchronize());
+    std::uint64_t epoch = 0;
+    for (std::size_t size : {std::size_t{8}, std::size_t{64}, std::size_t{4096}, std::size_t{65536}}) {
+      const int iters = 1000;
+      auto one = [&](int) {
+        ++epoch;
+        if (g_rank == 0) {
+          comm.put_signal(win, 1, 0, src, size, sig, 0, epoch, meshmem::SignalOp::Set, s);
+          comm.wait_until(sig, 0, meshmem::Cmp::GE, epoch, s);
+        } else if (g_rank == 1) {
+          comm.wait_until(sig, 0, meshmem::Cmp::GE, epoch, s);
+          comm.put_signal(win, 0, 0, src, size, sig, 0, epoch, meshmem::SignalOp::Set, s);
+        }
+      };
+      for (int w = 0; w < 100; ++w) one(w);
+      CK(cudaStreamSynchronize(s));
+      MK(MPI_Barrier(MPI_COMM_WORLD));
+      const double us = (pair ? stream_time_us(s, iters, one) : 0) / 2;
+      record("put_signal", "meshmem", 2, static_cast<long long>(size), us, size / us / 1e3);
+      MK(MPI_Barrier(MPI_COMM_WORLD));
+    }
+    // The baseline of the issue: cudaMemcpyAsync into a CUDA-IPC-mapped buffer, then
+    // cuStreamWriteValue64 on the peer's flag; cuStreamWaitValue64 on one's own.
+    {
+      IpcBuffer to1((1 << 20) + 64, 1, 0, MPI_COMM_WORLD);
+      IpcBuffer to0((1 << 20) + 64, 0, 1, MPI_COMM_WORLD);
+      void* remote = g_rank == 0 ? to1.mapped : to0.mapped;  // the peer's buffer, mapped here
+      void* mine = g_rank == 0 ? to0.local : to1.local;
+      for (std::size_t size : {std::size_t{8}, std::size_t{64}, std::size_t{4096}, std::size_t{65536}}) {
+        const int iters = 1000;
+        auto send = [&](std::uint64_t e) {
+          CK(cudaMemcpyAsync(static_cast<char*>(remote) + 64, src, size, cudaMemcpyDefault, s));
+          CU(drv.cuStreamWriteValue64(s, reinterpret_cast<CUdeviceptr>(remote), e, 0));
+        };
+        auto wait = [&](std::uint64_t e) {
+          CU(drv.cuStreamWaitValue64(s, reinterpret_cast<CUdeviceptr>(mine), e, CU_STREAM_WAIT_VALUE_GEQ));
+        };
+        auto one = [&](int) {
+          ++epoch;
+          if (g_rank == 0) { send(epoch); wait(epoch); }
+          else if (g_rank == 1) { wait(epoch); send(epoch); }
+        };
+        for (int w = 0; w < 100; ++w) one(w);
+        CK(cudaStreamSynchronize(s));
+        MK(MPI_Barrier(MPI_COMM_WORLD));
+        const double us = (pair ? stream_time_us(s, iters, one) : 0) / 2;
+        record("put_signal", "cuda-memcpy-peer", 2, static_cast<long long>(size), us, size / us / 1e3);
+        MK(MPI_Barrier(MPI_COMM_WORLD));
+      }
+    }
+    CK(cudaFree(src));
+  }
+
+  // ---- barrier(stream): 2 ranks and all ranks; single (with stream sync) and 200 back to back ----
+  for (int group : {2, nranks}) {
+    MPI_Comm gc;
+    MK(MPI_Comm_split(MPI_COMM_WORLD, g_rank < group ? 0 : 1, g_rank, &gc));
+    const bool in = g_rank < group;
+    struct B {
+      const char* name;
+      meshmem::Options::Barrier kind;
+    } kinds[] = {{"meshmem", meshmem::Options::Barrier::Flag}, {"meshmem-event", meshmem::Options::Barrier::Event}};
+    for (const B& b : kinds) {
+      auto o = meshmem::Options::from_environment();
+      o.barrier = b.kind;
+      meshmem::Comm comm(gc, o);  // ranks outside the group build their own Comm: harmless
+      double single = 0, burst = 0;
+      if (in) {
+        for (int w = 0; w < 50; ++w) comm.barrier(s);
+        CK(cudaStreamSynchronize(s));
+        comm.barrier();
+        const int iters = 500;
+        auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < iters; ++i) {
+          comm.barrier(s);
+          CK(cudaStreamSynchronize(s));
+        }
+        single = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
+        comm.barrier();
+        double best = 1e30;
+        for (int rep = 0; rep < 5; ++rep) {
+          comm.barrier();
+          t0 = std::chrono::steady_clock::now();
+          for (int i = 0; i < 200; ++i) comm.barrier(s);
+          CK(cudaStreamSynchronize(s));
+          best = std::min(best, std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / 200);
+        }
+        burst = best;
+      }
+      record("barrier", b.name, group, -1, single, -1);
+      record("barrier200", b.name, group, -1, burst, -1);
+      MK(MPI_Barrier(MPI_COMM_WORLD));
+    }
+#ifdef MESHMEM_BENCH_HAVE_NCCL
+    {
+      ncclUniqueId id;
+      if (g_rank == 0) NK(ncclGetUniqueId(&id));
+      MK(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD));
+      ncclComm_t nc = nullptr;
+      if (in) NK(ncclCommInitRank(&nc, group, id, g_rank));
+      int* buf = nullptr;
+      CK(cudaMalloc(&buf, sizeof(int)));
+      double single = 0, burst = 0;
+      if (in) {
+        auto ar = [&] { NK(ncclAllReduce(buf, buf, 1, ncclInt, ncclSum, nc, s)); };
+        for (int w = 0; w < 50; ++w) ar();
+        CK(cudaStreamSynchronize(s));
+        MK(MPI_Barrier(gc));
+        const int iters = 500;
+        auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < iters; ++i) {
+          ar();
+          CK(cudaStreamSynchronize(s));
+        }
+        single = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
+        double best = 1e30;
+        for (int rep = 0; rep < 5; ++rep) {
+          MK(MPI_Barrier(gc));
+          t0 = std::chrono::steady_clock::now();
+          for (int i = 0; i < 200; ++i) ar();
+          CK(cudaStreamSynchronize(s));
+          best = std::min(best, std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / 200);
+        }
+        burst = best;
+        NK(ncclCommDestroy(nc));
+      }
+      record("barrier", "nccl", group, -1, single, -1);
+      record("barrier200", "nccl", group, -1, burst, -1);
+      CK(cudaFree(buf));
+      MK(MPI_Barrier(MPI_COMM_WORLD));
+    }
+#endif
+    MK(MPI_Comm_free(&gc));
+    if (nranks == 2) break;
+  }
+
+  // ---- alloc + map of 1 GiB, every rank ----
+  {
+    meshmem::Comm comm(MPI_COMM_WORLD);
+    std::vector<double> times;
+    for (int rep = 0; rep < (quick ? 2 : 5); ++rep) {
+      MK(MPI_Barrier(MPI_COMM_WORLD));
+      const double t0 = MPI_Wtime();
+      meshmem::Window w = comm.alloc(std::size_t{1} << 30);
+      double mine = (MPI_Wtime() - t0) * 1e6, worst = 0;
+      MK(MPI_Reduce(&mine, &worst, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD));
+      times.push_back(worst);
+    }
+    std::sort(times.begin(), times.end());
+    record("alloc", "meshmem", nranks, 1ll << 30, times[times.size() / 2], -1);
+  }
+
+  if (g_rank == 0) {
+    print_tables();
+    std::printf("\n# summary (ratios within this run)\n");
+    const double gib = static_cast<double>(1ll << 30);
+    const long long top = quick ? (64ll << 20) : (1ll << 30);
+    auto ratio = [](double a, double b) { return (a > 0 && b > 0) ? a / b : -1.0; };
+    std::printf("put %lld B bandwidth: meshmem %.1f GB/s, meshmem-sm %.1f, cuda-memcpy-peer %.1f, nccl %.1f; meshmem/memcpy-peer %.3f\n", top,
+                find("put", "meshmem", top, -1, true), find("put", "meshmem-sm", top, -1, true),
+                find("put", "cuda-memcpy-peer", top, -1, true), find("put", "nccl", top, -1, true),
+                ratio(find("put", "meshmem", top, -1, true), find("put", "cuda-memcpy-peer", top, -1, true)));
+    std::printf("put 8 B stream time: meshmem %.2f us, meshmem-ce %.2f, cuda-memcpy-peer %.2f\n", find("put", "meshmem", 8, -1, false),
+                find("put", "meshmem-ce", 8, -1, false), find("put", "cuda-memcpy-peer", 8, -1, false));
+    std::printf("put_signal 8 B one-way: meshmem %.2f us, memcpy+writevalue %.2f, nccl %.2f\n", find("put_signal", "meshmem", 8, -1, false),
+                find("put_signal", "cuda-memcpy-peer", 8, -1, false), find("put_signal", "nccl", 8, -1, false));
+    for (int g : {2, nranks}) {
+      std::printf("barrier(stream)+sync, %d ranks: meshmem %.2f us, meshmem-event %.2f, nccl %.2f; 200 back to back: %.2f / %.2f / %.2f\n", g,
+                  find("barrier", "meshmem", -1, g, false), find("barrier", "meshmem-event", -1, g, false), find("barrier", "nccl", -1, g, false),
+                  find("barrier200", "meshmem", -1, g, false), find("barrier200", "meshmem-event", -1, g, false),
+                  find("barrier200", "nccl", -1, g, false));
+      if (nranks == 2) break;
+    }
+    std::printf("alloc+map 1 GiB, %d ranks: %.1f ms\n", nranks, find("alloc", "meshmem", 1ll << 30, -1, false) / 1e3);
+    (void)gib;
+    if (!csv.empty()) {
+      FILE* f = std::fopen(csv.c_str(), "a");
+      if (f == nullptr) {
+        std::fprintf(stderr, "cannot write %s\n", csv.c_str());
+      } else {
+        std::fseek(f, 0, SEEK_END);
+        if (std::ftell(f) == 0) std::fprintf(f, "date,commit,machine,benchmark,variant,ranks,size_bytes,latency_us,bandwidth_gbps\n");
+        for (const Row& r : g_rows) {
+          std::fprintf(f, "%s,%s,%s,%s,%s,%d,", date.c_str(), commit.c_str(), machine.c_str(), r.benchmark.c_str(), r.variant.c_str(), r.ranks);
+          if (r.size >= 0) std::fprintf(f, "%lld", r.size);
+          std::fprintf(f, ",");
+          if (r.latency_us >= 0) std::fprintf(f, "%.3f", r.latency_us);
+          std::fprintf(f, ",");
+          if (r.bandwidth_gbps >= 0) std::fprintf(f, "%.3f", r.bandwidth_gbps);
+          std::fprintf(f, "\n");
+        }
+        std::fclose(f);
+      }
+    }
+  }
+  CK(cudaStreamDestroy(s));
+  MPI_Comm_free(&pair_comm);
+  MPI_Comm_free(&node);
+  MPI_Finalize();
+  return 0;
+}
