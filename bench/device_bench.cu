@@ -310,14 +310,17 @@ int main(int argc, char** argv) {
 
   {
     // ---- put_signal one-way latency: ping-pong / 2, all on the GPU ----
-    meshmem::Comm comm(MPI_COMM_WORLD);
-    meshmem::Window win = comm.alloc(1 << 20);
-    meshmem::Signals sig = comm.alloc_signals(1);
     void* src = nullptr;
     CK(cudaMalloc(&src, 1 << 20));
     CK(cudaMemset(src, 1, 1 << 20));
     CK(cudaDeviceSynchronize());
     std::uint64_t epoch = 0;
+    for (int waitk = 0; waitk < 2; ++waitk) {
+    meshmem::Comm comm(MPI_COMM_WORLD, with(waitk ? [](meshmem::Options& o) { o.stream_wait = meshmem::Options::StreamWait::Kernel; }
+                                                  : [](meshmem::Options&) {}));
+    meshmem::Window win = comm.alloc(1 << 20);
+    meshmem::Signals sig = comm.alloc_signals(1);
+    epoch = 0;
     for (std::size_t size : {std::size_t{8}, std::size_t{64}, std::size_t{4096}, std::size_t{65536}}) {
       const int iters = 1000;
       auto one = [&](int) {
@@ -334,8 +337,9 @@ int main(int argc, char** argv) {
       CK(cudaStreamSynchronize(s));
       MK(MPI_Barrier(MPI_COMM_WORLD));
       const double us = (pair ? stream_time_us(s, iters, one) : 0) / 2;
-      record("put_signal", "meshmem", 2, static_cast<long long>(size), us, size / us / 1e3);
+      record("put_signal", waitk ? "meshmem-kwait" : "meshmem", 2, static_cast<long long>(size), us, size / us / 1e3);
       MK(MPI_Barrier(MPI_COMM_WORLD));
+    }
     }
     // The baseline of the issue: cudaMemcpyAsync into a CUDA-IPC-mapped buffer, then
     // cuStreamWriteValue64 on the peer's flag; cuStreamWaitValue64 on one's own.
@@ -377,7 +381,9 @@ int main(int argc, char** argv) {
     struct B {
       const char* name;
       meshmem::Options::Barrier kind;
-    } kinds[] = {{"meshmem", meshmem::Options::Barrier::Flag}, {"meshmem-event", meshmem::Options::Barrier::Event}};
+    } kinds[] = {{"meshmem", meshmem::Options::Barrier::Flag},
+                 {"meshmem-kernel", meshmem::Options::Barrier::Kernel},
+                 {"meshmem-event", meshmem::Options::Barrier::Event}};
     for (const B& b : kinds) {
       auto o = meshmem::Options::from_environment();
       o.barrier = b.kind;
@@ -480,13 +486,15 @@ int main(int argc, char** argv) {
                 ratio(find("put", "meshmem", top, -1, true), find("put", "cuda-memcpy-peer", top, -1, true)));
     std::printf("put 8 B stream time: meshmem %.2f us, meshmem-ce %.2f, cuda-memcpy-peer %.2f\n", find("put", "meshmem", 8, -1, false),
                 find("put", "meshmem-ce", 8, -1, false), find("put", "cuda-memcpy-peer", 8, -1, false));
-    std::printf("put_signal 8 B one-way: meshmem %.2f us, memcpy+writevalue %.2f, nccl %.2f\n", find("put_signal", "meshmem", 8, -1, false),
+    std::printf("put_signal 8 B one-way: meshmem %.2f us, meshmem-kwait %.2f, memcpy+writevalue %.2f, nccl %.2f\n",
+                find("put_signal", "meshmem", 8, -1, false), find("put_signal", "meshmem-kwait", 8, -1, false),
                 find("put_signal", "cuda-memcpy-peer", 8, -1, false), find("put_signal", "nccl", 8, -1, false));
     for (int g : {2, nranks}) {
-      std::printf("barrier(stream)+sync, %d ranks: meshmem %.2f us, meshmem-event %.2f, nccl %.2f; 200 back to back: %.2f / %.2f / %.2f\n", g,
-                  find("barrier", "meshmem", -1, g, false), find("barrier", "meshmem-event", -1, g, false), find("barrier", "nccl", -1, g, false),
-                  find("barrier200", "meshmem", -1, g, false), find("barrier200", "meshmem-event", -1, g, false),
-                  find("barrier200", "nccl", -1, g, false));
+      std::printf("barrier(stream)+sync, %d ranks: meshmem(flag) %.2f us, kernel %.2f, event %.2f, nccl %.2f; 200 back to back: %.2f / %.2f / %.2f / %.2f\n", g,
+                  find("barrier", "meshmem", -1, g, false), find("barrier", "meshmem-kernel", -1, g, false),
+                  find("barrier", "meshmem-event", -1, g, false), find("barrier", "nccl", -1, g, false),
+                  find("barrier200", "meshmem", -1, g, false), find("barrier200", "meshmem-kernel", -1, g, false),
+                  find("barrier200", "meshmem-event", -1, g, false), find("barrier200", "nccl", -1, g, false));
       if (nranks == 2) break;
     }
     std::printf("alloc+map 1 GiB, %d ranks: %.1f ms\n", nranks, find("alloc", "meshmem", 1ll << 30, -1, false) / 1e3);

@@ -85,6 +85,14 @@ int parse_positive_int(const char* var, const std::string& raw, int max) {
   return static_cast<int>(n);
 }
 
+std::size_t parse_bytes(const char* var, const std::string& raw) {
+  const std::string t = trim(raw);
+  char* end = nullptr;
+  const unsigned long long n = std::strtoull(t.c_str(), &end, 10);
+  if (t.empty() || t[0] == '-' || *end != '\0' || n > (1ull << 40)) bad_value(var, raw, "a byte count");
+  return static_cast<std::size_t>(n);
+}
+
 TransportKind parse_transport(const char* var, const std::string& raw, const std::string& name) {
   const std::string n = lower(trim(name));
   if (n == "ipc") return TransportKind::Ipc;
@@ -123,19 +131,20 @@ Options Options::parse(const std::function<const char*(const char*)>& lookup) {
     }
     if (o.transports.empty()) bad_value("MESHMEM_TRANSPORTS", v, "at least one transport");
   }
-  if (const char* v = get("MESHMEM_SM_COPY_MAX")) {
-    const std::string t = trim(v);
-    char* end = nullptr;
-    const unsigned long long n = std::strtoull(t.c_str(), &end, 10);
-    if (t.empty() || t[0] == '-' || *end != '\0' || n > (1ull << 40))
-      bad_value("MESHMEM_SM_COPY_MAX", v, "a byte count (0 = always the copy engine)");
-    o.sm_copy_max = static_cast<std::size_t>(n);
-  }
+  if (const char* v = get("MESHMEM_SM_COPY_MAX")) o.sm_copy_max = parse_bytes("MESHMEM_SM_COPY_MAX", v);
+  if (const char* v = get("MESHMEM_FUSED_SIGNAL_MAX")) o.fused_signal_max = parse_bytes("MESHMEM_FUSED_SIGNAL_MAX", v);
   if (const char* v = get("MESHMEM_BARRIER")) {
     const std::string m = lower(trim(v));
     if (m == "flag") o.barrier = Barrier::Flag;
+    else if (m == "kernel") o.barrier = Barrier::Kernel;
     else if (m == "event") o.barrier = Barrier::Event;
-    else bad_value("MESHMEM_BARRIER", v, "flag or event");
+    else bad_value("MESHMEM_BARRIER", v, "flag, kernel or event");
+  }
+  if (const char* v = get("MESHMEM_STREAM_WAIT")) {
+    const std::string m = lower(trim(v));
+    if (m == "memop") o.stream_wait = StreamWait::Memop;
+    else if (m == "kernel") o.stream_wait = StreamWait::Kernel;
+    else bad_value("MESHMEM_STREAM_WAIT", v, "memop or kernel");
   }
   if (const char* v = get("MESHMEM_LOG_LEVEL")) {
     const std::string m = lower(trim(v));
@@ -158,6 +167,9 @@ std::string transport_list(const std::vector<TransportKind>& kinds) {
   for (TransportKind k : kinds) s += (s.empty() ? "" : ",") + std::string(to_string(k));
   return s;
 }
+const char* barrier_text(Options::Barrier b) {
+  return b == Options::Barrier::Flag ? "flag" : b == Options::Barrier::Kernel ? "kernel" : "event";
+}
 std::string timeout_text(std::chrono::milliseconds t) {
   if (t.count() == 0) return "inf";
   return std::to_string(t.count()) + "ms";
@@ -174,8 +186,12 @@ std::vector<std::string> Options::describe() const {
       "MESHMEM_TRANSPORTS=" + transport_list(transports) + " (allowed transports, in the order tried)",
       "MESHMEM_SM_COPY_MAX=" + std::to_string(sm_copy_max) +
           " (device puts/gets up to this size run on the SMs, larger on the copy engine)",
-      std::string("MESHMEM_BARRIER=") + (barrier == Barrier::Flag ? "flag" : "event") +
-          " (barrier(stream): flag = stream memory operations on mapped flags, event = IPC events)",
+      "MESHMEM_FUSED_SIGNAL_MAX=" + std::to_string(fused_signal_max) +
+          " (device put_signal up to this size: one copy+signal kernel)",
+      std::string("MESHMEM_BARRIER=") + barrier_text(barrier) +
+          " (barrier(stream): flag = stream memory operations, kernel = one-block kernel, event = IPC events)",
+      std::string("MESHMEM_STREAM_WAIT=") + (stream_wait == StreamWait::Memop ? "memop" : "kernel") +
+          " (wait_until(stream): memop = stream wait operation, kernel = polling kernel)",
       std::string("MESHMEM_LOG_LEVEL=") + to_string(log_level) + " (error, warn, info, debug)",
   };
 }
@@ -184,8 +200,8 @@ std::string Options::fingerprint() const {
   // The log level may differ between ranks; everything else changes what ranks agree on.
   return "timeout=" + timeout_text(timeout) + ";nodes=" + std::to_string(simulate_nodes) +
          ";fd=" + to_string(fd_passing) + ";transports=" + transport_list(transports) +
-         ";sm_copy_max=" + std::to_string(sm_copy_max) +
-         ";barrier=" + (barrier == Barrier::Flag ? "flag" : "event");
+         ";sm_copy_max=" + std::to_string(sm_copy_max) + ";fused=" + std::to_string(fused_signal_max) +
+         ";barrier=" + barrier_text(barrier) + ";wait=" + (stream_wait == StreamWait::Memop ? "memop" : "kernel");
 }
 
 }  // namespace meshmem

@@ -34,7 +34,9 @@ TEST(Options, Defaults) {
   EXPECT_EQ(o.simulate_nodes, 1);
   EXPECT_EQ(o.fd_passing, FdPassing::Auto);
   EXPECT_EQ(o.transports, (std::vector<TransportKind>{TransportKind::Ipc, TransportKind::Shm, TransportKind::Mpi}));
-  EXPECT_EQ(o.sm_copy_max, 64u * 1024);
+  EXPECT_EQ(o.sm_copy_max, 0u);
+  EXPECT_EQ(o.fused_signal_max, 8192u);
+  EXPECT_EQ(o.stream_wait, Options::StreamWait::Memop);
   EXPECT_EQ(o.barrier, Options::Barrier::Flag);
   EXPECT_EQ(o.log_level, LogLevel::Warn);
   EXPECT_EQ(parse({{"MESHMEM_TIMEOUT", ""}}).timeout, std::chrono::minutes(5));  // empty = unset
@@ -67,6 +69,10 @@ TEST(Options, SimulateNodesFdPassingLogLevel) {
   expect_invalid({{"MESHMEM_SM_COPY_MAX", "4k"}}, "MESHMEM_SM_COPY_MAX");
   EXPECT_EQ(parse({{"MESHMEM_BARRIER", "event"}}).barrier, Options::Barrier::Event);
   expect_invalid({{"MESHMEM_BARRIER", "spin"}}, "MESHMEM_BARRIER");
+  EXPECT_EQ(parse({{"MESHMEM_BARRIER", "kernel"}}).barrier, Options::Barrier::Kernel);
+  EXPECT_EQ(parse({{"MESHMEM_STREAM_WAIT", "kernel"}}).stream_wait, Options::StreamWait::Kernel);
+  expect_invalid({{"MESHMEM_STREAM_WAIT", "busy"}}, "MESHMEM_STREAM_WAIT");
+  EXPECT_EQ(parse({{"MESHMEM_FUSED_SIGNAL_MAX", "0"}}).fused_signal_max, 0u);
   expect_invalid({{"MESHMEM_LOG_LEVEL", "loud"}}, "MESHMEM_LOG_LEVEL");
 }
 
@@ -88,7 +94,7 @@ TEST(Options, DescribeAndFingerprint) {
   EXPECT_EQ(a.fingerprint(), b.fingerprint());  // the log level may differ per rank
   EXPECT_NE(a.fingerprint(), c.fingerprint());
   const auto lines = a.describe();
-  ASSERT_EQ(lines.size(), 7u);
+  ASSERT_EQ(lines.size(), 9u);
   EXPECT_EQ(lines[0].rfind("MESHMEM_TIMEOUT=10000ms", 0), 0u) << lines[0];
 }
 

@@ -38,10 +38,18 @@ struct Options {
   // MESHMEM_TRANSPORTS: the transports allowed, in the order they are tried.
   std::vector<TransportKind> transports{TransportKind::Ipc, TransportKind::Shm, TransportKind::Mpi};
   // MESHMEM_SM_COPY_MAX: device puts/gets up to this many bytes run as a copy kernel on the
-  // SMs, larger ones on the copy engine.
-  std::size_t sm_copy_max = 64 * 1024;
-  // MESHMEM_BARRIER: how barrier(stream) synchronises the ranks of a node.
-  enum class Barrier { Flag, Event } barrier = Barrier::Flag;
+  // SMs, larger ones on the copy engine. 0 (measured fastest on H200, bench/results): always
+  // the copy engine.
+  std::size_t sm_copy_max = 0;
+  // MESHMEM_FUSED_SIGNAL_MAX: a device put_signal up to this many bytes is one kernel that
+  // copies and then signals; larger ones are a copy-engine copy followed by a stream write.
+  std::size_t fused_signal_max = 8192;
+  // MESHMEM_BARRIER: how barrier(stream) synchronises the ranks of a node: flag words
+  // through stream memory operations, a one-block kernel on the same flags, or IPC events.
+  enum class Barrier { Flag, Kernel, Event } barrier = Barrier::Flag;
+  // MESHMEM_STREAM_WAIT: how wait_until(stream) waits: stream memory operations (the GPU's
+  // front end polls, no SM is held) or a one-thread polling kernel.
+  enum class StreamWait { Memop, Kernel } stream_wait = StreamWait::Memop;
   // MESHMEM_LOG_LEVEL
   LogLevel log_level = LogLevel::Warn;
 

@@ -84,7 +84,8 @@ class CudaDeviceBackend final : public DeviceBackend {
   // barrier(stream)
   bool node_barrier_ = false;  // every rank on this node and mapped: no host involvement
   std::uint64_t epoch_ = 0;
-  WindowState flags_;          // MESHMEM_BARRIER=flag: one word per rank, symmetric
+  WindowState flags_;          // MESHMEM_BARRIER=flag|kernel: one word per rank, symmetric
+  std::vector<CUstreamBatchMemOpParams> barrier_ops_;  // flag: writes to peers, then waits
   static constexpr int kEventRing = 4;
   std::vector<ipc::IpcEvent> events_;                     // MESHMEM_BARRIER=event
   std::vector<std::vector<ipc::PeerEvent>> peer_events_;  // [slot][rank]
@@ -92,7 +93,7 @@ class CudaDeviceBackend final : public DeviceBackend {
 };
 
 CudaDeviceBackend::CudaDeviceBackend(const DeviceContext& ctx, int device)
-    : ctx_(ctx), device_(device), ipc_(ctx.options.sm_copy_max, ctx.topo.rank) {
+    : ctx_(ctx), device_(device), ipc_(ctx.options.sm_copy_max, ctx.options.fused_signal_max, ctx.topo.rank) {
   const std::string what = "meshmem::Comm (device setup)";
   agreed_step(ctx_.boot, what, [&] {
     ipc::check_cuda(cudaSetDevice(device_), "cudaSetDevice", what);
@@ -158,10 +159,29 @@ void CudaDeviceBackend::setup_barrier() {
     log(LogLevel::Info, "barrier(stream): ranks span nodes or unmapped GPUs; the host waits for the stream, then meets the other ranks");
     return;
   }
-  if (ctx_.options.barrier == Options::Barrier::Flag) {
+  if (ctx_.options.barrier != Options::Barrier::Event) {
     flags_.bytes = static_cast<std::size_t>(topo.size) * sizeof(std::uint64_t);
     flags_.memory = Memory::Device;
     create_window(flags_, what);
+    // Flag barrier: tell every peer this rank arrived (its word `rank` in the peer's
+    // flags), then wait for every peer's word here. Flags only grow: nothing is reset.
+    // Only the first write carries a memory barrier (earlier puts land before any flag).
+    for (int r = 0; r < topo.size; ++r) {
+      if (r == topo.rank) continue;
+      CUstreamBatchMemOpParams op{};
+      op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+      op.writeValue.address = reinterpret_cast<CUdeviceptr>(static_cast<std::uint64_t*>(flags_.peer[r]) + topo.rank);
+      op.writeValue.flags = barrier_ops_.empty() ? 0 : CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER;
+      barrier_ops_.push_back(op);
+    }
+    for (int r = 0; r < topo.size; ++r) {
+      if (r == topo.rank) continue;
+      CUstreamBatchMemOpParams op{};
+      op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+      op.waitValue.address = reinterpret_cast<CUdeviceptr>(static_cast<std::uint64_t*>(flags_.local) + r);
+      op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ | wait_flags_;
+      barrier_ops_.push_back(op);
+    }
     return;
   }
   std::vector<cudaIpcEventHandle_t> mine(kEventRing);
@@ -223,76 +243,67 @@ Transport* CudaDeviceBackend::route(int target, std::string* why) const {
 
 void CudaDeviceBackend::wait_until(const WindowState& sig, std::size_t index, Cmp cmp, std::uint64_t value,
                                    Stream stream) {
-  const std::string what = where("comm.wait_until");
   auto* word = static_cast<std::uint64_t*>(sig.local) + index;
   const auto addr = reinterpret_cast<CUdeviceptr>(word);
-  const auto& drv = ipc::cuda_driver();
   // The stream's front end waits for GE / EQ (and GT as GE value+1); the other comparisons
-  // need a polling kernel.
-  if (cmp == Cmp::GE || (cmp == Cmp::GT && value != UINT64_MAX)) {
-    const std::uint64_t v = cmp == Cmp::GT ? value + 1 : value;
-    ipc::check_cu(drv.cuStreamWaitValue64(stream, addr, v, CU_STREAM_WAIT_VALUE_GEQ | wait_flags_),
-                  "cuStreamWaitValue64(GEQ)", what);
-  } else if (cmp == Cmp::EQ) {
-    ipc::check_cu(drv.cuStreamWaitValue64(stream, addr, value, CU_STREAM_WAIT_VALUE_EQ | wait_flags_),
-                  "cuStreamWaitValue64(EQ)", what);
+  // (and MESHMEM_STREAM_WAIT=kernel) use a polling kernel.
+  const bool memop = ctx_.options.stream_wait == Options::StreamWait::Memop;
+  CUresult rc = CUDA_SUCCESS;
+  if (memop && (cmp == Cmp::GE || (cmp == Cmp::GT && value != UINT64_MAX))) {
+    rc = ipc::cuda_driver().cuStreamWaitValue64(stream, addr, cmp == Cmp::GT ? value + 1 : value,
+                                                CU_STREAM_WAIT_VALUE_GEQ | wait_flags_);
+  } else if (memop && cmp == Cmp::EQ) {
+    rc = ipc::cuda_driver().cuStreamWaitValue64(stream, addr, value, CU_STREAM_WAIT_VALUE_EQ | wait_flags_);
   } else {
-    ipc::check_cuda(cuda::launch_wait(word, cmp, value, stream), "wait kernel launch", what);
+    const cudaError_t k = cuda::launch_wait(word, cmp, value, stream);
+    if (k != cudaSuccess) ipc::check_cuda(k, "wait kernel launch", where("comm.wait_until"));
   }
+  if (rc != CUDA_SUCCESS) ipc::check_cu(rc, "cuStreamWaitValue64", where("comm.wait_until"));
 }
 
 void CudaDeviceBackend::barrier(Stream stream) {
-  const std::string what = where("comm.barrier(stream)");
   const Topology& topo = ctx_.topo;
   if (!node_barrier_) {
     if (!warned_host_barrier_)
-      log(LogLevel::Info, what + ": ranks span nodes or unmapped GPUs; the host waits for the stream, then meets the others");
+      log(LogLevel::Info, where("comm.barrier(stream)") + ": ranks span nodes or unmapped GPUs; the host waits for the stream, then meets the others");
     warned_host_barrier_ = true;
-    ipc::check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize", what);
+    ipc::check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize", where("comm.barrier(stream)"));
     ctx_.boot.arrive("comm.barrier(stream)");
     return;
   }
   ++epoch_;
   if (topo.size == 1) return;
-  if (ctx_.options.barrier == Options::Barrier::Flag) {
-    // Tell every peer this rank arrived (its word `rank` in the peer's flags), then wait
-    // for every peer's word here. Flags only grow, so nothing is ever reset.
-    std::vector<CUstreamBatchMemOpParams> ops;
-    ops.reserve(2 * static_cast<std::size_t>(topo.size));
-    for (int r = 0; r < topo.size; ++r) {
-      if (r == topo.rank) continue;
-      CUstreamBatchMemOpParams op{};
-      op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-      op.writeValue.address = reinterpret_cast<CUdeviceptr>(static_cast<std::uint64_t*>(flags_.peer[r]) + topo.rank);
-      op.writeValue.value64 = epoch_;
-      op.writeValue.flags = 0;  // memory barrier first: earlier puts land before the flag
-      ops.push_back(op);
+  switch (ctx_.options.barrier) {
+    case Options::Barrier::Flag: {
+      for (auto& op : barrier_ops_) op.writeValue.value64 = epoch_;  // waitValue.value64 aliases it
+      // The driver takes at most 256 operations a call; the parts stay in order on the stream.
+      for (std::size_t i = 0; i < barrier_ops_.size(); i += 256) {
+        const unsigned count = static_cast<unsigned>(std::min<std::size_t>(256, barrier_ops_.size() - i));
+        const CUresult rc = ipc::cuda_driver().cuStreamBatchMemOp(stream, count, barrier_ops_.data() + i, 0);
+        if (rc != CUDA_SUCCESS) ipc::check_cu(rc, "cuStreamBatchMemOp", where("comm.barrier(stream)"));
+      }
+      return;
     }
-    for (int r = 0; r < topo.size; ++r) {
-      if (r == topo.rank) continue;
-      CUstreamBatchMemOpParams op{};
-      op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-      op.waitValue.address = reinterpret_cast<CUdeviceptr>(static_cast<std::uint64_t*>(flags_.local) + r);
-      op.waitValue.value64 = epoch_;
-      op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ | wait_flags_;
-      ops.push_back(op);
+    case Options::Barrier::Kernel: {
+      const cudaError_t rc = cuda::launch_barrier(static_cast<std::uint64_t* const*>(flags_.device_peer_table),
+                                                  static_cast<std::uint64_t*>(flags_.local), topo.rank, topo.size, epoch_, stream);
+      if (rc != cudaSuccess) ipc::check_cuda(rc, "barrier kernel launch", where("comm.barrier(stream)"));
+      return;
     }
-    // The driver takes at most 256 operations a call; the halves stay in order on the stream.
-    for (std::size_t i = 0; i < ops.size(); i += 256) {
-      const unsigned count = static_cast<unsigned>(std::min<std::size_t>(256, ops.size() - i));
-      ipc::check_cu(ipc::cuda_driver().cuStreamBatchMemOp(stream, count, ops.data() + i, 0), "cuStreamBatchMemOp", what);
+    case Options::Barrier::Event: {
+      // Record, meet on the host (which never waits for the GPU), then make the stream wait
+      // for every peer's record. A ring of events: a peer cannot re-record slot k before
+      // this rank has issued its waits on it (that needs this rank at a later barrier).
+      const std::string what = where("comm.barrier(stream)");
+      const int slot = static_cast<int>(epoch_ % kEventRing);
+      ipc::check_cuda(cudaEventRecord(events_[slot].get(), stream), "cudaEventRecord", what);
+      ctx_.boot.arrive("comm.barrier(stream)");
+      for (int r = 0; r < topo.size; ++r)
+        if (r != topo.rank)
+          ipc::check_cuda(cudaStreamWaitEvent(stream, peer_events_[slot][r].get(), 0), "cudaStreamWaitEvent", what);
+      return;
     }
-    return;
   }
-  // Events: record, meet on the host (which never waits for the GPU), then make the stream
-  // wait for every peer's record. A ring of events: a peer cannot re-record slot k before
-  // this rank has issued its waits on it (that needs this rank at a later barrier).
-  const int slot = static_cast<int>(epoch_ % kEventRing);
-  ipc::check_cuda(cudaEventRecord(events_[slot].get(), stream), "cudaEventRecord", what);
-  ctx_.boot.arrive("comm.barrier(stream)");
-  for (int r = 0; r < topo.size; ++r)
-    if (r != topo.rank)
-      ipc::check_cuda(cudaStreamWaitEvent(stream, peer_events_[slot][r].get(), 0), "cudaStreamWaitEvent", what);
 }
 
 }  // namespace

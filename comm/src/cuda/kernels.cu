@@ -36,7 +36,26 @@ __global__ void wait_kernel(const std::uint64_t* word, Cmp cmp, std::uint64_t va
   while (!device::compare(w.load(::cuda::memory_order_acquire), cmp, value)) __nanosleep(100);
 }
 
+__global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, int rank, int size,
+                               std::uint64_t epoch) {
+  const int r = static_cast<int>(threadIdx.x);
+  if (r >= size || r == rank) return;
+  // Earlier stream work is complete (stream order); the fence orders it before the flag.
+  __threadfence_system();
+  device::SignalWord(peer_flags[r][rank]).store(epoch, ::cuda::memory_order_release);
+  device::SignalWord mine(my_flags[r]);
+  while (mine.load(::cuda::memory_order_acquire) < epoch) {
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_barrier(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, int rank, int size,
+                           std::uint64_t epoch, cudaStream_t stream) {
+  const int threads = (size + 31) / 32 * 32;
+  barrier_kernel<<<1, threads, 0, stream>>>(peer_flags, my_flags, rank, size, epoch);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_copy(void* dst, const void* src, std::size_t bytes, std::uint64_t* signal,
                         std::uint64_t value, SignalOp op, cudaStream_t stream) {

@@ -20,4 +20,10 @@ cudaError_t launch_copy(void* dst, const void* src, std::size_t bytes, std::uint
 // lack).
 cudaError_t launch_wait(const std::uint64_t* word, Cmp cmp, std::uint64_t value, cudaStream_t stream);
 
+// One block, one thread per rank: stores `epoch` into word `rank` of every peer's flags
+// (peer_flags: device array of the peers' flag words), then waits until every peer's word
+// here reaches `epoch`.
+cudaError_t launch_barrier(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, int rank, int size,
+                           std::uint64_t epoch, cudaStream_t stream);
+
 }  // namespace meshmem::detail::cuda

@@ -21,49 +21,51 @@ bool device_accessible(const void* p) {
   }
 }
 
-bool IpcTransport::use_sm(const void* local, std::size_t bytes) const {
-  return bytes <= sm_copy_max_ && device_accessible(local);
+bool IpcTransport::use_sm(const void* local, std::size_t bytes, std::size_t max) const {
+  return bytes <= max && device_accessible(local);
+}
+
+std::string IpcTransport::what(const char* op, int target) const {
+  return std::string("ipc ") + op + " between rank " + std::to_string(rank_) + " and rank " + std::to_string(target);
 }
 
 void IpcTransport::put(const WindowState& win, int target, std::size_t offset, const void* src,
                        std::size_t bytes, const SignalUpdate& signal, Stream stream) {
-  const std::string what = "ipc put from rank " + std::to_string(rank_) + " to rank " + std::to_string(target);
   char* dst = static_cast<char*>(win.peer[target]) + offset;
-  const bool sm = bytes > 0 && use_sm(src, bytes);
   std::uint64_t* word = nullptr;
   if (signal.sig != nullptr) word = static_cast<std::uint64_t*>(signal.sig->peer[target]) + signal.index;
 
-  if (word != nullptr && (bytes == 0 || sm)) {
-    ipc::check_cuda(cuda::launch_copy(dst, src, bytes, word, signal.value, signal.op, stream),
-                    "copy+signal kernel launch", what);
+  // Small put_signal: one kernel copies, then signals (no second stream operation).
+  if (word != nullptr && (bytes == 0 || use_sm(src, bytes, fused_signal_max_))) {
+    const cudaError_t rc = cuda::launch_copy(dst, src, bytes, word, signal.value, signal.op, stream);
+    if (rc != cudaSuccess) ipc::check_cuda(rc, "copy+signal kernel launch", what("put_signal", target));
     return;
   }
   if (bytes > 0) {
-    if (sm)
-      ipc::check_cuda(cuda::launch_copy(dst, src, bytes, nullptr, 0, SignalOp::Set, stream), "copy kernel launch", what);
-    else
-      ipc::check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync", what);
+    const bool sm = use_sm(src, bytes, sm_copy_max_);
+    const cudaError_t rc = sm ? cuda::launch_copy(dst, src, bytes, nullptr, 0, SignalOp::Set, stream)
+                              : cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
+    if (rc != cudaSuccess) ipc::check_cuda(rc, sm ? "copy kernel launch" : "cudaMemcpyAsync", what("put", target));
   }
   if (word == nullptr) return;
   if (signal.op == SignalOp::Set) {
     // The default flags put a memory barrier before the write: the copy lands first.
-    ipc::check_cu(ipc::cuda_driver().cuStreamWriteValue64(stream, reinterpret_cast<CUdeviceptr>(word), signal.value, 0),
-                  "cuStreamWriteValue64", what);
+    const CUresult rc = ipc::cuda_driver().cuStreamWriteValue64(stream, reinterpret_cast<CUdeviceptr>(word), signal.value, 0);
+    if (rc != CUDA_SUCCESS) ipc::check_cu(rc, "cuStreamWriteValue64", what("put_signal", target));
   } else {
-    ipc::check_cuda(cuda::launch_copy(nullptr, nullptr, 0, word, signal.value, signal.op, stream),
-                    "signal kernel launch", what);
+    const cudaError_t rc = cuda::launch_copy(nullptr, nullptr, 0, word, signal.value, signal.op, stream);
+    if (rc != cudaSuccess) ipc::check_cuda(rc, "signal kernel launch", what("put_signal", target));
   }
 }
 
 void IpcTransport::get(void* dst, const WindowState& win, int target, std::size_t offset,
                        std::size_t bytes, Stream stream) {
   if (bytes == 0) return;
-  const std::string what = "ipc get by rank " + std::to_string(rank_) + " from rank " + std::to_string(target);
   const char* src = static_cast<const char*>(win.peer[target]) + offset;
-  if (use_sm(dst, bytes))
-    ipc::check_cuda(cuda::launch_copy(dst, src, bytes, nullptr, 0, SignalOp::Set, stream), "copy kernel launch", what);
-  else
-    ipc::check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync", what);
+  const bool sm = use_sm(dst, bytes, sm_copy_max_);
+  const cudaError_t rc = sm ? cuda::launch_copy(dst, src, bytes, nullptr, 0, SignalOp::Set, stream)
+                            : cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
+  if (rc != cudaSuccess) ipc::check_cuda(rc, sm ? "copy kernel launch" : "cudaMemcpyAsync", what("get", target));
 }
 
 }  // namespace meshmem::detail

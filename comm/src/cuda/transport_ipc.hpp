@@ -7,13 +7,16 @@
 
 #include <cuda_runtime_api.h>
 
+#include <string>
+
 #include "../transport.hpp"
 
 namespace meshmem::detail {
 
 class IpcTransport final : public Transport {
  public:
-  IpcTransport(std::size_t sm_copy_max, int rank) : sm_copy_max_(sm_copy_max), rank_(rank) {}
+  IpcTransport(std::size_t sm_copy_max, std::size_t fused_signal_max, int rank)
+      : sm_copy_max_(sm_copy_max), fused_signal_max_(fused_signal_max), rank_(rank) {}
   TransportKind kind() const override { return TransportKind::Ipc; }
   void put(const WindowState& win, int target, std::size_t offset, const void* src,
            std::size_t bytes, const SignalUpdate& signal, Stream stream) override;
@@ -22,8 +25,11 @@ class IpcTransport final : public Transport {
   void quiet() override {}  // completion is stream order
 
  private:
-  bool use_sm(const void* local, std::size_t bytes) const;
+  bool use_sm(const void* local, std::size_t bytes, std::size_t max) const;
+  // Error context, built only when a call failed (puts are a hot path).
+  std::string what(const char* op, int target) const;
   std::size_t sm_copy_max_;
+  std::size_t fused_signal_max_;
   int rank_;
 };
 
