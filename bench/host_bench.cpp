@@ -89,6 +89,7 @@ struct Args {
   int warmup = 200;
   int warmup_large = 20;
   int min_iters = 5;
+  int reps = 3;  // the timed iterations run as this many loops; the fastest one counts
   // Each measurement is capped at about this long; the iteration count comes from the
   // warm-up's time per iteration (rank 0 decides and broadcasts it).
   double seconds_per_size = 0.15;
@@ -109,7 +110,9 @@ const char* const kUsage =
     "  --iters-large N       timed iterations for sizes > 8 KiB (default 1000)\n"
     "  --warmup N            warm-up iterations for sizes <= 8 KiB (default 200)\n"
     "  --warmup-large N      warm-up iterations for sizes > 8 KiB (default 20)\n"
-    "  --min-iters N         at least this many timed iterations (default 5)\n"
+    "  --min-iters N         at least this many timed iterations per loop (default 5)\n"
+    "  --reps N              split the timed iterations into N loops, report the fastest\n"
+    "                        loop's mean (default 3; 1: one loop, the plain OSU mean)\n"
     "  --time-per-size S     cap each measurement at about S seconds (default 0.15; 0: no cap)\n"
     "  --window N            operations per bandwidth iteration (default 64)\n"
     "  --window-bytes N      cap on window * size; fewer operations above it (default 64M)\n"
@@ -158,8 +161,11 @@ std::set<std::string> parse_list(const std::string& text, const char* const* kno
     const std::size_t comma = text.find(',', start);
     const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
     if (!item.empty()) {
-      if (std::find(known, known + n, item) == known + n)
-        throw std::invalid_argument("unknown name '" + item + "'");
+      if (std::find(known, known + n, item) == known + n) {
+        std::string names;
+        for (std::size_t i = 0; i < n; ++i) names += std::string(i ? ", " : "") + known[i];
+        throw std::invalid_argument("unknown name '" + item + "' (known: " + names + ")");
+      }
       out.insert(item);
     }
     if (comma == std::string::npos) break;
@@ -191,6 +197,7 @@ bool parse_args(int argc, char** argv, Args& a) {
     else if (opt == "--warmup") a.warmup = parse_int(value, 0);
     else if (opt == "--warmup-large") a.warmup_large = parse_int(value, 0);
     else if (opt == "--min-iters") a.min_iters = parse_int(value, 1);
+    else if (opt == "--reps") a.reps = parse_int(value, 1);
     else if (opt == "--time-per-size") {
       try {
         a.seconds_per_size = std::stod(value);
@@ -235,9 +242,9 @@ void fill_pattern(unsigned char* p, std::size_t n, std::uint32_t seed) {
     p[k] = static_cast<unsigned char>((seed >> (k % 4 * 8)) + k * 131u + (k >> 10) + 1u);
 }
 
-std::uint32_t seed_for(Bench b, int variant, std::size_t size) {
-  return static_cast<std::uint32_t>(size * 2654435761u) ^ (static_cast<std::uint32_t>(b) << 24) ^
-         (static_cast<std::uint32_t>(variant) << 16) ^ 0x5a5au;
+// Every variant moves the same bytes at a size; the memory they land in is cleared before.
+std::uint32_t seed_for(Bench b, std::size_t size) {
+  return static_cast<std::uint32_t>(size * 2654435761u) ^ (static_cast<std::uint32_t>(b) << 24) ^ 0x5a5au;
 }
 
 // Index of the first of `count` consecutive `size`-byte regions that differs from ref, or -1.
@@ -255,7 +262,6 @@ struct Ctx {
   int provided = 0;
   std::size_t region_bytes = 0;  // max over sizes of window_for(size) * size
   Buffer src;                    // max_size: what every put / send sends (both ranks)
-  Buffer dst;                    // region_bytes: where gets land (rank 0)
   Buffer ref;                    // max_size: the expected pattern, for checks
   std::string osc;               // the osc component of the mpi-put window, once known
 
@@ -271,11 +277,12 @@ struct Ctx {
 };
 
 struct Row {
-  std::string benchmark;
-  std::string variant;
+  int benchmark;  // index into kBenchmarks
+  int variant;    // index into kVariants
   std::size_t size;
   double latency_us;
   double bandwidth_mbps;  // 1e6 bytes per second
+  bool ok;                // the data check passed; rows that failed it are not recorded
 };
 
 // ---- variants ----
@@ -284,12 +291,18 @@ struct Row {
 // their part (rank 0 the origin, rank 1 the target); a part may be empty.
 class Variant {
  public:
-  explicit Variant(Ctx& ctx) : ctx_(ctx) {}
+  explicit Variant(Ctx& ctx) : ctx_(ctx), dst_(ctx.rank == 0 ? page_buffer(ctx.region_bytes) : nullptr) {}
   virtual ~Variant() = default;
   Variant(const Variant&) = delete;
   Variant& operator=(const Variant&) = delete;
 
   virtual const char* name() const = 0;
+  int index() const {
+    for (int i = 0; i < 5; ++i)
+      if (std::strcmp(kVariants[i], name()) == 0) return i;
+    return -1;
+  }
+  unsigned char* get_dst() { return dst_.get(); }  // where this variant's gets land (rank 0)
   virtual bool supports(Bench) const { return true; }
   virtual std::string path() const = 0;          // how rank 0 reaches rank 1, for the header
   virtual std::string how(Bench b) const = 0;    // what one iteration does, for the header
@@ -308,9 +321,12 @@ class Variant {
   virtual void get_once(std::size_t size) = 0;
   virtual void get_window(std::size_t size, int window) = 0;
   virtual void pingpong(std::size_t) {}
+  // Collective teardown with every call checked (the destructors cannot report errors).
+  virtual void finish() {}
 
  protected:
   Ctx& ctx_;
+  Buffer dst_;
   std::size_t at(int i, std::size_t size) const { return static_cast<std::size_t>(i) * size; }
 };
 
@@ -347,14 +363,14 @@ class MemcpyVariant final : public Variant {
   }
   void get_once(std::size_t size) override {
     if (ctx_.rank != 0) return;
-    std::memcpy(ctx_.dst.get(), source_.get(), size);
-    clobber(ctx_.dst.get());
+    std::memcpy(dst_.get(), source_.get(), size);
+    clobber(dst_.get());
   }
   void get_window(std::size_t size, int window) override {
     if (ctx_.rank != 0) return;
     for (int i = 0; i < window; ++i) {
-      std::memcpy(ctx_.dst.get() + at(i, size), source_.get() + at(i, size), size);
-      clobber(ctx_.dst.get());
+      std::memcpy(dst_.get() + at(i, size), source_.get() + at(i, size), size);
+      clobber(dst_.get());
     }
   }
 
@@ -403,6 +419,10 @@ class MeshmemVariant final : public Variant {
     return "";
   }
   void sync() override { comm_.barrier(); }
+  void finish() override {
+    sig_.free();
+    win_.free();
+  }
   unsigned char* put_target() override { return static_cast<unsigned char*>(win_.local()); }
 
   void put_once(std::size_t size) override {
@@ -417,11 +437,11 @@ class MeshmemVariant final : public Variant {
   }
   void get_once(std::size_t size) override {
     if (comm_.rank() != 0) return;
-    comm_.get(ctx_.dst.get(), win_, 1, 0, size);
+    comm_.get(dst_.get(), win_, 1, 0, size);
   }
   void get_window(std::size_t size, int window) override {
     if (comm_.rank() != 0) return;
-    for (int i = 0; i < window; ++i) comm_.get(ctx_.dst.get() + at(i, size), win_, 1, at(i, size), size);
+    for (int i = 0; i < window; ++i) comm_.get(dst_.get() + at(i, size), win_, 1, at(i, size), size);
   }
   void pingpong(std::size_t size) override {
     ++seq_;
@@ -477,6 +497,7 @@ class MpiSendrecvVariant final : public Variant {
     return "";
   }
   void sync() override { MPI_CHECK(MPI_Barrier(comm_)); }
+  void finish() override { MPI_CHECK(MPI_Comm_free(&comm_)); }
   unsigned char* put_target() override { return buf_.get(); }
 
   void put_once(std::size_t size) override {
@@ -507,7 +528,7 @@ class MpiSendrecvVariant final : public Variant {
     const int n = static_cast<int>(size);
     if (ctx_.rank == 0) {
       MPI_Request r = MPI_REQUEST_NULL;
-      MPI_CHECK(MPI_Irecv(ctx_.dst.get(), n, MPI_BYTE, 1, kReply, comm_, &r));
+      MPI_CHECK(MPI_Irecv(dst_.get(), n, MPI_BYTE, 1, kReply, comm_, &r));
       MPI_CHECK(MPI_Send(nullptr, 0, MPI_BYTE, 1, kRequest, comm_));
       MPI_CHECK(MPI_Wait(&r, MPI_STATUS_IGNORE));
     } else {
@@ -519,7 +540,7 @@ class MpiSendrecvVariant final : public Variant {
     const int n = static_cast<int>(size);
     if (ctx_.rank == 0) {
       for (int i = 0; i < window; ++i)
-        MPI_CHECK(MPI_Irecv(ctx_.dst.get() + at(i, size), n, MPI_BYTE, 1, kReply, comm_, &reqs_[i]));
+        MPI_CHECK(MPI_Irecv(dst_.get() + at(i, size), n, MPI_BYTE, 1, kReply, comm_, &reqs_[i]));
       MPI_CHECK(MPI_Send(nullptr, 0, MPI_BYTE, 1, kRequest, comm_));
       MPI_CHECK(MPI_Waitall(window, reqs_.data(), MPI_STATUSES_IGNORE));
     } else {
@@ -562,7 +583,7 @@ class MpiPutVariant final : public Variant {
     MPI_CHECK(MPI_Win_lock_all(MPI_MODE_NOCHECK, win_));
   }
   ~MpiPutVariant() override {
-    if (win_ == MPI_WIN_NULL) return;
+    if (win_ == MPI_WIN_NULL) return;  // finish() ran
     MPI_Win_unlock_all(win_);
     MPI_Win_free(&win_);
   }
@@ -581,6 +602,10 @@ class MpiPutVariant final : public Variant {
     return "";
   }
   void sync() override { MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD)); }
+  void finish() override {
+    MPI_CHECK(MPI_Win_unlock_all(win_));
+    MPI_CHECK(MPI_Win_free(&win_));  // sets win_ to MPI_WIN_NULL
+  }
   unsigned char* put_target() override { return static_cast<unsigned char*>(base_); }
   void wrote_locally() override { MPI_CHECK(MPI_Win_sync(win_)); }
   void will_read_locally() override { MPI_CHECK(MPI_Win_sync(win_)); }
@@ -601,14 +626,14 @@ class MpiPutVariant final : public Variant {
   void get_once(std::size_t size) override {
     if (ctx_.rank != 0) return;
     const int n = static_cast<int>(size);
-    MPI_CHECK(MPI_Get(ctx_.dst.get(), n, MPI_BYTE, 1, 0, n, MPI_BYTE, win_));
+    MPI_CHECK(MPI_Get(dst_.get(), n, MPI_BYTE, 1, 0, n, MPI_BYTE, win_));
     MPI_CHECK(MPI_Win_flush(1, win_));
   }
   void get_window(std::size_t size, int window) override {
     if (ctx_.rank != 0) return;
     const int n = static_cast<int>(size);
     for (int i = 0; i < window; ++i)
-      MPI_CHECK(MPI_Get(ctx_.dst.get() + at(i, size), n, MPI_BYTE, 1, static_cast<MPI_Aint>(at(i, size)), n,
+      MPI_CHECK(MPI_Get(dst_.get() + at(i, size), n, MPI_BYTE, 1, static_cast<MPI_Aint>(at(i, size)), n,
                         MPI_BYTE, win_));
     MPI_CHECK(MPI_Win_flush(1, win_));
   }
@@ -653,8 +678,8 @@ class MpiPutVariant final : public Variant {
     MPI_CHECK(MPI_Win_sync(win_));
   }
 
-  // Open MPI names its windows after the component ("rdma window 3"); osc sm leaves the
-  // name empty but is the one that answers MPI_Win_shared_query for an MPI_Win_allocate window.
+  // Open MPI 4.x names a window after its osc component ("rdma window 3", "pt2pt window 3");
+  // osc sm leaves it unnamed.
   std::string detect_osc() {
     char name[MPI_MAX_OBJECT_NAME] = {};
     int len = 0;
@@ -663,15 +688,11 @@ class MpiPutVariant final : public Variant {
     int found = 0;
     MPI_CHECK(MPI_Win_get_attr(win_, MPI_WIN_MODEL, &model, &found));
     model_ = !found ? "unknown" : *model == MPI_WIN_UNIFIED ? "unified" : "separate";
-    MPI_Aint peer_bytes = 0;
-    int disp = 0;
-    void* peer = nullptr;
-    const bool shared = MPI_Win_shared_query(win_, 1 - ctx_.rank, &peer_bytes, &disp, &peer) == MPI_SUCCESS &&
-                        peer != nullptr;
     const std::string n(name, static_cast<std::size_t>(len));
-    std::string what = n.empty() ? "unnamed" : n.substr(0, n.find(" window"));
-    if (n.empty() && shared) what = "sm";
-    return what + " (window name '" + n + "', MPI_Win_shared_query " + (shared ? "works" : "refused") + ")";
+    const std::size_t cut = n.find(" window");
+    if (n.empty()) return "probably sm (the window is unnamed)";
+    if (cut == std::string::npos) return "unknown (window name '" + n + "')";
+    return n.substr(0, cut) + " (window name '" + n + "')";
   }
 
   void* base_ = nullptr;
@@ -710,37 +731,74 @@ int bcast_from_0(int value) {
   return value;
 }
 
-// Seconds per iteration of `iter`, as timed by rank 0. Both ranks call `iter` the same
-// number of times: one first iteration (page faults, lazy connections), a warm-up sized so
-// it takes about a quarter of the time budget, then the timed loop, its count capped by
-// the budget. Rank 0 decides the counts and broadcasts them; the variant's barrier comes
-// before every broadcast, so a rank never busy-polls MPI while the other one is timing.
-template <class Iter>
-double measure(Ctx& ctx, Variant& v, std::size_t size, Iter&& iter) {
+// One timed quantity (a latency or a bandwidth loop) of one variant at one size. The loop
+// body is a lambda inlined into run(), so a virtual call is paid per loop, not per iteration.
+struct Item {
+  explicit Item(Variant& variant) : v(variant) {}
+  virtual ~Item() = default;
+  virtual void run(int n) = 0;
+  Variant& v;
+  int warm = 0;      // warm-up iterations
+  int loop = 0;      // iterations per timed loop
+  double best = 0;   // fastest loop's seconds per iteration (rank 0)
+};
+
+template <class F>
+struct LoopItem final : Item {
+  LoopItem(Variant& variant, F body) : Item(variant), f(std::move(body)) {}
+  void run(int n) override {
+    for (int i = 0; i < n; ++i) f();
+  }
+  F f;
+};
+
+template <class F>
+std::unique_ptr<Item> make_item(Variant& v, F body) {
+  return std::make_unique<LoopItem<F>>(v, std::move(body));
+}
+
+// First iteration (page faults, lazy connections), then a warm-up sized to take about a
+// quarter of the time budget, then the count of timed iterations, capped by the budget and
+// split into `reps` loops. Rank 0 decides the counts and broadcasts them, so both ranks run
+// the same number; the variant's barrier comes before every broadcast, so a rank never
+// busy-polls MPI while the other one is working.
+void prepare(Ctx& ctx, Item& item, std::size_t size) {
   const Args& a = ctx.args;
   const bool large = size > kLargeMessage;
   const int max_iters = large ? a.iters_large : a.iters;
   const int max_warmup = large ? a.warmup_large : a.warmup;
   const double budget = a.seconds_per_size > 0 ? a.seconds_per_size : 1e30;
+  Variant& v = item.v;
 
   v.sync();
   auto t0 = Clock::now();
-  iter();
+  item.run(1);
   const double first = seconds_since(t0);
   v.sync();
-  const int warm = bcast_from_0(clamp_count(0.25 * budget / first, 0, std::max(0, max_warmup - 1)));
+  item.warm = bcast_from_0(clamp_count(0.25 * budget / first, 0, std::max(0, max_warmup - 1)));
   t0 = Clock::now();
-  for (int i = 0; i < warm; ++i) iter();
+  item.run(item.warm);
   const double warm_time = seconds_since(t0);
   v.sync();
-  const double per = warm > 0 ? warm_time / warm : first;
+  const double per = item.warm > 0 ? warm_time / item.warm : first;
   const int iters = bcast_from_0(clamp_count(budget / per, a.min_iters, max_iters));
+  item.loop = std::max(std::min(a.min_iters, iters), iters / a.reps);
+}
+
+// One timed loop, after a short re-warm (another variant's loop may have run in between),
+// each behind a barrier; timed with steady_clock on rank 0. Keeps the fastest loop's mean,
+// as STREAM reports its best run: a loop that a neighbour on the host disturbed, or that ran
+// while the VM's vCPUs sat further apart, does not count.
+void timed_loop(Item& item, bool first) {
+  Variant& v = item.v;
   v.sync();
-  t0 = Clock::now();
-  for (int i = 0; i < iters; ++i) iter();
-  const double elapsed = seconds_since(t0);
+  item.run(std::min(item.warm, std::max(1, item.loop / 8)));
   v.sync();
-  return elapsed / iters;
+  const auto t0 = Clock::now();
+  item.run(item.loop);
+  const double mean = seconds_since(t0) / item.loop;
+  v.sync();
+  if (first || mean < item.best) item.best = mean;
 }
 
 // ---- the benchmarks ----
@@ -749,108 +807,149 @@ class Runner {
  public:
   explicit Runner(Ctx& ctx) : ctx_(ctx) {}
 
-  void run_variant(Variant& v, int variant_index) {
-    for (int b = 0; b < 3; ++b) {
-      const Bench bench = static_cast<Bench>(b);
-      if (!selected(ctx_.args.benchmarks, kBenchmarks[b]) || !v.supports(bench)) continue;
-      if (ctx_.rank == 0) {
-        std::printf("\n# %s / %s: %s\n", kBenchmarks[b], v.name(), v.path().c_str());
-        std::printf("#   %s\n", v.how(bench).c_str());
-        if (bench != Bench::PutSignal)
-          std::printf("#   W = %d operations per bandwidth iteration (fewer where W * size > %zu bytes)\n",
-                      ctx_.args.window, ctx_.args.window_bytes);
-        std::printf("# %-10s %18s %20s\n", "size", "latency(us)", "bandwidth(MB/s)");
-        std::fflush(stdout);
-      }
-      for (std::size_t size : ctx_.sizes()) run_size(v, bench, variant_index, size);
-    }
-  }
-
-  const std::vector<Row>& rows() const { return rows_; }
-  int failures() const { return failures_; }
-
   static bool selected(const std::set<std::string>& set, const std::string& name) {
     return set.empty() || set.count(name) != 0;
   }
 
- private:
-  void run_size(Variant& v, Bench bench, int variant_index, std::size_t size) {
-    const std::uint32_t seed = seed_for(bench, variant_index, size);
-    const int me = ctx_.rank;
-    unsigned char* src = ctx_.src.get();
-    unsigned char* ref = ctx_.ref.get();
-    fill_pattern(src, size, seed);
-    fill_pattern(ref, size, seed);
-    const int w = ctx_.window_for(size);
-    double latency = 0;   // seconds
-    double bandwidth = 0; // bytes per second
-    long bad = -1;        // first region that failed the check, on the rank that checked
-    std::string where;
+  // Runs every selected benchmark over `variants`, which are all alive. At each size the
+  // variants' timed loops take turns (rep 1 of every variant, then rep 2, ...), so that
+  // rows compared in the summary are measured within a fraction of a second of each other:
+  // on a VM, memory bandwidth and the distance between the two vCPUs drift over seconds.
+  void run(const std::vector<Variant*>& variants) {
+    for (int b = 0; b < 3; ++b) {
+      const Bench bench = static_cast<Bench>(b);
+      if (!selected(ctx_.args.benchmarks, kBenchmarks[b])) continue;
+      std::vector<Variant*> vs;
+      for (Variant* v : variants)
+        if (v->supports(bench)) vs.push_back(v);
+      if (vs.empty()) continue;
+      const std::size_t first_row = rows_.size();
+      for (std::size_t size : ctx_.sizes()) run_size(vs, bench, size);
+      if (ctx_.rank == 0)
+        for (Variant* v : vs) print_table(*v, bench, first_row);
+    }
+  }
 
-    switch (bench) {
-      case Bench::Put: {
-        if (me == v.owner()) {
-          std::memset(v.put_target(), 0, static_cast<std::size_t>(w) * size);
+  std::vector<Row> rows() const {
+    std::vector<Row> sorted = rows_;
+    std::stable_sort(sorted.begin(), sorted.end(), [](const Row& x, const Row& y) {
+      if (x.benchmark != y.benchmark) return x.benchmark < y.benchmark;
+      if (x.variant != y.variant) return x.variant < y.variant;
+      return x.size < y.size;
+    });
+    return sorted;
+  }
+  int failures() const { return failures_; }
+
+ private:
+  void run_size(const std::vector<Variant*>& vs, Bench bench, std::size_t size) {
+    const int me = ctx_.rank;
+    unsigned char* ref = ctx_.ref.get();
+    fill_pattern(ctx_.src.get(), size, seed_for(bench, size));
+    fill_pattern(ref, size, seed_for(bench, size));
+    const int w = ctx_.window_for(size);
+    const std::size_t span = static_cast<std::size_t>(w) * size;
+
+    // The memory each variant writes is cleared first, so only this size's data can pass.
+    std::vector<std::unique_ptr<Item>> lat, bw;  // bw stays empty for put_signal
+    for (Variant* pv : vs) {
+      Variant& v = *pv;
+      switch (bench) {
+        case Bench::Put:
+          if (me == v.owner()) {
+            std::memset(v.put_target(), 0, span);
+            v.wrote_locally();
+          }
+          lat.push_back(make_item(v, [&v, size] { v.put_once(size); }));
+          bw.push_back(make_item(v, [&v, size, w] { v.put_window(size, w); }));
+          break;
+        case Bench::Get:
+          if (me == v.owner()) {
+            for (int i = 0; i < w; ++i) std::memcpy(v.get_source() + static_cast<std::size_t>(i) * size, ref, size);
+            v.wrote_locally();
+          }
+          if (me == 0) std::memset(v.get_dst(), 0, span);
+          lat.push_back(make_item(v, [&v, size] { v.get_once(size); }));
+          bw.push_back(make_item(v, [&v, size, w] { v.get_window(size, w); }));
+          break;
+        case Bench::PutSignal:
+          std::memset(v.pingpong_target(), 0, size);
           v.wrote_locally();
-        }
-        latency = measure(ctx_, v, size, [&] { v.put_once(size); });
-        bandwidth = static_cast<double>(w) * static_cast<double>(size) /
-                    measure(ctx_, v, size, [&] { v.put_window(size, w); });
-        if (me == v.owner()) {
-          v.will_read_locally();
-          bad = first_bad_region(v.put_target(), w, size, ref);
-          where = "put target region";
-        }
-        break;
-      }
-      case Bench::Get: {
-        if (me == v.owner()) {
-          for (int i = 0; i < w; ++i) std::memcpy(v.get_source() + static_cast<std::size_t>(i) * size, ref, size);
-          v.wrote_locally();
-        }
-        if (me == 0) std::memset(ctx_.dst.get(), 0, static_cast<std::size_t>(w) * size);
-        latency = measure(ctx_, v, size, [&] { v.get_once(size); });
-        bandwidth = static_cast<double>(w) * static_cast<double>(size) /
-                    measure(ctx_, v, size, [&] { v.get_window(size, w); });
-        if (me == 0) {
-          bad = first_bad_region(ctx_.dst.get(), w, size, ref);
-          where = "get destination region";
-        }
-        break;
-      }
-      case Bench::PutSignal: {
-        std::memset(v.pingpong_target(), 0, size);
-        v.wrote_locally();
-        const double round_trip = measure(ctx_, v, size, [&] { v.pingpong(size); });
-        latency = round_trip / 2;
-        bandwidth = static_cast<double>(size) / latency;
-        v.will_read_locally();
-        bad = first_bad_region(v.pingpong_target(), 1, size, ref);
-        where = "ping-pong target";
-        break;
+          lat.push_back(make_item(v, [&v, size] { v.pingpong(size); }));
+          break;
       }
     }
+    std::vector<Item*> items;
+    for (auto& i : lat) items.push_back(i.get());
+    for (auto& i : bw) items.push_back(i.get());
+    for (Item* item : items) prepare(ctx_, *item, size);
+    for (int r = 0; r < ctx_.args.reps; ++r)
+      for (Item* item : items) timed_loop(*item, r == 0);
 
-    // Every rank learns whether the data arrived, so both count the failure.
-    int ok = bad < 0 ? 1 : 0;
-    if (!ok)
-      std::fprintf(stderr, "host_bench rank %d: %s / %s, size %zu: DATA CHECK FAILED (%s %ld differs)\n", me,
-                   kBenchmarks[static_cast<int>(bench)], v.name(), size, where.c_str(), bad);
-    int all_ok = 0;
-    MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
-    if (me != 0) return;
-    if (!all_ok) {
-      ++failures_;
-      std::printf("%-12zu %18s %20s   # data check failed: not recorded\n", size, "-", "-");
-    } else {
-      rows_.push_back(Row{kBenchmarks[static_cast<int>(bench)], v.name(), size, latency * 1e6, bandwidth / 1e6});
-      std::printf("%-12zu %18.3f %20.2f\n", size, latency * 1e6, bandwidth / 1e6);
+    for (std::size_t k = 0; k < vs.size(); ++k) {
+      Variant& v = *vs[k];
+      long bad = -1;  // first region that failed the check, on the rank that checked
+      const char* where = "";
+      double latency = lat[k]->best;  // seconds
+      double bandwidth = 0;           // bytes per second
+      switch (bench) {
+        case Bench::Put:
+          bandwidth = static_cast<double>(span) / bw[k]->best;
+          if (me == v.owner()) {
+            v.will_read_locally();
+            bad = first_bad_region(v.put_target(), w, size, ref);
+            where = "put target region";
+          }
+          break;
+        case Bench::Get:
+          bandwidth = static_cast<double>(span) / bw[k]->best;
+          if (me == 0) {
+            bad = first_bad_region(v.get_dst(), w, size, ref);
+            where = "get destination region";
+          }
+          break;
+        case Bench::PutSignal:
+          latency /= 2;  // one way = round trip / 2
+          bandwidth = static_cast<double>(size) / latency;
+          v.will_read_locally();
+          bad = first_bad_region(v.pingpong_target(), 1, size, ref);
+          where = "ping-pong target";
+          break;
+      }
+      // Every rank learns whether the data arrived, so both count the failure.
+      const int ok = bad < 0 ? 1 : 0;
+      if (!ok)
+        std::fprintf(stderr, "host_bench rank %d: %s / %s, size %zu: DATA CHECK FAILED (%s %ld differs)\n", me,
+                     kBenchmarks[static_cast<int>(bench)], v.name(), size, where, bad);
+      int all_ok = 0;
+      MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+      if (me != 0) continue;
+      if (!all_ok) ++failures_;
+      rows_.push_back(Row{static_cast<int>(bench), v.index(), size, latency * 1e6, bandwidth / 1e6, all_ok != 0});
+    }
+  }
+
+  void print_table(Variant& v, Bench bench, std::size_t first_row) const {
+    const int b = static_cast<int>(bench);
+    std::printf("\n# %s / %s: %s\n", kBenchmarks[b], v.name(), v.path().c_str());
+    std::printf("#   %s\n", v.how(bench).c_str());
+    if (bench != Bench::PutSignal)
+      std::printf("#   W = %d operations per bandwidth iteration (fewer where W * size > %zu bytes)\n",
+                  ctx_.args.window, ctx_.args.window_bytes);
+    std::printf("# %-10s %18s %20s\n", "size", "latency(us)", "bandwidth(MB/s)");
+    for (std::size_t i = first_row; i < rows_.size(); ++i) {
+      const Row& r = rows_[i];
+      if (r.benchmark != b || r.variant != v.index()) continue;
+      if (r.ok)
+        std::printf("%-12zu %18.3f %20.2f\n", r.size, r.latency_us, r.bandwidth_mbps);
+      else
+        std::printf("%-12zu %18s %20s   # data check failed: not recorded\n", r.size, "-", "-");
     }
     std::fflush(stdout);
   }
 
   Ctx& ctx_;
-  std::vector<Row> rows_;
+  std::vector<Row> rows_;  // in the order measured
   int failures_ = 0;
 };
 
@@ -910,7 +1009,7 @@ void report_busyness(const Busyness& start, int rank) {
   const Busyness end = Busyness::now();
   const double mine = end.own - start.own;
   double ours = 0;
-  MPI_Reduce(&mine, &ours, 1, MPI_DOUBLE, MPI_SUM, 0, MPI_COMM_WORLD);
+  MPI_CHECK(MPI_Reduce(&mine, &ours, 1, MPI_DOUBLE, MPI_SUM, 0, MPI_COMM_WORLD));
   if (rank != 0 || !start.machine.valid || !end.machine.valid) return;
   const double wall = std::chrono::duration<double>(end.wall - start.wall).count();
   const double capacity = wall * cpus_usable();
@@ -919,7 +1018,9 @@ void report_busyness(const Busyness& start, int rank) {
   std::printf("\nmachine during the run: %.1f s wall on %d CPUs; host_bench used %.1f CPU s, other processes "
               "%.1f CPU s (%.0f%% of the machine), hypervisor steal %.1f s\n",
               wall, cpus_usable(), ours, others, 100.0 * others / capacity, steal);
-  if (others > 0.05 * capacity || steal > 0.05 * capacity)
+  if (wall < 2)
+    std::printf("(too short a run for /proc/stat's 10 ms ticks to say whether the machine was quiet)\n");
+  else if (others > 0.05 * capacity || steal > 0.05 * capacity)
     std::printf("WARNING: the machine was not quiet (other processes or steal above 5%%): the timings, "
                 "latencies above all, are disturbed; run again on an idle machine\n");
 }
@@ -950,9 +1051,10 @@ bool write_csv(const Ctx& ctx, const std::string& date, const std::vector<Row>& 
   }
   std::fprintf(f, "date,commit,machine,benchmark,variant,ranks,size_bytes,latency_us,bandwidth_gbps\n");
   for (const Row& r : rows)
-    std::fprintf(f, "%s,%s,%s,%s,%s,2,%zu,%.4f,%.6f\n", csv_field(date).c_str(), csv_field(ctx.args.commit).c_str(),
-                 csv_field(ctx.args.machine).c_str(), r.benchmark.c_str(), r.variant.c_str(), r.size, r.latency_us,
-                 r.bandwidth_mbps / 1000.0);
+    if (r.ok)
+      std::fprintf(f, "%s,%s,%s,%s,%s,2,%zu,%.4f,%.6f\n", csv_field(date).c_str(), csv_field(ctx.args.commit).c_str(),
+                   csv_field(ctx.args.machine).c_str(), kBenchmarks[r.benchmark], kVariants[r.variant], r.size,
+                   r.latency_us, r.bandwidth_mbps / 1000.0);
   const bool ok = std::fflush(f) == 0 && !std::ferror(f);
   if (std::fclose(f) != 0 || !ok) {
     std::fprintf(stderr, "host_bench: writing %s failed\n", ctx.args.csv.c_str());
@@ -963,7 +1065,9 @@ bool write_csv(const Ctx& ctx, const std::string& date, const std::vector<Row>& 
 
 const Row* find_row(const std::vector<Row>& rows, const char* bench, const char* variant, std::size_t size) {
   for (const Row& r : rows)
-    if (r.benchmark == bench && r.variant == variant && r.size == size) return &r;
+    if (r.ok && kBenchmarks[r.benchmark] == std::string(bench) && kVariants[r.variant] == std::string(variant) &&
+        r.size == size)
+      return &r;
   return nullptr;
 }
 
@@ -1014,8 +1118,8 @@ void print_header(const Ctx& ctx, const std::string& date) {
   if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "unknown");
   char lib[MPI_MAX_LIBRARY_VERSION_STRING] = {};
   int len = 0;
-  MPI_Get_library_version(lib, &len);
-  std::string mpi(lib, static_cast<std::size_t>(len));
+  std::string mpi = "MPI library unknown";
+  if (MPI_Get_library_version(lib, &len) == MPI_SUCCESS) mpi.assign(lib, static_cast<std::size_t>(len));
   mpi = mpi.substr(0, mpi.find_first_of(",\n"));
   const Args& a = ctx.args;
   std::printf("# meshmem host_bench: machine %s, host %s, nproc %d, date %s, commit %s\n", a.machine.c_str(), host,
@@ -1023,9 +1127,9 @@ void print_header(const Ctx& ctx, const std::string& date) {
   std::printf("# 2 ranks, %s, thread level %s, build %s\n", mpi.c_str(),
               ctx.provided >= MPI_THREAD_MULTIPLE ? "MPI_THREAD_MULTIPLE" : "below MPI_THREAD_MULTIPLE",
               MESHMEM_BENCH_BUILD_TYPE);
-  std::printf("# sizes %zu..%zu B; iterations <= %d (<= %d above %zu B), warm-up <= %d (%d), at least %d, "
-              "each measurement capped near %.2f s\n",
-              a.min_size, a.max_size, a.iters, a.iters_large, kLargeMessage, a.warmup, a.warmup_large, a.min_iters,
+  std::printf("# sizes %zu..%zu B; timed iterations <= %d (<= %d above %zu B) in %d loop(s), the fastest "
+              "loop's mean reported; warm-up <= %d (%d); each measurement capped near %.2f s\n",
+              a.min_size, a.max_size, a.iters, a.iters_large, kLargeMessage, a.reps, a.warmup, a.warmup_large,
               a.seconds_per_size);
   std::printf("# latency in microseconds; bandwidth in MB/s (1e6 bytes/s; the CSV has GB/s = 1e9 bytes/s)\n");
   std::fflush(stdout);
@@ -1039,10 +1143,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "host_bench: MPI_Init_thread failed\n");
     return 2;
   }
-  MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+  // Until the error handler is set, MPI errors abort the job (MPI_ERRORS_ARE_FATAL).
   int nranks = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &nranks);
-  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  if (MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN) != MPI_SUCCESS ||
+      MPI_Comm_rank(MPI_COMM_WORLD, &g_rank) != MPI_SUCCESS || MPI_Comm_size(MPI_COMM_WORLD, &nranks) != MPI_SUCCESS) {
+    std::fprintf(stderr, "host_bench: MPI_Comm_rank / MPI_Comm_size failed\n");
+    MPI_Abort(MPI_COMM_WORLD, 2);
+  }
 
   Ctx ctx;
   ctx.rank = g_rank;
@@ -1081,37 +1188,54 @@ int main(int argc, char** argv) {
       ctx.region_bytes = std::max(ctx.region_bytes, static_cast<std::size_t>(ctx.window_for(s)) * s);
     ctx.src = page_buffer(ctx.args.max_size);
     ctx.ref = page_buffer(ctx.args.max_size);
-    ctx.dst = page_buffer(g_rank == 0 ? ctx.region_bytes : 0);
     date = utc_now();
     if (g_rank == 0) print_header(ctx, date);
     start = Busyness::now();
 
+    // Phase 1: every variant without a progress thread, alive together and measured in turns.
+    // Phase 2: meshmem-remote alone: its two progress threads wake up ~1000 times a second
+    // each while idle, which would disturb the other variants' loops on a small machine.
     Runner runner(ctx);
-    for (int vi = 0; vi < 5; ++vi) {
-      if (!Runner::selected(ctx.args.variants, kVariants[vi])) continue;
-      std::unique_ptr<Variant> v;
-      try {
-        v = make_variant(kVariants[vi], ctx);
-      } catch (const std::exception& e) {
-        die(std::string(kVariants[vi]) + ": setup failed: " + e.what());
+    const std::vector<std::vector<int>> phases = {{0, 1, 3, 4}, {2}};
+    for (const auto& phase : phases) {
+      std::vector<std::unique_ptr<Variant>> owned;
+      for (int vi : phase) {
+        if (!Runner::selected(ctx.args.variants, kVariants[vi])) continue;
+        try {
+          owned.push_back(make_variant(kVariants[vi], ctx));
+        } catch (const meshmem::Error& e) {
+          die(std::string(kVariants[vi]) + ": setup failed: meshmem::Error (" + meshmem::to_string(e.code()) +
+              "): " + e.what());
+        } catch (const std::exception& e) {
+          die(std::string(kVariants[vi]) + ": setup failed: " + e.what());
+        }
       }
-      // Abort before unwinding: the variant's destructor is collective and the other rank
+      if (owned.empty()) continue;
+      std::vector<Variant*> vs;
+      for (auto& v : owned) vs.push_back(v.get());
+      if (g_rank == 0 && phase.size() == 1)
+        std::printf("\n# %s runs on its own after the others (its progress threads would disturb them)\n",
+                    kVariants[phase[0]]);
+      // Abort before unwinding: the variants' destructors are collective and the other rank
       // may never get there.
       try {
-        runner.run_variant(*v, vi);
+        runner.run(vs);
+        for (Variant* v : vs) v->finish();
+      } catch (const meshmem::Error& e) {
+        die(std::string("meshmem::Error (") + meshmem::to_string(e.code()) + "): " + e.what());
       } catch (const std::exception& e) {
-        die(std::string(kVariants[vi]) + ": " + e.what());
+        die(e.what());
       }
-      v.reset();  // collective: frees windows / Comm before the next variant runs
+      owned.clear();  // collective (~Comm), in the same order on both ranks
     }
     rows = runner.rows();
     failures = runner.failures();
+    report_busyness(start, g_rank);
   } catch (const std::exception& e) {
     die(e.what());
   }
 
   int rc = failures > 0 ? 1 : 0;
-  report_busyness(start, g_rank);
   if (g_rank == 0) {
     print_summary(rows);
     if (failures > 0) std::printf("\n%d measurement(s) failed their data check (see stderr)\n", failures);
@@ -1123,7 +1247,7 @@ int main(int argc, char** argv) {
     }
     std::fflush(stdout);
   }
-  MPI_Bcast(&rc, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  MPI_Finalize();
+  if (MPI_Bcast(&rc, 1, MPI_INT, 0, MPI_COMM_WORLD) != MPI_SUCCESS) rc = 2;
+  if (MPI_Finalize() != MPI_SUCCESS) rc = 2;
   return rc;
 }

@@ -22,7 +22,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ $# -ge 1 ]] || { echo "usage: $0 [--machine NAME] [--commit ID] BUILD_DIR [host_bench options...]" >&2; exit 2; }
-build=$(cd "$1" && pwd) || { echo "$0: no build directory $1" >&2; exit 2; }
+build=$(cd "$1" 2>/dev/null && pwd) || { echo "$0: no build directory $1" >&2; exit 2; }
 shift
 bench="$build/bench/host_bench"
 [[ -x "$bench" ]] || { echo "$0: $bench not found; build it first (cmake --build $1 --target host_bench)" >&2; exit 2; }

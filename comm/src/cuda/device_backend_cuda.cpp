@@ -165,13 +165,14 @@ void CudaDeviceBackend::setup_barrier() {
     create_window(flags_, what);
     // Flag barrier: tell every peer this rank arrived (its word `rank` in the peer's
     // flags), then wait for every peer's word here. Flags only grow: nothing is reset.
-    // Only the first write carries a memory barrier (earlier puts land before any flag).
+    // Each write carries the default memory barrier: earlier puts land before any flag.
+    // (cuStreamBatchMemOp refuses CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER: measured on H200.)
     for (int r = 0; r < topo.size; ++r) {
       if (r == topo.rank) continue;
       CUstreamBatchMemOpParams op{};
       op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
       op.writeValue.address = reinterpret_cast<CUdeviceptr>(static_cast<std::uint64_t*>(flags_.peer[r]) + topo.rank);
-      op.writeValue.flags = barrier_ops_.empty() ? 0 : CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER;
+      op.writeValue.flags = 0;
       barrier_ops_.push_back(op);
     }
     for (int r = 0; r < topo.size; ++r) {
