@@ -16,11 +16,14 @@ int main(int argc, char** argv) {
     const int me = comm.rank();
     const int n = comm.size();
     // Each rank's row of the transport table, gathered to rank 0.
-    std::string row;
-    for (int r = 0; r < n; ++r)
+    std::string row, drow;
+    for (int r = 0; r < n; ++r) {
       row += std::string(r ? " " : "") + meshmem::to_string(comm.transport(r, meshmem::Memory::Host));
-    std::vector<char> mine(256, '\0');
-    std::snprintf(mine.data(), mine.size(), "rank %d (node %d): host windows -> %s", me, comm.node(), row.c_str());
+      drow += std::string(r ? " " : "") + meshmem::to_string(comm.transport(r, meshmem::Memory::Device));
+    }
+    std::vector<char> mine(1024, '\0');
+    std::snprintf(mine.data(), mine.size(), "rank %d (node %d): host windows -> %s; device windows -> %s; %s", me,
+                  comm.node(), row.c_str(), drow.c_str(), comm.device_info().c_str());
     std::vector<char> all(me == 0 ? mine.size() * static_cast<std::size_t>(n) : 1);
     MPI_Gather(mine.data(), static_cast<int>(mine.size()), MPI_CHAR, all.data(), static_cast<int>(mine.size()),
                MPI_CHAR, 0, MPI_COMM_WORLD);

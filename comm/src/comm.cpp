@@ -545,6 +545,10 @@ int Comm::node_count() const { return live(impl_).topo.node_count; }
 MPI_Comm Comm::mpi_comm() const { return live(impl_).boot.comm(); }
 const Options& Comm::options() const { return live(impl_).options; }
 FdPassing Comm::fd_passing() const { return live(impl_).fds->mode(); }
+std::string Comm::device_info() const {
+  const auto& impl = live(impl_);
+  return impl.device ? impl.device->describe() : "none: " + impl.device_why;
+}
 
 Window Comm::alloc(std::size_t bytes, Memory memory) {
   return Window(live(impl_).alloc(bytes, memory, false, "comm.alloc"));

@@ -135,16 +135,18 @@ Options Options::parse(const std::function<const char*(const char*)>& lookup) {
   if (const char* v = get("MESHMEM_FUSED_SIGNAL_MAX")) o.fused_signal_max = parse_bytes("MESHMEM_FUSED_SIGNAL_MAX", v);
   if (const char* v = get("MESHMEM_BARRIER")) {
     const std::string m = lower(trim(v));
-    if (m == "flag") o.barrier = Barrier::Flag;
+    if (m == "auto") o.barrier = Barrier::Auto;
+    else if (m == "flag") o.barrier = Barrier::Flag;
     else if (m == "kernel") o.barrier = Barrier::Kernel;
     else if (m == "event") o.barrier = Barrier::Event;
-    else bad_value("MESHMEM_BARRIER", v, "flag, kernel or event");
+    else bad_value("MESHMEM_BARRIER", v, "auto, flag, kernel or event");
   }
   if (const char* v = get("MESHMEM_STREAM_WAIT")) {
     const std::string m = lower(trim(v));
-    if (m == "memop") o.stream_wait = StreamWait::Memop;
+    if (m == "auto") o.stream_wait = StreamWait::Auto;
+    else if (m == "memop") o.stream_wait = StreamWait::Memop;
     else if (m == "kernel") o.stream_wait = StreamWait::Kernel;
-    else bad_value("MESHMEM_STREAM_WAIT", v, "memop or kernel");
+    else bad_value("MESHMEM_STREAM_WAIT", v, "auto, memop or kernel");
   }
   if (const char* v = get("MESHMEM_LOG_LEVEL")) {
     const std::string m = lower(trim(v));
@@ -168,7 +170,16 @@ std::string transport_list(const std::vector<TransportKind>& kinds) {
   return s;
 }
 const char* barrier_text(Options::Barrier b) {
-  return b == Options::Barrier::Flag ? "flag" : b == Options::Barrier::Kernel ? "kernel" : "event";
+  switch (b) {
+    case Options::Barrier::Auto: return "auto";
+    case Options::Barrier::Flag: return "flag";
+    case Options::Barrier::Kernel: return "kernel";
+    case Options::Barrier::Event: return "event";
+  }
+  return "?";
+}
+const char* wait_text(Options::StreamWait w) {
+  return w == Options::StreamWait::Auto ? "auto" : w == Options::StreamWait::Memop ? "memop" : "kernel";
 }
 std::string timeout_text(std::chrono::milliseconds t) {
   if (t.count() == 0) return "inf";
@@ -189,9 +200,10 @@ std::vector<std::string> Options::describe() const {
       "MESHMEM_FUSED_SIGNAL_MAX=" + std::to_string(fused_signal_max) +
           " (device put_signal up to this size: one copy+signal kernel)",
       std::string("MESHMEM_BARRIER=") + barrier_text(barrier) +
-          " (barrier(stream): flag = stream memory operations, kernel = one-block kernel, event = IPC events)",
-      std::string("MESHMEM_STREAM_WAIT=") + (stream_wait == StreamWait::Memop ? "memop" : "kernel") +
-          " (wait_until(stream): memop = stream wait operation, kernel = polling kernel)",
+          " (barrier(stream): flag = stream memory operations, kernel = one-block polling kernel, event = IPC events; "
+      "auto = kernel unless ranks share a GPU)",
+      std::string("MESHMEM_STREAM_WAIT=") + wait_text(stream_wait) +
+          " (wait_until(stream): memop = stream wait operation, kernel = polling kernel; auto = kernel unless ranks share the GPU)",
       std::string("MESHMEM_LOG_LEVEL=") + to_string(log_level) + " (error, warn, info, debug)",
   };
 }
@@ -201,7 +213,7 @@ std::string Options::fingerprint() const {
   return "timeout=" + timeout_text(timeout) + ";nodes=" + std::to_string(simulate_nodes) +
          ";fd=" + to_string(fd_passing) + ";transports=" + transport_list(transports) +
          ";sm_copy_max=" + std::to_string(sm_copy_max) + ";fused=" + std::to_string(fused_signal_max) +
-         ";barrier=" + barrier_text(barrier) + ";wait=" + (stream_wait == StreamWait::Memop ? "memop" : "kernel");
+         ";barrier=" + barrier_text(barrier) + ";wait=" + wait_text(stream_wait);
 }
 
 }  // namespace meshmem

@@ -36,8 +36,8 @@ TEST(Options, Defaults) {
   EXPECT_EQ(o.transports, (std::vector<TransportKind>{TransportKind::Ipc, TransportKind::Shm, TransportKind::Mpi}));
   EXPECT_EQ(o.sm_copy_max, 0u);
   EXPECT_EQ(o.fused_signal_max, 8192u);
-  EXPECT_EQ(o.stream_wait, Options::StreamWait::Memop);
-  EXPECT_EQ(o.barrier, Options::Barrier::Flag);
+  EXPECT_EQ(o.stream_wait, Options::StreamWait::Auto);
+  EXPECT_EQ(o.barrier, Options::Barrier::Auto);
   EXPECT_EQ(o.log_level, LogLevel::Warn);
   EXPECT_EQ(parse({{"MESHMEM_TIMEOUT", ""}}).timeout, std::chrono::minutes(5));  // empty = unset
 }
@@ -71,6 +71,8 @@ TEST(Options, SimulateNodesFdPassingLogLevel) {
   expect_invalid({{"MESHMEM_BARRIER", "spin"}}, "MESHMEM_BARRIER");
   EXPECT_EQ(parse({{"MESHMEM_BARRIER", "kernel"}}).barrier, Options::Barrier::Kernel);
   EXPECT_EQ(parse({{"MESHMEM_STREAM_WAIT", "kernel"}}).stream_wait, Options::StreamWait::Kernel);
+  EXPECT_EQ(parse({{"MESHMEM_STREAM_WAIT", "memop"}}).stream_wait, Options::StreamWait::Memop);
+  EXPECT_EQ(parse({{"MESHMEM_BARRIER", "flag"}}).barrier, Options::Barrier::Flag);
   expect_invalid({{"MESHMEM_STREAM_WAIT", "busy"}}, "MESHMEM_STREAM_WAIT");
   EXPECT_EQ(parse({{"MESHMEM_FUSED_SIGNAL_MAX", "0"}}).fused_signal_max, 0u);
   expect_invalid({{"MESHMEM_LOG_LEVEL", "loud"}}, "MESHMEM_LOG_LEVEL");

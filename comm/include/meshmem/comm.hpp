@@ -133,6 +133,9 @@ class Comm {
   TransportKind transport(int rank, Memory memory) const;
   // How descriptors are passed between ranks of this node.
   FdPassing fd_passing() const;
+  // This rank's device and the barrier / stream-wait variants chosen for it, or why device
+  // windows are unavailable.
+  std::string device_info() const;
 
  private:
   std::unique_ptr<detail::CommImpl> impl_;

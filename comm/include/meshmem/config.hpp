@@ -45,11 +45,14 @@ struct Options {
   // copies and then signals; larger ones are a copy-engine copy followed by a stream write.
   std::size_t fused_signal_max = 8192;
   // MESHMEM_BARRIER: how barrier(stream) synchronises the ranks of a node: flag words
-  // through stream memory operations, a one-block kernel on the same flags, or IPC events.
-  enum class Barrier { Flag, Kernel, Event } barrier = Barrier::Flag;
+  // through stream memory operations, a one-block kernel polling the same flags, or IPC
+  // events. Auto: kernel where no two ranks of a node share a GPU (a polling kernel would
+  // hold a time-sliced GPU from the ranks it waits for), flag otherwise.
+  enum class Barrier { Auto, Flag, Kernel, Event } barrier = Barrier::Auto;
   // MESHMEM_STREAM_WAIT: how wait_until(stream) waits: stream memory operations (the GPU's
-  // front end polls, no SM is held) or a one-thread polling kernel.
-  enum class StreamWait { Memop, Kernel } stream_wait = StreamWait::Memop;
+  // front end polls, no SM is held) or a one-thread polling kernel (lower latency). Auto:
+  // kernel where this rank's GPU is its own, memop otherwise.
+  enum class StreamWait { Auto, Memop, Kernel } stream_wait = StreamWait::Auto;
   // MESHMEM_LOG_LEVEL
   LogLevel log_level = LogLevel::Warn;
 

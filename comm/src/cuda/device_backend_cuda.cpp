@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 
@@ -75,6 +76,10 @@ class CudaDeviceBackend final : public DeviceBackend {
   DeviceContext ctx_;
   int device_;
   std::string description_;
+  std::string bus_id_;
+  bool shared_gpu_ = false;
+  Options::Barrier barrier_kind_ = Options::Barrier::Flag;       // resolved from Auto
+  Options::StreamWait wait_kind_ = Options::StreamWait::Memop;   // resolved from Auto
   std::size_t granularity_ = 0;
   unsigned wait_flags_ = 0;  // extra flags of stream waits (flush of remote writes)
   OwnedStream setup_stream_;
@@ -102,6 +107,7 @@ CudaDeviceBackend::CudaDeviceBackend(const DeviceContext& ctx, int device)
     char bus[32] = {};
     ipc::check_cuda(cudaDeviceGetPCIBusId(bus, sizeof(bus), device_), "cudaDeviceGetPCIBusId", what);
     description_ = "device " + std::to_string(device_) + " (" + prop.name + ", " + bus + ")";
+    bus_id_ = bus;
     granularity_ = ipc::vmm_granularity(device_);
     CUdevice dev = 0;
     ipc::check_cu(ipc::cuda_driver().cuDeviceGet(&dev, device_), "cuDeviceGet", what);
@@ -113,8 +119,29 @@ CudaDeviceBackend::CudaDeviceBackend(const DeviceContext& ctx, int device)
   // Granularities are powers of two: the largest is a multiple of all, so every rank
   // rounds a window to the same size.
   granularity_ = ctx_.boot.allreduce_max(granularity_, what);
+  // Which node peers share this rank's GPU (same PCI bus id): polling kernels would hold a
+  // time-sliced GPU from the very ranks they wait for, so the Auto choices avoid them then.
+  struct BusId {
+    char text[32];
+  } mine{};
+  std::snprintf(mine.text, sizeof(mine.text), "%s", bus_id_.c_str());
+  std::vector<BusId> all(static_cast<std::size_t>(ctx_.topo.size));
+  ctx_.boot.allgather(&mine, all.data(), sizeof(BusId), what);
+  bool shared = false;
+  for (int r : ctx_.topo.node_ranks)
+    shared = shared || (r != ctx_.topo.rank && std::strncmp(all[r].text, mine.text, sizeof(mine.text)) == 0);
+  const bool any_shared = ctx_.boot.allreduce_max(shared ? 1 : 0, what) != 0;
+  shared_gpu_ = shared;
+  barrier_kind_ = ctx_.options.barrier;
+  if (barrier_kind_ == Options::Barrier::Auto) barrier_kind_ = any_shared ? Options::Barrier::Flag : Options::Barrier::Kernel;
+  wait_kind_ = ctx_.options.stream_wait;
+  if (wait_kind_ == Options::StreamWait::Auto) wait_kind_ = shared ? Options::StreamWait::Memop : Options::StreamWait::Kernel;
   probe_peers();
   setup_barrier();
+  description_ += std::string(", barrier ") +
+                  (barrier_kind_ == Options::Barrier::Flag ? "flag" : barrier_kind_ == Options::Barrier::Kernel ? "kernel" : "event") +
+                  ", stream waits " + (wait_kind_ == Options::StreamWait::Kernel ? "kernel" : "memop") +
+                  (shared_gpu_ ? " (GPU shared with other ranks)" : "");
 }
 
 void CudaDeviceBackend::probe_peers() {
@@ -159,7 +186,7 @@ void CudaDeviceBackend::setup_barrier() {
     log(LogLevel::Info, "barrier(stream): ranks span nodes or unmapped GPUs; the host waits for the stream, then meets the other ranks");
     return;
   }
-  if (ctx_.options.barrier != Options::Barrier::Event) {
+  if (barrier_kind_ != Options::Barrier::Event) {
     flags_.bytes = static_cast<std::size_t>(topo.size) * sizeof(std::uint64_t);
     flags_.memory = Memory::Device;
     create_window(flags_, what);
@@ -248,7 +275,7 @@ void CudaDeviceBackend::wait_until(const WindowState& sig, std::size_t index, Cm
   const auto addr = reinterpret_cast<CUdeviceptr>(word);
   // The stream's front end waits for GE / EQ (and GT as GE value+1); the other comparisons
   // (and MESHMEM_STREAM_WAIT=kernel) use a polling kernel.
-  const bool memop = ctx_.options.stream_wait == Options::StreamWait::Memop;
+  const bool memop = wait_kind_ == Options::StreamWait::Memop;
   CUresult rc = CUDA_SUCCESS;
   if (memop && (cmp == Cmp::GE || (cmp == Cmp::GT && value != UINT64_MAX))) {
     rc = ipc::cuda_driver().cuStreamWaitValue64(stream, addr, cmp == Cmp::GT ? value + 1 : value,
@@ -274,7 +301,7 @@ void CudaDeviceBackend::barrier(Stream stream) {
   }
   ++epoch_;
   if (topo.size == 1) return;
-  switch (ctx_.options.barrier) {
+  switch (barrier_kind_) {
     case Options::Barrier::Flag: {
       for (auto& op : barrier_ops_) op.writeValue.value64 = epoch_;  // waitValue.value64 aliases it
       // The driver takes at most 256 operations a call; the parts stay in order on the stream.
@@ -285,6 +312,7 @@ void CudaDeviceBackend::barrier(Stream stream) {
       }
       return;
     }
+    case Options::Barrier::Auto:  // resolved in the constructor
     case Options::Barrier::Kernel: {
       const cudaError_t rc = cuda::launch_barrier(static_cast<std::uint64_t* const*>(flags_.device_peer_table),
                                                   static_cast<std::uint64_t*>(flags_.local), topo.rank, topo.size, epoch_, stream);
@@ -318,7 +346,10 @@ bool device_runtime_available(std::string* why) {
   const cudaError_t rc = cudaGetDeviceCount(&count);
   if (rc != cudaSuccess) {
     (void)cudaGetLastError();
-    return fail(std::string("no usable CUDA device: cudaGetDeviceCount: ") + cudaGetErrorString(rc));
+    return fail(std::string("no usable CUDA device: cudaGetDeviceCount: ") + cudaGetErrorString(rc) +
+                (rc == cudaErrorInsufficientDriver ? " (no NVIDIA driver is loaded, or it is older than CUDA " +
+                                                         std::to_string(CUDART_VERSION / 1000) + ")"
+                                                   : ""));
   }
   if (count == 0) return fail("no CUDA device is visible");
   try {
