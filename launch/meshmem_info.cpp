@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   int rc = 0;
   try {
+    meshmem::select_local_device(MPI_COMM_WORLD);  // one GPU per rank, as applications do
     meshmem::Comm comm(MPI_COMM_WORLD);
     const int me = comm.rank();
     const int n = comm.size();

@@ -1,6 +1,7 @@
 #include "backoff.hpp"
 
 #include <sched.h>
+#include <sys/prctl.h>
 
 #include <string>
 #include <thread>
@@ -8,22 +9,27 @@
 namespace meshmem::detail {
 
 void Backoff::pause() {
-  ++polls_;
+  if (polls_++ == 0) start_ = std::chrono::steady_clock::now();
   if (polls_ < 64) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #endif
     return;
   }
-  if (polls_ < 2048) {
+  const auto waited = std::chrono::steady_clock::now() - start_;
+  if (waited < std::chrono::microseconds(200)) {
     sched_yield();
     return;
   }
-  // Past a few thousand polls the peer is not about to answer: sleep, growing to 1 ms.
-  const std::uint64_t over = polls_ - 2048;
-  const auto us = std::chrono::microseconds(over < 10 ? 5 : over < 100 ? 50 : over < 1000 ? 200 : 1000);
+  // The peer is not about to answer: sleep, longer the longer the wait, at most 1 ms.
+  const auto us = waited < std::chrono::milliseconds(2)    ? std::chrono::microseconds(20)
+                  : waited < std::chrono::milliseconds(20) ? std::chrono::microseconds(100)
+                  : waited < std::chrono::milliseconds(200) ? std::chrono::microseconds(300)
+                                                             : std::chrono::microseconds(1000);
   std::this_thread::sleep_for(us);
 }
+
+void tighten_timer_slack() { (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); }
 
 Deadline::Deadline(std::chrono::milliseconds timeout)
     : timeout_(timeout), end_(std::chrono::steady_clock::now() + timeout) {}

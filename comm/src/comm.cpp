@@ -17,6 +17,17 @@ Memory default_memory() { return gpu_available() ? Memory::Device : Memory::Host
 
 bool gpu_available(std::string* why) { return detail::device_runtime_available(why); }
 
+int select_local_device(MPI_Comm comm) {
+  MPI_Comm node = MPI_COMM_NULL;
+  detail::check_mpi(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
+                    "MPI_Comm_split_type", "select_local_device");
+  int local = 0;
+  const int rc = MPI_Comm_rank(node, &local);
+  MPI_Comm_free(&node);
+  detail::check_mpi(rc, "MPI_Comm_rank", "select_local_device");
+  return detail::set_device_modulo(local);
+}
+
 namespace detail {
 
 namespace {

@@ -47,4 +47,7 @@ std::unique_ptr<DeviceBackend> make_device_backend(const DeviceContext& ctx, std
 // Whether this process can use a CUDA device (no collective; for default_memory()).
 bool device_runtime_available(std::string* why);
 
+// Makes `ordinal` modulo the visible devices current; returns it, or -1 without devices.
+int set_device_modulo(int ordinal);
+
 }  // namespace meshmem::detail

@@ -14,4 +14,6 @@ bool device_runtime_available(std::string* why) {
   return false;
 }
 
+int set_device_modulo(int) { return -1; }
+
 }  // namespace meshmem::detail

@@ -250,6 +250,7 @@ void MpiTransport::handle(const Request& req, int source) {
 }
 
 void MpiTransport::serve() {
+  tighten_timer_slack();
   Backoff backoff;
   while (!stop_.load(std::memory_order_acquire)) {
     int found = 0;

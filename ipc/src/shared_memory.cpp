@@ -76,7 +76,9 @@ SharedMemory SharedMemory::create(std::size_t bytes, const char* debug_name) {
                      " bytes",
                  errno);
   }
-  void* addr = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // MAP_POPULATE: fault the pages in now, not in the first put (which measured 10-20x
+  // slower than later ones without it).
+  void* addr = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (addr == MAP_FAILED) {
     throw_system(std::string("mmap of memfd \"") + name + "\" (" + std::to_string(size) +
                      " bytes)",
@@ -98,7 +100,9 @@ MappedRegion map_shared(int fd, std::size_t bytes) {
                     std::to_string(st.st_size) + " bytes, fewer than the " + std::to_string(size) +
                     " to map (" + std::to_string(bytes) + " requested, rounded up to pages)");
   }
-  void* addr = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // MAP_POPULATE: fault the pages in now, not in the first put (which measured 10-20x
+  // slower than later ones without it).
+  void* addr = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (addr == MAP_FAILED) {
     throw_system("mmap(fd " + std::to_string(fd) + ", " + std::to_string(size) + " bytes)", errno);
   }

@@ -27,15 +27,7 @@ namespace {
 // Picks this rank's GPU before any Comm exists: node-local rank modulo the GPUs visible.
 bool select_device(std::string* why) {
   if (!gpu_available(why)) return false;
-  MPI_Comm node;
-  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
-  int local = 0;
-  MPI_Comm_rank(node, &local);
-  MPI_Comm_free(&node);
-  int count = 0;
-  cudaGetDeviceCount(&count);
-  cudaSetDevice(local % count);
-  return true;
+  return select_local_device(MPI_COMM_WORLD) >= 0;
 }
 
 Options options_from_env() { return Options::from_environment(); }

@@ -148,4 +148,10 @@ Memory default_memory();
 // Whether this build has the GPU part and a CUDA device is visible; `why` says why not.
 bool gpu_available(std::string* why = nullptr);
 
+// Makes GPU (node-local rank of this process in `comm`) modulo (visible GPUs) the current
+// device, the usual one-GPU-per-rank placement, and returns it; -1 where there is no GPU.
+// Call it before constructing a Comm: a Comm uses the device current at construction.
+// Collective over `comm` (it finds the node-local rank).
+int select_local_device(MPI_Comm comm);
+
 }  // namespace meshmem

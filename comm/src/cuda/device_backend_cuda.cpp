@@ -369,6 +369,15 @@ bool device_runtime_available(std::string* why) {
   return true;
 }
 
+int set_device_modulo(int ordinal) {
+  if (!device_runtime_available(nullptr)) return -1;
+  int count = 0;
+  ipc::check_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount", "select_local_device");
+  const int device = ordinal % count;
+  ipc::check_cuda(cudaSetDevice(device), "cudaSetDevice", "select_local_device");
+  return device;
+}
+
 std::unique_ptr<DeviceBackend> make_device_backend(const DeviceContext& ctx, std::string* why) {
   const std::string what = "meshmem::Comm (device check)";
   std::string mine_why;
