@@ -23,7 +23,8 @@ if [ "$skip_tests" = 0 ]; then
   ctest -L gpu --output-on-failure --timeout 300 > "$out/gpu_tests.log" 2>&1
   grep -E "Test +#|tests passed|tests failed" "$out/gpu_tests.log"
 fi
-commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
+# The device machine gets the working tree without .git: pass COMMIT=... from here.
+commit=${COMMIT:-$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)}
 date=$(date -u +%F)
 csv="$out/results.csv"
 np=$(( ngpu < 4 ? ngpu : 4 ))
