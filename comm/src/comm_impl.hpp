@@ -10,6 +10,7 @@
 #include "device_backend.hpp"
 #include "fd_exchange.hpp"
 #include "meshmem/comm.hpp"
+#include "meshmem/halo.hpp"
 #include "topology.hpp"
 #include "transport.hpp"
 #include "transport_mpi.hpp"
@@ -17,6 +18,8 @@
 #include "window_state.hpp"
 
 namespace meshmem::detail {
+
+struct HaloState;
 
 class CommImpl {
  public:
@@ -40,6 +43,10 @@ class CommImpl {
   void barrier_host();
 
   TransportKind transport(int rank, Memory memory, const char* call) const;
+
+  // meshmem/halo.hpp (comm/src/halo.cpp).
+  std::unique_ptr<HaloState> make_halo(const Window& win, const std::vector<HaloRegion>& sends);
+  void halo_exchange(HaloState& halo, Stream stream);
 
   // "comm.put on rank 3: " etc.
   std::string where(const char* call) const;

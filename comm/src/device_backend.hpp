@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "meshmem/config.hpp"
 #include "transport.hpp"
@@ -37,6 +38,11 @@ class DeviceBackend {
                           Stream stream) = 0;
   // Collective, stream-ordered: the host does not wait.
   virtual void barrier(Stream stream) = 0;
+  // Stream-ordered: sets word `rank` of each `send_to` rank's signals to `value` (after the
+  // stream's earlier puts), then waits until this rank's word r >= value for each r of
+  // `wait_for`. One driver call for the whole neighbourhood.
+  virtual void signal_and_wait(const WindowState& sig, const std::vector<int>& send_to,
+                               const std::vector<int>& wait_for, std::uint64_t value, Stream stream) = 0;
   virtual std::string describe() const = 0;
 };
 

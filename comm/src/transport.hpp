@@ -32,6 +32,15 @@ class Transport {
   // Copies from target's part of `win`; complete on return (host) or when `stream` passes.
   virtual void get(void* dst, const WindowState& win, int target, std::size_t offset,
                    std::size_t bytes, Stream stream) = 0;
+  // `height` rows of `width` bytes, `src_pitch` / `dst_pitch` apart (no signal). The
+  // default puts row by row.
+  virtual void put_strided(const WindowState& win, int target, std::size_t dst_offset, std::size_t dst_pitch,
+                           const void* src, std::size_t src_pitch, std::size_t width, std::size_t height,
+                           Stream stream) {
+    for (std::size_t row = 0; row < height; ++row)
+      put(win, target, dst_offset + row * dst_pitch, static_cast<const char*>(src) + row * src_pitch, width,
+          SignalUpdate{}, stream);
+  }
   // Every put and signal issued through this transport is complete at its target.
   virtual void quiet() = 0;
 };

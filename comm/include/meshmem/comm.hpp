@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "meshmem/config.hpp"
 #include "meshmem/device/views.hpp"
@@ -21,6 +22,8 @@
 namespace meshmem {
 
 const char* to_string(Memory memory) noexcept;
+class HaloExchange;
+struct HaloRegion;
 
 namespace detail {
 class CommImpl;
@@ -128,6 +131,11 @@ class Comm {
   // Host barrier: quiet + every rank has arrived; the host waits. Device puts issued on
   // streams are not covered (synchronise the stream first, or use barrier(stream)).
   void barrier();
+
+  // Collective: a persistent halo exchange of `win` (meshmem/halo.hpp). Checked on every
+  // rank against every rank's declaration: regions out of bounds, destinations that
+  // overlap, and a neighbour that does not list this rank back are errors naming both.
+  HaloExchange make_halo(const Window& win, const std::vector<HaloRegion>& sends);
 
   // Which path reaches `rank` for windows of kind `memory`.
   TransportKind transport(int rank, Memory memory) const;

@@ -4,3 +4,4 @@
 #include "meshmem/comm.hpp"
 #include "meshmem/config.hpp"
 #include "meshmem/error.hpp"
+#include "meshmem/halo.hpp"

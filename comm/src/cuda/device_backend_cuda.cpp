@@ -66,6 +66,8 @@ class CudaDeviceBackend final : public DeviceBackend {
   void wait_until(const WindowState& sig, std::size_t index, Cmp cmp, std::uint64_t value,
                   Stream stream) override;
   void barrier(Stream stream) override;
+  void signal_and_wait(const WindowState& sig, const std::vector<int>& send_to, const std::vector<int>& wait_for,
+                       std::uint64_t value, Stream stream) override;
   std::string describe() const override { return description_; }
 
  private:
@@ -332,6 +334,34 @@ void CudaDeviceBackend::barrier(Stream stream) {
           ipc::check_cuda(cudaStreamWaitEvent(stream, peer_events_[slot][r].get(), 0), "cudaStreamWaitEvent", what);
       return;
     }
+  }
+}
+
+void CudaDeviceBackend::signal_and_wait(const WindowState& sig, const std::vector<int>& send_to,
+                                        const std::vector<int>& wait_for, std::uint64_t value, Stream stream) {
+  const int me = ctx_.topo.rank;
+  std::vector<CUstreamBatchMemOpParams> ops;
+  ops.reserve(send_to.size() + wait_for.size());
+  for (int r : send_to) {
+    CUstreamBatchMemOpParams op{};
+    op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+    op.writeValue.address = reinterpret_cast<CUdeviceptr>(static_cast<std::uint64_t*>(sig.peer[r]) + me);
+    op.writeValue.value64 = value;
+    op.writeValue.flags = 0;  // memory barrier first: the puts before it land first
+    ops.push_back(op);
+  }
+  for (int r : wait_for) {
+    CUstreamBatchMemOpParams op{};
+    op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+    op.waitValue.address = reinterpret_cast<CUdeviceptr>(static_cast<std::uint64_t*>(sig.local) + r);
+    op.waitValue.value64 = value;
+    op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ | wait_flags_;
+    ops.push_back(op);
+  }
+  for (std::size_t i = 0; i < ops.size(); i += 256) {
+    const unsigned count = static_cast<unsigned>(std::min<std::size_t>(256, ops.size() - i));
+    const CUresult rc = ipc::cuda_driver().cuStreamBatchMemOp(stream, count, ops.data() + i, 0);
+    if (rc != CUDA_SUCCESS) ipc::check_cu(rc, "cuStreamBatchMemOp", where("HaloExchange::exchange"));
   }
 }
 

@@ -35,8 +35,9 @@ void IpcTransport::put(const WindowState& win, int target, std::size_t offset, c
   std::uint64_t* word = nullptr;
   if (signal.sig != nullptr) word = static_cast<std::uint64_t*>(signal.sig->peer[target]) + signal.index;
 
-  // Small put_signal: one kernel copies, then signals (no second stream operation).
-  if (word != nullptr && (bytes == 0 || use_sm(src, bytes, fused_signal_max_))) {
+  // Small put_signal: one kernel copies, then signals (no second stream operation). An Add
+  // without data also needs the kernel; a Set without data is one stream write below.
+  if (word != nullptr && ((bytes == 0 && signal.op == SignalOp::Add) || (bytes > 0 && use_sm(src, bytes, fused_signal_max_)))) {
     const cudaError_t rc = cuda::launch_copy(dst, src, bytes, word, signal.value, signal.op, stream);
     if (rc != cudaSuccess) ipc::check_cuda(rc, "copy+signal kernel launch", what("put_signal", target));
     return;
@@ -56,6 +57,16 @@ void IpcTransport::put(const WindowState& win, int target, std::size_t offset, c
     const cudaError_t rc = cuda::launch_copy(nullptr, nullptr, 0, word, signal.value, signal.op, stream);
     if (rc != cudaSuccess) ipc::check_cuda(rc, "signal kernel launch", what("put_signal", target));
   }
+}
+
+void IpcTransport::put_strided(const WindowState& win, int target, std::size_t dst_offset, std::size_t dst_pitch,
+                               const void* src, std::size_t src_pitch, std::size_t width, std::size_t height,
+                               Stream stream) {
+  if (width == 0 || height == 0) return;
+  char* dst = static_cast<char*>(win.peer[target]) + dst_offset;
+  // One copy-engine operation for the whole strided region (a column of a grid, say).
+  const cudaError_t rc = cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height, cudaMemcpyDefault, stream);
+  if (rc != cudaSuccess) ipc::check_cuda(rc, "cudaMemcpy2DAsync", what("strided put", target));
 }
 
 void IpcTransport::get(void* dst, const WindowState& win, int target, std::size_t offset,

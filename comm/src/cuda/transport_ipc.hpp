@@ -22,6 +22,9 @@ class IpcTransport final : public Transport {
            std::size_t bytes, const SignalUpdate& signal, Stream stream) override;
   void get(void* dst, const WindowState& win, int target, std::size_t offset, std::size_t bytes,
            Stream stream) override;
+  void put_strided(const WindowState& win, int target, std::size_t dst_offset, std::size_t dst_pitch,
+                   const void* src, std::size_t src_pitch, std::size_t width, std::size_t height,
+                   Stream stream) override;
   void quiet() override {}  // completion is stream order
 
  private:

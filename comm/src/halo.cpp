@@ -1,0 +1,221 @@
+// HaloExchange: the plan is checked once, collectively; exchange() then only issues puts
+// and one signal per neighbour.
+#include "meshmem/halo.hpp"
+
+#include <algorithm>
+#include <set>
+#include <tuple>
+
+#include "backoff.hpp"
+#include "comm_impl.hpp"
+#include "log.hpp"
+
+namespace meshmem {
+namespace detail {
+
+struct HaloState {
+  CommImpl* comm = nullptr;
+  std::shared_ptr<WindowState> win;
+  std::shared_ptr<WindowState> sig;  // one word per rank: the last exchange it delivered here
+  std::vector<HaloRegion> sends;
+  std::vector<int> send_to;    // distinct peers of `sends`
+  std::vector<int> recv_from;  // ranks whose regions land here
+  std::uint64_t epoch = 0;
+
+  ~HaloState() {
+    if (sig && !sig->freed()) {
+      try {
+        sig->owner->free_window(*sig);
+      } catch (const std::exception& e) {
+        log(LogLevel::Error, std::string("HaloExchange destructor: ") + e.what());
+      }
+    }
+  }
+};
+
+namespace {
+
+// A region as every rank sees it (fixed size, for the allgather).
+struct WireRegion {
+  std::int64_t peer;
+  std::uint64_t src_offset, dst_offset, width, height, src_pitch, dst_pitch;
+};
+
+// Offset one past the last byte of `height` rows of `width`, `pitch` apart; false on
+// overflow.
+bool extent(std::uint64_t offset, std::uint64_t width, std::uint64_t height, std::uint64_t pitch, std::uint64_t* end) {
+  const std::uint64_t rows = height - 1;
+  if (pitch != 0 && rows > (UINT64_MAX - offset - width) / pitch) return false;
+  *end = offset + rows * pitch + width;
+  return *end >= offset;
+}
+
+std::string describe(int rank, std::size_t index, const WireRegion& r) {
+  return "region " + std::to_string(index) + " of rank " + std::to_string(rank) + " (to rank " +
+         std::to_string(r.peer) + ", dst_offset " + std::to_string(r.dst_offset) + ", " + std::to_string(r.height) +
+         " x " + std::to_string(r.width) + " bytes, pitch " + std::to_string(r.dst_pitch) + ")";
+}
+
+}  // namespace
+
+std::unique_ptr<HaloState> CommImpl::make_halo(const Window& win, const std::vector<HaloRegion>& sends) {
+  const char* call = "comm.make_halo";
+  const std::string at = where(call);
+  boot.arrive(call);
+  // Local checks, agreed: a plan that is wrong anywhere fails everywhere.
+  std::vector<WireRegion> mine;
+  const WindowState* w = nullptr;
+  agreed_step(boot, call, [&] {
+    w = &checked(win, call);
+    for (std::size_t i = 0; i < sends.size(); ++i) {
+      const HaloRegion& r = sends[i];
+      check_rank(r.peer, call, "halo region's peer");
+      const std::uint64_t sp = r.src_pitch ? r.src_pitch : r.width;
+      const std::uint64_t dp = r.dst_pitch ? r.dst_pitch : r.width;
+      if (r.width == 0 || r.height == 0)
+        throw Error(ErrorCode::InvalidArgument, at + ": halo region " + std::to_string(i) + " is empty (width " +
+                                                    std::to_string(r.width) + ", height " + std::to_string(r.height) + ")");
+      if (r.height > 1 && (sp < r.width || dp < r.width))
+        throw Error(ErrorCode::InvalidArgument, at + ": halo region " + std::to_string(i) + " has a pitch smaller than its width " +
+                                                    std::to_string(r.width) + " (rows would overlap)");
+      std::uint64_t src_end = 0, dst_end = 0;
+      if (!extent(r.src_offset, r.width, r.height, sp, &src_end) || src_end > w->bytes)
+        throw Error(ErrorCode::InvalidArgument, at + ": halo region " + std::to_string(i) + " reads past the end of window #" +
+                                                    std::to_string(w->id) + " (" + std::to_string(w->bytes) + " bytes) here");
+      if (!extent(r.dst_offset, r.width, r.height, dp, &dst_end) || dst_end > w->bytes)
+        throw Error(ErrorCode::InvalidArgument, at + ": halo region " + std::to_string(i) + " writes past the end of window #" +
+                                                    std::to_string(w->id) + " (" + std::to_string(w->bytes) + " bytes) of rank " +
+                                                    std::to_string(r.peer));
+      mine.push_back(WireRegion{r.peer, r.src_offset, r.dst_offset, r.width, r.height, sp, dp});
+    }
+  });
+
+  // Every rank's declaration, to every rank.
+  const int n = topo.size;
+  const std::uint64_t count = mine.size();
+  std::vector<std::uint64_t> counts(static_cast<std::size_t>(n));
+  boot.allgather(&count, counts.data(), sizeof(count), call);
+  const std::uint64_t most = *std::max_element(counts.begin(), counts.end());
+  std::vector<WireRegion> padded(most), all(most * static_cast<std::size_t>(n));
+  std::copy(mine.begin(), mine.end(), padded.begin());
+  if (most > 0) boot.allgather(padded.data(), all.data(), sizeof(WireRegion) * most, call);
+  auto region = [&](int rank, std::size_t i) -> const WireRegion& { return all[static_cast<std::size_t>(rank) * most + i]; };
+
+  // Neighbours must name each other.
+  std::vector<std::set<int>> sends_to(static_cast<std::size_t>(n));
+  for (int a = 0; a < n; ++a)
+    for (std::size_t i = 0; i < counts[a]; ++i) sends_to[a].insert(static_cast<int>(region(a, i).peer));
+  for (int a = 0; a < n; ++a)
+    for (int b : sends_to[a])
+      if (!sends_to[b].count(a))
+        throw Error(ErrorCode::InvalidArgument, at + ": rank " + std::to_string(a) + " sends halos to rank " +
+                                                    std::to_string(b) + ", but rank " + std::to_string(b) +
+                                                    " declares none for rank " + std::to_string(a));
+  // No two rows that land in one rank's window may overlap.
+  for (int target = 0; target < n; ++target) {
+    std::vector<std::tuple<std::uint64_t, std::uint64_t, int, std::size_t>> rows;  // start, end, sender, region
+    for (int a = 0; a < n; ++a)
+      for (std::size_t i = 0; i < counts[a]; ++i) {
+        const WireRegion& r = region(a, i);
+        if (r.peer != target) continue;
+        for (std::uint64_t row = 0; row < r.height; ++row)
+          rows.emplace_back(r.dst_offset + row * r.dst_pitch, r.dst_offset + row * r.dst_pitch + r.width, a, i);
+      }
+    std::sort(rows.begin(), rows.end());
+    for (std::size_t k = 1; k < rows.size(); ++k) {
+      const auto& [s0, e0, a0, i0] = rows[k - 1];
+      const auto& [s1, e1, a1, i1] = rows[k];
+      (void)s0;
+      (void)e1;
+      if (s1 < e0 && !(a0 == a1 && i0 == i1))
+        throw Error(ErrorCode::InvalidArgument, at + ": halo regions overlap in rank " + std::to_string(target) +
+                                                    "'s window: " + describe(a0, i0, region(a0, i0)) + " and " +
+                                                    describe(a1, i1, region(a1, i1)));
+    }
+  }
+
+  auto halo = std::make_unique<HaloState>();
+  halo->comm = this;
+  halo->win = win.state_;
+  halo->sends = sends;
+  for (auto& r : halo->sends) {
+    if (r.src_pitch == 0) r.src_pitch = r.width;
+    if (r.dst_pitch == 0) r.dst_pitch = r.width;
+  }
+  halo->send_to.assign(sends_to[topo.rank].begin(), sends_to[topo.rank].end());
+  for (int a = 0; a < n; ++a)
+    if (sends_to[a].count(topo.rank)) halo->recv_from.push_back(a);
+  halo->sig = alloc(static_cast<std::size_t>(n) * sizeof(std::uint64_t), w->memory, true, call);
+  return halo;
+}
+
+void CommImpl::halo_exchange(HaloState& halo, Stream stream) {
+  const char* call = "HaloExchange::exchange";
+  if (halo.win->freed() || halo.sig->freed())
+    throw Error(ErrorCode::InvalidArgument, where(call) + ": the window of this halo exchange (or its Comm) was freed");
+  const WindowState& w = *halo.win;
+  check_stream(w, stream, call);
+  const std::uint64_t epoch = ++halo.epoch;
+  for (const HaloRegion& r : halo.sends) {
+    Transport& t = route(w, r.peer, call);
+    const char* src = static_cast<const char*>(w.local) + r.src_offset;
+    if (r.height == 1 || (r.src_pitch == r.width && r.dst_pitch == r.width))
+      t.put(w, r.peer, r.dst_offset, src, r.width * r.height, SignalUpdate{}, stream);
+    else
+      t.put_strided(w, r.peer, r.dst_offset, r.dst_pitch, src, r.src_pitch, r.width, r.height, stream);
+  }
+  if (w.memory == Memory::Device) {
+    device->signal_and_wait(*halo.sig, halo.send_to, halo.recv_from, epoch, stream);
+    return;
+  }
+  // Host windows: one signal per neighbour, after its data on the same transport; then
+  // wait until every neighbour's signal for this exchange is here.
+  for (int r : halo.send_to)
+    route(*halo.sig, r, call).put(*halo.sig, r, 0, nullptr, 0, SignalUpdate{halo.sig.get(), static_cast<std::size_t>(topo.rank), epoch, SignalOp::Set}, nullptr);
+  const auto* words = static_cast<const std::uint64_t*>(halo.sig->local);
+  Deadline deadline(options.timeout);
+  Backoff backoff;
+  for (int r : halo.recv_from) {
+    while (__atomic_load_n(words + r, __ATOMIC_ACQUIRE) < epoch) {
+      if (deadline.expired()) {
+        std::vector<int> missing;
+        for (int m : halo.recv_from)
+          if (__atomic_load_n(words + m, __ATOMIC_ACQUIRE) < epoch) missing.push_back(m);
+        const std::string msg = where(call) + ": the halos of exchange " + std::to_string(epoch) + " from rank(s) " +
+                                rank_list(missing) + " did not arrive within " + describe_timeout(options.timeout);
+        log(LogLevel::Error, msg);
+        throw Error(ErrorCode::Timeout, msg);
+      }
+      backoff.pause();
+    }
+  }
+}
+
+}  // namespace detail
+
+HaloExchange::HaloExchange() = default;
+HaloExchange::HaloExchange(std::unique_ptr<detail::HaloState> state) : state_(std::move(state)) {}
+HaloExchange::HaloExchange(HaloExchange&&) noexcept = default;
+HaloExchange& HaloExchange::operator=(HaloExchange&&) noexcept = default;
+HaloExchange::~HaloExchange() = default;
+
+void HaloExchange::exchange(Stream stream) {
+  if (!state_) throw Error(ErrorCode::InvalidArgument, "HaloExchange::exchange: the exchange is empty (default-constructed or moved from)");
+  if (state_->win->freed())
+    throw Error(ErrorCode::InvalidArgument, "HaloExchange::exchange: the window of this halo exchange (or its Comm) was freed");
+  state_->win->owner->halo_exchange(*state_, stream);
+}
+
+std::uint64_t HaloExchange::exchanges() const { return state_ ? state_->epoch : 0; }
+
+const std::vector<int>& HaloExchange::neighbours() const {
+  static const std::vector<int> none;
+  return state_ ? state_->recv_from : none;
+}
+
+HaloExchange Comm::make_halo(const Window& win, const std::vector<HaloRegion>& sends) {
+  if (!impl_) throw Error(ErrorCode::InvalidArgument, "meshmem::Comm: used after being moved from");
+  return HaloExchange(impl_->make_halo(win, sends));
+}
+
+}  // namespace meshmem
