@@ -46,7 +46,7 @@ class CommImpl {
 
   // meshmem/halo.hpp (comm/src/halo.cpp).
   std::unique_ptr<HaloState> make_halo(const Window& win, const std::vector<HaloRegion>& sends);
-  void halo_exchange(HaloState& halo, Stream stream);
+  void halo_exchange(HaloState& halo, Stream stream, bool copy);
 
   // "comm.put on rank 3: " etc.
   std::string where(const char* call) const;

@@ -149,14 +149,15 @@ std::unique_ptr<HaloState> CommImpl::make_halo(const Window& win, const std::vec
   return halo;
 }
 
-void CommImpl::halo_exchange(HaloState& halo, Stream stream) {
-  const char* call = "HaloExchange::exchange";
+void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
+  const char* call = copy ? "HaloExchange::exchange" : "HaloExchange::complete";
   if (halo.win->freed() || halo.sig->freed())
     throw Error(ErrorCode::InvalidArgument, where(call) + ": the window of this halo exchange (or its Comm) was freed");
   const WindowState& w = *halo.win;
   check_stream(w, stream, call);
   const std::uint64_t epoch = ++halo.epoch;
   for (const HaloRegion& r : halo.sends) {
+    if (!copy) break;
     Transport& t = route(w, r.peer, call);
     const char* src = static_cast<const char*>(w.local) + r.src_offset;
     if (r.height == 1 || (r.src_pitch == r.width && r.dst_pitch == r.width))
@@ -203,7 +204,14 @@ void HaloExchange::exchange(Stream stream) {
   if (!state_) throw Error(ErrorCode::InvalidArgument, "HaloExchange::exchange: the exchange is empty (default-constructed or moved from)");
   if (state_->win->freed())
     throw Error(ErrorCode::InvalidArgument, "HaloExchange::exchange: the window of this halo exchange (or its Comm) was freed");
-  state_->win->owner->halo_exchange(*state_, stream);
+  state_->win->owner->halo_exchange(*state_, stream, true);
+}
+
+void HaloExchange::complete(Stream stream) {
+  if (!state_) throw Error(ErrorCode::InvalidArgument, "HaloExchange::complete: the exchange is empty (default-constructed or moved from)");
+  if (state_->win->freed())
+    throw Error(ErrorCode::InvalidArgument, "HaloExchange::complete: the window of this halo exchange (or its Comm) was freed");
+  state_->win->owner->halo_exchange(*state_, stream, false);
 }
 
 std::uint64_t HaloExchange::exchanges() const { return state_ ? state_->epoch : 0; }

@@ -44,6 +44,11 @@ class HaloExchange {
   // next exchange runs, as Jacobi's two grids do.
   void exchange(Stream stream = nullptr);
 
+  // For halos that kernels wrote into the neighbours' windows themselves (device API,
+  // Window::view()): the same signals and waits as exchange(), without the copies. The
+  // writes must be ordered before this call on `stream` (the kernel ran on it).
+  void complete(Stream stream = nullptr);
+
   std::uint64_t exchanges() const;  // how many exchange() calls so far
   const std::vector<int>& neighbours() const;  // ranks this rank receives from
 
