@@ -25,6 +25,20 @@ struct DeviceContext {
   const Options& options;
 };
 
+// A 2-D copy between device-accessible pointers (a peer's mapped window included).
+struct DeviceCopy {
+  void* dst;
+  const void* src;
+  std::size_t width, height, src_pitch, dst_pitch;
+};
+
+// Copies prepared once (their table lives on the device) and run with one kernel launch.
+class DeviceCopyPlan {
+ public:
+  virtual ~DeviceCopyPlan() = default;
+  virtual void run(Stream stream) = 0;
+};
+
 class DeviceBackend {
  public:
   virtual ~DeviceBackend() = default;
@@ -43,6 +57,8 @@ class DeviceBackend {
   // `wait_for`. One driver call for the whole neighbourhood.
   virtual void signal_and_wait(const WindowState& sig, const std::vector<int>& send_to,
                                const std::vector<int>& wait_for, std::uint64_t value, Stream stream) = 0;
+  // The copies of a halo exchange, for one launch per exchange instead of one copy each.
+  virtual std::unique_ptr<DeviceCopyPlan> make_copy_plan(const std::vector<DeviceCopy>& copies) = 0;
   virtual std::string describe() const = 0;
 };
 

@@ -8,6 +8,7 @@
 
 #include "backoff.hpp"
 #include "comm_impl.hpp"
+#include "device_backend.hpp"
 #include "log.hpp"
 
 namespace meshmem {
@@ -21,6 +22,8 @@ struct HaloState {
   std::vector<int> send_to;    // distinct peers of `sends`
   std::vector<int> recv_from;  // ranks whose regions land here
   std::uint64_t epoch = 0;
+  // Device windows whose neighbours are all mapped here: every region in one kernel.
+  std::unique_ptr<DeviceCopyPlan> device_copies;
 
   ~HaloState() {
     if (sig && !sig->freed()) {
@@ -146,6 +149,23 @@ std::unique_ptr<HaloState> CommImpl::make_halo(const Window& win, const std::vec
   for (int a = 0; a < n; ++a)
     if (sends_to[a].count(topo.rank)) halo->recv_from.push_back(a);
   halo->sig = alloc(static_cast<std::size_t>(n) * sizeof(std::uint64_t), w->memory, true, call);
+  if (w->memory == Memory::Device) {
+    // One launch per exchange instead of one copy per region (a column is thousands of
+    // 8-byte rows: a poor fit for the copy engine). Needs every neighbour mapped here.
+    std::vector<DeviceCopy> copies;
+    bool mapped = true;
+    for (const HaloRegion& r : halo->sends) {
+      std::string why;
+      mapped = mapped && device->route(r.peer, &why) != nullptr && w->peer[r.peer] != nullptr;
+      if (!mapped) break;
+      copies.push_back(DeviceCopy{static_cast<char*>(w->peer[r.peer]) + r.dst_offset,
+                                  static_cast<const char*>(w->local) + r.src_offset, r.width, r.height, r.src_pitch,
+                                  r.dst_pitch});
+    }
+    agreed_step(boot, call, [&] {
+      if (mapped) halo->device_copies = device->make_copy_plan(copies);
+    });
+  }
   return halo;
 }
 
@@ -156,6 +176,10 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
   const WindowState& w = *halo.win;
   check_stream(w, stream, call);
   const std::uint64_t epoch = ++halo.epoch;
+  if (copy && halo.device_copies) {
+    halo.device_copies->run(stream);
+    copy = false;
+  }
   for (const HaloRegion& r : halo.sends) {
     if (!copy) break;
     Transport& t = route(w, r.peer, call);

@@ -239,8 +239,11 @@ int main(int argc, char** argv) {
   double* grid[2] = {nullptr, nullptr};
   if (use_mm || use_dev) {
     comm = std::make_unique<meshmem::Comm>(MPI_COMM_WORLD);
+    // Windows are symmetric: every rank asks for the largest block (bands differ by a row).
+    std::size_t largest = 0;
+    for (const Block& o : all) largest = std::max(largest, o.bytes());
     for (int k = 0; k < 2; ++k) {
-      win[k] = comm->alloc(b.bytes());
+      win[k] = comm->alloc(largest);
       grid[k] = static_cast<double*>(win[k].local());
       plan[k] = comm->make_halo(win[k], halo_regions(b, all));
     }
@@ -250,6 +253,9 @@ int main(int argc, char** argv) {
   const std::vector<double> init = initial(b);
   for (auto* g : grid) CK(cudaMemcpy(g, init.data(), b.bytes(), cudaMemcpyHostToDevice));
   CK(cudaDeviceSynchronize());
+  // One-sided halos: a neighbour's first put must not land before this rank's grids are
+  // initialised (two-sided MPI and NCCL wait for the receive; puts do not).
+  MK(MPI_Barrier(MPI_COMM_WORLD));
 
   // Per-variant state.
   Neighbours nb[2];  // device variant: where the neighbours' copy of grid k is

@@ -68,6 +68,7 @@ class CudaDeviceBackend final : public DeviceBackend {
   void barrier(Stream stream) override;
   void signal_and_wait(const WindowState& sig, const std::vector<int>& send_to, const std::vector<int>& wait_for,
                        std::uint64_t value, Stream stream) override;
+  std::unique_ptr<DeviceCopyPlan> make_copy_plan(const std::vector<DeviceCopy>& copies) override;
   std::string describe() const override { return description_; }
 
  private:
@@ -335,6 +336,37 @@ void CudaDeviceBackend::barrier(Stream stream) {
       return;
     }
   }
+}
+
+class KernelCopyPlan final : public DeviceCopyPlan {
+ public:
+  KernelCopyPlan(const std::vector<DeviceCopy>& copies, int rank) : count_(static_cast<int>(copies.size())), rank_(rank) {
+    std::vector<cuda::Copy2D> table;
+    for (const DeviceCopy& c : copies) {
+      table.push_back({static_cast<char*>(c.dst), static_cast<const char*>(c.src), c.width, c.height, c.src_pitch, c.dst_pitch});
+      largest_ = std::max<std::uint64_t>(largest_, c.width * c.height);
+    }
+    if (table.empty()) return;
+    void* p = nullptr;
+    const std::string what = "halo copy plan on rank " + std::to_string(rank_);
+    ipc::check_cuda(cudaMalloc(&p, table.size() * sizeof(cuda::Copy2D)), "cudaMalloc", what);
+    table_.reset(p);
+    ipc::check_cuda(cudaMemcpy(p, table.data(), table.size() * sizeof(cuda::Copy2D), cudaMemcpyHostToDevice), "cudaMemcpy", what);
+  }
+  void run(Stream stream) override {
+    const cudaError_t rc = cuda::launch_copies(static_cast<const cuda::Copy2D*>(table_.get()), count_, largest_, stream);
+    if (rc != cudaSuccess) ipc::check_cuda(rc, "halo copy kernel launch", "HaloExchange::exchange on rank " + std::to_string(rank_));
+  }
+
+ private:
+  DevicePtr table_;
+  int count_;
+  int rank_;
+  std::uint64_t largest_ = 0;
+};
+
+std::unique_ptr<DeviceCopyPlan> CudaDeviceBackend::make_copy_plan(const std::vector<DeviceCopy>& copies) {
+  return std::make_unique<KernelCopyPlan>(copies, ctx_.topo.rank);
 }
 
 void CudaDeviceBackend::signal_and_wait(const WindowState& sig, const std::vector<int>& send_to,

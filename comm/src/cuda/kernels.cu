@@ -1,3 +1,5 @@
+#include <algorithm>
+
 #include "kernels.hpp"
 #include "meshmem/device/device.cuh"
 
@@ -48,7 +50,36 @@ __global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* 
   }
 }
 
+template <class T>
+__device__ void copy_2d(const Copy2D& c) {
+  const std::uint64_t per_row = c.width / sizeof(T);
+  const std::uint64_t total = per_row * c.height;
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
+  for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+    const std::uint64_t row = i / per_row, col = i - row * per_row;
+    reinterpret_cast<T*>(c.dst + row * c.dst_pitch)[col] = reinterpret_cast<const T*>(c.src + row * c.src_pitch)[col];
+  }
+}
+
+__global__ void copies_kernel(const Copy2D* table) {
+  const Copy2D c = table[blockIdx.y];
+  const std::uint64_t bits = reinterpret_cast<std::uintptr_t>(c.dst) | reinterpret_cast<std::uintptr_t>(c.src) |
+                             c.width | (c.height > 1 ? (c.src_pitch | c.dst_pitch) : 0);
+  if ((bits & 15) == 0) copy_2d<uint4>(c);
+  else if ((bits & 7) == 0) copy_2d<std::uint64_t>(c);
+  else if ((bits & 3) == 0) copy_2d<std::uint32_t>(c);
+  else copy_2d<unsigned char>(c);
+}
+
 }  // namespace
+
+cudaError_t launch_copies(const Copy2D* table, int count, std::uint64_t largest, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  // About 64 KiB a block for the largest copy, at most 64 blocks per copy.
+  unsigned blocks = static_cast<unsigned>(std::min<std::uint64_t>(64, std::max<std::uint64_t>(1, largest / 65536)));
+  copies_kernel<<<dim3(blocks, static_cast<unsigned>(count)), 256, 0, stream>>>(table);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_barrier(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, int rank, int size,
                            std::uint64_t epoch, cudaStream_t stream) {

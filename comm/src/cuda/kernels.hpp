@@ -26,4 +26,13 @@ cudaError_t launch_wait(const std::uint64_t* word, Cmp cmp, std::uint64_t value,
 cudaError_t launch_barrier(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, int rank, int size,
                            std::uint64_t epoch, cudaStream_t stream);
 
+// Runs `count` 2-D copies described by `table` (device memory, DeviceCopy layout) in one
+// launch: blockIdx.y picks the copy, 16-byte accesses where the copy's layout allows.
+struct Copy2D {
+  char* dst;
+  const char* src;
+  std::uint64_t width, height, src_pitch, dst_pitch;
+};
+cudaError_t launch_copies(const Copy2D* table, int count, std::uint64_t largest, cudaStream_t stream);
+
 }  // namespace meshmem::detail::cuda
