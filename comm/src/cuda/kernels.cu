@@ -55,7 +55,13 @@ __device__ void copy_2d(const Copy2D& c) {
   const std::uint64_t per_row = c.width / sizeof(T);
   const std::uint64_t total = per_row * c.height;
   const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
-  for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+  const std::uint64_t first = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c.height == 1) {  // a contiguous run: no division per element
+    for (std::uint64_t i = first; i < total; i += stride)
+      reinterpret_cast<T*>(c.dst)[i] = reinterpret_cast<const T*>(c.src)[i];
+    return;
+  }
+  for (std::uint64_t i = first; i < total; i += stride) {
     const std::uint64_t row = i / per_row, col = i - row * per_row;
     reinterpret_cast<T*>(c.dst + row * c.dst_pitch)[col] = reinterpret_cast<const T*>(c.src + row * c.src_pitch)[col];
   }
@@ -75,8 +81,9 @@ __global__ void copies_kernel(const Copy2D* table) {
 
 cudaError_t launch_copies(const Copy2D* table, int count, std::uint64_t largest, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  // About 64 KiB a block for the largest copy, at most 64 blocks per copy.
-  unsigned blocks = static_cast<unsigned>(std::min<std::uint64_t>(64, std::max<std::uint64_t>(1, largest / 65536)));
+  // About 4 KiB a block for the largest copy (remote stores need many blocks in flight;
+  // 64 KiB a block measured 3x slower on H200), at most 128 blocks per copy.
+  unsigned blocks = static_cast<unsigned>(std::min<std::uint64_t>(128, std::max<std::uint64_t>(1, largest / 4096)));
   copies_kernel<<<dim3(blocks, static_cast<unsigned>(count)), 256, 0, stream>>>(table);
   return cudaGetLastError();
 }
