@@ -24,6 +24,8 @@
 #include <nccl.h>
 #endif
 
+#include "results_csv.hpp"
+
 namespace {
 
 int g_rank = 0;
@@ -507,23 +509,9 @@ int main(int argc, char** argv) {
     std::printf("alloc+map 1 GiB, %d ranks: %.1f ms\n", nranks, find("alloc", "meshmem", 1ll << 30, -1, false) / 1e3);
     (void)gib;
     if (!csv.empty()) {
-      FILE* f = std::fopen(csv.c_str(), "a");
-      if (f == nullptr) {
-        std::fprintf(stderr, "cannot write %s\n", csv.c_str());
-      } else {
-        std::fseek(f, 0, SEEK_END);
-        if (std::ftell(f) == 0) std::fprintf(f, "date,commit,machine,benchmark,variant,ranks,size_bytes,latency_us,bandwidth_gbps\n");
-        for (const Row& r : g_rows) {
-          std::fprintf(f, "%s,%s,%s,%s,%s,%d,", date.c_str(), commit.c_str(), machine.c_str(), r.benchmark.c_str(), r.variant.c_str(), r.ranks);
-          if (r.size >= 0) std::fprintf(f, "%lld", r.size);
-          std::fprintf(f, ",");
-          if (r.latency_us >= 0) std::fprintf(f, "%.3f", r.latency_us);
-          std::fprintf(f, ",");
-          if (r.bandwidth_gbps >= 0) std::fprintf(f, "%.3f", r.bandwidth_gbps);
-          std::fprintf(f, "\n");
-        }
-        std::fclose(f);
-      }
+      std::vector<bench::ResultRow> out;
+      for (const Row& r : g_rows) out.push_back({r.benchmark, r.variant, r.ranks, r.size, r.latency_us, r.bandwidth_gbps});
+      bench::write_results_csv(csv, bench::CsvMode::Append, date, commit, machine, out, "device_bench");
     }
   }
   CK(cudaStreamDestroy(s));

@@ -33,6 +33,8 @@
 
 #include <meshmem/meshmem.hpp>
 
+#include "results_csv.hpp"
+
 #ifndef MESHMEM_BENCH_BUILD_TYPE
 #define MESHMEM_BENCH_BUILD_TYPE "unknown"
 #endif
@@ -1027,40 +1029,14 @@ void report_busyness(const Busyness& start, int rank) {
 
 // ---- output ----
 
-std::string utc_now() {
-  const std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
-
-std::string csv_field(const std::string& s) {
-  if (s.find_first_of(",\"\n") == std::string::npos) return s;
-  std::string out = "\"";
-  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
-  return out + "\"";
-}
-
 bool write_csv(const Ctx& ctx, const std::string& date, const std::vector<Row>& rows) {
-  std::FILE* f = std::fopen(ctx.args.csv.c_str(), "w");
-  if (f == nullptr) {
-    std::fprintf(stderr, "host_bench: cannot open %s for writing: %s\n", ctx.args.csv.c_str(), std::strerror(errno));
-    return false;
-  }
-  std::fprintf(f, "date,commit,machine,benchmark,variant,ranks,size_bytes,latency_us,bandwidth_gbps\n");
+  std::vector<bench::ResultRow> out;
   for (const Row& r : rows)
     if (r.ok)
-      std::fprintf(f, "%s,%s,%s,%s,%s,2,%zu,%.4f,%.6f\n", csv_field(date).c_str(), csv_field(ctx.args.commit).c_str(),
-                   csv_field(ctx.args.machine).c_str(), kBenchmarks[r.benchmark], kVariants[r.variant], r.size,
-                   r.latency_us, r.bandwidth_mbps / 1000.0);
-  const bool ok = std::fflush(f) == 0 && !std::ferror(f);
-  if (std::fclose(f) != 0 || !ok) {
-    std::fprintf(stderr, "host_bench: writing %s failed\n", ctx.args.csv.c_str());
-    return false;
-  }
-  return true;
+      out.push_back({kBenchmarks[r.benchmark], kVariants[r.variant], 2, static_cast<long long>(r.size), r.latency_us,
+                     r.bandwidth_mbps / 1000.0});
+  return bench::write_results_csv(ctx.args.csv, bench::CsvMode::Truncate, date, ctx.args.commit, ctx.args.machine, out,
+                                  "host_bench");
 }
 
 const Row* find_row(const std::vector<Row>& rows, const char* bench, const char* variant, std::size_t size) {
@@ -1188,7 +1164,7 @@ int main(int argc, char** argv) {
       ctx.region_bytes = std::max(ctx.region_bytes, static_cast<std::size_t>(ctx.window_for(s)) * s);
     ctx.src = page_buffer(ctx.args.max_size);
     ctx.ref = page_buffer(ctx.args.max_size);
-    date = utc_now();
+    date = bench::utc_now();
     if (g_rank == 0) print_header(ctx, date);
     start = Busyness::now();
 

@@ -28,6 +28,8 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include "results_csv.hpp"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -214,45 +216,10 @@ struct Row {
   double bandwidth_gbps;  // 1e9 bytes/s; < 0: empty cell
 };
 
-std::string utc_now() {
-  const std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
-
-std::string csv_field(const std::string& s) {
-  if (s.find_first_of(",\"\n") == std::string::npos) return s;
-  std::string out = "\"";
-  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
-  return out + "\"";
-}
-
 bool append_csv(const Args& a, const std::string& date, const std::vector<Row>& rows) {
-  std::FILE* f = std::fopen(a.csv.c_str(), "a");
-  if (f == nullptr) {
-    std::fprintf(stderr, "nvshmem_bench: cannot open %s for appending: %s\n", a.csv.c_str(), std::strerror(errno));
-    return false;
-  }
-  // "a" positions at the end on every write; find out whether the file was empty.
-  bool empty = std::fseek(f, 0, SEEK_END) == 0 && std::ftell(f) == 0;
-  if (empty) std::fprintf(f, "date,commit,machine,benchmark,variant,ranks,size_bytes,latency_us,bandwidth_gbps\n");
-  for (const Row& r : rows) {
-    char size[32] = "", lat[32] = "", bw[32] = "";
-    if (r.size >= 0) std::snprintf(size, sizeof(size), "%lld", r.size);
-    if (r.latency_us >= 0) std::snprintf(lat, sizeof(lat), "%.4f", r.latency_us);
-    if (r.bandwidth_gbps >= 0) std::snprintf(bw, sizeof(bw), "%.6f", r.bandwidth_gbps);
-    std::fprintf(f, "%s,%s,%s,%s,%s,%d,%s,%s,%s\n", csv_field(date).c_str(), csv_field(a.commit).c_str(),
-                 csv_field(a.machine).c_str(), r.benchmark.c_str(), kVariant, r.ranks, size, lat, bw);
-  }
-  const bool ok = std::fflush(f) == 0 && !std::ferror(f);
-  if (std::fclose(f) != 0 || !ok) {
-    std::fprintf(stderr, "nvshmem_bench: writing %s failed\n", a.csv.c_str());
-    return false;
-  }
-  return true;
+  std::vector<bench::ResultRow> out;
+  for (const Row& r : rows) out.push_back({r.benchmark, kVariant, r.ranks, r.size, r.latency_us, r.bandwidth_gbps});
+  return bench::write_results_csv(a.csv, bench::CsvMode::Append, date, a.commit, a.machine, out, "nvshmem_bench");
 }
 
 void print_table_head(const char* benchmark, const std::string& how) {
@@ -623,7 +590,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   // Every rank records the same date: rank 0's clock.
-  std::string date = ctx.args.date.empty() ? utc_now() : ctx.args.date;
+  std::string date = ctx.args.date.empty() ? bench::utc_now() : ctx.args.date;
   {
     char buf[64] = {};
     std::snprintf(buf, sizeof(buf), "%s", date.c_str());

@@ -359,15 +359,23 @@ void CommImpl::free_window(WindowState& state) {
   release(state);
 }
 
+const WindowState& CommImpl::checked_transfer(const Window& win, int target, std::size_t offset, std::size_t bytes,
+                                              const void* local, Stream stream, const char* call, const char* offset_name,
+                                              const char* local_name) const {
+  const WindowState& w = checked(win, call);
+  check_rank(target, call, "target");
+  check_range(w, target, offset, bytes, call, offset_name);
+  if (bytes > 0 && local == nullptr)
+    throw Error(ErrorCode::InvalidArgument, where(call) + ": " + local_name + " is null for a transfer of " +
+                                                std::to_string(bytes) + " bytes");
+  check_stream(w, stream, call);
+  return w;
+}
+
 void CommImpl::put(const Window& win, int target, std::size_t offset, const void* src,
                    std::size_t bytes, const Signals* sig, std::size_t index, std::uint64_t value,
                    SignalOp op, Stream stream, const char* call) {
-  const WindowState& w = checked(win, call);
-  check_rank(target, call, "target");
-  check_range(w, target, offset, bytes, call, "dst_offset");
-  if (bytes > 0 && src == nullptr)
-    throw Error(ErrorCode::InvalidArgument, where(call) + ": src is null for a put of " + std::to_string(bytes) + " bytes");
-  check_stream(w, stream, call);
+  const WindowState& w = checked_transfer(win, target, offset, bytes, src, stream, call, "dst_offset", "src");
   SignalUpdate update;
   if (sig != nullptr) {
     const WindowState& s = checked(sig->words(), call);
@@ -383,12 +391,7 @@ void CommImpl::put(const Window& win, int target, std::size_t offset, const void
 void CommImpl::get(void* dst, const Window& win, int target, std::size_t offset, std::size_t bytes,
                    Stream stream) {
   const char* call = "comm.get";
-  const WindowState& w = checked(win, call);
-  check_rank(target, call, "target");
-  check_range(w, target, offset, bytes, call, "src_offset");
-  if (bytes > 0 && dst == nullptr)
-    throw Error(ErrorCode::InvalidArgument, where(call) + ": dst is null for a get of " + std::to_string(bytes) + " bytes");
-  check_stream(w, stream, call);
+  const WindowState& w = checked_transfer(win, target, offset, bytes, dst, stream, call, "src_offset", "dst");
   route(w, target, call).get(dst, w, target, offset, bytes, stream);
 }
 

@@ -73,6 +73,10 @@ class CommImpl {
   void check_range(const WindowState& win, int target, std::size_t offset, std::size_t bytes,
                    const char* call, const char* offset_name) const;
   void check_stream(const WindowState& win, Stream stream, const char* call) const;
+  // The checks of put and get: window, rank, range, local buffer, stream.
+  const WindowState& checked_transfer(const Window& win, int target, std::size_t offset, std::size_t bytes,
+                                      const void* local, Stream stream, const char* call, const char* offset_name,
+                                      const char* local_name) const;
   void check_index(const WindowState& sig, std::size_t index, const char* call) const;
   void release(WindowState& state);
 

@@ -24,6 +24,8 @@
 #include <nccl.h>
 #endif
 
+#include "results_csv.hpp"  // bench/: the results format
+
 namespace {
 
 int g_rank = 0;
@@ -425,15 +427,9 @@ int main(int argc, char** argv) {
                 nx, ny, nranks, b.px, b.py, decomp.c_str(), halo.c_str(), iters, per_iter, std::sqrt(total));
     if (check) std::printf(", max |diff| vs single GPU %.3e %s", maxdiff, maxdiff < 1e-10 ? "(OK)" : "(MISMATCH)");
     std::printf("\n");
-    if (!csv.empty()) {
-      FILE* f = std::fopen(csv.c_str(), "a");
-      if (f) {
-        std::fseek(f, 0, SEEK_END);
-        if (std::ftell(f) == 0) std::fprintf(f, "date,commit,machine,benchmark,variant,ranks,size_bytes,latency_us,bandwidth_gbps\n");
-        std::fprintf(f, "%s,%s,%s,jacobi,%s,%d,%d,%.3f,\n", date.c_str(), commit.c_str(), machine.c_str(), variant.c_str(), nranks, nx, per_iter);
-        std::fclose(f);
-      }
-    }
+    if (!csv.empty())
+      bench::write_results_csv(csv, bench::CsvMode::Append, date, commit, machine,
+                               {{"jacobi", variant, nranks, nx, per_iter, -1}}, "03_jacobi");
   }
   const int rc = (check && g_rank == 0 && !(maxdiff < 1e-10)) ? 1 : 0;
 #ifdef JACOBI_HAVE_NCCL

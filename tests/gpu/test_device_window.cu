@@ -331,24 +331,13 @@ TEST_F(DeviceWindow, KernelsWriteIntoPeersThroughDeviceApi) {
   CUDA_OK(cudaStreamSynchronize(stream));
 }
 
-namespace {
-int count_fds() {
-  int count = 0;
-  if (DIR* d = opendir("/proc/self/fd")) {
-    while (readdir(d) != nullptr) ++count;
-    closedir(d);
-  }
-  return count;
-}
-}  // namespace
-
 TEST_F(DeviceWindow, AllocFreeCyclesReturnToBaseline) {
   { Window warm = comm->alloc(64u << 20); }
   CUDA_OK(cudaDeviceSynchronize());
   MPI_Barrier(MPI_COMM_WORLD);
   std::size_t free0 = 0, total = 0;
   CUDA_OK(cudaMemGetInfo(&free0, &total));
-  const int fds0 = count_fds();
+  const int fds0 = meshmem::test::count_fds();
   for (int cycle = 0; cycle < 20; ++cycle) {
     Window win = comm->alloc((64u << 20) + static_cast<std::size_t>(cycle));
     Signals sig = comm->alloc_signals(8);
@@ -362,7 +351,7 @@ TEST_F(DeviceWindow, AllocFreeCyclesReturnToBaseline) {
   MPI_Barrier(MPI_COMM_WORLD);  // every rank released its mappings of the others' memory
   std::size_t free1 = 0;
   CUDA_OK(cudaMemGetInfo(&free1, &total));
-  EXPECT_EQ(count_fds(), fds0);
+  EXPECT_EQ(meshmem::test::count_fds(), fds0);
   // Several ranks may share this GPU: allow for their allocator slack, not for a leak
   // (20 cycles of 64 MiB would be 1.25 GiB).
   EXPECT_LE(free0 > free1 ? free0 - free1 : 0, std::size_t{32} << 20) << "GPU memory not returned";

@@ -206,14 +206,6 @@ TEST_F(HostWindow, QuietCompletesPuts) {
 }
 
 namespace {
-int count_fds() {
-  int count = 0;
-  if (DIR* d = opendir("/proc/self/fd")) {
-    while (readdir(d) != nullptr) ++count;
-    closedir(d);
-  }
-  return count;
-}
 int count_mappings() {
   std::ifstream maps("/proc/self/maps");
   int lines = 0;
@@ -224,7 +216,7 @@ int count_mappings() {
 
 TEST_F(HostWindow, AllocFreeCyclesReleaseEverything) {
   { Window warm = comm.alloc(4096, Memory::Host); }
-  const int fds = count_fds();
+  const int fds = meshmem::test::count_fds();
   const int maps = count_mappings();
   for (int cycle = 0; cycle < 20; ++cycle) {
     Window win = comm.alloc((1u << 20) + static_cast<std::size_t>(cycle), Memory::Host);
@@ -235,6 +227,6 @@ TEST_F(HostWindow, AllocFreeCyclesReleaseEverything) {
     EXPECT_GT(count_mappings(), maps);
     if (cycle % 2) win.free();  // explicit free and destructor both release
   }
-  EXPECT_EQ(count_fds(), fds);
+  EXPECT_EQ(meshmem::test::count_fds(), fds);
   EXPECT_EQ(count_mappings(), maps);
 }

@@ -3,6 +3,7 @@
 // (and rank 0's report is the job's report).
 #pragma once
 
+#include <dirent.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -79,6 +80,16 @@ inline long long first_not(const void* a, unsigned char value, std::size_t bytes
   for (std::size_t i = 0; i < bytes; ++i)
     if (x[i] != value) return static_cast<long long>(i);
   return -1;
+}
+
+// Open descriptors of this process (for leak checks).
+inline int count_fds() {
+  int count = 0;
+  if (DIR* d = opendir("/proc/self/fd")) {
+    while (readdir(d) != nullptr) ++count;
+    closedir(d);
+  }
+  return count;
 }
 
 }  // namespace meshmem::test
