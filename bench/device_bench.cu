@@ -176,7 +176,7 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
   int nranks = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &nranks);
-  std::string csv, commit = "unknown", machine = "unknown", date = "unknown";
+  std::string csv, commit = "unknown", machine = "unknown", date = bench::utc_now().substr(0, 10);
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];

@@ -184,7 +184,7 @@ int main(int argc, char** argv) {
   int nranks = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &nranks);
   int nx = 4096, ny = 4096, iters = 1000, warmup = 20;
-  std::string halo = "meshmem-device", decomp = "rows", csv, commit = "unknown", machine = "unknown", date = "unknown";
+  std::string halo = "meshmem-device", decomp = "rows", csv, commit = "unknown", machine = "unknown", date = bench::utc_now().substr(0, 10);
   bool check = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
