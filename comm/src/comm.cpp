@@ -421,6 +421,10 @@ void CommImpl::wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::u
   for (;;) {
     const std::uint64_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
     if (compare(v, cmp, value)) return;
+    if (mpi && mpi->serve_one()) {  // the awaited signal may be in a request waiting here
+      backoff.reset();
+      continue;
+    }
     if (deadline.expired()) {
       const std::string msg = where(call) + ": signal " + std::to_string(index) + " is " +
                               std::to_string(v) + ", still not " + cmp_text(cmp) + " " +

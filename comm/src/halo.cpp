@@ -202,6 +202,10 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
   Backoff backoff;
   for (int r : halo.recv_from) {
     while (__atomic_load_n(words + r, __ATOMIC_ACQUIRE) < epoch) {
+      if (mpi && mpi->serve_one()) {
+        backoff.reset();
+        continue;
+      }
       if (deadline.expired()) {
         std::vector<int> missing;
         for (int m : halo.recv_from)

@@ -88,13 +88,17 @@ void MpiTransport::unregister_window(std::uint64_t id) {
   regions_.erase(id);
 }
 
-void MpiTransport::wait(MPI_Request* req, const char* call, int peer, const std::string& what) {
+void MpiTransport::wait(MPI_Request* req, const char* call, int peer, const std::string& what, bool serve) {
   Deadline deadline(timeout_);
   Backoff backoff;
   for (;;) {
     int done = 0;
     check_mpi(MPI_Test(req, &done, MPI_STATUS_IGNORE), call, what);
     if (done) return;
+    if (serve && serve_one()) {
+      backoff.reset();
+      continue;
+    }
     if (deadline.expired()) {
       const std::string msg = what + ": " + call + " with rank " + std::to_string(peer) +
                               " did not complete within " + describe_timeout(timeout_) +
@@ -158,7 +162,7 @@ void MpiTransport::get(void* dst, const WindowState& win, int target, std::size_
   check_mpi(MPI_Isend(&req, sizeof(req), MPI_BYTE, target, kTagRequest, requests_.get(), &r),
             "MPI_Isend", what);
   wait(&r, "MPI_Isend", target, what);
-  for (auto& recv : recvs) wait(&recv, "MPI_Irecv", target, what);
+  for (auto& recv : recvs) wait(&recv, "MPI_Irecv", target, what, true);
 }
 
 void MpiTransport::quiet() {
@@ -182,7 +186,7 @@ void MpiTransport::quiet() {
   }
   for (std::size_t i = 0; i < targets.size(); ++i) {
     wait(&sends[i], "MPI_Isend (flush)", targets[i], what);
-    wait(&acks[i], "MPI_Irecv (flush answer)", targets[i], what);
+    wait(&acks[i], "MPI_Irecv (flush answer)", targets[i], what, true);
     unflushed_[targets[i]] = 0;
   }
 }
@@ -249,37 +253,38 @@ void MpiTransport::handle(const Request& req, int source) {
   }
 }
 
+bool MpiTransport::serve_one() {
+  std::unique_lock<std::mutex> lock(serving_, std::try_to_lock);
+  if (!lock.owns_lock() || stop_.load(std::memory_order_acquire)) return false;
+  const std::string what = "serving requests on rank " + std::to_string(rank_);
+  int found = 0;
+  MPI_Message message = MPI_MESSAGE_NULL;
+  MPI_Status status;
+  check_mpi(MPI_Improbe(MPI_ANY_SOURCE, kTagRequest, requests_.get(), &found, &message, &status), "MPI_Improbe", what);
+  if (!found) return false;
+  Request req{};
+  check_mpi(MPI_Mrecv(&req, sizeof(req), MPI_BYTE, &message, &status), "MPI_Mrecv", what);
+  handle(req, status.MPI_SOURCE);
+  return true;
+}
+
 void MpiTransport::serve() {
   tighten_timer_slack();
   Backoff backoff;
   while (!stop_.load(std::memory_order_acquire)) {
-    int found = 0;
-    MPI_Message message = MPI_MESSAGE_NULL;
-    MPI_Status status;
-    int rc = MPI_Improbe(MPI_ANY_SOURCE, kTagRequest, requests_.get(), &found, &message, &status);
-    if (rc != MPI_SUCCESS) {
-      log(LogLevel::Error, "progress thread: MPI_Improbe failed (" + std::to_string(rc) + "); stopping");
-      return;
-    }
-    if (!found) {
-      backoff.pause();
-      continue;
-    }
-    Request req{};
-    rc = MPI_Mrecv(&req, sizeof(req), MPI_BYTE, &message, &status);
-    if (rc != MPI_SUCCESS) {
-      log(LogLevel::Error, "progress thread: MPI_Mrecv failed (" + std::to_string(rc) + "); stopping");
-      return;
-    }
+    bool served = false;
     try {
-      handle(req, status.MPI_SOURCE);
+      served = serve_one();
     } catch (const std::exception& e) {
       // Nobody can catch an exception of this thread; the origin's wait times out and
       // names this rank.
       log(LogLevel::Error, std::string("progress thread: ") + e.what() + "; stopping");
       return;
     }
-    backoff.reset();
+    if (served)
+      backoff.reset();
+    else
+      backoff.pause();
   }
 }
 

@@ -38,6 +38,12 @@ class MpiTransport final : public Transport {
   // attribute), so that the thread never calls MPI after it.
   void stop() noexcept;
 
+  // Serves at most one waiting request, unless another thread is serving; true if it did.
+  // Threads that wait (wait_until, the transport's own waits) call it: handing each request
+  // to the progress thread instead costs scheduler round trips when ranks share few cores
+  // (12 us one way measured on 2 cores, against about 1 us served by the waiter).
+  bool serve_one();
+
  private:
   struct Region {
     char* base;
@@ -48,7 +54,9 @@ class MpiTransport final : public Transport {
   void serve();
   void handle(const Request& req, int source);
   Region find(std::uint64_t id, std::size_t offset, std::size_t bytes, int source) const;
-  void wait(MPI_Request* req, const char* call, int peer, const std::string& what);
+  // Waits for `req`. With `serve`, serves incoming requests meanwhile (waits for a peer's
+  // answer); waits for this rank's own sends do not, so as not to slow them down with probes.
+  void wait(MPI_Request* req, const char* call, int peer, const std::string& what, bool serve = false);
 
   MpiComm requests_;  // origin -> target's progress thread
   MpiComm replies_;   // target's progress thread -> origin's calling thread
@@ -59,6 +67,7 @@ class MpiTransport final : public Transport {
   mutable std::mutex regions_mutex_;
   std::unordered_map<std::uint64_t, Region> regions_;
 
+  std::mutex serving_;  // one thread at a time probes and handles requests
   std::atomic<bool> stop_{false};
   std::thread progress_;
   int finalize_keyval_ = MPI_KEYVAL_INVALID;
