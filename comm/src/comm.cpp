@@ -418,6 +418,7 @@ void CommImpl::wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::u
   const auto* word = static_cast<const std::uint64_t*>(s.local) + index;
   Deadline deadline(options.timeout);
   Backoff backoff;
+  MpiTransport::ServingWait serving(mpi.get());
   for (;;) {
     const std::uint64_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
     if (compare(v, cmp, value)) return;

@@ -200,6 +200,7 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
   const auto* words = static_cast<const std::uint64_t*>(halo.sig->local);
   Deadline deadline(options.timeout);
   Backoff backoff;
+  MpiTransport::ServingWait serving(mpi.get());
   for (int r : halo.recv_from) {
     while (__atomic_load_n(words + r, __ATOMIC_ACQUIRE) < epoch) {
       if (mpi && mpi->serve_one()) {

@@ -91,6 +91,7 @@ void MpiTransport::unregister_window(std::uint64_t id) {
 void MpiTransport::wait(MPI_Request* req, const char* call, int peer, const std::string& what, bool serve) {
   Deadline deadline(timeout_);
   Backoff backoff;
+  ServingWait serving(serve ? this : nullptr);
   for (;;) {
     int done = 0;
     check_mpi(MPI_Test(req, &done, MPI_STATUS_IGNORE), call, what);
@@ -272,6 +273,10 @@ void MpiTransport::serve() {
   tighten_timer_slack();
   Backoff backoff;
   while (!stop_.load(std::memory_order_acquire)) {
+    if (waiting_servers_.load(std::memory_order_acquire) > 0) {
+      backoff.pause();
+      continue;
+    }
     bool served = false;
     try {
       served = serve_one();
