@@ -46,18 +46,6 @@ const char* cmp_text(Cmp cmp) {
   return "?";
 }
 
-bool compare(std::uint64_t v, Cmp cmp, std::uint64_t value) {
-  switch (cmp) {
-    case Cmp::EQ: return v == value;
-    case Cmp::NE: return v != value;
-    case Cmp::GT: return v > value;
-    case Cmp::GE: return v >= value;
-    case Cmp::LT: return v < value;
-    case Cmp::LE: return v <= value;
-  }
-  return false;
-}
-
 std::uint64_t fnv1a(const std::string& s) {
   std::uint64_t h = 1469598103934665603ull;
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;

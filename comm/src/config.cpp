@@ -3,6 +3,8 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <initializer_list>
+#include <utility>
 #include <sstream>
 
 #include "meshmem/error.hpp"
@@ -93,6 +95,18 @@ std::size_t parse_bytes(const char* var, const std::string& raw) {
   return static_cast<std::size_t>(n);
 }
 
+// `raw` (case-insensitive, trimmed) must be one of `choices`' names.
+template <class T>
+T parse_choice(const char* var, const std::string& raw, std::initializer_list<std::pair<const char*, T>> choices) {
+  const std::string m = lower(trim(raw));
+  std::string names;
+  for (const auto& [name, value] : choices) {
+    if (m == name) return value;
+    names += (names.empty() ? "" : ", ") + std::string(name);
+  }
+  bad_value(var, raw, "one of " + names);
+}
+
 TransportKind parse_transport(const char* var, const std::string& raw, const std::string& name) {
   const std::string n = lower(trim(name));
   if (n == "ipc") return TransportKind::Ipc;
@@ -112,13 +126,9 @@ Options Options::parse(const std::function<const char*(const char*)>& lookup) {
   if (const char* v = get("MESHMEM_TIMEOUT")) o.timeout = parse_duration("MESHMEM_TIMEOUT", v);
   if (const char* v = get("MESHMEM_SIMULATE_NODES"))
     o.simulate_nodes = parse_positive_int("MESHMEM_SIMULATE_NODES", v, 1 << 20);
-  if (const char* v = get("MESHMEM_FD_PASSING")) {
-    const std::string m = lower(trim(v));
-    if (m == "auto") o.fd_passing = FdPassing::Auto;
-    else if (m == "pidfd") o.fd_passing = FdPassing::Pidfd;
-    else if (m == "socket") o.fd_passing = FdPassing::Socket;
-    else bad_value("MESHMEM_FD_PASSING", v, "auto, pidfd or socket");
-  }
+  if (const char* v = get("MESHMEM_FD_PASSING"))
+    o.fd_passing = parse_choice<FdPassing>("MESHMEM_FD_PASSING", v,
+                                           {{"auto", FdPassing::Auto}, {"pidfd", FdPassing::Pidfd}, {"socket", FdPassing::Socket}});
   if (const char* v = get("MESHMEM_TRANSPORTS")) {
     o.transports.clear();
     std::stringstream ss(v);
@@ -133,29 +143,16 @@ Options Options::parse(const std::function<const char*(const char*)>& lookup) {
   }
   if (const char* v = get("MESHMEM_SM_COPY_MAX")) o.sm_copy_max = parse_bytes("MESHMEM_SM_COPY_MAX", v);
   if (const char* v = get("MESHMEM_FUSED_SIGNAL_MAX")) o.fused_signal_max = parse_bytes("MESHMEM_FUSED_SIGNAL_MAX", v);
-  if (const char* v = get("MESHMEM_BARRIER")) {
-    const std::string m = lower(trim(v));
-    if (m == "auto") o.barrier = Barrier::Auto;
-    else if (m == "flag") o.barrier = Barrier::Flag;
-    else if (m == "kernel") o.barrier = Barrier::Kernel;
-    else if (m == "event") o.barrier = Barrier::Event;
-    else bad_value("MESHMEM_BARRIER", v, "auto, flag, kernel or event");
-  }
-  if (const char* v = get("MESHMEM_STREAM_WAIT")) {
-    const std::string m = lower(trim(v));
-    if (m == "auto") o.stream_wait = StreamWait::Auto;
-    else if (m == "memop") o.stream_wait = StreamWait::Memop;
-    else if (m == "kernel") o.stream_wait = StreamWait::Kernel;
-    else bad_value("MESHMEM_STREAM_WAIT", v, "auto, memop or kernel");
-  }
-  if (const char* v = get("MESHMEM_LOG_LEVEL")) {
-    const std::string m = lower(trim(v));
-    if (m == "error") o.log_level = LogLevel::Error;
-    else if (m == "warn" || m == "warning") o.log_level = LogLevel::Warn;
-    else if (m == "info") o.log_level = LogLevel::Info;
-    else if (m == "debug") o.log_level = LogLevel::Debug;
-    else bad_value("MESHMEM_LOG_LEVEL", v, "error, warn, info or debug");
-  }
+  if (const char* v = get("MESHMEM_BARRIER"))
+    o.barrier = parse_choice<Barrier>("MESHMEM_BARRIER", v,
+                                      {{"auto", Barrier::Auto}, {"flag", Barrier::Flag}, {"kernel", Barrier::Kernel}, {"event", Barrier::Event}});
+  if (const char* v = get("MESHMEM_STREAM_WAIT"))
+    o.stream_wait = parse_choice<StreamWait>("MESHMEM_STREAM_WAIT", v,
+                                             {{"auto", StreamWait::Auto}, {"memop", StreamWait::Memop}, {"kernel", StreamWait::Kernel}});
+  if (const char* v = get("MESHMEM_LOG_LEVEL"))
+    o.log_level = parse_choice<LogLevel>("MESHMEM_LOG_LEVEL", v,
+                                         {{"error", LogLevel::Error}, {"warn", LogLevel::Warn}, {"warning", LogLevel::Warn},
+                                          {"info", LogLevel::Info}, {"debug", LogLevel::Debug}});
   return o;
 }
 

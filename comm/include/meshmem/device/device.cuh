@@ -80,17 +80,7 @@ __device__ inline void put_signal_block(const WindowView& w, int target, std::si
   if (threadIdx.x == 0) signal(s, target, index, value, op);
 }
 
-__device__ inline bool compare(std::uint64_t v, Cmp cmp, std::uint64_t x) {
-  switch (cmp) {
-    case Cmp::EQ: return v == x;
-    case Cmp::NE: return v != x;
-    case Cmp::GT: return v > x;
-    case Cmp::GE: return v >= x;
-    case Cmp::LT: return v < x;
-    case Cmp::LE: return v <= x;
-  }
-  return false;
-}
+using meshmem::compare;  // meshmem/types.hpp: the same test as the host's
 
 __device__ inline std::uint64_t read_signal(const SignalsView& s, std::size_t index) {
   return SignalWord(*signal_ptr(s, s.rank, index)).load(cuda::memory_order_acquire);
