@@ -404,25 +404,12 @@ void CommImpl::wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::u
     return;
   }
   const auto* word = static_cast<const std::uint64_t*>(s.local) + index;
-  Deadline deadline(options.timeout);
-  Backoff backoff;
-  MpiTransport::ServingWait serving(mpi.get());
-  for (;;) {
-    const std::uint64_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
-    if (compare(v, cmp, value)) return;
-    if (mpi && mpi->serve_one()) {  // the awaited signal may be in a request waiting here
-      backoff.reset();
-      continue;
-    }
-    if (deadline.expired()) {
-      const std::string msg = where(call) + ": signal " + std::to_string(index) + " is " +
-                              std::to_string(v) + ", still not " + cmp_text(cmp) + " " +
-                              std::to_string(value) + " after " + describe_timeout(options.timeout);
-      log(LogLevel::Error, msg);
-      throw Error(ErrorCode::Timeout, msg);
-    }
-    backoff.pause();
-  }
+  wait_host([&] { return compare(__atomic_load_n(word, __ATOMIC_ACQUIRE), cmp, value); },
+            [&] {
+              return where(call) + ": signal " + std::to_string(index) + " is " +
+                     std::to_string(__atomic_load_n(word, __ATOMIC_ACQUIRE)) + ", still not " + cmp_text(cmp) + " " +
+                     std::to_string(value) + " after " + describe_timeout(options.timeout);
+            });
 }
 
 void CommImpl::quiet(Stream stream, const char* call) {

@@ -6,9 +6,11 @@
 #include <string>
 #include <vector>
 
+#include "backoff.hpp"
 #include "bootstrap.hpp"
 #include "device_backend.hpp"
 #include "fd_exchange.hpp"
+#include "log.hpp"
 #include "meshmem/comm.hpp"
 #include "meshmem/halo.hpp"
 #include "topology.hpp"
@@ -43,6 +45,28 @@ class CommImpl {
   void barrier_host();
 
   TransportKind transport(int rank, Memory memory, const char* call) const;
+
+  // Host-side wait: polls `ready()` with backoff, serving MPI requests meanwhile (the awaited
+  // signal may be in one of them); after MESHMEM_TIMEOUT logs and raises Error(Timeout) with
+  // `timeout_message()`.
+  template <class Ready, class Message>
+  void wait_host(Ready&& ready, Message&& timeout_message) {
+    Deadline deadline(options.timeout);
+    Backoff backoff;
+    MpiTransport::ServingWait serving(mpi.get());
+    while (!ready()) {
+      if (mpi && mpi->serve_one()) {
+        backoff.reset();
+        continue;
+      }
+      if (deadline.expired()) {
+        const std::string msg = timeout_message();
+        log(LogLevel::Error, msg);
+        throw Error(ErrorCode::Timeout, msg);
+      }
+      backoff.pause();
+    }
+  }
 
   // meshmem/halo.hpp (comm/src/halo.cpp).
   std::unique_ptr<HaloState> make_halo(const Window& win, const std::vector<HaloRegion>& sends);

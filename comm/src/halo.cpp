@@ -198,27 +198,15 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
   for (int r : halo.send_to)
     route(*halo.sig, r, call).put(*halo.sig, r, 0, nullptr, 0, SignalUpdate{halo.sig.get(), static_cast<std::size_t>(topo.rank), epoch, SignalOp::Set}, nullptr);
   const auto* words = static_cast<const std::uint64_t*>(halo.sig->local);
-  Deadline deadline(options.timeout);
-  Backoff backoff;
-  MpiTransport::ServingWait serving(mpi.get());
-  for (int r : halo.recv_from) {
-    while (__atomic_load_n(words + r, __ATOMIC_ACQUIRE) < epoch) {
-      if (mpi && mpi->serve_one()) {
-        backoff.reset();
-        continue;
-      }
-      if (deadline.expired()) {
-        std::vector<int> missing;
-        for (int m : halo.recv_from)
-          if (__atomic_load_n(words + m, __ATOMIC_ACQUIRE) < epoch) missing.push_back(m);
-        const std::string msg = where(call) + ": the halos of exchange " + std::to_string(epoch) + " from rank(s) " +
-                                rank_list(missing) + " did not arrive within " + describe_timeout(options.timeout);
-        log(LogLevel::Error, msg);
-        throw Error(ErrorCode::Timeout, msg);
-      }
-      backoff.pause();
-    }
-  }
+  auto arrived = [&](int r) { return __atomic_load_n(words + r, __ATOMIC_ACQUIRE) >= epoch; };
+  wait_host([&] { return std::all_of(halo.recv_from.begin(), halo.recv_from.end(), arrived); },
+            [&] {
+              std::vector<int> missing;
+              for (int m : halo.recv_from)
+                if (!arrived(m)) missing.push_back(m);
+              return where(call) + ": the halos of exchange " + std::to_string(epoch) + " from rank(s) " +
+                     rank_list(missing) + " did not arrive within " + describe_timeout(options.timeout);
+            });
 }
 
 }  // namespace detail
