@@ -14,3 +14,15 @@ if(MESHMEM_HAVE_CUDA)
     include(${CMAKE_CURRENT_SOURCE_DIR}/nvshmem.cmake)
   endif()
 endif()
+# barrier_lab: candidate stream-ordered barriers side by side (the study behind the
+# barrier defaults; bench/README.md).
+if(MESHMEM_HAVE_CUDA)
+  add_executable(barrier_lab barrier_lab.cu)
+  target_link_libraries(barrier_lab PRIVATE meshmem::meshmem)
+endif()
+# copy_lab: copy engine against copy-kernel shapes, rank 0 -> rank 1 (the study behind the
+# SM copy kernel; bench/README.md).
+if(MESHMEM_HAVE_CUDA)
+  add_executable(copy_lab copy_lab.cu)
+  target_link_libraries(copy_lab PRIVATE meshmem::meshmem)
+endif()

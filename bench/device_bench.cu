@@ -24,6 +24,7 @@
 #include <nccl.h>
 #endif
 
+#include "busy_work.cuh"
 #include "results_csv.hpp"
 
 namespace {
@@ -141,6 +142,57 @@ struct IpcBuffer {
     if (local) cudaFree(local);
   }
 };
+
+struct BarrierTimes {
+  double single = 0, burst = 0, busy_single = 0, busy_burst = 0;  // us per barrier
+};
+
+// Times `barrier` (enqueues one barrier on s) on the ranks of gc in the four patterns.
+template <class F>
+BarrierTimes time_barrier(MPI_Comm gc, cudaStream_t s, F&& barrier) {
+  using clock = std::chrono::steady_clock;
+  auto us_since = [](clock::time_point t0) { return std::chrono::duration<double, std::micro>(clock::now() - t0).count(); };
+  BarrierTimes t;
+  for (int w = 0; w < 50; ++w) barrier();
+  CK(cudaStreamSynchronize(s));
+  for (int busy = 0; busy < 2; ++busy) {
+    auto one = [&] {
+      if (busy) CK(bench::launch_busy(s));
+      barrier();
+    };
+    MK(MPI_Barrier(gc));
+    const int iters = busy ? 200 : 500;
+    auto t0 = clock::now();
+    for (int i = 0; i < iters; ++i) {
+      one();
+      CK(cudaStreamSynchronize(s));
+    }
+    (busy ? t.busy_single : t.single) = us_since(t0) / iters;
+    double best = 1e30;
+    for (int rep = 0; rep < 5; ++rep) {
+      MK(MPI_Barrier(gc));
+      t0 = clock::now();
+      for (int i = 0; i < 200; ++i) one();
+      CK(cudaStreamSynchronize(s));
+      best = std::min(best, us_since(t0) / 200);
+    }
+    (busy ? t.busy_burst : t.burst) = best;
+  }
+  return t;
+}
+
+// The slowest rank's figures (as the NVSHMEM benchmark reports); ranks outside the group
+// pass zeros. Collective over MPI_COMM_WORLD.
+void record_barrier(const std::string& variant, int group, const BarrierTimes& mine, bool busy_only) {
+  double in[4] = {mine.single, mine.burst, mine.busy_single, mine.busy_burst}, worst[4] = {0, 0, 0, 0};
+  MK(MPI_Reduce(in, worst, 4, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD));
+  if (!busy_only) {
+    record("barrier", variant, group, -1, worst[0], -1);
+    record("barrier200", variant, group, -1, worst[1], -1);
+  }
+  record("barrier_busy", variant, group, -1, worst[2], -1);
+  record("barrier200_busy", variant, group, -1, worst[3], -1);
+}
 
 void print_tables() {
   std::map<std::pair<std::string, std::string>, std::vector<const Row*>> by;
@@ -376,50 +428,35 @@ int main(int argc, char** argv) {
     CK(cudaFree(src));
   }
 
-  // ---- barrier(stream): 2 ranks and all ranks; single (with stream sync) and 200 back to back ----
+  // ---- barrier(stream): 2 ranks and all ranks ----
+  // Idle stream (the issue's pattern): single = { barrier; sync }, burst = 200 back to back.
+  // Busy stream: the same behind a 20 us kernel, so the barrier must be met on the GPU;
+  // "busy-work-only" is that kernel alone, the floor of the busy rows.
   for (int group : {2, nranks}) {
     MPI_Comm gc;
     MK(MPI_Comm_split(MPI_COMM_WORLD, g_rank < group ? 0 : 1, g_rank, &gc));
     const bool in = g_rank < group;
+    if (in) {
+      const BarrierTimes t = time_barrier(gc, s, [&] {});
+      record_barrier("busy-work-only", group, t, true);
+    } else {
+      record_barrier("busy-work-only", group, BarrierTimes{}, true);
+    }
     struct B {
       const char* name;
       meshmem::Options::Barrier kind;
     } kinds[] = {{"meshmem", meshmem::Options::Barrier::Auto},
                  {"meshmem-flag", meshmem::Options::Barrier::Flag},
+                 {"meshmem-kernel", meshmem::Options::Barrier::Kernel},
                  {"meshmem-event", meshmem::Options::Barrier::Event}};
     for (const B& b : kinds) {
       auto o = meshmem::Options::from_environment();
       o.barrier = b.kind;
       meshmem::Comm comm(gc, o);  // ranks outside the group build their own Comm: harmless
-      double single = 0, burst = 0;
-      if (in) {
-        for (int w = 0; w < 50; ++w) comm.barrier(s);
-        CK(cudaStreamSynchronize(s));
-        comm.barrier();
-        const int iters = 500;
-        auto t0 = std::chrono::steady_clock::now();
-        for (int i = 0; i < iters; ++i) {
-          comm.barrier(s);
-          CK(cudaStreamSynchronize(s));
-        }
-        single = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
-        comm.barrier();
-        double best = 1e30;
-        for (int rep = 0; rep < 5; ++rep) {
-          comm.barrier();
-          t0 = std::chrono::steady_clock::now();
-          for (int i = 0; i < 200; ++i) comm.barrier(s);
-          CK(cudaStreamSynchronize(s));
-          best = std::min(best, std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / 200);
-        }
-        burst = best;
-      }
-      // The slowest rank's figure, as the NVSHMEM benchmark reports.
-      double worst[2] = {0, 0}, mine2[2] = {single, burst};
-      MK(MPI_Reduce(mine2, worst, 2, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD));
+      BarrierTimes t;
+      if (in) t = time_barrier(gc, s, [&] { comm.barrier(s); });
       if (g_rank == 0) std::printf("# barrier %s, %d ranks: %s\n", b.name, group, comm.device_info().c_str());
-      record("barrier", b.name, group, -1, worst[0], -1);
-      record("barrier200", b.name, group, -1, worst[1], -1);
+      record_barrier(b.name, group, t, false);
       MK(MPI_Barrier(MPI_COMM_WORLD));
     }
 #ifdef MESHMEM_BENCH_HAVE_NCCL
@@ -431,34 +468,12 @@ int main(int argc, char** argv) {
       if (in) NK(ncclCommInitRank(&nc, group, id, g_rank));
       int* buf = nullptr;
       CK(cudaMalloc(&buf, sizeof(int)));
-      double single = 0, burst = 0;
+      BarrierTimes t;
       if (in) {
-        auto ar = [&] { NK(ncclAllReduce(buf, buf, 1, ncclInt, ncclSum, nc, s)); };
-        for (int w = 0; w < 50; ++w) ar();
-        CK(cudaStreamSynchronize(s));
-        MK(MPI_Barrier(gc));
-        const int iters = 500;
-        auto t0 = std::chrono::steady_clock::now();
-        for (int i = 0; i < iters; ++i) {
-          ar();
-          CK(cudaStreamSynchronize(s));
-        }
-        single = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
-        double best = 1e30;
-        for (int rep = 0; rep < 5; ++rep) {
-          MK(MPI_Barrier(gc));
-          t0 = std::chrono::steady_clock::now();
-          for (int i = 0; i < 200; ++i) ar();
-          CK(cudaStreamSynchronize(s));
-          best = std::min(best, std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / 200);
-        }
-        burst = best;
+        t = time_barrier(gc, s, [&] { NK(ncclAllReduce(buf, buf, 1, ncclInt, ncclSum, nc, s)); });
         NK(ncclCommDestroy(nc));
       }
-      double worst[2] = {0, 0}, mine2[2] = {single, burst};
-      MK(MPI_Reduce(mine2, worst, 2, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD));
-      record("barrier", "nccl", group, -1, worst[0], -1);
-      record("barrier200", "nccl", group, -1, worst[1], -1);
+      record_barrier("nccl", group, t, false);
       CK(cudaFree(buf));
       MK(MPI_Barrier(MPI_COMM_WORLD));
     }
@@ -499,11 +514,12 @@ int main(int argc, char** argv) {
                 find("put_signal", "meshmem", 8, -1, false), find("put_signal", "meshmem-memop-wait", 8, -1, false),
                 find("put_signal", "cuda-memcpy-peer", 8, -1, false), find("put_signal", "nccl", 8, -1, false));
     for (int g : {2, nranks}) {
-      std::printf("barrier(stream)+sync, %d ranks: meshmem %.2f us, flag %.2f, event %.2f, nccl %.2f; 200 back to back: %.2f / %.2f / %.2f / %.2f\n", g,
-                  find("barrier", "meshmem", -1, g, false), find("barrier", "meshmem-flag", -1, g, false),
-                  find("barrier", "meshmem-event", -1, g, false), find("barrier", "nccl", -1, g, false),
-                  find("barrier200", "meshmem", -1, g, false), find("barrier200", "meshmem-flag", -1, g, false),
-                  find("barrier200", "meshmem-event", -1, g, false), find("barrier200", "nccl", -1, g, false));
+      for (const char* v : {"meshmem", "meshmem-flag", "meshmem-kernel", "meshmem-event", "nccl"})
+        std::printf("barrier %d ranks, %-15s idle stream: +sync %6.2f us, 200 back to back %5.2f us; behind a 20 us kernel: "
+                    "+sync %6.2f us, back to back %6.2f us (kernel alone %.2f / %.2f)\n",
+                    g, v, find("barrier", v, -1, g, false), find("barrier200", v, -1, g, false),
+                    find("barrier_busy", v, -1, g, false), find("barrier200_busy", v, -1, g, false),
+                    find("barrier_busy", "busy-work-only", -1, g, false), find("barrier200_busy", "busy-work-only", -1, g, false));
       if (nranks == 2) break;
     }
     std::printf("alloc+map 1 GiB, %d ranks: %.1f ms\n", nranks, find("alloc", "meshmem", 1ll << 30, -1, false) / 1e3);

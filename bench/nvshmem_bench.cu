@@ -14,6 +14,9 @@
 //               host-timed; latency = per iteration (max over ranks). ranks = job size.
 //   barrier200  every rank: 200 nvshmemx_barrier_all_on_stream then one cudaStreamSynchronize,
 //               host-timed; latency = total / 200 (max over ranks). ranks = job size.
+//   barrier_busy, barrier200_busy
+//               the two barrier patterns behind a 20 us kernel on the stream (bench/busy_work.cuh),
+//               as in device_bench: the barrier is met on the GPU. ranks = job size.
 //   alloc       nvshmem_malloc of 1 GiB, host-timed between an MPI_Barrier before and the return
 //               (max over ranks), 3 repeats held at once (so every repeat has to grow the symmetric
 //               heap rather than reuse a freed block), median reported. ranks = job size.
@@ -28,6 +31,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include "busy_work.cuh"
 #include "results_csv.hpp"
 
 #include <unistd.h>
@@ -55,7 +59,7 @@ constexpr std::size_t kBytesPerMeasurement = 4 * kGiB;  // large sizes: iteratio
 constexpr int kMinIters = 10;
 constexpr const char* kVariant = "nvshmem";
 
-const char* const kBenchmarks[] = {"put", "get", "put_signal", "barrier", "barrier200", "alloc"};
+const char* const kBenchmarks[] = {"put", "get", "put_signal", "barrier", "barrier200", "barrier_busy", "barrier200_busy", "alloc"};
 
 int g_rank = -1;
 
@@ -120,7 +124,8 @@ const char* const kUsage =
     "  --commit ID        recorded in the header and the CSV (default unknown)\n"
     "  --machine NAME     recorded in the header and the CSV (default unknown)\n"
     "  --date D           recorded in the CSV (default: now, UTC, YYYY-MM-DDTHH:MM:SSZ)\n"
-    "  --benchmarks A,B   subset of put,get,put_signal,barrier,barrier200,alloc (default all)\n"
+    "  --benchmarks A,B   subset of put,get,put_signal,barrier,barrier200,barrier_busy,\n"
+    "                     barrier200_busy,alloc (default all)\n"
     "  --max-size N       largest put/get size, a power of two >= 8, suffix K/M/G (default 1G)\n"
     "  --iters N          timed iterations for small sizes (default 1000)\n";
 
@@ -443,6 +448,28 @@ void bench_barrier200(Ctx& ctx) {
   ctx.add(Row{"barrier200", ctx.nranks, -1, s * 1e6 / n, -1});
 }
 
+void bench_barrier_busy(Ctx& ctx, bool burst) {
+  const int n = burst ? 200 : 100;
+  const char* name = burst ? "barrier200_busy" : "barrier_busy";
+  if (ctx.rank == 0)
+    print_table_head(name, std::to_string(ctx.nranks) + " ranks, " + std::to_string(n) +
+                               (burst ? " x { 20 us kernel; nvshmemx_barrier_all_on_stream }, then one cudaStreamSynchronize"
+                                      : " x { 20 us kernel; nvshmemx_barrier_all_on_stream; cudaStreamSynchronize }") +
+                               ", host-timed; latency = per iteration, max over ranks");
+  for (int i = 0; i < 10; ++i) nvshmemx_barrier_all_on_stream(ctx.stream);
+  CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
+  mpi_barrier();
+  const Clock::time_point t0 = Clock::now();
+  for (int i = 0; i < n; ++i) {
+    CUDA_CHECK(bench::launch_busy(ctx.stream));
+    nvshmemx_barrier_all_on_stream(ctx.stream);
+    if (!burst) CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
+  }
+  CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
+  const double s = max_over_ranks(seconds_since(t0));
+  ctx.add(Row{name, ctx.nranks, -1, s * 1e6 / n, -1});
+}
+
 // ---- alloc ----
 
 void bench_alloc(Ctx& ctx) {
@@ -646,6 +673,8 @@ int main(int argc, char** argv) {
   }
   if (ctx.wants("barrier")) bench_barrier(ctx);
   if (ctx.wants("barrier200")) bench_barrier200(ctx);
+  if (ctx.wants("barrier_busy")) bench_barrier_busy(ctx, false);
+  if (ctx.wants("barrier200_busy")) bench_barrier_busy(ctx, true);
 
   int status = 0;
   if (ctx.rank == 0 && !ctx.args.csv.empty()) {

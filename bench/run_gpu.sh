@@ -38,7 +38,7 @@ if [ -x ./bench/nvshmem_bench ]; then
   timeout 200 mpirun -np 2 $flags ./bench/nvshmem_bench --csv "$csv" --commit "$commit" --machine "$machine" --date "$date" \
     > "$out/nvshmem_bench_np2.txt" 2>&1; echo "nvshmem_bench np2 exit $?"
   if [ "$np" -gt 2 ]; then
-    timeout 200 mpirun -np "$np" $flags ./bench/nvshmem_bench --benchmarks barrier,barrier200,alloc --csv "$csv" \
+    timeout 200 mpirun -np "$np" $flags ./bench/nvshmem_bench --benchmarks barrier,barrier200,barrier_busy,barrier200_busy,alloc --csv "$csv" \
       --commit "$commit" --machine "$machine" --date "$date" > "$out/nvshmem_bench_np$np.txt" 2>&1
     echo "nvshmem_bench np$np exit $?"
   fi

@@ -65,9 +65,10 @@ class Bootstrap {
 
   // After a timeout the ranks disagree on where they are: further collectives would hang.
   void ensure_usable(const std::string& what) const;
+  // Raises Error(Timeout) with `message`; the Comm refuses collectives from then on.
+  [[noreturn]] void fail_timeout(const std::string& message);
 
  private:
-  [[noreturn]] void fail_timeout(const std::string& message);
 
   MpiComm comm_;
   int rank_ = 0;

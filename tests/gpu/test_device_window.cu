@@ -296,6 +296,54 @@ TEST_F(DeviceWindow, BarrierTenThousandRounds) {
 }
 
 namespace {
+// Waits `ns` on the GPU, then stores `value` into a peer's window: a put that lands late.
+__global__ void late_store(std::uint64_t* dst, std::uint64_t value, unsigned ns) {
+  std::uint64_t start = 0, now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ns);
+  *reinterpret_cast<volatile std::uint64_t*>(dst) = value;
+}
+}  // namespace
+
+// The barrier with some ranks' streams busy (a store into the right neighbour still waiting
+// on the GPU) and others idle (their store done and synchronised): every rank must see its
+// left neighbour's store after the barrier, whichever state either was in. Rounds where all
+// streams are idle and all are busy are included.
+TEST_F(DeviceWindow, BarrierOrdersBusyAndIdleStreams) {
+  Window win = comm->alloc(64);
+  auto* right_word = static_cast<std::uint64_t*>(win.peer((me + 1) % n));
+  ASSERT_NE(right_word, nullptr);
+  DeviceBuffer errors(sizeof(unsigned));
+  CUDA_OK(cudaMemset(errors.p, 0, sizeof(unsigned)));
+  const int left = (me + n - 1) % n;
+  std::mt19937_64 gen(seed);  // the same draws on every rank
+  comm->barrier(stream);
+  int busy_rounds = 0, idle_rounds = 0;
+  for (int i = 0; i < 600; ++i) {
+    const std::uint64_t draw = gen();
+    const int pattern = static_cast<int>(draw % 4);  // 0: all idle, 1: all busy, else mixed
+    const bool busy = pattern == 1 || (pattern >= 2 && ((draw >> 8) + me) % 2 == 0);
+    const unsigned ns = busy ? 5000 + static_cast<unsigned>((draw >> 16) % 40000) : 0;
+    late_store<<<1, 1, 0, stream>>>(right_word, (static_cast<std::uint64_t>(me) << 32) | (i + 1), ns);
+    CUDA_OK(cudaGetLastError());
+    if (!busy) CUDA_OK(cudaStreamSynchronize(stream));
+    (busy ? busy_rounds : idle_rounds)++;
+    comm->barrier(stream);
+    check_iteration<<<1, 1, 0, stream>>>(static_cast<const std::uint64_t*>(win.local()),
+                                         (static_cast<std::uint64_t>(left) << 32) | (i + 1),
+                                         static_cast<unsigned*>(errors.p));
+    comm->barrier(stream);  // nobody overwrites before the check ran
+  }
+  CUDA_OK(cudaStreamSynchronize(stream));
+  unsigned bad = 0;
+  CUDA_OK(cudaMemcpy(&bad, errors.p, sizeof(bad), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(bad, 0u) << "rounds in which a rank read its left neighbour's word before the store landed ("
+                     << busy_rounds << " busy, " << idle_rounds << " idle rounds on this rank)";
+}
+
+namespace {
 // Device API: every block writes its slice to the right neighbour and signals once.
 __global__ void ring_kernel(device::WindowView win, device::SignalsView sig, const unsigned char* src,
                             std::size_t bytes, std::uint64_t value) {

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The design studies (barrier_lab, copy_lab) in one GPU session; logs and CSV rows in OUT_DIR.
+#   bench/run_labs.sh OUT_DIR MACHINE_NAME [BUILD_DIR]
+set -uo pipefail
+out=${1:?out dir}; machine=${2:?machine name}
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${3:-$root/build-gpu}
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+ninja=$(command -v ninja || echo /opt/torch/.venv/bin/ninja)
+if [ ! -x "$build/bench/barrier_lab" ]; then
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_MAKE_PROGRAM="$ninja" -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CUDA_ARCHITECTURES=90 > "$out/configure.log" 2>&1 || { tail -40 "$out/configure.log"; exit 1; }
+  cmake --build "$build" -j "$(nproc)" --target barrier_lab copy_lab > "$out/build.log" 2>&1 ||
+    { grep -E "error|Error" "$out/build.log" | head -40; exit 1; }
+fi
+commit=${COMMIT:-$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)}
+args=(--csv "$out/labs.csv" --commit "$commit" --machine "$machine" --date "$(date -u +%F)")
+ngpu=$(nvidia-smi -L | wc -l)
+for np in 2 4; do
+  [ "$np" -le "$ngpu" ] || continue
+  for bind in none core; do
+    echo "== barrier_lab np$np bind-to $bind"
+    timeout 120 mpirun -np $np --bind-to $bind --oversubscribe "$build/bench/barrier_lab" "${args[@]}" 2>&1 | tee "$out/barrier_lab_np${np}_$bind.txt"
+  done
+done
+echo "== copy_lab"
+timeout 200 mpirun -np 2 --bind-to none "$build/bench/copy_lab" "${args[@]}" 2>&1 | tee "$out/copy_lab.txt"

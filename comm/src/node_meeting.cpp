@@ -1,0 +1,48 @@
+#include "node_meeting.hpp"
+
+#include "backoff.hpp"
+#include "bootstrap.hpp"
+#include "host_window.hpp"
+#include "topology.hpp"
+
+namespace meshmem::detail {
+
+NodeMeeting::NodeMeeting(Bootstrap& boot, FdExchange& fds, const Topology& topo, const std::string& what)
+    : boot_(boot), topo_(topo) {
+  pages_.bytes = 2 * sizeof(std::uint64_t);
+  pages_.memory = Memory::Host;
+  create_host_part(pages_, boot, what);
+  std::vector<bool> map_peer(static_cast<std::size_t>(topo.size), false);
+  for (int r : topo.node_ranks) map_peer[r] = true;
+  connect_host_peers(pages_, boot, fds, topo, map_peer, what);
+}
+
+void NodeMeeting::meet(bool note, std::vector<bool>& notes, const std::string& what) {
+  boot_.ensure_usable(what);
+  const std::uint64_t e = ++meeting_;
+  __atomic_store_n(&words(pages_.local)[e % 2], (e << 1) | (note ? 1 : 0), __ATOMIC_RELEASE);
+  notes.assign(static_cast<std::size_t>(topo_.size), false);
+  Deadline deadline(boot_.timeout());
+  Backoff backoff;
+  for (int r : topo_.node_ranks) {
+    const std::uint64_t* word = &words(pages_.peer[r])[e % 2];
+    for (;;) {
+      const std::uint64_t w = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+      if ((w >> 1) >= e) {
+        notes[r] = (w & 1) != 0;
+        break;
+      }
+      if (deadline.expired()) {
+        std::vector<int> missing;
+        for (int m : topo_.node_ranks)
+          if ((__atomic_load_n(&words(pages_.peer[m])[e % 2], __ATOMIC_ACQUIRE) >> 1) < e) missing.push_back(m);
+        boot_.fail_timeout(what + " on rank " + std::to_string(topo_.rank) + ": rank(s) " + rank_list(missing) +
+                           " did not arrive within " + describe_timeout(boot_.timeout()));
+      }
+      backoff.pause();
+    }
+    backoff.reset();
+  }
+}
+
+}  // namespace meshmem::detail
