@@ -107,12 +107,46 @@ int main(int argc, char** argv) {
         const std::size_t n = bytes / 16;
         time("ce-push", bytes, [&] { CK(cudaMemcpyAsync(remote, local, bytes, cudaMemcpyDeviceToDevice, s)); });
         time("ce-pull", bytes, [&] { CK(cudaMemcpyAsync(local, remote, bytes, cudaMemcpyDeviceToDevice, s)); });
+        // Two engines at once: halves on two streams, and copy engine + kernel side by side.
+        cudaStream_t s2;
+        cudaEvent_t fork, join;
+        CK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+        CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+        CK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+        auto split = [&](std::size_t first, auto&& second) {
+          CK(cudaEventRecord(fork, s));
+          CK(cudaStreamWaitEvent(s2, fork, 0));
+          CK(cudaMemcpyAsync(remote, local, first, cudaMemcpyDeviceToDevice, s));
+          second(first);
+          CK(cudaEventRecord(join, s2));
+          CK(cudaStreamWaitEvent(s, join, 0));
+        };
+        time("ce-push 2 streams", bytes, [&] {
+          split(bytes / 2, [&](std::size_t off) {
+            CK(cudaMemcpyAsync(static_cast<char*>(remote) + off, static_cast<char*>(local) + off, bytes - off,
+                               cudaMemcpyDeviceToDevice, s2));
+          });
+        });
+        for (int pct : {5, 10, 20, 30}) {
+          const std::size_t ce_bytes = bytes / 100 * (100 - pct) / 4096 * 4096;
+          time("ce+kernel push, kernel " + std::to_string(pct) + "%", bytes, [&] {
+            split(ce_bytes, [&](std::size_t off) {
+              copy_unrolled<4><<<static_cast<unsigned>(sms), 512, 0, s2>>>(
+                  reinterpret_cast<uint4*>(static_cast<char*>(remote) + off),
+                  reinterpret_cast<const uint4*>(static_cast<char*>(local) + off), (bytes - off) / 16);
+            });
+          });
+        }
+        CK(cudaStreamSynchronize(s2));
+        CK(cudaStreamDestroy(s2));
+        CK(cudaEventDestroy(fork));
+        CK(cudaEventDestroy(join));
         time("sliced-push (meshmem now)", bytes, [&] {
           copy_sliced<<<static_cast<unsigned>(std::min<std::size_t>(1024, (bytes + 16383) / 16384)), 512, 0, s>>>(
               static_cast<uint4*>(remote), static_cast<const uint4*>(local), n);
         });
-        for (int per_sm : {1, 2, 4, 8})
-          for (int threads : {256, 512, 1024}) {
+        for (int per_sm : {1, 4})
+          for (int threads : {512}) {
             if (per_sm * threads > 2048) continue;
             const unsigned grid = static_cast<unsigned>(sms * per_sm);
             auto* d = static_cast<uint4*>(remote);

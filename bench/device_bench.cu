@@ -4,6 +4,7 @@
 // rank 1 for the pairwise figures; barriers with 2 ranks and with every rank of the job.
 // Prints OSU-style tables; --csv appends rows in the bench/results format.
 //   mpirun -np 4 device_bench [--csv FILE] [--commit C] [--machine M] [--date D] [--quick]
+//                             [--only put,put_signal,barrier,alloc]
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <mpi.h>
@@ -230,6 +231,7 @@ int main(int argc, char** argv) {
   MPI_Comm_size(MPI_COMM_WORLD, &nranks);
   std::string csv, commit = "unknown", machine = "unknown", date = bench::utc_now().substr(0, 10);
   bool quick = false;
+  std::string only;  // comma-separated sections; empty: all
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
@@ -238,7 +240,9 @@ int main(int argc, char** argv) {
     else if (a == "--machine") machine = next();
     else if (a == "--date") date = next();
     else if (a == "--quick") quick = true;
+    else if (a == "--only") only = "," + next() + ",";
   }
+  auto wants = [&](const char* section) { return only.empty() || only.find("," + std::string(section) + ",") != std::string::npos; };
   if (nranks < 2) {
     if (g_rank == 0) std::fprintf(stderr, "device_bench needs at least 2 ranks\n");
     MPI_Finalize();
@@ -271,7 +275,7 @@ int main(int argc, char** argv) {
                 machine.c_str(), commit.c_str(), date.c_str());
   }
 
-  {
+  if (wants("put")) {
     // ---- put / get bandwidth and latency ----
     meshmem::Comm comm(MPI_COMM_WORLD);
     meshmem::Comm comm_ce(MPI_COMM_WORLD, with([](meshmem::Options& o) { o.sm_copy_max = 0; }));
@@ -362,7 +366,7 @@ int main(int argc, char** argv) {
     CK(cudaFree(src));
   }
 
-  {
+  if (wants("put_signal")) {
     // ---- put_signal one-way latency: ping-pong / 2, all on the GPU ----
     void* src = nullptr;
     CK(cudaMalloc(&src, 1 << 20));
@@ -433,6 +437,7 @@ int main(int argc, char** argv) {
   // Busy stream: the same behind a 20 us kernel, so the barrier must be met on the GPU;
   // "busy-work-only" is that kernel alone, the floor of the busy rows.
   for (int group : {2, nranks}) {
+    if (!wants("barrier")) break;
     MPI_Comm gc;
     MK(MPI_Comm_split(MPI_COMM_WORLD, g_rank < group ? 0 : 1, g_rank, &gc));
     const bool in = g_rank < group;
@@ -483,7 +488,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- alloc + map of 1 GiB, every rank ----
-  {
+  if (wants("alloc")) {
     meshmem::Comm comm(MPI_COMM_WORLD);
     std::vector<double> times;
     for (int rep = 0; rep < (quick ? 2 : 5); ++rep) {
@@ -493,6 +498,11 @@ int main(int argc, char** argv) {
       double mine = (MPI_Wtime() - t0) * 1e6, worst = 0;
       MK(MPI_Reduce(&mine, &worst, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD));
       times.push_back(worst);
+    }
+    if (g_rank == 0) {
+      std::printf("# alloc+map 1 GiB, each repeat (ms):");
+      for (double t : times) std::printf(" %.1f", t / 1e3);
+      std::printf("\n");
     }
     std::sort(times.begin(), times.end());
     record("alloc", "meshmem", nranks, 1ll << 30, times[times.size() / 2], -1);

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -98,8 +99,9 @@ class CudaDeviceBackend final : public DeviceBackend {
   static constexpr int kEventRing = 4;
   std::vector<ipc::IpcEvent> events_;                     // MESHMEM_BARRIER=event
   std::vector<std::vector<ipc::PeerEvent>> peer_events_;  // [slot][rank]
-  std::unique_ptr<NodeMeeting> meeting_;                  // event: the host meeting
-  std::vector<bool> peer_busy_;                           // event: whose stream had work
+  bool meet_first_ = false;                               // auto, event: host meeting first
+  std::unique_ptr<NodeMeeting> meeting_;
+  std::vector<bool> peer_busy_;                           // at the last meeting: whose stream had work
   bool warned_host_barrier_ = false;
 };
 
@@ -137,15 +139,21 @@ CudaDeviceBackend::CudaDeviceBackend(const DeviceContext& ctx, int device)
   for (int r : ctx_.topo.node_ranks)
     shared = shared || (r != ctx_.topo.rank && std::strncmp(all[r].text, mine.text, sizeof(mine.text)) == 0);
   shared_gpu_ = shared;
+  const bool any_shared = ctx_.boot.allreduce_max(shared ? 1 : 0, what) != 0;
+  // auto: a host meeting first, where idle streams need nothing more (measured 3.6 us for
+  // barrier + sync against 12 us for any barrier the GPU takes part in, on 4 x H200), then,
+  // if any stream has work, the kernel barrier (fastest behind work), or stream memory
+  // operations where ranks share a GPU (a polling kernel would hold a time-sliced GPU from
+  // the very ranks it waits for).
   barrier_kind_ = ctx_.options.barrier;
-  // IPC events with a host meeting: the fastest measured on 4 x H200 in every pattern
-  // (bench/results), and with no polling kernel it suits shared GPUs as well.
-  if (barrier_kind_ == Options::Barrier::Auto) barrier_kind_ = Options::Barrier::Event;
+  meet_first_ = barrier_kind_ == Options::Barrier::Auto || barrier_kind_ == Options::Barrier::Event;
+  if (barrier_kind_ == Options::Barrier::Auto) barrier_kind_ = any_shared ? Options::Barrier::Flag : Options::Barrier::Kernel;
   wait_kind_ = ctx_.options.stream_wait;
   if (wait_kind_ == Options::StreamWait::Auto) wait_kind_ = shared ? Options::StreamWait::Memop : Options::StreamWait::Kernel;
   probe_peers();
   setup_barrier();
   description_ += std::string(", barrier ") +
+                  (meet_first_ && barrier_kind_ != Options::Barrier::Event ? "host meeting, then " : "") +
                   (barrier_kind_ == Options::Barrier::Flag ? "flag" : barrier_kind_ == Options::Barrier::Kernel ? "kernel" : "event") +
                   ", stream waits " + (wait_kind_ == Options::StreamWait::Kernel ? "kernel" : "memop") +
                   (shared_gpu_ ? " (GPU shared with other ranks)" : "");
@@ -193,6 +201,7 @@ void CudaDeviceBackend::setup_barrier() {
     log(LogLevel::Info, "barrier(stream): ranks span nodes or unmapped GPUs; the host waits for the stream, then meets the other ranks");
     return;
   }
+  if (meet_first_) meeting_ = std::make_unique<NodeMeeting>(ctx_.boot, ctx_.fds, topo, what);
   if (barrier_kind_ != Options::Barrier::Event) {
     flags_.bytes = static_cast<std::size_t>(topo.size) * sizeof(std::uint64_t);
     flags_.memory = Memory::Device;
@@ -219,7 +228,6 @@ void CudaDeviceBackend::setup_barrier() {
     }
     return;
   }
-  meeting_ = std::make_unique<NodeMeeting>(ctx_.boot, ctx_.fds, topo, what);
   std::vector<cudaIpcEventHandle_t> mine(kEventRing);
   agreed_step(ctx_.boot, what, [&] {
     for (int k = 0; k < kEventRing; ++k) {
@@ -241,16 +249,32 @@ void CudaDeviceBackend::setup_barrier() {
 void CudaDeviceBackend::create_window(WindowState& state, const std::string& what) {
   const Topology& topo = ctx_.topo;
   const std::size_t bytes = ipc::vmm_round(state.bytes, granularity_);
+  // Where the time of an alloc goes, at MESHMEM_LOG_LEVEL=debug.
+  const bool timed = log_enabled(LogLevel::Debug);
+  auto t0 = std::chrono::steady_clock::now();
+  std::string phases;
+  auto phase = [&](const char* name) {
+    if (!timed) return;
+    const auto now = std::chrono::steady_clock::now();
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), " %s %.2f ms", name, std::chrono::duration<double, std::milli>(now - t0).count());
+    phases += buf;
+    t0 = now;
+  };
   auto memory = std::make_unique<DeviceWindowMemory>();
   ipc::UniqueFd fd;
   agreed_step(ctx_.boot, what, [&] {
     memory->mine = ipc::VmmAllocation::create(bytes, device_);
+    phase("create+map");
     // Zeroed (signals start at 0) and complete before any peer can write into it.
     ipc::check_cuda(cudaMemsetAsync(memory->mine.data(), 0, bytes, setup_stream_.get()), "cudaMemsetAsync", what);
     ipc::check_cuda(cudaStreamSynchronize(setup_stream_.get()), "cudaStreamSynchronize", what);
+    phase("zero");
     fd = memory->mine.export_fd();
   });
+  phase("export+agree");
   std::vector<ipc::UniqueFd> received = ctx_.fds.exchange(fd.get(), what);
+  phase("fd-exchange");
   state.local = memory->mine.data();
   state.peer.assign(static_cast<std::size_t>(topo.size), nullptr);
   state.peer[topo.rank] = state.local;
@@ -261,12 +285,15 @@ void CudaDeviceBackend::create_window(WindowState& state, const std::string& wha
       memory->peers[r] = ipc::PeerMapping::import(received[r].get(), bytes, device_);
       state.peer[r] = memory->peers[r].data();
     }
+    phase("import+map-peers");
     void* table = nullptr;
     const std::size_t table_bytes = state.peer.size() * sizeof(void*);
     ipc::check_cuda(cudaMalloc(&table, table_bytes), "cudaMalloc", what);
     memory->table.reset(table);
     ipc::check_cuda(cudaMemcpy(table, state.peer.data(), table_bytes, cudaMemcpyHostToDevice), "cudaMemcpy", what);
   });
+  phase("table+agree");
+  if (timed) log(LogLevel::Debug, what + ": " + std::to_string(bytes) + " bytes:" + phases);
   state.device_peer_table = memory->table.get();
   state.storage = std::move(memory);
 }
@@ -309,6 +336,34 @@ void CudaDeviceBackend::barrier(Stream stream) {
   }
   ++epoch_;
   if (topo.size == 1) return;
+  const std::string what = where("comm.barrier(stream)");
+  const int slot = static_cast<int>(epoch_ % kEventRing);
+  if (meet_first_) {
+    // A rank whose stream is idle has its earlier work complete: the meeting itself orders
+    // that work before every peer's later work. Only the work of busy streams needs the GPU.
+    const cudaError_t idle = cudaStreamQuery(stream);
+    if (idle == cudaErrorNotReady) {
+      if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();  // not an error
+    } else if (idle != cudaSuccess) {
+      ipc::check_cuda(idle, "cudaStreamQuery", what);
+    }
+    const bool busy = idle == cudaErrorNotReady;
+    // Events are recorded before the meeting, so that no peer can wait on this slot
+    // before it marks this barrier. The ring: a peer cannot re-record slot k before this
+    // rank has issued its waits on it (that needs this rank at a later meeting).
+    if (busy && barrier_kind_ == Options::Barrier::Event)
+      ipc::check_cuda(cudaEventRecord(events_[slot].get(), stream), "cudaEventRecord", what);
+    meeting_->meet(busy, peer_busy_, "comm.barrier(stream)");
+    if (barrier_kind_ == Options::Barrier::Event) {
+      for (int r : topo.node_ranks)
+        if (r != topo.rank && peer_busy_[r])
+          ipc::check_cuda(cudaStreamWaitEvent(stream, peer_events_[slot][r].get(), 0), "cudaStreamWaitEvent", what);
+      return;
+    }
+    // Every rank saw the same notes: either all skip the GPU part or all take part (the
+    // flags of ranks that skip it fall behind; waits compare with >=, so nothing is reset).
+    if (std::none_of(topo.node_ranks.begin(), topo.node_ranks.end(), [&](int r) { return peer_busy_[r]; })) return;
+  }
   switch (barrier_kind_) {
     case Options::Barrier::Flag: {
       for (auto& op : barrier_ops_) op.writeValue.value64 = epoch_;  // waitValue.value64 aliases it
@@ -316,7 +371,7 @@ void CudaDeviceBackend::barrier(Stream stream) {
       for (std::size_t i = 0; i < barrier_ops_.size(); i += 256) {
         const unsigned count = static_cast<unsigned>(std::min<std::size_t>(256, barrier_ops_.size() - i));
         const CUresult rc = ipc::cuda_driver().cuStreamBatchMemOp(stream, count, barrier_ops_.data() + i, 0);
-        if (rc != CUDA_SUCCESS) ipc::check_cu(rc, "cuStreamBatchMemOp", where("comm.barrier(stream)"));
+        if (rc != CUDA_SUCCESS) ipc::check_cu(rc, "cuStreamBatchMemOp", what);
       }
       return;
     }
@@ -324,32 +379,11 @@ void CudaDeviceBackend::barrier(Stream stream) {
     case Options::Barrier::Kernel: {
       const cudaError_t rc = cuda::launch_barrier(static_cast<std::uint64_t* const*>(flags_.device_peer_table),
                                                   static_cast<std::uint64_t*>(flags_.local), topo.rank, topo.size, epoch_, stream);
-      if (rc != cudaSuccess) ipc::check_cuda(rc, "barrier kernel launch", where("comm.barrier(stream)"));
+      if (rc != cudaSuccess) ipc::check_cuda(rc, "barrier kernel launch", what);
       return;
     }
-    case Options::Barrier::Event: {
-      // A rank's earlier stream work is either complete already (cudaStreamQuery: then
-      // the host meeting itself orders it before every peer's later work) or marked by an
-      // event of the ring. At the meeting each rank says which; the others wait for the
-      // events of the busy ones only, so a barrier among idle streams enqueues nothing.
-      // The ring: a peer cannot re-record slot k before this rank has issued its waits
-      // on it (that needs this rank at a later meeting).
-      const std::string what = where("comm.barrier(stream)");
-      const cudaError_t idle = cudaStreamQuery(stream);
-      if (idle == cudaErrorNotReady) {
-        if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();  // not an error
-      } else if (idle != cudaSuccess) {
-        ipc::check_cuda(idle, "cudaStreamQuery", what);
-      }
-      const bool busy = idle == cudaErrorNotReady;
-      const int slot = static_cast<int>(epoch_ % kEventRing);
-      if (busy) ipc::check_cuda(cudaEventRecord(events_[slot].get(), stream), "cudaEventRecord", what);
-      meeting_->meet(busy, peer_busy_, "comm.barrier(stream)");
-      for (int r : topo.node_ranks)
-        if (r != topo.rank && peer_busy_[r])
-          ipc::check_cuda(cudaStreamWaitEvent(stream, peer_events_[slot][r].get(), 0), "cudaStreamWaitEvent", what);
+    case Options::Barrier::Event:  // met above: events always come with a meeting
       return;
-    }
   }
 }
 
