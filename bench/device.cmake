@@ -26,3 +26,8 @@ if(MESHMEM_HAVE_CUDA)
   add_executable(copy_lab copy_lab.cu)
   target_link_libraries(copy_lab PRIVATE meshmem::meshmem)
 endif()
+# alloc_lab: where the time of mapping peers' 1 GiB allocations goes, call by call.
+if(MESHMEM_HAVE_CUDA)
+  add_executable(alloc_lab alloc_lab.cu)
+  target_link_libraries(alloc_lab PRIVATE meshmem::meshmem)
+endif()

@@ -45,9 +45,11 @@ struct Options {
   // copies and then signals; larger ones are a copy-engine copy followed by a stream write.
   std::size_t fused_signal_max = 8192;
   // MESHMEM_BARRIER: how barrier(stream) synchronises the ranks of a node: flag words
-  // through stream memory operations, a one-block kernel polling the same flags, or IPC
-  // events. Auto: kernel where no two ranks of a node share a GPU (a polling kernel would
-  // hold a time-sliced GPU from the ranks it waits for), flag otherwise.
+  // through stream memory operations, a one-block kernel polling the same flags (neither
+  // involves the host), or IPC events after a host meeting. Auto: a host meeting through
+  // shared memory, where ranks whose stream is idle need nothing more; if any stream has
+  // work, the kernel barrier, or flag where two ranks of a node share a GPU (a polling
+  // kernel would hold a time-sliced GPU from the ranks it waits for).
   enum class Barrier { Auto, Flag, Kernel, Event } barrier = Barrier::Auto;
   // MESHMEM_STREAM_WAIT: how wait_until(stream) waits: stream memory operations (the GPU's
   // front end polls, no SM is held) or a one-thread polling kernel (lower latency). Auto:
