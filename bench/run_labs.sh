@@ -9,10 +9,10 @@ build=${3:-$root/build-gpu}
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 ninja=$(command -v ninja || echo /opt/torch/.venv/bin/ninja)
-if [ ! -x "$build/bench/barrier_lab" ]; then
+if [ ! -x "$build/bench/alloc_lab" ]; then
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_MAKE_PROGRAM="$ninja" -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_CUDA_ARCHITECTURES=90 > "$out/configure.log" 2>&1 || { tail -40 "$out/configure.log"; exit 1; }
-  cmake --build "$build" -j "$(nproc)" --target barrier_lab copy_lab > "$out/build.log" 2>&1 ||
+  cmake --build "$build" -j "$(nproc)" --target barrier_lab copy_lab alloc_lab > "$out/build.log" 2>&1 ||
     { grep -E "error|Error" "$out/build.log" | head -40; exit 1; }
 fi
 commit=${COMMIT:-$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)}
