@@ -6,6 +6,9 @@
 #include <cuda_runtime_api.h>
 #include <dirent.h>
 
+#include <chrono>
+#include <cstring>
+
 #include <meshmem/device/device.cuh>
 #include <meshmem/meshmem.hpp>
 
@@ -341,6 +344,68 @@ TEST_F(DeviceWindow, BarrierOrdersBusyAndIdleStreams) {
   CUDA_OK(cudaMemcpy(&bad, errors.p, sizeof(bad), cudaMemcpyDeviceToHost));
   EXPECT_EQ(bad, 0u) << "rounds in which a rank read its left neighbour's word before the store landed ("
                      << busy_rounds << " busy, " << idle_rounds << " idle rounds on this rank)";
+}
+
+// Across (simulated) nodes the barrier goes through a proxy thread: the host must not wait
+// for the GPU, and every rank must see its left neighbour's late store after the barrier.
+// The stores go through host memory that all ranks of the machine share (an MPI shared
+// window registered with CUDA), since device windows do not span nodes.
+TEST_F(DeviceWindow, BarrierAcrossNodesOrdersAndDoesNotBlockHost) {
+  if (comm->node_count() == 1) GTEST_SKIP() << "needs ranks on several (real or simulated) nodes";
+  MPI_Comm machine;
+  ASSERT_EQ(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &machine), MPI_SUCCESS);
+  int machine_size = 0;
+  MPI_Comm_size(machine, &machine_size);
+  if (machine_size != n) {
+    MPI_Comm_free(&machine);
+    GTEST_SKIP() << "needs every rank on this machine (the check goes through shared host memory)";
+  }
+  MPI_Win win;
+  std::uint64_t* base = nullptr;
+  const MPI_Aint bytes = me == 0 ? 4096 : 0;
+  ASSERT_EQ(MPI_Win_allocate_shared(bytes, 8, MPI_INFO_NULL, machine, &base, &win), MPI_SUCCESS);
+  MPI_Aint got = 0;
+  int unit = 0;
+  ASSERT_EQ(MPI_Win_shared_query(win, 0, &got, &unit, &base), MPI_SUCCESS);
+  if (me == 0) std::memset(base, 0, 4096);
+  MPI_Barrier(machine);
+  CUDA_OK(cudaHostRegister(base, 4096, cudaHostRegisterMapped | cudaHostRegisterPortable));
+  std::uint64_t* slots = nullptr;
+  CUDA_OK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&slots), base, 0));
+  DeviceBuffer errors(sizeof(unsigned));
+  CUDA_OK(cudaMemset(errors.p, 0, sizeof(unsigned)));
+  const int left = (me + n - 1) % n, right = (me + 1) % n;
+  comm->barrier(stream);
+
+  // The host does not wait: behind 200 ms of GPU work, barrier(stream) returns at once.
+  late_store<<<1, 1, 0, stream>>>(slots + 64, 0, 200u * 1000u * 1000u);
+  const auto t0 = std::chrono::steady_clock::now();
+  comm->barrier(stream);
+  const double host_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(host_ms, 50.0) << "barrier(stream) across nodes blocked the host behind 200 ms of GPU work";
+  CUDA_OK(cudaStreamSynchronize(stream));
+
+  std::mt19937_64 gen(seed);
+  for (int i = 0; i < 300; ++i) {
+    const std::uint64_t draw = gen();
+    const int pattern = static_cast<int>(draw % 4);  // 0: all idle, 1: all busy, else mixed
+    const bool busy = pattern == 1 || (pattern >= 2 && ((draw >> 8) + me) % 2 == 0);
+    const unsigned ns = busy ? 5000 + static_cast<unsigned>((draw >> 16) % 40000) : 0;
+    late_store<<<1, 1, 0, stream>>>(slots + right, (static_cast<std::uint64_t>(me) << 32) | (i + 1), ns);
+    CUDA_OK(cudaGetLastError());
+    if (!busy) CUDA_OK(cudaStreamSynchronize(stream));
+    comm->barrier(stream);
+    check_iteration<<<1, 1, 0, stream>>>(slots + me, (static_cast<std::uint64_t>(left) << 32) | (i + 1),
+                                         static_cast<unsigned*>(errors.p));
+    comm->barrier(stream);
+  }
+  CUDA_OK(cudaStreamSynchronize(stream));
+  unsigned bad = 0;
+  CUDA_OK(cudaMemcpy(&bad, errors.p, sizeof(bad), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(bad, 0u) << "rounds in which a rank read its left neighbour's word before the store landed";
+  CUDA_OK(cudaHostUnregister(base));
+  MPI_Win_free(&win);
+  MPI_Comm_free(&machine);
 }
 
 namespace {

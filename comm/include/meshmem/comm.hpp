@@ -128,8 +128,9 @@ class Comm {
   // barrier and their earlier puts are complete. The host never waits for the GPU; with
   // MESHMEM_BARRIER=auto or event (auto is the default) it returns once every rank of the
   // node has called barrier(stream) (a host meeting, as in MPI_Barrier), and enqueues no
-  // GPU work at all when every rank's stream was idle. Where no GPU part runs (host
-  // windows only), the same as barrier().
+  // GPU work at all when every rank's stream was idle. Across nodes a proxy thread meets
+  // the ranks once the stream reached the barrier; the stream waits, the host does not.
+  // Where no GPU part runs (host windows only), the same as barrier().
   void barrier(Stream stream);
   // Host barrier: quiet + every rank has arrived; the host waits. Device puts issued on
   // streams are not covered (synchronise the stream first, or use barrier(stream)).

@@ -15,6 +15,7 @@
 #include "../node_meeting.hpp"
 #include "../topology.hpp"
 #include "kernels.hpp"
+#include "stream_barrier_proxy.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
 #include "meshmem/ipc/ipc_event.hpp"
 #include "meshmem/ipc/vmm.hpp"
@@ -102,7 +103,7 @@ class CudaDeviceBackend final : public DeviceBackend {
   bool meet_first_ = false;                               // auto, event: host meeting first
   std::unique_ptr<NodeMeeting> meeting_;
   std::vector<bool> peer_busy_;                           // at the last meeting: whose stream had work
-  bool warned_host_barrier_ = false;
+  std::unique_ptr<StreamBarrierProxy> proxy_;  // ranks span nodes or unmapped GPUs
 };
 
 CudaDeviceBackend::CudaDeviceBackend(const DeviceContext& ctx, int device)
@@ -152,9 +153,12 @@ CudaDeviceBackend::CudaDeviceBackend(const DeviceContext& ctx, int device)
   if (wait_kind_ == Options::StreamWait::Auto) wait_kind_ = shared ? Options::StreamWait::Memop : Options::StreamWait::Kernel;
   probe_peers();
   setup_barrier();
+  const std::string node_kind = std::string(meet_first_ && barrier_kind_ != Options::Barrier::Event ? "host meeting, then " : "") +
+                                (barrier_kind_ == Options::Barrier::Flag     ? "flag"
+                                 : barrier_kind_ == Options::Barrier::Kernel ? "kernel"
+                                                                             : "event");
   description_ += std::string(", barrier ") +
-                  (meet_first_ && barrier_kind_ != Options::Barrier::Event ? "host meeting, then " : "") +
-                  (barrier_kind_ == Options::Barrier::Flag ? "flag" : barrier_kind_ == Options::Barrier::Kernel ? "kernel" : "event") +
+                  (node_barrier_ ? node_kind : "through a proxy thread over MPI (ranks span nodes or unmapped GPUs)") +
                   ", stream waits " + (wait_kind_ == Options::StreamWait::Kernel ? "kernel" : "memop") +
                   (shared_gpu_ ? " (GPU shared with other ranks)" : "");
 }
@@ -198,7 +202,9 @@ void CudaDeviceBackend::setup_barrier() {
   for (const auto& why : no_route_) all_mapped = all_mapped && why.empty();
   node_barrier_ = ctx_.boot.allreduce_max(all_mapped ? 0 : 1, what) == 0;
   if (!node_barrier_) {
-    log(LogLevel::Info, "barrier(stream): ranks span nodes or unmapped GPUs; the host waits for the stream, then meets the other ranks");
+    log(LogLevel::Info, "barrier(stream): ranks span nodes or unmapped GPUs; a proxy thread meets them over MPI "
+                        "once the stream reaches the barrier");
+    proxy_ = std::make_unique<StreamBarrierProxy>(ctx_.boot.comm(), ctx_.boot.timeout(), what);
     return;
   }
   if (meet_first_) meeting_ = std::make_unique<NodeMeeting>(ctx_.boot, ctx_.fds, topo, what);
@@ -327,11 +333,7 @@ void CudaDeviceBackend::wait_until(const WindowState& sig, std::size_t index, Cm
 void CudaDeviceBackend::barrier(Stream stream) {
   const Topology& topo = ctx_.topo;
   if (!node_barrier_) {
-    if (!warned_host_barrier_)
-      log(LogLevel::Info, where("comm.barrier(stream)") + ": ranks span nodes or unmapped GPUs; the host waits for the stream, then meets the others");
-    warned_host_barrier_ = true;
-    ipc::check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize", where("comm.barrier(stream)"));
-    ctx_.boot.arrive("comm.barrier(stream)");
+    proxy_->enqueue(stream, where("comm.barrier(stream)"));
     return;
   }
   ++epoch_;
