@@ -197,8 +197,9 @@ std::vector<std::string> Options::describe() const {
       "MESHMEM_FUSED_SIGNAL_MAX=" + std::to_string(fused_signal_max) +
           " (device put_signal up to this size: one copy+signal kernel)",
       std::string("MESHMEM_BARRIER=") + barrier_text(barrier) +
-          " (barrier(stream): flag = stream memory operations, kernel = one-block polling kernel, event = IPC events; "
-      "auto = kernel unless ranks share a GPU)",
+          " (barrier(stream) on one node: flag = stream memory operations, kernel = one-block polling kernel, "
+          "event = host meeting + IPC events of busy streams; auto = host meeting, then nothing if every stream is "
+          "idle, else kernel (flag where ranks share a GPU))",
       std::string("MESHMEM_STREAM_WAIT=") + wait_text(stream_wait) +
           " (wait_until(stream): memop = stream wait operation, kernel = polling kernel; auto = kernel unless ranks share the GPU)",
       std::string("MESHMEM_LOG_LEVEL=") + to_string(log_level) + " (error, warn, info, debug)",

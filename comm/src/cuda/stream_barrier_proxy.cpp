@@ -1,5 +1,6 @@
 #include "stream_barrier_proxy.hpp"
 
+#include "../backoff.hpp"
 #include "../log.hpp"
 #include "meshmem/error.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
@@ -51,8 +52,18 @@ void CUDART_CB StreamBarrierProxy::reached(void* arrival) {
 
 void StreamBarrierProxy::serve() {
   std::unique_lock<std::mutex> lock(mutex_);
+  auto ready = [&] { return stop_ || (!pending_.empty() && pending_.front().reached); };
   for (;;) {
-    wake_.wait(lock, [&] { return stop_ || (!pending_.empty() && pending_.front().reached); });
+    // Barriers come in bursts: poll for a while (a condition variable's wake-up costs
+    // microseconds on every barrier), then sleep until a host function wakes us.
+    Backoff backoff;
+    const auto poll_until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+    while (!ready() && std::chrono::steady_clock::now() < poll_until) {
+      lock.unlock();
+      backoff.pause();
+      lock.lock();
+    }
+    wake_.wait(lock, ready);
     if (pending_.empty() || !pending_.front().reached) return;  // stopping
     const std::uint64_t number = pending_.front().number;
     lock.unlock();
