@@ -76,6 +76,14 @@ void upload(void* dev, const void* host, std::size_t bytes) {
   cudaDeviceSynchronize();
 }
 
+// The same for cudaMemset (asynchronous for device memory, on the legacy stream): a window
+// poisoned this way could otherwise be overwritten after a peer's put landed, since a
+// barrier(stream) orders only `stream` (and enqueues nothing at all when streams are idle).
+cudaError_t fill_now(void* dev, int byte, std::size_t bytes) {
+  const cudaError_t rc = cudaMemset(dev, byte, bytes);
+  return rc != cudaSuccess ? rc : cudaDeviceSynchronize();
+}
+
 std::vector<unsigned char> to_host(const void* dev, std::size_t bytes) {
   std::vector<unsigned char> h(bytes);
   cudaMemcpy(h.data(), dev, bytes, cudaMemcpyDeviceToHost);
@@ -281,7 +289,7 @@ TEST_F(DeviceWindow, BarrierTenThousandRounds) {
   for (int i = 0; i < 10000; ++i) host[i] = (static_cast<std::uint64_t>(me) << 32) | static_cast<std::uint64_t>(i + 1);
   upload(values.p, host.data(), values.bytes);
   DeviceBuffer errors(sizeof(unsigned));
-  CUDA_OK(cudaMemset(errors.p, 0, sizeof(unsigned)));
+  CUDA_OK(fill_now(errors.p, 0, sizeof(unsigned)));
   const int left = (me + n - 1) % n;
   comm->barrier(stream);
   for (int i = 0; i < 10000; ++i) {
@@ -319,7 +327,7 @@ TEST_F(DeviceWindow, BarrierOrdersBusyAndIdleStreams) {
   auto* right_word = static_cast<std::uint64_t*>(win.peer((me + 1) % n));
   ASSERT_NE(right_word, nullptr);
   DeviceBuffer errors(sizeof(unsigned));
-  CUDA_OK(cudaMemset(errors.p, 0, sizeof(unsigned)));
+  CUDA_OK(fill_now(errors.p, 0, sizeof(unsigned)));
   const int left = (me + n - 1) % n;
   std::mt19937_64 gen(seed);  // the same draws on every rank
   comm->barrier(stream);
@@ -373,7 +381,7 @@ TEST_F(DeviceWindow, BarrierAcrossNodesOrdersAndDoesNotBlockHost) {
   std::uint64_t* slots = nullptr;
   CUDA_OK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&slots), base, 0));
   DeviceBuffer errors(sizeof(unsigned));
-  CUDA_OK(cudaMemset(errors.p, 0, sizeof(unsigned)));
+  CUDA_OK(fill_now(errors.p, 0, sizeof(unsigned)));
   const int left = (me + n - 1) % n, right = (me + 1) % n;
   comm->barrier(stream);
 
@@ -432,7 +440,7 @@ TEST_F(DeviceWindow, KernelsWriteIntoPeersThroughDeviceApi) {
   auto data = pattern(seed, key(bytes, me, right, 3), bytes);
   DeviceBuffer src(bytes);
   upload(src.p, data.data(), bytes);
-  CUDA_OK(cudaMemset(win.local(), kPoison, bytes));
+  CUDA_OK(fill_now(win.local(), kPoison, bytes));
   comm->barrier(stream);
   ring_kernel<<<blocks, 256, 0, stream>>>(win.view(), sig.view(), static_cast<unsigned char*>(src.p), bytes, 1);
   wait_kernel<<<1, 32, 0, stream>>>(sig.view(), blocks);  // one Add per block
