@@ -19,19 +19,10 @@
 #include <thread>
 #include <vector>
 
+#include "bench_check.hpp"
+
 namespace {
 
-int g_rank = 0;
-
-#define CU(call)                                                                                          \
-  do {                                                                                                    \
-    CUresult rc_ = (call);                                                                                \
-    if (rc_ != CUDA_SUCCESS) {                                                                            \
-      std::fprintf(stderr, "rank %d: %s failed: CUresult %d (%s:%d)\n", g_rank, #call, (int)rc_, __FILE__, \
-                   __LINE__);                                                                             \
-      MPI_Abort(MPI_COMM_WORLD, 1);                                                                       \
-    }                                                                                                     \
-  } while (0)
 
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
@@ -54,8 +45,9 @@ CUmemAccessDesc access_for(int device) {
 int main(int argc, char** argv) {
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
-  int size = 0;
+  int size = 0, g_rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+  bench::check_rank() = g_rank;
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   {
     const int device = meshmem::select_local_device(MPI_COMM_WORLD);
@@ -70,6 +62,13 @@ int main(int argc, char** argv) {
     std::vector<Peer> all(size);
     MPI_Allgather(&me, sizeof(Peer), MPI_BYTE, all.data(), sizeof(Peer), MPI_BYTE, MPI_COMM_WORLD);
     const CUmemAccessDesc access = access_for(device);
+    auto import_handle = [&](int r) {
+      meshmem::ipc::UniqueFd pfd = meshmem::ipc::fetch_fd(all[r].pid, all[r].fd);
+      CUmemGenericAllocationHandle h = 0;
+      CU(d.cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<std::intptr_t>(pfd.get())),
+                                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+      return h;
+    };
 
     // 1. One peer after another, call by call.
     double t_fetch = 0, t_import = 0, t_reserve = 0, t_map = 0, t_access = 0, t_unmap = 0;
@@ -145,10 +144,7 @@ int main(int argc, char** argv) {
     int k = 0;
     for (int r = 0; r < size; ++r) {
       if (r == g_rank) continue;
-      meshmem::ipc::UniqueFd pfd = meshmem::ipc::fetch_fd(all[r].pid, all[r].fd);
-      CUmemGenericAllocationHandle h = 0;
-      CU(d.cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<std::intptr_t>(pfd.get())),
-                                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+      const CUmemGenericAllocationHandle h = import_handle(r);
       CU(d.cuMemMap(base + bytes * k++, bytes, 0, h, 0));
       CU(d.cuMemRelease(h));
     }
@@ -165,10 +161,7 @@ int main(int argc, char** argv) {
       std::vector<CUdeviceptr> ps;
       for (int r = 0; r < size; ++r) {
         if (r == g_rank) continue;
-        meshmem::ipc::UniqueFd pfd = meshmem::ipc::fetch_fd(all[r].pid, all[r].fd);
-        CUmemGenericAllocationHandle h = 0;
-        CU(d.cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<std::intptr_t>(pfd.get())),
-                                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+        const CUmemGenericAllocationHandle h = import_handle(r);
         CUdeviceptr p = 0;
         CU(d.cuMemAddressReserve(&p, bytes, alignment, 0, 0));
         CU(d.cuMemMap(p, bytes, 0, h, 0));

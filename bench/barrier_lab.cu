@@ -21,45 +21,18 @@
 #include <string>
 #include <vector>
 
+#include "bench_check.hpp"
 #include "results_csv.hpp"
 
 namespace {
 
-int g_rank = 0;
-
-#define CK(call)                                                                                          \
-  do {                                                                                                    \
-    cudaError_t rc_ = (call);                                                                             \
-    if (rc_ != cudaSuccess) {                                                                             \
-      std::fprintf(stderr, "rank %d: %s failed: %s (%s:%d)\n", g_rank, #call, cudaGetErrorString(rc_),      \
-                   __FILE__, __LINE__);                                                                   \
-      MPI_Abort(MPI_COMM_WORLD, 1);                                                                       \
-    }                                                                                                     \
-  } while (0)
-#define CU(call)                                                                                          \
-  do {                                                                                                    \
-    CUresult rc_ = (call);                                                                                \
-    if (rc_ != CUDA_SUCCESS) {                                                                            \
-      std::fprintf(stderr, "rank %d: %s failed: CUresult %d (%s:%d)\n", g_rank, #call, (int)rc_, __FILE__, \
-                   __LINE__);                                                                             \
-      MPI_Abort(MPI_COMM_WORLD, 1);                                                                       \
-    }                                                                                                     \
-  } while (0)
-#define MK(call)                                                                           \
-  do {                                                                                     \
-    int rc_ = (call);                                                                      \
-    if (rc_ != MPI_SUCCESS) {                                                              \
-      std::fprintf(stderr, "rank %d: %s failed: MPI error %d\n", g_rank, #call, rc_);      \
-      MPI_Abort(MPI_COMM_WORLD, 1);                                                        \
-    }                                                                                      \
-  } while (0)
 
 using Word = cuda::atomic_ref<std::uint64_t, cuda::thread_scope_system>;
 
 __global__ void empty_kernel() {}
 
 // meshmem's kernel barrier as it stands: a system fence, a release store, acquire polls.
-__global__ void barrier_fence(std::uint64_t* const* peer, std::uint64_t* mine, int rank, int size, std::uint64_t e) {
+__device__ void fence_store_poll(std::uint64_t* const* peer, std::uint64_t* mine, int rank, int size, std::uint64_t e) {
   const int r = threadIdx.x;
   if (r >= size || r == rank) return;
   __threadfence_system();
@@ -67,6 +40,9 @@ __global__ void barrier_fence(std::uint64_t* const* peer, std::uint64_t* mine, i
   Word w(mine[r]);
   while (w.load(cuda::memory_order_acquire) < e) {
   }
+}
+__global__ void barrier_fence(std::uint64_t* const* peer, std::uint64_t* mine, int rank, int size, std::uint64_t e) {
+  fence_store_poll(peer, mine, rank, size, e);
 }
 
 // The release store alone orders this thread's view (no separate fence).
@@ -96,13 +72,7 @@ __global__ void barrier_pdl(std::uint64_t* const* peer, std::uint64_t* mine, int
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
 #endif
-  const int r = threadIdx.x;
-  if (r >= size || r == rank) return;
-  __threadfence_system();
-  Word(peer[r][rank]).store(e, cuda::memory_order_release);
-  Word w(mine[r]);
-  while (w.load(cuda::memory_order_acquire) < e) {
-  }
+  fence_store_poll(peer, mine, rank, size, e);
 }
 
 struct Lab {
@@ -193,19 +163,13 @@ struct Variant {
 int main(int argc, char** argv) {
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
-  std::string csv, commit = "unknown", machine = "unknown", date = "unknown";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    if (a == "--csv") csv = argv[i + 1];
-    else if (a == "--commit") commit = argv[i + 1];
-    else if (a == "--machine") machine = argv[i + 1];
-    else if (a == "--date") date = argv[i + 1];
-  }
+  bench::RunInfo run;
+  for (int i = 1; i < argc; ++i) run.parse(argc, argv, i);
   {
     Lab lab;
     MK(MPI_Comm_rank(MPI_COMM_WORLD, &lab.rank));
     MK(MPI_Comm_size(MPI_COMM_WORLD, &lab.size));
-    g_rank = lab.rank;
+    bench::check_rank() = lab.rank;
     meshmem::select_local_device(MPI_COMM_WORLD);
     meshmem::Comm comm(MPI_COMM_WORLD);
     meshmem::Window flags = comm.alloc(sizeof(std::uint64_t) * lab.size, meshmem::Memory::Device);
@@ -301,8 +265,8 @@ int main(int argc, char** argv) {
       }
       MK(MPI_Barrier(MPI_COMM_WORLD));
     }
-    if (lab.rank == 0 && !csv.empty())
-      bench::write_results_csv(csv, bench::CsvMode::Append, date, commit, machine, rows, "barrier_lab");
+    if (lab.rank == 0 && !run.csv.empty())
+      bench::write_results_csv(run.csv, bench::CsvMode::Append, run.date, run.commit, run.machine, rows, "barrier_lab");
     CK(cudaDeviceSynchronize());
     for (auto& ring : lab.peer_ring)
       for (cudaEvent_t e : ring)

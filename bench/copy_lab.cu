@@ -12,18 +12,11 @@
 #include <string>
 #include <vector>
 
+#include "bench_check.hpp"
 #include "results_csv.hpp"
 
 namespace {
 
-#define CK(call)                                                                                        \
-  do {                                                                                                  \
-    cudaError_t rc_ = (call);                                                                           \
-    if (rc_ != cudaSuccess) {                                                                           \
-      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #call, cudaGetErrorString(rc_), __FILE__, __LINE__); \
-      MPI_Abort(MPI_COMM_WORLD, 1);                                                                     \
-    }                                                                                                   \
-  } while (0)
 
 // Each thread keeps `U` 16-byte loads in flight before it stores them.
 template <int U>
@@ -53,16 +46,11 @@ __global__ void copy_sliced(uint4* dst, const uint4* src, std::size_t n) {
 int main(int argc, char** argv) {
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
-  std::string csv, commit = "unknown", machine = "unknown", date = "unknown";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    if (a == "--csv") csv = argv[i + 1];
-    else if (a == "--commit") commit = argv[i + 1];
-    else if (a == "--machine") machine = argv[i + 1];
-    else if (a == "--date") date = argv[i + 1];
-  }
+  bench::RunInfo run;
+  for (int i = 1; i < argc; ++i) run.parse(argc, argv, i);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  bench::check_rank() = rank;
   {
     meshmem::select_local_device(MPI_COMM_WORLD);
     meshmem::Comm comm(MPI_COMM_WORLD);
@@ -166,7 +154,8 @@ int main(int argc, char** argv) {
       CK(cudaEventDestroy(b));
       CK(cudaStreamDestroy(s));
       CK(cudaFree(local));
-      if (!csv.empty()) bench::write_results_csv(csv, bench::CsvMode::Append, date, commit, machine, rows, "copy_lab");
+      if (!run.csv.empty())
+        bench::write_results_csv(run.csv, bench::CsvMode::Append, run.date, run.commit, run.machine, rows, "copy_lab");
     }
     MPI_Barrier(MPI_COMM_WORLD);
   }

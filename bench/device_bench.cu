@@ -25,6 +25,7 @@
 #include <nccl.h>
 #endif
 
+#include "bench_check.hpp"
 #include "busy_work.cuh"
 #include "results_csv.hpp"
 
@@ -32,31 +33,6 @@ namespace {
 
 int g_rank = 0;
 
-#define CK(call)                                                                                     \
-  do {                                                                                               \
-    cudaError_t rc_ = (call);                                                                        \
-    if (rc_ != cudaSuccess) {                                                                        \
-      std::fprintf(stderr, "rank %d: %s failed: %s (%s:%d)\n", g_rank, #call, cudaGetErrorString(rc_), \
-                   __FILE__, __LINE__);                                                              \
-      MPI_Abort(MPI_COMM_WORLD, 1);                                                                  \
-    }                                                                                                \
-  } while (0)
-#define CU(call)                                                                                     \
-  do {                                                                                               \
-    CUresult rc_ = (call);                                                                           \
-    if (rc_ != CUDA_SUCCESS) {                                                                       \
-      std::fprintf(stderr, "rank %d: %s failed: CUresult %d (%s:%d)\n", g_rank, #call, (int)rc_, __FILE__, __LINE__); \
-      MPI_Abort(MPI_COMM_WORLD, 1);                                                                  \
-    }                                                                                                \
-  } while (0)
-#define MK(call)                                                                                     \
-  do {                                                                                               \
-    int rc_ = (call);                                                                                \
-    if (rc_ != MPI_SUCCESS) {                                                                        \
-      std::fprintf(stderr, "rank %d: %s failed: MPI error %d\n", g_rank, #call, rc_);                \
-      MPI_Abort(MPI_COMM_WORLD, 1);                                                                  \
-    }                                                                                                \
-  } while (0)
 #ifdef MESHMEM_BENCH_HAVE_NCCL
 #define NK(call)                                                                                     \
   do {                                                                                               \
@@ -227,6 +203,7 @@ int main(int argc, char** argv) {
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+  bench::check_rank() = g_rank;
   int nranks = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &nranks);
   std::string csv, commit = "unknown", machine = "unknown", date = bench::utc_now().substr(0, 10);
