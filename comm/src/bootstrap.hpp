@@ -65,6 +65,7 @@ class Bootstrap {
 
   // After a timeout the ranks disagree on where they are: further collectives would hang.
   void ensure_usable(const std::string& what) const;
+  bool usable() const { return !broken_; }
   // Raises Error(Timeout) with `message`; the Comm refuses collectives from then on.
   [[noreturn]] void fail_timeout(const std::string& message);
 

@@ -17,8 +17,8 @@ NodeMeeting::NodeMeeting(Bootstrap& boot, FdExchange& fds, const Topology& topo,
   connect_host_peers(pages_, boot, fds, topo, map_peer, what);
 }
 
-void NodeMeeting::meet(bool note, std::vector<bool>& notes, const std::string& what) {
-  boot_.ensure_usable(what);
+void NodeMeeting::meet(bool note, std::vector<bool>& notes, const char* what) {
+  if (!boot_.usable()) boot_.ensure_usable(what);  // raises; the message only when needed
   const std::uint64_t e = ++meeting_;
   __atomic_store_n(&words(pages_.local)[e % 2], (e << 1) | (note ? 1 : 0), __ATOMIC_RELEASE);
   notes.assign(static_cast<std::size_t>(topo_.size), false);
@@ -36,7 +36,7 @@ void NodeMeeting::meet(bool note, std::vector<bool>& notes, const std::string& w
         std::vector<int> missing;
         for (int m : topo_.node_ranks)
           if ((__atomic_load_n(&words(pages_.peer[m])[e % 2], __ATOMIC_ACQUIRE) >> 1) < e) missing.push_back(m);
-        boot_.fail_timeout(what + " on rank " + std::to_string(topo_.rank) + ": rank(s) " + rank_list(missing) +
+        boot_.fail_timeout(std::string(what) + " on rank " + std::to_string(topo_.rank) + ": rank(s) " + rank_list(missing) +
                            " did not arrive within " + describe_timeout(boot_.timeout()));
       }
       backoff.pause();

@@ -27,7 +27,7 @@ class NodeMeeting {
   // notes[r] is then rank r's note (node ranks only). Raises Error(Timeout) after the
   // Bootstrap's timeout, naming the ranks that did not come, and the Comm refuses further
   // collectives (as after any timeout). `what` names the calling API.
-  void meet(bool note, std::vector<bool>& notes, const std::string& what);
+  void meet(bool note, std::vector<bool>& notes, const char* what);
 
  private:
   // A rank's page: word e % 2 holds (e << 1) | note for meeting e. Two words suffice: a

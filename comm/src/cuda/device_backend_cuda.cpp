@@ -338,7 +338,8 @@ void CudaDeviceBackend::barrier(Stream stream) {
   }
   ++epoch_;
   if (topo.size == 1) return;
-  const std::string what = where("comm.barrier(stream)");
+  // The call's name for messages, built only when one is raised (this is a hot path).
+  auto what = [&] { return where("comm.barrier(stream)"); };
   const int slot = static_cast<int>(epoch_ % kEventRing);
   if (meet_first_) {
     // A rank whose stream is idle has its earlier work complete: the meeting itself orders
@@ -347,19 +348,23 @@ void CudaDeviceBackend::barrier(Stream stream) {
     if (idle == cudaErrorNotReady) {
       if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();  // not an error
     } else if (idle != cudaSuccess) {
-      ipc::check_cuda(idle, "cudaStreamQuery", what);
+      ipc::check_cuda(idle, "cudaStreamQuery", what());
     }
     const bool busy = idle == cudaErrorNotReady;
     // Events are recorded before the meeting, so that no peer can wait on this slot
     // before it marks this barrier. The ring: a peer cannot re-record slot k before this
     // rank has issued its waits on it (that needs this rank at a later meeting).
-    if (busy && barrier_kind_ == Options::Barrier::Event)
-      ipc::check_cuda(cudaEventRecord(events_[slot].get(), stream), "cudaEventRecord", what);
+    if (busy && barrier_kind_ == Options::Barrier::Event) {
+      const cudaError_t rc = cudaEventRecord(events_[slot].get(), stream);
+      if (rc != cudaSuccess) ipc::check_cuda(rc, "cudaEventRecord", what());
+    }
     meeting_->meet(busy, peer_busy_, "comm.barrier(stream)");
     if (barrier_kind_ == Options::Barrier::Event) {
-      for (int r : topo.node_ranks)
-        if (r != topo.rank && peer_busy_[r])
-          ipc::check_cuda(cudaStreamWaitEvent(stream, peer_events_[slot][r].get(), 0), "cudaStreamWaitEvent", what);
+      for (int r : topo.node_ranks) {
+        if (r == topo.rank || !peer_busy_[r]) continue;
+        const cudaError_t rc = cudaStreamWaitEvent(stream, peer_events_[slot][r].get(), 0);
+        if (rc != cudaSuccess) ipc::check_cuda(rc, "cudaStreamWaitEvent", what());
+      }
       return;
     }
     // Every rank saw the same notes: either all skip the GPU part or all take part (the
@@ -373,7 +378,7 @@ void CudaDeviceBackend::barrier(Stream stream) {
       for (std::size_t i = 0; i < barrier_ops_.size(); i += 256) {
         const unsigned count = static_cast<unsigned>(std::min<std::size_t>(256, barrier_ops_.size() - i));
         const CUresult rc = ipc::cuda_driver().cuStreamBatchMemOp(stream, count, barrier_ops_.data() + i, 0);
-        if (rc != CUDA_SUCCESS) ipc::check_cu(rc, "cuStreamBatchMemOp", what);
+        if (rc != CUDA_SUCCESS) ipc::check_cu(rc, "cuStreamBatchMemOp", what());
       }
       return;
     }
@@ -381,7 +386,7 @@ void CudaDeviceBackend::barrier(Stream stream) {
     case Options::Barrier::Kernel: {
       const cudaError_t rc = cuda::launch_barrier(static_cast<std::uint64_t* const*>(flags_.device_peer_table),
                                                   static_cast<std::uint64_t*>(flags_.local), topo.rank, topo.size, epoch_, stream);
-      if (rc != cudaSuccess) ipc::check_cuda(rc, "barrier kernel launch", what);
+      if (rc != cudaSuccess) ipc::check_cuda(rc, "barrier kernel launch", what());
       return;
     }
     case Options::Barrier::Event:  // met above: events always come with a meeting
