@@ -1,7 +1,6 @@
 #include "stream_barrier_proxy.hpp"
 
 #include "../backoff.hpp"
-#include "../log.hpp"
 #include "meshmem/error.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
 
@@ -20,7 +19,7 @@ StreamBarrierProxy::StreamBarrierProxy(MPI_Comm parent, std::chrono::millisecond
     void* word = nullptr;
     ipc::check_cuda(cudaHostAlloc(&word, sizeof(std::uint64_t), cudaHostAllocMapped | cudaHostAllocPortable),
                     "cudaHostAlloc", what);
-    released_ = static_cast<std::uint64_t*>(word);
+    released_.reset(static_cast<std::uint64_t*>(word));
     *released_ = 0;
     void* device = nullptr;
     ipc::check_cuda(cudaHostGetDevicePointer(&device, word, 0), "cudaHostGetDevicePointer", what);
@@ -38,7 +37,6 @@ StreamBarrierProxy::~StreamBarrierProxy() {
   }
   wake_.notify_all();
   if (thread_.joinable()) thread_.join();
-  if (released_ != nullptr) (void)cudaFreeHost(released_);
 }
 
 void CUDART_CB StreamBarrierProxy::reached(void* arrival) {
@@ -75,7 +73,7 @@ void StreamBarrierProxy::serve() {
     }
     // Released even after a failure: a stream that waited forever would hang the user's
     // synchronisation without a word; the next call on the Comm raises the failure.
-    __atomic_store_n(released_, number, __ATOMIC_RELEASE);
+    __atomic_store_n(released_.get(), number, __ATOMIC_RELEASE);
     lock.lock();
     if (!failed.empty() && failure_.empty()) failure_ = failed;
     pending_.pop_front();

@@ -9,9 +9,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -45,8 +47,12 @@ class StreamBarrierProxy {
   void serve();
   void raise_failure(const std::string& what);
 
+  struct FreeHost {
+    void operator()(std::uint64_t* p) const noexcept { (void)cudaFreeHost(p); }
+  };
+
   Bootstrap boot_;
-  std::uint64_t* released_ = nullptr;  // pinned host word: the last barrier met
+  std::unique_ptr<std::uint64_t, FreeHost> released_;  // pinned host word: the last barrier met
   std::uint64_t released_device_ = 0;  // its address for the stream (CUdeviceptr)
   std::uint64_t enqueued_ = 0;
   std::mutex mutex_;
