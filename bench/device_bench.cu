@@ -255,8 +255,8 @@ int main(int argc, char** argv) {
   if (wants("put")) {
     // ---- put / get bandwidth and latency ----
     meshmem::Comm comm(MPI_COMM_WORLD);
-    meshmem::Comm comm_ce(MPI_COMM_WORLD, with([](meshmem::Options& o) { o.sm_copy_max = 0; }));
-    meshmem::Comm comm_sm(MPI_COMM_WORLD, with([](meshmem::Options& o) { o.sm_copy_max = SIZE_MAX; }));
+    meshmem::Comm comm_ce(MPI_COMM_WORLD, with([](meshmem::Options& o) { o.set("MESHMEM_SM_COPY_MAX", "0"); }));
+    meshmem::Comm comm_sm(MPI_COMM_WORLD, with([](meshmem::Options& o) { o.set("MESHMEM_SM_COPY_MAX", "1099511627776"); }));
     const std::size_t max = quick ? (64u << 20) : (std::size_t{1} << 30);
     void* src = nullptr;
     CK(cudaMalloc(&src, max));
@@ -351,7 +351,7 @@ int main(int argc, char** argv) {
     CK(cudaDeviceSynchronize());
     std::uint64_t epoch = 0;
     for (int waitk = 0; waitk < 2; ++waitk) {
-    meshmem::Comm comm(MPI_COMM_WORLD, with(waitk ? [](meshmem::Options& o) { o.stream_wait = meshmem::Options::StreamWait::Memop; }
+    meshmem::Comm comm(MPI_COMM_WORLD, with(waitk ? [](meshmem::Options& o) { o.set("MESHMEM_STREAM_WAIT", "memop"); }
                                                   : [](meshmem::Options&) {}));
     if (g_rank == 0 && waitk == 0) std::printf("# default device setup: %s\n", comm.device_info().c_str());
     meshmem::Window win = comm.alloc(1 << 20);
@@ -426,14 +426,11 @@ int main(int argc, char** argv) {
     }
     struct B {
       const char* name;
-      meshmem::Options::Barrier kind;
-    } kinds[] = {{"meshmem", meshmem::Options::Barrier::Auto},
-                 {"meshmem-flag", meshmem::Options::Barrier::Flag},
-                 {"meshmem-kernel", meshmem::Options::Barrier::Kernel},
-                 {"meshmem-event", meshmem::Options::Barrier::Event}};
+      const char* kind;  // MESHMEM_BARRIER
+    } kinds[] = {{"meshmem", "auto"}, {"meshmem-flag", "flag"}, {"meshmem-kernel", "kernel"}, {"meshmem-event", "event"}};
     for (const B& b : kinds) {
       auto o = meshmem::Options::from_environment();
-      o.barrier = b.kind;
+      o.set("MESHMEM_BARRIER", b.kind);
       meshmem::Comm comm(gc, o);  // ranks outside the group build their own Comm: harmless
       BarrierTimes t;
       if (in) t = time_barrier(gc, s, [&] { comm.barrier(s); });

@@ -3,6 +3,7 @@
 
 #include "backoff.hpp"
 #include "comm_impl.hpp"
+#include "gpu_part.hpp"
 #include "host_window.hpp"
 #include "log.hpp"
 #include "meshmem/comm.hpp"
@@ -15,7 +16,13 @@ const char* to_string(Memory memory) noexcept {
 
 Memory default_memory() { return gpu_available() ? Memory::Device : Memory::Host; }
 
-bool gpu_available(std::string* why) { return detail::device_runtime_available(why); }
+bool gpu_available(std::string* why) {
+  if (detail::gpu_available == nullptr) {
+    if (why) *why = detail::kNoGpuPart;
+    return false;
+  }
+  return detail::gpu_available(why);
+}
 
 int select_local_device(MPI_Comm comm) {
   MPI_Comm node = MPI_COMM_NULL;
@@ -25,7 +32,7 @@ int select_local_device(MPI_Comm comm) {
   const int rc = MPI_Comm_rank(node, &local);
   MPI_Comm_free(&node);
   detail::check_mpi(rc, "MPI_Comm_rank", "select_local_device");
-  return detail::set_device_modulo(local);
+  return detail::gpu_set_device_modulo != nullptr ? detail::gpu_set_device_modulo(local) : -1;
 }
 
 namespace detail {
@@ -105,59 +112,54 @@ CommImpl::CommImpl(MPI_Comm comm, const Options& opts)
       topo((agree_on_options(boot, opts), Topology::discover(boot, opts.simulate_nodes))),
       uid(g_next_comm_uid++) {
   fds = std::make_unique<FdExchange>(boot, topo, options.fd_passing);
-  shm = std::make_unique<ShmTransport>();
-  bool needs_mpi = false;
-  for (TransportKind k : options.transports)
-    if (k == TransportKind::Mpi)
-      for (int r = 0; r < topo.size; ++r) {
-        // Mpi is used for a peer when no transport before it in the list reaches the peer.
-        bool earlier = false;
-        for (TransportKind e : options.transports) {
-          if (e == TransportKind::Mpi) break;
-          if (e == TransportKind::Shm && topo.same_node(r)) earlier = true;
-        }
-        needs_mpi = needs_mpi || !earlier;
-      }
-  if (boot.allreduce_max(needs_mpi ? 1 : 0, "meshmem::Comm") != 0) {
-    int provided = MPI_THREAD_SINGLE;
-    MPI_Query_thread(&provided);
-    boot.agree(provided >= MPI_THREAD_MULTIPLE, ErrorCode::Unsupported,
-               "the mpi transport serves one-sided requests from a progress thread and needs "
-               "MPI_THREAD_MULTIPLE, but MPI was initialised with thread level " +
-                   std::to_string(provided) +
-                   "; call MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)",
-               "meshmem::Comm");
-    mpi = std::make_unique<MpiTransport>(boot.comm(), options.timeout);
-  }
-  select_routes();
-  bool ipc_allowed = false;
-  for (TransportKind k : options.transports) ipc_allowed = ipc_allowed || k == TransportKind::Ipc;
-  if (ipc_allowed)
-    device = make_device_backend(DeviceContext{boot, topo, *fds, options}, &device_why);
+  if (gpu_start_device_runtime != nullptr)
+    device = gpu_start_device_runtime(context(), &device_why);
   else
-    device_why = "MESHMEM_TRANSPORTS does not include ipc";
-  log(LogLevel::Info, "Comm #" + std::to_string(uid) + ": rank " + std::to_string(topo.rank) +
-                          " of " + std::to_string(topo.size) + ", node " +
-                          std::to_string(topo.node()) + " of " + std::to_string(topo.node_count) +
-                          ", fd passing " + to_string(fds->mode()) + ", device: " +
-                          (device ? device->describe() : "none (" + device_why + ")"));
+    device_why = kNoGpuPart;
+  select_transports();
+  if (device) {
+    const BarrierContext bctx{*routes, [this](std::size_t bytes) {
+                                return alloc(bytes, Memory::Device, true, "meshmem::Comm (barrier setup)");
+                              }};
+    stream_barrier = device->make_barrier(context(), bctx);
+  }
+  std::string names;
+  for (const auto& t : transports) names += (names.empty() ? "" : ",") + std::string(to_string(t->kind()));
+  log(LogLevel::Info, "Comm #" + std::to_string(uid) + ": rank " + std::to_string(topo.rank) + " of " +
+                          std::to_string(topo.size) + ", node " + std::to_string(topo.node()) + " of " +
+                          std::to_string(topo.node_count) + ", fd passing " + to_string(fds->mode()) +
+                          ", transports in use: " + (names.empty() ? "none" : names) + ", device: " +
+                          (device ? device->describe() + ", barrier(stream): " + stream_barrier->describe()
+                                  : "none (" + device_why + ")"));
 }
 
-void CommImpl::select_routes() {
-  host_routes_.assign(static_cast<std::size_t>(topo.size), Route{});
-  for (int r = 0; r < topo.size; ++r) {
-    for (TransportKind k : options.transports) {
-      if (k == TransportKind::Shm && topo.same_node(r)) host_routes_[r].transport = shm.get();
-      if (k == TransportKind::Mpi) host_routes_[r].transport = mpi.get();
-      if (host_routes_[r].transport != nullptr) break;
+// The transports of the table that MESHMEM_TRANSPORTS allows are made (collectively: every
+// rank makes the same ones), every (rank, memory kind) is routed to the first that reaches
+// it, and the transports that some rank routes through are connected; the others are dropped.
+void CommImpl::select_transports() {
+  const char* what = "meshmem::Comm";
+  std::vector<std::string> left_out;
+  std::vector<std::unique_ptr<Transport>> made;
+  for (const TransportEntry* e : order_entries(transport_table(), options.transports, &left_out)) {
+    if (e->make == nullptr) {
+      left_out.push_back(std::string(e->name) + ": " + e->missing);
+      continue;
     }
-    if (host_routes_[r].transport == nullptr)
-      host_routes_[r].why_none = "rank " + std::to_string(r) + " is on node " +
-                                 std::to_string(topo.node_of[r]) + " and rank " +
-                                 std::to_string(topo.rank) + " on node " +
-                                 std::to_string(topo.node()) +
-                                 ", and MESHMEM_TRANSPORTS allows no transport between nodes "
-                                 "(add mpi)";
+    made.push_back(e->make(context()));
+  }
+  std::vector<Transport*> tried;
+  for (const auto& t : made) tried.push_back(t.get());
+  routes = std::make_unique<RouteTable>(tried, left_out, topo.size);
+  for (auto& t : made) {
+    std::vector<bool> routed(static_cast<std::size_t>(topo.size), false);
+    bool any = false;
+    for (int r = 0; r < topo.size; ++r) {
+      routed[r] = routes->routes_through(t.get(), r);
+      any = any || routed[r];
+    }
+    if (boot.allreduce_max(any ? 1 : 0, what) == 0) continue;  // nobody uses it: dropped
+    t->connect(routed);
+    transports.push_back(std::move(t));
   }
 }
 
@@ -175,11 +177,13 @@ CommImpl::~CommImpl() {
   } catch (const std::exception& e) {
     log(LogLevel::Error, std::string("~Comm: ") + e.what() + "; releasing local resources anyway");
   }
+  stream_barrier.reset();
   for (auto& [id, weak] : live_)
     if (auto state = weak.lock()) release(*state);
   live_.clear();
+  for (auto& t : transports) t->stop();
+  transports.clear();
   device.reset();
-  if (mpi) mpi->stop();
 }
 
 std::string CommImpl::where(const char* call) const {
@@ -234,32 +238,25 @@ void CommImpl::check_index(const WindowState& sig, std::size_t index, const char
 }
 
 Transport& CommImpl::route(const WindowState& win, int target, const char* call) const {
-  if (win.memory == Memory::Device) {
-    std::string why;
-    Transport* t = device->route(target, &why);
-    if (t == nullptr)
-      throw Error(ErrorCode::Unsupported, where(call) + ": no transport reaches device window #" +
-                                              std::to_string(win.id) + " of rank " +
-                                              std::to_string(target) + ": " + why);
-    return *t;
-  }
-  const Route& r = host_routes_[target];
-  if (r.transport == nullptr)
-    throw Error(ErrorCode::Unsupported, where(call) + ": no transport reaches rank " +
-                                            std::to_string(target) + ": " + r.why_none);
-  return *r.transport;
+  Transport* t = routes->find(target, win.memory);
+  if (t == nullptr)
+    throw Error(ErrorCode::Unsupported, where(call) + ": no transport reaches " + to_string(win.memory) + " window #" +
+                                            std::to_string(win.id) + " of rank " + std::to_string(target) + " (" +
+                                            routes->why_none(target, win.memory) + ")");
+  return *t;
 }
 
 TransportKind CommImpl::transport(int rank, Memory memory, const char* call) const {
   check_rank(rank, call, "peer");
-  if (memory == Memory::Device) {
-    if (!device) return TransportKind::None;
-    std::string why;
-    const Transport* t = device->route(rank, &why);
-    return t ? t->kind() : TransportKind::None;
-  }
-  const Route& r = host_routes_[rank];
-  return r.transport ? r.transport->kind() : TransportKind::None;
+  if (memory == Memory::Device && !device) return TransportKind::None;
+  const Transport* t = routes->find(rank, memory);
+  return t ? t->kind() : TransportKind::None;
+}
+
+std::string CommImpl::unreachable_reason(int rank, Memory memory, const char* call) const {
+  check_rank(rank, call, "peer");
+  if (memory == Memory::Device && !device) return "device windows are unavailable: " + device_why;
+  return routes->find(rank, memory) ? std::string() : routes->why_none(rank, memory);
 }
 
 std::shared_ptr<WindowState> CommImpl::alloc(std::size_t bytes, Memory memory, bool signals,
@@ -301,21 +298,26 @@ std::shared_ptr<WindowState> CommImpl::alloc(std::size_t bytes, Memory memory, b
   state->bytes = bytes;
   state->memory = memory;
   state->is_signals = signals;
-  if (memory == Memory::Device) {
-    device->create_window(*state, call);
-    live_[state->id] = state;
-    return state;
-  }
-  std::vector<bool> map_peer(static_cast<std::size_t>(topo.size), false);
-  for (int r = 0; r < topo.size; ++r) map_peer[r] = host_routes_[r].transport == shm.get();
-  create_host_part(*state, boot, call);
-  // Registered before the peers can learn of the window (connect_host_peers ends with an
-  // agreement), so no request for it can reach the progress thread first.
-  if (mpi) mpi->register_window(*state);
+  if (memory == Memory::Device)
+    agreed_step(boot, call, [&] { device->create_local(*state, call); });
+  else
+    create_host_part(*state, boot, call);
+  // Each transport that serves this memory kind attaches the window, collectively and
+  // agreed, so that a failure anywhere fails the call everywhere. No peer can use the
+  // window before every rank passed the last agreement (the mpi transport's progress
+  // thread knows the window by then).
   try {
-    connect_host_peers(*state, boot, *fds, topo, map_peer, call);
+    for (const auto& t : transports) {
+      if (!t->serves(memory)) continue;
+      std::vector<bool> routed(static_cast<std::size_t>(topo.size), false);
+      for (int r = 0; r < topo.size; ++r) routed[r] = routes->routes_through(t.get(), r, memory);
+      agreed_step(boot, call, [&] {
+        if (auto a = t->attach(*state, routed, call)) state->attachments.push_back(std::move(a));
+      });
+    }
+    if (memory == Memory::Device) agreed_step(boot, call, [&] { device->publish(*state, call); });
   } catch (...) {
-    if (mpi) mpi->unregister_window(state->id);
+    state->release_memory();
     throw;
   }
   live_[state->id] = state;
@@ -323,10 +325,7 @@ std::shared_ptr<WindowState> CommImpl::alloc(std::size_t bytes, Memory memory, b
 }
 
 void CommImpl::release(WindowState& state) {
-  if (mpi && state.memory == Memory::Host) mpi->unregister_window(state.id);
-  state.storage.reset();
-  state.local = nullptr;
-  state.peer.clear();
+  state.release_memory();
   state.owner = nullptr;
 }
 
@@ -413,12 +412,9 @@ void CommImpl::wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::u
 }
 
 void CommImpl::quiet(Stream stream, const char* call) {
-  // Device puts are complete at their target once their stream passes them (copies and
-  // copy kernels finish before the stream moves on), so quiet(stream) adds no stream work.
   if (stream != nullptr && !device)
     throw Error(ErrorCode::Unsupported, where(call) + ": a stream was given but device windows are unavailable: " + device_why);
-  shm->quiet();
-  if (mpi) mpi->quiet();
+  for (const auto& t : transports) t->quiet(stream);
 }
 
 void CommImpl::barrier(Stream stream) {
@@ -430,7 +426,7 @@ void CommImpl::barrier(Stream stream) {
     return;
   }
   quiet(nullptr, call);
-  device->barrier(stream);
+  stream_barrier->arrive(stream);
 }
 
 void CommImpl::barrier_host() {
@@ -541,7 +537,8 @@ const Options& Comm::options() const { return live(impl_).options; }
 FdPassing Comm::fd_passing() const { return live(impl_).fds->mode(); }
 std::string Comm::device_info() const {
   const auto& impl = live(impl_);
-  return impl.device ? impl.device->describe() : "none: " + impl.device_why;
+  return impl.device ? impl.device->describe() + ", barrier(stream) " + impl.stream_barrier->describe()
+                     : "none: " + impl.device_why;
 }
 
 Window Comm::alloc(std::size_t bytes, Memory memory) {
@@ -585,6 +582,10 @@ void Comm::barrier() { live(impl_).barrier_host(); }
 
 TransportKind Comm::transport(int rank, Memory memory) const {
   return live(impl_).transport(rank, memory, "comm.transport");
+}
+
+std::string Comm::unreachable_reason(int rank, Memory memory) const {
+  return live(impl_).unreachable_reason(rank, memory, "comm.unreachable_reason");
 }
 
 }  // namespace meshmem

@@ -8,15 +8,14 @@
 
 #include "backoff.hpp"
 #include "bootstrap.hpp"
-#include "device_backend.hpp"
+#include "device_runtime.hpp"
 #include "fd_exchange.hpp"
 #include "log.hpp"
 #include "meshmem/comm.hpp"
 #include "meshmem/halo.hpp"
 #include "topology.hpp"
 #include "transport.hpp"
-#include "transport_mpi.hpp"
-#include "transport_shm.hpp"
+#include "transport_registry.hpp"
 #include "window_state.hpp"
 
 namespace meshmem::detail {
@@ -45,17 +44,18 @@ class CommImpl {
   void barrier_host();
 
   TransportKind transport(int rank, Memory memory, const char* call) const;
+  std::string unreachable_reason(int rank, Memory memory, const char* call) const;
 
-  // Host-side wait: polls `ready()` with backoff, serving MPI requests meanwhile (the awaited
-  // signal may be in one of them); after MESHMEM_TIMEOUT logs and raises Error(Timeout) with
-  // `timeout_message()`.
+  // Host-side wait: polls `ready()` with backoff, letting the transports serve peers'
+  // requests meanwhile (the awaited signal may be in one of them); after MESHMEM_TIMEOUT
+  // logs and raises Error(Timeout) with `timeout_message()`.
   template <class Ready, class Message>
   void wait_host(Ready&& ready, Message&& timeout_message) {
     Deadline deadline(options.timeout);
     Backoff backoff;
-    MpiTransport::ServingWait serving(mpi.get());
+    WaitingThread waiting(transports);
     while (!ready()) {
-      if (mpi && mpi->serve_one()) {
+      if (progress()) {
         backoff.reset();
         continue;
       }
@@ -76,24 +76,44 @@ class CommImpl {
   std::string where(const char* call) const;
   const WindowState& checked(const Window& win, const char* call) const;
   void check_rank(int rank, const char* call, const char* what) const;
+  // The transport that reaches `target` for `win`, or Error(Unsupported) naming the pair and
+  // every transport's reason.
+  Transport& route(const WindowState& win, int target, const char* call) const;
+  CommContext context() { return CommContext{boot, topo, *fds, options, device.get()}; }
 
   Options options;
   Bootstrap boot;
   Topology topo;
   std::unique_ptr<FdExchange> fds;
-  std::unique_ptr<ShmTransport> shm;
-  std::unique_ptr<MpiTransport> mpi;
-  std::unique_ptr<DeviceBackend> device;  // null where device windows are unavailable
+  std::unique_ptr<DeviceRuntime> device;  // null where device windows are unavailable
   std::string device_why;                 // why they are unavailable
+  std::vector<std::unique_ptr<Transport>> transports;  // connected ones, in the order tried
+  std::unique_ptr<RouteTable> routes;
+  std::unique_ptr<StreamBarrier> stream_barrier;  // with `device`
   std::uint64_t uid;
 
  private:
-  struct Route {
-    Transport* transport = nullptr;
-    std::string why_none;  // when transport is null
+  // While one lives, the transports know that a thread waits and calls progress() itself.
+  class WaitingThread {
+   public:
+    explicit WaitingThread(const std::vector<std::unique_ptr<Transport>>& ts) : ts_(ts) {
+      for (const auto& t : ts_) t->waiter_begins();
+    }
+    ~WaitingThread() {
+      for (const auto& t : ts_) t->waiter_ends();
+    }
+    WaitingThread(const WaitingThread&) = delete;
+    WaitingThread& operator=(const WaitingThread&) = delete;
+
+   private:
+    const std::vector<std::unique_ptr<Transport>>& ts_;
   };
-  void select_routes();
-  Transport& route(const WindowState& win, int target, const char* call) const;
+  bool progress() {
+    bool served = false;
+    for (const auto& t : transports) served = t->progress() || served;
+    return served;
+  }
+  void select_transports();
   void check_range(const WindowState& win, int target, std::size_t offset, std::size_t bytes,
                    const char* call, const char* offset_name) const;
   void check_stream(const WindowState& win, Stream stream, const char* call) const;
@@ -104,7 +124,6 @@ class CommImpl {
   void check_index(const WindowState& sig, std::size_t index, const char* call) const;
   void release(WindowState& state);
 
-  std::vector<Route> host_routes_;  // by rank
   std::uint64_t next_window_id_ = 1;
   std::map<std::uint64_t, std::weak_ptr<WindowState>> live_;
 };

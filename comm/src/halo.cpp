@@ -8,7 +8,7 @@
 
 #include "backoff.hpp"
 #include "comm_impl.hpp"
-#include "device_backend.hpp"
+#include "device_runtime.hpp"
 #include "log.hpp"
 
 namespace meshmem {
@@ -22,8 +22,12 @@ struct HaloState {
   std::vector<int> send_to;    // distinct peers of `sends`
   std::vector<int> recv_from;  // ranks whose regions land here
   std::uint64_t epoch = 0;
-  // Device windows whose neighbours are all mapped here: every region in one kernel.
+  // Device windows whose neighbours are all reached through mapped transports: every
+  // region in one kernel, and the signals and waits in one stream operation.
   std::unique_ptr<DeviceCopyPlan> device_copies;
+  std::vector<int> signal_through_transport;      // neighbours whose transport signals
+  std::vector<std::uint64_t*> signal_stores;      // the other neighbours' words, mapped here
+  std::vector<const std::uint64_t*> signal_waits;  // this rank's words of recv_from
 
   ~HaloState() {
     if (sig && !sig->freed()) {
@@ -90,6 +94,7 @@ std::unique_ptr<HaloState> CommImpl::make_halo(const Window& win, const std::vec
                                                     std::to_string(w->id) + " (" + std::to_string(w->bytes) + " bytes) of rank " +
                                                     std::to_string(r.peer));
       mine.push_back(WireRegion{r.peer, r.src_offset, r.dst_offset, r.width, r.height, sp, dp});
+      (void)route(*w, r.peer, call);  // Error(Unsupported) naming the pair where nothing reaches it
     }
   });
 
@@ -151,12 +156,12 @@ std::unique_ptr<HaloState> CommImpl::make_halo(const Window& win, const std::vec
   halo->sig = alloc(static_cast<std::size_t>(n) * sizeof(std::uint64_t), w->memory, true, call);
   if (w->memory == Memory::Device) {
     // One launch per exchange instead of one copy per region (a column is thousands of
-    // 8-byte rows: a poor fit for the copy engine). Needs every neighbour mapped here.
+    // 8-byte rows: a poor fit for the copy engine), where every neighbour's transport maps
+    // its window here.
     std::vector<DeviceCopy> copies;
     bool mapped = true;
     for (const HaloRegion& r : halo->sends) {
-      std::string why;
-      mapped = mapped && device->route(r.peer, &why) != nullptr && w->peer[r.peer] != nullptr;
+      mapped = mapped && route(*w, r.peer, call).capabilities().mapped && w->peer[r.peer] != nullptr;
       if (!mapped) break;
       copies.push_back(DeviceCopy{static_cast<char*>(w->peer[r.peer]) + r.dst_offset,
                                   static_cast<const char*>(w->local) + r.src_offset, r.width, r.height, r.src_pitch,
@@ -165,6 +170,16 @@ std::unique_ptr<HaloState> CommImpl::make_halo(const Window& win, const std::vec
     agreed_step(boot, call, [&] {
       if (mapped) halo->device_copies = device->make_copy_plan(copies);
     });
+    const WindowState& sig = *halo->sig;
+    for (int r : halo->send_to) {
+      if (route(sig, r, call).capabilities().mapped && sig.peer[r] != nullptr)
+        halo->signal_stores.push_back(static_cast<std::uint64_t*>(sig.peer[r]) + topo.rank);
+      else
+        halo->signal_through_transport.push_back(r);
+    }
+    for (int r : halo->recv_from) halo->signal_waits.push_back(static_cast<const std::uint64_t*>(sig.local) + r);
+  } else {
+    halo->signal_through_transport = halo->send_to;
   }
   return halo;
 }
@@ -189,14 +204,15 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
     else
       t.put_strided(w, r.peer, r.dst_offset, r.dst_pitch, src, r.src_pitch, r.width, r.height, stream);
   }
+  // One signal per neighbour, after its data: through its transport (after the data on the
+  // same transport), or as a store into its mapped word (after the stream's earlier work).
+  for (int r : halo.signal_through_transport)
+    route(*halo.sig, r, call).put(*halo.sig, r, 0, nullptr, 0, SignalUpdate{halo.sig.get(), static_cast<std::size_t>(topo.rank), epoch, SignalOp::Set}, stream);
   if (w.memory == Memory::Device) {
-    device->signal_and_wait(*halo.sig, halo.send_to, halo.recv_from, epoch, stream);
+    device->store_and_wait(halo.signal_stores, halo.signal_waits, epoch, stream, call);
     return;
   }
-  // Host windows: one signal per neighbour, after its data on the same transport; then
-  // wait until every neighbour's signal for this exchange is here.
-  for (int r : halo.send_to)
-    route(*halo.sig, r, call).put(*halo.sig, r, 0, nullptr, 0, SignalUpdate{halo.sig.get(), static_cast<std::size_t>(topo.rank), epoch, SignalOp::Set}, nullptr);
+  // Host windows: wait until every neighbour's signal for this exchange is here.
   const auto* words = static_cast<const std::uint64_t*>(halo.sig->local);
   auto arrived = [&](int r) { return __atomic_load_n(words + r, __ATOMIC_ACQUIRE) >= epoch; };
   wait_host([&] { return std::all_of(halo.recv_from.begin(), halo.recv_from.end(), arrived); },

@@ -14,7 +14,7 @@ NodeMeeting::NodeMeeting(Bootstrap& boot, FdExchange& fds, const Topology& topo,
   create_host_part(pages_, boot, what);
   std::vector<bool> map_peer(static_cast<std::size_t>(topo.size), false);
   for (int r : topo.node_ranks) map_peer[r] = true;
-  connect_host_peers(pages_, boot, fds, topo, map_peer, what);
+  mapped_ = map_host_peers(pages_, boot, fds, topo, map_peer, what);
 }
 
 void NodeMeeting::meet(bool note, std::vector<bool>& notes, const char* what) {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "meshmem/ipc/shared_memory.hpp"
 #include "window_state.hpp"
 
 namespace meshmem::detail {
@@ -38,6 +39,7 @@ class NodeMeeting {
   Bootstrap& boot_;
   const Topology& topo_;
   WindowState pages_;  // host window of one page per rank
+  std::vector<ipc::MappedRegion> mapped_;  // the node peers' pages
   std::uint64_t meeting_ = 0;
 };
 

@@ -48,19 +48,51 @@ struct MpiTransport::Request {
   std::uint64_t signal_value;
 };
 
-MpiTransport::MpiTransport(MPI_Comm parent, std::chrono::milliseconds timeout)
-    : requests_(MpiComm::dup(parent, "meshmem::Comm (mpi transport)")),
-      replies_(MpiComm::dup(parent, "meshmem::Comm (mpi transport)")),
-      timeout_(timeout) {
+std::unique_ptr<Transport> make_mpi_transport(const CommContext& ctx) { return std::make_unique<MpiTransport>(ctx); }
+
+MpiTransport::MpiTransport(const CommContext& ctx) : ctx_(ctx), timeout_(ctx.options.timeout) {}
+
+Reach MpiTransport::reach(int, Memory memory) const {
+  if (memory != Memory::Host) return Reach::no("device windows over MPI are not implemented yet");
+  return Reach::yes();
+}
+
+void MpiTransport::connect(const std::vector<bool>&) {
+  const char* what = "meshmem::Comm (mpi transport)";
+  int provided = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&provided);
+  ctx_.boot.agree(provided >= MPI_THREAD_MULTIPLE, ErrorCode::Unsupported,
+                  "the mpi transport serves one-sided requests from a progress thread and needs "
+                  "MPI_THREAD_MULTIPLE, but MPI was initialised with thread level " +
+                      std::to_string(provided) + "; call MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)",
+                  "meshmem::Comm");
+  requests_ = MpiComm::dup(ctx_.boot.comm(), what);
+  replies_ = MpiComm::dup(ctx_.boot.comm(), what);
   int size = 0;
-  check_mpi(MPI_Comm_rank(requests_.get(), &rank_), "MPI_Comm_rank", "meshmem::Comm");
-  check_mpi(MPI_Comm_size(requests_.get(), &size), "MPI_Comm_size", "meshmem::Comm");
+  check_mpi(MPI_Comm_rank(requests_.get(), &rank_), "MPI_Comm_rank", what);
+  check_mpi(MPI_Comm_size(requests_.get(), &size), "MPI_Comm_size", what);
   unflushed_.assign(static_cast<std::size_t>(size), 0);
   check_mpi(MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, stop_on_finalize, &finalize_keyval_, nullptr),
-            "MPI_Comm_create_keyval", "meshmem::Comm");
-  check_mpi(MPI_Comm_set_attr(MPI_COMM_SELF, finalize_keyval_, this), "MPI_Comm_set_attr",
-            "meshmem::Comm");
+            "MPI_Comm_create_keyval", what);
+  check_mpi(MPI_Comm_set_attr(MPI_COMM_SELF, finalize_keyval_, this), "MPI_Comm_set_attr", what);
   progress_ = std::thread([this] { serve(); });
+}
+
+namespace {
+class MpiRegistration final : public WindowAttachment {
+ public:
+  MpiRegistration(MpiTransport& t, std::uint64_t id) : t_(t), id_(id) {}
+  ~MpiRegistration() override { t_.unregister_window(id_); }
+
+ private:
+  MpiTransport& t_;
+  std::uint64_t id_;
+};
+}  // namespace
+
+std::unique_ptr<WindowAttachment> MpiTransport::attach(WindowState& win, const std::vector<bool>&, const std::string&) {
+  register_window(win);
+  return std::make_unique<MpiRegistration>(*this, win.id);
 }
 
 MpiTransport::~MpiTransport() {
@@ -166,7 +198,7 @@ void MpiTransport::get(void* dst, const WindowState& win, int target, std::size_
   for (auto& recv : recvs) wait(&recv, "MPI_Irecv", target, what, true);
 }
 
-void MpiTransport::quiet() {
+void MpiTransport::quiet(Stream) {
   const std::string what = "mpi transport quiet on rank " + std::to_string(rank_);
   // A flush is served after every earlier request of this origin (MPI ordering), so its
   // answer means they are all applied.

@@ -19,16 +19,28 @@ namespace meshmem::detail {
 
 class MpiTransport final : public Transport {
  public:
-  // Collective over `parent` (duplicates it twice). Starts the progress thread.
-  MpiTransport(MPI_Comm parent, std::chrono::milliseconds timeout);
+  explicit MpiTransport(const CommContext& ctx);
   ~MpiTransport() override;  // stops the progress thread; the Comm has quieted and agreed
 
   TransportKind kind() const override { return TransportKind::Mpi; }
+  Capabilities capabilities() const override { return Capabilities{false, false, true}; }
+  bool serves(Memory memory) const override { return memory == Memory::Host; }
+  Reach reach(int rank, Memory memory) const override;
+  // Collective: checks MPI_THREAD_MULTIPLE (on every rank), duplicates the communicator
+  // twice and starts the progress thread.
+  void connect(const std::vector<bool>& routed) override;
+  // Registers the window with the progress thread (before any peer can learn of it: the
+  // Comm agrees after attaching); the attachment unregisters it.
+  std::unique_ptr<WindowAttachment> attach(WindowState& win, const std::vector<bool>& routed,
+                                           const std::string& what) override;
   void put(const WindowState& win, int target, std::size_t offset, const void* src,
            std::size_t bytes, const SignalUpdate& signal, Stream stream) override;
   void get(void* dst, const WindowState& win, int target, std::size_t offset,
            std::size_t bytes, Stream stream) override;
-  void quiet() override;
+  void quiet(Stream stream) override;
+  bool progress() override { return serve_one(); }
+  void waiter_begins() override { waiting_servers_.fetch_add(1, std::memory_order_acq_rel); }
+  void waiter_ends() override { waiting_servers_.fetch_sub(1, std::memory_order_acq_rel); }
 
   // Windows the progress thread may serve, by id.
   void register_window(const WindowState& win);
@@ -36,7 +48,7 @@ class MpiTransport final : public Transport {
 
   // Stops the progress thread; also called when MPI_Finalize starts (MPI_COMM_SELF
   // attribute), so that the thread never calls MPI after it.
-  void stop() noexcept;
+  void stop() noexcept override;
 
   // Serves at most one waiting request, unless another thread is serving; true if it did.
   // Threads that wait (wait_until, the transport's own waits) call it: handing each request
@@ -75,6 +87,7 @@ class MpiTransport final : public Transport {
   // answer); waits for this rank's own sends do not, so as not to slow them down with probes.
   void wait(MPI_Request* req, const char* call, int peer, const std::string& what, bool serve = false);
 
+  CommContext ctx_;
   MpiComm requests_;  // origin -> target's progress thread
   MpiComm replies_;   // target's progress thread -> origin's calling thread
   int rank_ = 0;
@@ -90,5 +103,7 @@ class MpiTransport final : public Transport {
   std::thread progress_;
   int finalize_keyval_ = MPI_KEYVAL_INVALID;
 };
+
+std::unique_ptr<Transport> make_mpi_transport(const CommContext& ctx);
 
 }  // namespace meshmem::detail

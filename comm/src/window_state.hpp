@@ -1,5 +1,5 @@
-// What a Window handle points to: the window's identity, its memory here, and the peers'
-// memory mapped here.
+// What a Window handle points to: the window's identity, its memory here, the peers'
+// memory mapped here, and what each transport keeps for it.
 #pragma once
 
 #include <cstddef>
@@ -13,10 +13,17 @@ namespace meshmem::detail {
 
 class CommImpl;
 
-// Owner of a window's memory on this rank (its own part and the peers' mappings).
+// Owner of this rank's part of a window (memfd, VMM allocation, device peer table).
 class WindowMemory {
  public:
   virtual ~WindowMemory() = default;
+};
+
+// What one transport keeps for one window (peer mappings, a registration); its destructor
+// detaches the window from the transport.
+class WindowAttachment {
+ public:
+  virtual ~WindowAttachment() = default;
 };
 
 struct WindowState {
@@ -30,8 +37,18 @@ struct WindowState {
   std::vector<void*> peer;         // rank -> mapped pointer, or nullptr
   void* device_peer_table = nullptr;  // device windows: `peer` copied to device memory
   std::unique_ptr<WindowMemory> storage;
+  std::vector<std::unique_ptr<WindowAttachment>> attachments;  // in attach order
 
   bool freed() const { return owner == nullptr; }
+
+  // Detaches the transports (last attached first), then frees this rank's part.
+  void release_memory() {
+    while (!attachments.empty()) attachments.pop_back();
+    peer.clear();
+    device_peer_table = nullptr;
+    storage.reset();
+    local = nullptr;
+  }
 };
 
 }  // namespace meshmem::detail

@@ -12,12 +12,12 @@ ninja=$(command -v ninja || echo /opt/torch/.venv/bin/ninja)
 for mutant in auto event proxy; do
   m=/tmp/mut-$mutant
   rm -rf $m && mkdir -p $m && cp -r comm ipc tests examples bench cmake launch CMakeLists.txt $m/ 2>/dev/null
-  f=$m/comm/src/cuda/device_backend_cuda.cpp
+  f=$m/comm/src/cuda/stream_barrier.cpp
   filter='*BusyAndIdle*'
   env=()
   case $mutant in
-    auto) sed -i 's/    if (std::none_of(topo.node_ranks.begin(), topo.node_ranks.end(), \[&\](int r) { return peer_busy_\[r\]; })) return;/    return;/' $f ;;
-    event) sed -i 's/if (r != topo.rank \&\& peer_busy_\[r\])/if (false)/' $f; env=(MESHMEM_BARRIER=event) ;;
+    auto) sed -i 's/    if (std::any_of(topo_.node_ranks.begin(), topo_.node_ranks.end(), \[&\](int r) { return busy_\[r\]; }))/    if (false)/' $f ;;
+    event) sed -i 's/      if (r == topo_.rank || !busy_\[r\]) continue;/      continue;/' $f; env=(MESHMEM_BARRIER=event) ;;
     proxy) f=$m/comm/src/cuda/stream_barrier_proxy.cpp
            sed -i 's/      boot_.arrive("comm.barrier(stream)");/      (void)0;/' $f
            filter='*AcrossNodes*'; env=(MESHMEM_SIMULATE_NODES=2) ;;

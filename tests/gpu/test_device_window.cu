@@ -160,12 +160,12 @@ TEST_F(DeviceWindow, PutEveryPairDeviceSource) { put_every_pair(*comm, stream, s
 TEST_F(DeviceWindow, PutEveryPairPageableSource) { put_every_pair(*comm, stream, seed, true); }
 
 class DeviceWindowCopyEngine : public DeviceWindow {
-  Options options() override { Options o = options_from_env(); o.sm_copy_max = 0; return o; }
+  Options options() override { Options o = options_from_env(); o.set("MESHMEM_SM_COPY_MAX", "0"); return o; }
 };
 TEST_F(DeviceWindowCopyEngine, PutEveryPairAlwaysCopyEngine) { put_every_pair(*comm, stream, seed, false); }
 
 class DeviceWindowSm : public DeviceWindow {
-  Options options() override { Options o = options_from_env(); o.sm_copy_max = SIZE_MAX; return o; }
+  Options options() override { Options o = options_from_env(); o.set("MESHMEM_SM_COPY_MAX", "1099511627776"); return o; }
 };
 TEST_F(DeviceWindowSm, PutEveryPairAlwaysCopyKernel) { put_every_pair(*comm, stream, seed, false); }
 
@@ -517,4 +517,38 @@ TEST_F(DeviceWindow, HaloBlockDecompositionWithColumns) {
     comm->barrier(stream);
     CUDA_OK(cudaStreamSynchronize(stream));
   }
+}
+
+// A halo neighbour on another (real or simulated) node has no device route yet: the plan is
+// refused on every rank with Error(Unsupported) naming the pair and each transport's reason
+// (c57ba70 accepted it, and complete() then stored signals through a null peer pointer).
+TEST_F(DeviceWindow, HaloAcrossNodesRefusesUnreachableNeighbour) {
+  if (comm->node_count() == 1) GTEST_SKIP() << "needs ranks on several (real or simulated) nodes";
+  Window win = comm->alloc(4096);
+  const int right = (me + 1) % n, left = (me + n - 1) % n;
+  int first = 0;  // the last rank of node 0: its right neighbour is on node 1
+  while (comm->node_of(first + 1) == comm->node_of(first)) ++first;
+  for (int r = 0; r < n; ++r) {
+    const std::string why = comm->unreachable_reason(r, Memory::Device);
+    if (comm->node_of(r) == comm->node()) {
+      EXPECT_TRUE(why.empty()) << why;
+    } else {
+      EXPECT_EQ(comm->transport(r, Memory::Device), TransportKind::None);
+      EXPECT_NE(why.find("ipc: rank " + std::to_string(r) + " is on node"), std::string::npos) << why;
+      EXPECT_NE(why.find("mpi: device windows over MPI are not implemented"), std::string::npos) << why;
+    }
+  }
+  try {
+    HaloExchange halo = comm->make_halo(win, {{right, 0, 2048, 8}, {left, 8, 3072, 8}});
+    ADD_FAILURE() << "make_halo accepted a neighbour that no transport reaches";
+    return;  // complete() would store through a null peer pointer
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Unsupported) << e.what();
+    for (const std::string& p : std::vector<std::string>{"comm.make_halo on rank " + std::to_string(first), "no transport reaches device window",
+                                "of rank " + std::to_string(first + 1), "ipc: rank " + std::to_string(first + 1)})
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << "'" << p << "' not in: " << e.what();
+  }
+  // The Comm stays usable.
+  comm->barrier(stream);
+  CUDA_OK(cudaStreamSynchronize(stream));
 }

@@ -72,3 +72,36 @@ TEST_F(Halo, PlanErrorsFailOnEveryRank) {
   HaloExchange ok = comm.make_halo(win, {{right, 0, 2048 + 8 * static_cast<std::size_t>(me), 8}, {left, 8, 3072, 8}});
   ok.exchange();
 }
+
+// A neighbour that no transport reaches (MESHMEM_TRANSPORTS=shm, ranks on two nodes): the
+// plan is refused on every rank with Error(Unsupported) naming the pair and each transport's
+// reason, before anything is exchanged.
+TEST_F(Halo, UnreachableNeighbourIsRefused) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  Options o = Options::from_environment();
+  o.simulate_nodes = 2;
+  o.transports = {TransportKind::Shm};
+  Comm split(MPI_COMM_WORLD, o);
+  Window win = split.alloc(4096, Memory::Host);
+  const int right = (me + 1) % n, left = (me + n - 1) % n;
+  // The ring crosses from node 0 to node 1 first at the last rank of node 0.
+  int first = 0;
+  while (split.node_of(first + 1) == split.node_of(first)) ++first;
+  try {
+    (void)split.make_halo(win, {{right, 0, 2048, 8}, {left, 8, 3072, 8}});
+    ADD_FAILURE() << "no error raised";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Unsupported) << e.what();
+    for (const std::string& p : std::vector<std::string>{"comm.make_halo on rank " + std::to_string(first),
+                                "no transport reaches host window", "of rank " + std::to_string(first + 1),
+                                "shm: rank " + std::to_string(first + 1) + " is on node 1", "mpi: not in MESHMEM_TRANSPORTS"})
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << "'" << p << "' not in: " << e.what();
+  }
+  for (int r = 0; r < n; ++r) {
+    const bool same = split.node_of(r) == split.node();
+    EXPECT_EQ(split.transport(r, Memory::Host), same ? TransportKind::Shm : TransportKind::None) << "rank " << r;
+    const std::string why = split.unreachable_reason(r, Memory::Host);
+    EXPECT_EQ(why.empty(), same) << why;
+    if (!same) EXPECT_NE(why.find("mpi: not in MESHMEM_TRANSPORTS"), std::string::npos) << why;
+  }
+}

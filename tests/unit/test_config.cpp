@@ -4,6 +4,7 @@
 #include <meshmem/config.hpp>
 #include <meshmem/error.hpp>
 
+#include "knobs.hpp"
 #include "topology.hpp"
 
 using namespace meshmem;
@@ -34,11 +35,8 @@ TEST(Options, Defaults) {
   EXPECT_EQ(o.simulate_nodes, 1);
   EXPECT_EQ(o.fd_passing, FdPassing::Auto);
   EXPECT_EQ(o.transports, (std::vector<TransportKind>{TransportKind::Ipc, TransportKind::Shm, TransportKind::Mpi}));
-  EXPECT_EQ(o.sm_copy_max, 0u);
-  EXPECT_EQ(o.fused_signal_max, 8192u);
-  EXPECT_EQ(o.stream_wait, Options::StreamWait::Auto);
-  EXPECT_EQ(o.barrier, Options::Barrier::Auto);
   EXPECT_EQ(o.log_level, LogLevel::Warn);
+  EXPECT_TRUE(o.tuning().empty());
   EXPECT_EQ(parse({{"MESHMEM_TIMEOUT", ""}}).timeout, std::chrono::minutes(5));  // empty = unset
 }
 
@@ -64,18 +62,59 @@ TEST(Options, SimulateNodesFdPassingLogLevel) {
   EXPECT_EQ(parse({{"MESHMEM_FD_PASSING", "pidfd"}}).fd_passing, FdPassing::Pidfd);
   expect_invalid({{"MESHMEM_FD_PASSING", "fifo"}}, "MESHMEM_FD_PASSING");
   EXPECT_EQ(parse({{"MESHMEM_LOG_LEVEL", "debug"}}).log_level, LogLevel::Debug);
-  EXPECT_EQ(parse({{"MESHMEM_SM_COPY_MAX", "4096"}}).sm_copy_max, 4096u);
+  expect_invalid({{"MESHMEM_LOG_LEVEL", "loud"}}, "MESHMEM_LOG_LEVEL");
+}
+
+// The GPU part's knobs are declared beside its code; this test links meshmem::meshmem, so
+// they are in the table wherever the GPU part was built.
+TEST(Options, GpuPartKnobs) {
+  if (meshmem::detail::find_knob("MESHMEM_BARRIER") == nullptr) {
+#ifdef MESHMEM_TEST_HAVE_GPU_PART
+    FAIL() << "the GPU part was built, but its knobs are not in the table (was it linked?)";
+#else
+    GTEST_SKIP() << "meshmem was built without its GPU part";
+#endif
+  }
+  auto tuned = [](std::map<std::string, std::string> env, const std::string& var) { return parse(env).tuning().at(var); };
+  EXPECT_EQ(tuned({{"MESHMEM_SM_COPY_MAX", "4096"}}, "MESHMEM_SM_COPY_MAX"), "4096");
   expect_invalid({{"MESHMEM_SM_COPY_MAX", "-1"}}, "MESHMEM_SM_COPY_MAX");
   expect_invalid({{"MESHMEM_SM_COPY_MAX", "4k"}}, "MESHMEM_SM_COPY_MAX");
-  EXPECT_EQ(parse({{"MESHMEM_BARRIER", "event"}}).barrier, Options::Barrier::Event);
+  EXPECT_EQ(tuned({{"MESHMEM_BARRIER", "Event "}}, "MESHMEM_BARRIER"), "event");
   expect_invalid({{"MESHMEM_BARRIER", "spin"}}, "MESHMEM_BARRIER");
-  EXPECT_EQ(parse({{"MESHMEM_BARRIER", "kernel"}}).barrier, Options::Barrier::Kernel);
-  EXPECT_EQ(parse({{"MESHMEM_STREAM_WAIT", "kernel"}}).stream_wait, Options::StreamWait::Kernel);
-  EXPECT_EQ(parse({{"MESHMEM_STREAM_WAIT", "memop"}}).stream_wait, Options::StreamWait::Memop);
-  EXPECT_EQ(parse({{"MESHMEM_BARRIER", "flag"}}).barrier, Options::Barrier::Flag);
+  EXPECT_EQ(tuned({{"MESHMEM_BARRIER", "kernel"}}, "MESHMEM_BARRIER"), "kernel");
+  EXPECT_EQ(tuned({{"MESHMEM_STREAM_WAIT", "kernel"}}, "MESHMEM_STREAM_WAIT"), "kernel");
+  EXPECT_EQ(tuned({{"MESHMEM_STREAM_WAIT", "memop"}}, "MESHMEM_STREAM_WAIT"), "memop");
+  EXPECT_EQ(tuned({{"MESHMEM_BARRIER", "flag"}}, "MESHMEM_BARRIER"), "flag");
   expect_invalid({{"MESHMEM_STREAM_WAIT", "busy"}}, "MESHMEM_STREAM_WAIT");
-  EXPECT_EQ(parse({{"MESHMEM_FUSED_SIGNAL_MAX", "0"}}).fused_signal_max, 0u);
-  expect_invalid({{"MESHMEM_LOG_LEVEL", "loud"}}, "MESHMEM_LOG_LEVEL");
+  EXPECT_EQ(tuned({{"MESHMEM_FUSED_SIGNAL_MAX", "0"}}, "MESHMEM_FUSED_SIGNAL_MAX"), "0");
+  // Defaults, as the table prints them.
+  const Options o = parse({});
+  EXPECT_EQ(meshmem::detail::find_knob("MESHMEM_SM_COPY_MAX")->text(o), "0");
+  EXPECT_EQ(meshmem::detail::find_knob("MESHMEM_FUSED_SIGNAL_MAX")->text(o), "8192");
+  EXPECT_EQ(meshmem::detail::find_knob("MESHMEM_BARRIER")->text(o), "auto");
+  EXPECT_EQ(meshmem::detail::find_knob("MESHMEM_STREAM_WAIT")->text(o), "auto");
+  // Set from a program, checked the same way; they change what ranks must agree on.
+  Options p;
+  p.set("MESHMEM_SM_COPY_MAX", "65536");
+  EXPECT_EQ(p.tuning().at("MESHMEM_SM_COPY_MAX"), "65536");
+  EXPECT_NE(p.fingerprint(), o.fingerprint());
+  EXPECT_THROW(p.set("MESHMEM_BARRIER", "spin"), Error);
+}
+
+TEST(Options, Set) {
+  Options o;
+  o.set("MESHMEM_TIMEOUT", "10");
+  EXPECT_EQ(o.timeout, std::chrono::seconds(10));
+  o.set("MESHMEM_TRANSPORTS", "shm,mpi");
+  EXPECT_EQ(o.transports, (std::vector<TransportKind>{TransportKind::Shm, TransportKind::Mpi}));
+  try {
+    o.set("MESHMEM_TIMEOUTS", "10");
+    ADD_FAILURE() << "accepted an unknown variable";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::InvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("MESHMEM_TIMEOUTS is not a meshmem setting"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("MESHMEM_TIMEOUT,"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Options, Transports) {
@@ -96,8 +135,12 @@ TEST(Options, DescribeAndFingerprint) {
   EXPECT_EQ(a.fingerprint(), b.fingerprint());  // the log level may differ per rank
   EXPECT_NE(a.fingerprint(), c.fingerprint());
   const auto lines = a.describe();
-  ASSERT_EQ(lines.size(), 9u);
+  const auto table = meshmem::detail::knob_table();
+  ASSERT_EQ(lines.size(), table.size());
+  for (std::size_t i = 0; i < lines.size(); ++i)
+    EXPECT_EQ(lines[i].rfind(std::string(table[i]->name()) + "=", 0), 0u) << lines[i];
   EXPECT_EQ(lines[0].rfind("MESHMEM_TIMEOUT=10000ms", 0), 0u) << lines[0];
+  EXPECT_EQ(a.fingerprint().find("MESHMEM_LOG_LEVEL"), std::string::npos) << a.fingerprint();
 }
 
 TEST(Error, MessageAndCode) {

@@ -141,8 +141,11 @@ class Comm {
   // overlap, and a neighbour that does not list this rank back are errors naming both.
   HaloExchange make_halo(const Window& win, const std::vector<HaloRegion>& sends);
 
-  // Which path reaches `rank` for windows of kind `memory`.
+  // Which path reaches `rank` for windows of kind `memory` (None: no transport does).
   TransportKind transport(int rank, Memory memory) const;
+  // Why no transport reaches `rank` for windows of kind `memory`, each transport's reason
+  // ("ipc: ...; shm: ...; mpi: ..."); empty where one does.
+  std::string unreachable_reason(int rank, Memory memory) const;
   // How descriptors are passed between ranks of this node.
   FdPassing fd_passing() const;
   // This rank's device and the barrier / stream-wait variants chosen for it, or why device

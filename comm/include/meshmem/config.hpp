@@ -1,10 +1,11 @@
-// Options read from the MESHMEM_* environment variables (documented in README.md).
-// CUDA-free and MPI-free so that parsing is unit-testable anywhere.
+// Options read from the MESHMEM_* environment variables (documented in README.md, parsed
+// through the knob table of comm/src/knobs.hpp). CUDA-free and MPI-free.
 #pragma once
 
 #include <chrono>
 #include <cstddef>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -28,47 +29,48 @@ const char* to_string(FdPassing mode) noexcept;
 enum class LogLevel { Error, Warn, Info, Debug };
 const char* to_string(LogLevel level) noexcept;
 
+namespace detail {
+template <class T>
+class TuningKnob;
+}
+
+// What a program may set. Every field is also a MESHMEM_* variable (README, "Configuration";
+// `meshmem-info` prints them all). Transports have tuning knobs of their own (copy-kernel
+// thresholds, barrier variants, ...): set them with set(), by their variable's name.
 struct Options {
-  // MESHMEM_TIMEOUT: how long a host-side wait may take. "0" or "inf": forever.
+  // MESHMEM_TIMEOUT: how long a wait may take. "0" or "inf": forever.
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   // MESHMEM_SIMULATE_NODES: split each real node into this many simulated nodes.
   int simulate_nodes = 1;
   // MESHMEM_FD_PASSING
   FdPassing fd_passing = FdPassing::Auto;
-  // MESHMEM_TRANSPORTS: the transports allowed, in the order they are tried.
+  // MESHMEM_TRANSPORTS: the transports allowed, in the order tried.
   std::vector<TransportKind> transports{TransportKind::Ipc, TransportKind::Shm, TransportKind::Mpi};
-  // MESHMEM_SM_COPY_MAX: device puts/gets up to this many bytes run as a copy kernel on the
-  // SMs, larger ones on the copy engine. 0 (measured fastest on H200, bench/results): always
-  // the copy engine.
-  std::size_t sm_copy_max = 0;
-  // MESHMEM_FUSED_SIGNAL_MAX: a device put_signal up to this many bytes is one kernel that
-  // copies and then signals; larger ones are a copy-engine copy followed by a stream write.
-  std::size_t fused_signal_max = 8192;
-  // MESHMEM_BARRIER: how barrier(stream) synchronises the ranks of a node: flag words
-  // through stream memory operations, a one-block kernel polling the same flags (neither
-  // involves the host), or IPC events after a host meeting. Auto: a host meeting through
-  // shared memory, where ranks whose stream is idle need nothing more; if any stream has
-  // work, the kernel barrier, or flag where two ranks of a node share a GPU (a polling
-  // kernel would hold a time-sliced GPU from the ranks it waits for).
-  enum class Barrier { Auto, Flag, Kernel, Event } barrier = Barrier::Auto;
-  // MESHMEM_STREAM_WAIT: how wait_until(stream) waits: stream memory operations (the GPU's
-  // front end polls, no SM is held) or a one-thread polling kernel (lower latency). Auto:
-  // kernel where this rank's GPU is its own, memop otherwise.
-  enum class StreamWait { Auto, Memop, Kernel } stream_wait = StreamWait::Auto;
   // MESHMEM_LOG_LEVEL
   LogLevel log_level = LogLevel::Warn;
 
   bool waits_forever() const { return timeout.count() == 0; }
 
-  // Parses from a getenv-like lookup; an unparsable value raises Error(InvalidArgument)
-  // naming the variable and the value.
+  // Sets any MESHMEM_* variable as if it were in the environment (the fields above
+  // included); raises Error(InvalidArgument) for an unknown name or an invalid value.
+  void set(const std::string& variable, const std::string& value);
+  // The transports' knobs set so far (by set() or parse()), by name, canonical values.
+  const std::map<std::string, std::string>& tuning() const { return tuning_; }
+
+  // Parses every known MESHMEM_* variable from a getenv-like lookup; an unparsable value
+  // raises Error(InvalidArgument) naming the variable and the value.
   static Options parse(const std::function<const char*(const char*)>& lookup);
   static Options from_environment();
 
   // One line per variable, "NAME=value (meaning)", for the diagnostics tool and logs.
   std::vector<std::string> describe() const;
-  // A canonical string of every setting, compared across ranks at Comm creation.
+  // A canonical string of every setting the ranks must agree on, compared at Comm creation.
   std::string fingerprint() const;
+
+ private:
+  template <class T>
+  friend class detail::TuningKnob;
+  std::map<std::string, std::string> tuning_;
 };
 
 }  // namespace meshmem

@@ -1,11 +1,113 @@
+#define MESHMEM_DEFINING_GPU_PART
 #include "transport_ipc.hpp"
 
 #include <string>
 
+#include "../bootstrap.hpp"
+#include "../fd_exchange.hpp"
+#include "../gpu_part.hpp"
+#include "../knobs.hpp"
+#include "../log.hpp"
+#include "../topology.hpp"
+#include "device_runtime.hpp"
+#include "device_window.hpp"
 #include "kernels.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
+#include "meshmem/ipc/vmm.hpp"
 
 namespace meshmem::detail {
+
+namespace {
+
+const TuningKnob<std::size_t> kSmCopyMax{
+    "ipc", "MESHMEM_SM_COPY_MAX", 0, parse_bytes, print_number,
+    "device puts/gets up to this many bytes run as a copy kernel on the SMs, larger ones on the copy engine "
+    "(measured: the copy engine is faster at every size on H200, so 0)"};
+const TuningKnob<std::size_t> kFusedSignalMax{
+    "ipc", "MESHMEM_FUSED_SIGNAL_MAX", 8192, parse_bytes, print_number,
+    "a device `put_signal` up to this size is one kernel that copies then signals; larger: copy engine, then a "
+    "stream write of the signal"};
+
+// The node peers' parts of one device window, mapped here.
+class IpcAttachment final : public WindowAttachment {
+ public:
+  ~IpcAttachment() override {
+    // Work of this device may still use the mappings: let it finish before unmapping.
+    (void)cudaDeviceSynchronize();
+  }
+  std::vector<ipc::PeerMapping> peers;  // by rank; empty where not mapped
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_ipc_transport(const CommContext& ctx) { return std::make_unique<IpcTransport>(ctx); }
+
+IpcTransport::IpcTransport(const CommContext& ctx)
+    : ctx_(ctx),
+      device_(static_cast<CudaDeviceRuntime*>(ctx.device)),
+      sm_copy_max_(kSmCopyMax.get(ctx.options)),
+      fused_signal_max_(kFusedSignalMax.get(ctx.options)) {
+  const Topology& topo = ctx_.topo;
+  no_route_.assign(static_cast<std::size_t>(topo.size), std::string());
+  for (int r = 0; r < topo.size; ++r)
+    if (!topo.same_node(r))
+      no_route_[r] = "rank " + std::to_string(r) + " is on node " + std::to_string(topo.node_of[r]) +
+                     ", this rank on node " + std::to_string(topo.node()) +
+                     " (device windows across nodes need the NCCL/MPI transport, not implemented yet)";
+  if (device_ != nullptr) probe_peers();
+}
+
+// Maps one granule of every node peer: where that fails (no peer access between the two
+// GPUs, or the driver refuses), the pair is not reached, and says why.
+void IpcTransport::probe_peers() {
+  const std::string what = "meshmem::Comm (ipc peer probe)";
+  const Topology& topo = ctx_.topo;
+  const std::size_t granule = device_->granularity();
+  ipc::VmmAllocation probe;
+  ipc::UniqueFd fd;
+  agreed_step(ctx_.boot, what, [&] {
+    probe = ipc::VmmAllocation::create(granule, device_->device());
+    fd = probe.export_fd();
+  });
+  std::vector<ipc::UniqueFd> received = ctx_.fds.exchange(fd.get(), what);
+  for (int r : topo.node_ranks) {
+    if (r == topo.rank) continue;
+    try {
+      ipc::PeerMapping m = ipc::PeerMapping::import(received[r].get(), granule, device_->device());
+    } catch (const Error& e) {
+      no_route_[r] = "the GPU memory of rank " + std::to_string(r) + " cannot be mapped for " + device_->describe() +
+                     " (no peer access between the GPUs?): " + e.what() +
+                     " (the staged transport for such pairs is not implemented yet)";
+      log(LogLevel::Warn, "ipc transport: no route to rank " + std::to_string(r) + ": " + no_route_[r]);
+    }
+  }
+}
+
+Reach IpcTransport::reach(int rank, Memory memory) const {
+  if (memory != Memory::Device) return Reach::no("device windows only");
+  if (device_ == nullptr) return Reach::no("device windows are unavailable");
+  if (!no_route_[rank].empty()) return Reach::no(no_route_[rank]);
+  return Reach::yes();
+}
+
+std::unique_ptr<WindowAttachment> IpcTransport::attach(WindowState& win, const std::vector<bool>& routed,
+                                                       const std::string& what) {
+  const Topology& topo = ctx_.topo;
+  const auto& memory = static_cast<const DeviceWindowMemory&>(*win.storage);
+  ipc::UniqueFd fd;
+  agreed_step(ctx_.boot, what, [&] { fd = memory.mine.export_fd(); });
+  std::vector<ipc::UniqueFd> received = ctx_.fds.exchange(fd.get(), what);
+  auto attachment = std::make_unique<IpcAttachment>();
+  attachment->peers.resize(static_cast<std::size_t>(topo.size));
+  agreed_step(ctx_.boot, what, [&] {
+    for (int r : topo.node_ranks) {
+      if (r == topo.rank || !routed[r]) continue;
+      attachment->peers[r] = ipc::PeerMapping::import(received[r].get(), memory.bytes, device_->device());
+      win.peer[r] = attachment->peers[r].data();
+    }
+  });
+  return attachment;
+}
 
 bool device_accessible(const void* p) {
   cudaPointerAttributes attr{};
@@ -26,7 +128,7 @@ bool IpcTransport::use_sm(const void* local, std::size_t bytes, std::size_t max)
 }
 
 std::string IpcTransport::what(const char* op, int target) const {
-  return std::string("ipc ") + op + " between rank " + std::to_string(rank_) + " and rank " + std::to_string(target);
+  return std::string("ipc ") + op + " between rank " + std::to_string(ctx_.topo.rank) + " and rank " + std::to_string(target);
 }
 
 void IpcTransport::put(const WindowState& win, int target, std::size_t offset, const void* src,

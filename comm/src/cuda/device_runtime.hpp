@@ -1,0 +1,76 @@
+// CudaDeviceRuntime: the device side of a Comm on one CUDA device (DeviceRuntime of
+// ../device_runtime.hpp): facts about the device gathered once, device window memory,
+// stream waits on this rank's signal words, halo copy plans, and the barrier(stream)
+// variant.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <string>
+
+#include "../device_runtime.hpp"
+#include "../transport.hpp"
+
+namespace meshmem::detail {
+
+struct CudaFree {
+  void operator()(void* p) const noexcept {
+    if (p != nullptr) (void)cudaFree(p);
+  }
+};
+using DevicePtr = std::unique_ptr<void, CudaFree>;
+
+class OwnedStream {
+ public:
+  explicit OwnedStream(const std::string& what);
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
+  ~OwnedStream();
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+class CudaDeviceRuntime final : public DeviceRuntime {
+ public:
+  // Collective over the Comm.
+  CudaDeviceRuntime(const CommContext& ctx, int device);
+
+  int device() const override { return device_; }
+  std::string describe() const override { return description_; }
+  void create_local(WindowState& state, const std::string& what) override;
+  void publish(WindowState& state, const std::string& what) override;
+  void wait_until(const WindowState& sig, std::size_t index, Cmp cmp, std::uint64_t value, Stream stream) override;
+  void store_and_wait(const std::vector<std::uint64_t*>& stores, const std::vector<const std::uint64_t*>& waits,
+                      std::uint64_t value, Stream stream, const char* call) override;
+  std::unique_ptr<DeviceCopyPlan> make_copy_plan(const std::vector<DeviceCopy>& copies) override;
+  std::unique_ptr<StreamBarrier> make_barrier(const CommContext& ctx, const BarrierContext& bctx) override;
+
+  // Every rank's window parts are rounded to this (the largest granularity of the ranks).
+  std::size_t granularity() const { return granularity_; }
+  // Another rank of this node runs on this rank's GPU (same PCI bus id).
+  bool shared_gpu() const { return shared_gpu_; }
+  // Some rank of the Comm shares its GPU with another.
+  bool any_shared_gpu() const { return any_shared_; }
+  // Extra flags of stream waits (flush of remote writes where the device can).
+  unsigned wait_flags() const { return wait_flags_; }
+
+ private:
+  std::string where(const char* call) const { return std::string(call) + " on rank " + std::to_string(rank_); }
+
+  int rank_;
+  int size_;
+  int device_;
+  std::string description_;
+  std::size_t granularity_ = 0;
+  bool shared_gpu_ = false;
+  bool any_shared_ = false;
+  unsigned wait_flags_ = 0;
+  bool wait_kernel_ = false;  // MESHMEM_STREAM_WAIT resolved
+  OwnedStream setup_stream_;
+};
+
+}  // namespace meshmem::detail
