@@ -30,15 +30,6 @@ const TuningKnob<StreamWait> kStreamWait{
     "put_signal latency); `auto` = `kernel` unless this rank's GPU is shared (a polling kernel would hold a "
     "time-sliced GPU from the ranks it waits for)"};
 
-void run_batch(std::vector<CUstreamBatchMemOpParams>& ops, Stream stream, const std::string& what) {
-  // The driver takes at most 256 operations a call; the parts stay in order on the stream.
-  for (std::size_t i = 0; i < ops.size(); i += 256) {
-    const unsigned count = static_cast<unsigned>(std::min<std::size_t>(256, ops.size() - i));
-    const CUresult rc = ipc::cuda_driver().cuStreamBatchMemOp(stream, count, ops.data() + i, 0);
-    if (rc != CUDA_SUCCESS) ipc::check_cu(rc, "cuStreamBatchMemOp", what);
-  }
-}
-
 class KernelCopyPlan final : public DeviceCopyPlan {
  public:
   KernelCopyPlan(const std::vector<DeviceCopy>& copies, int rank) : count_(static_cast<int>(copies.size())), rank_(rank) {
@@ -67,6 +58,15 @@ class KernelCopyPlan final : public DeviceCopyPlan {
 };
 
 }  // namespace
+
+void run_stream_batch(std::vector<CUstreamBatchMemOpParams>& ops, Stream stream, const char* call, int rank) {
+  // The driver takes at most 256 operations a call; the parts stay in order on the stream.
+  for (std::size_t i = 0; i < ops.size(); i += 256) {
+    const unsigned count = static_cast<unsigned>(std::min<std::size_t>(256, ops.size() - i));
+    const CUresult rc = ipc::cuda_driver().cuStreamBatchMemOp(stream, count, ops.data() + i, 0);
+    if (rc != CUDA_SUCCESS) ipc::check_cu(rc, "cuStreamBatchMemOp", std::string(call) + " on rank " + std::to_string(rank));
+  }
+}
 
 OwnedStream::OwnedStream(const std::string& what) {
   ipc::check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", what);
@@ -165,7 +165,7 @@ void CudaDeviceRuntime::store_and_wait(const std::vector<std::uint64_t*>& stores
     op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ | wait_flags_;
     ops.push_back(op);
   }
-  if (!ops.empty()) run_batch(ops, stream, where(call));
+  if (!ops.empty()) run_stream_batch(ops, stream, call, rank_);
 }
 
 std::unique_ptr<DeviceCopyPlan> CudaDeviceRuntime::make_copy_plan(const std::vector<DeviceCopy>& copies) {

@@ -9,6 +9,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "../device_runtime.hpp"
 #include "../transport.hpp"
@@ -21,6 +22,10 @@ struct CudaFree {
   }
 };
 using DevicePtr = std::unique_ptr<void, CudaFree>;
+
+// Enqueues stream memory operations in order, 256 per driver call (the driver's limit).
+// The error message (call, rank) is built only when a call fails: this is a hot path.
+void run_stream_batch(std::vector<CUstreamBatchMemOpParams>& ops, Stream stream, const char* call, int rank);
 
 class OwnedStream {
  public:

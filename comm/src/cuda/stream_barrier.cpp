@@ -100,12 +100,7 @@ class FlagBarrier final : public StreamBarrier, FlagWords {
   void arrive(Stream stream) override {
     const std::uint64_t epoch = next();
     for (auto& op : ops_) op.writeValue.value64 = epoch;  // waitValue.value64 aliases it
-    // The driver takes at most 256 operations a call; the parts stay in order on the stream.
-    for (std::size_t i = 0; i < ops_.size(); i += 256) {
-      const unsigned count = static_cast<unsigned>(std::min<std::size_t>(256, ops_.size() - i));
-      const CUresult rc = ipc::cuda_driver().cuStreamBatchMemOp(stream, count, ops_.data() + i, 0);
-      if (rc != CUDA_SUCCESS) ipc::check_cu(rc, "cuStreamBatchMemOp", where(topo_));
-    }
+    run_stream_batch(ops_, stream, "comm.barrier(stream)", topo_.rank);
   }
   std::string describe() const override { return "flag"; }
 
