@@ -68,7 +68,10 @@ int main(int argc, char** argv) {
     // Each rank's row of the transport table, gathered to rank 0.
     std::string reasons;
     const std::string row = row_of(comm, meshmem::Memory::Host, &reasons);
-    const std::string drow = row_of(comm, meshmem::Memory::Device, &reasons);
+    // Without device windows, device_info() says why once; no reasons per pair.
+    std::string no_device_reasons;
+    const bool device = comm.device_info().rfind("none", 0) != 0;
+    const std::string drow = row_of(comm, meshmem::Memory::Device, device ? &reasons : &no_device_reasons);
     std::string text = "rank " + std::to_string(me) + " (node " + std::to_string(comm.node()) +
                        "): host windows -> " + row + "; device windows -> " + drow + "; " + comm.device_info() + "\n" +
                        reasons;

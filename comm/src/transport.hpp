@@ -49,6 +49,8 @@ struct Capabilities {
                                 // loads and stores: kernels and stream memory operations may
                                 // write through them (device views, halo copy kernels)
   bool signal_add = true;       // SignalOp::Add is supported
+  bool capturable = false;      // put / get / signals enqueue only stream work (no host step),
+                                // so they can be captured into a CUDA graph
 };
 
 // Where a signal update goes: word `index` of a signals window.

@@ -23,7 +23,7 @@ class MpiTransport final : public Transport {
   ~MpiTransport() override;  // stops the progress thread; the Comm has quieted and agreed
 
   TransportKind kind() const override { return TransportKind::Mpi; }
-  Capabilities capabilities() const override { return Capabilities{false, false, true}; }
+  Capabilities capabilities() const override { return Capabilities{false, false, true, false}; }
   bool serves(Memory memory) const override { return memory == Memory::Host; }
   Reach reach(int rank, Memory memory) const override;
   // Collective: checks MPI_THREAD_MULTIPLE (on every rank), duplicates the communicator

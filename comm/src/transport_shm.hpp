@@ -10,7 +10,7 @@ class ShmTransport final : public Transport {
  public:
   explicit ShmTransport(const CommContext& ctx) : ctx_(ctx) {}
   TransportKind kind() const override { return TransportKind::Shm; }
-  Capabilities capabilities() const override { return Capabilities{false, true, true}; }
+  Capabilities capabilities() const override { return Capabilities{false, true, true, false}; }
   bool serves(Memory memory) const override { return memory == Memory::Host; }
   Reach reach(int rank, Memory memory) const override;
   std::unique_ptr<WindowAttachment> attach(WindowState& win, const std::vector<bool>& routed,

@@ -21,7 +21,7 @@ class IpcTransport final : public Transport {
   // Collective: maps one granule of every node peer, to learn which it can map.
   explicit IpcTransport(const CommContext& ctx);
   TransportKind kind() const override { return TransportKind::Ipc; }
-  Capabilities capabilities() const override { return Capabilities{true, true, true}; }
+  Capabilities capabilities() const override { return Capabilities{true, true, true, true}; }
   bool serves(Memory memory) const override { return memory == Memory::Device && device_ != nullptr; }
   Reach reach(int rank, Memory memory) const override;
   std::unique_ptr<WindowAttachment> attach(WindowState& win, const std::vector<bool>& routed,
