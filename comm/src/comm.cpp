@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 
@@ -128,9 +129,7 @@ CommImpl::CommImpl(MPI_Comm comm, const Options& opts)
   log(LogLevel::Info, "Comm #" + std::to_string(uid) + ": rank " + std::to_string(topo.rank) + " of " +
                           std::to_string(topo.size) + ", node " + std::to_string(topo.node()) + " of " +
                           std::to_string(topo.node_count) + ", fd passing " + to_string(fds->mode()) +
-                          ", transports in use: " + (names.empty() ? "none" : names) + ", device: " +
-                          (device ? device->describe() + ", barrier(stream): " + stream_barrier->describe()
-                                  : "none (" + device_why + ")"));
+                          ", transports in use: " + (names.empty() ? "none" : names) + ", device: " + device_info());
 }
 
 // The transports of the table that MESHMEM_TRANSPORTS allows are made (collectively: every
@@ -151,12 +150,8 @@ void CommImpl::select_transports() {
   for (const auto& t : made) tried.push_back(t.get());
   routes = std::make_unique<RouteTable>(tried, left_out, topo.size);
   for (auto& t : made) {
-    std::vector<bool> routed(static_cast<std::size_t>(topo.size), false);
-    bool any = false;
-    for (int r = 0; r < topo.size; ++r) {
-      routed[r] = routes->routes_through(t.get(), r);
-      any = any || routed[r];
-    }
+    const std::vector<bool> routed = routes->ranks_through(t.get());
+    const bool any = std::find(routed.begin(), routed.end(), true) != routed.end();
     if (boot.allreduce_max(any ? 1 : 0, what) == 0) continue;  // nobody uses it: dropped
     t->connect(routed);
     transports.push_back(std::move(t));
@@ -184,6 +179,10 @@ CommImpl::~CommImpl() {
   for (auto& t : transports) t->stop();
   transports.clear();
   device.reset();
+}
+
+std::string CommImpl::device_info() const {
+  return device ? device->describe() + ", barrier(stream) " + stream_barrier->describe() : "none: " + device_why;
 }
 
 std::string CommImpl::where(const char* call) const {
@@ -309,8 +308,7 @@ std::shared_ptr<WindowState> CommImpl::alloc(std::size_t bytes, Memory memory, b
   try {
     for (const auto& t : transports) {
       if (!t->serves(memory)) continue;
-      std::vector<bool> routed(static_cast<std::size_t>(topo.size), false);
-      for (int r = 0; r < topo.size; ++r) routed[r] = routes->routes_through(t.get(), r, memory);
+      const std::vector<bool> routed = routes->ranks_through(t.get(), memory);
       agreed_step(boot, call, [&] {
         if (auto a = t->attach(*state, routed, call)) state->attachments.push_back(std::move(a));
       });
@@ -535,11 +533,7 @@ int Comm::node_count() const { return live(impl_).topo.node_count; }
 MPI_Comm Comm::mpi_comm() const { return live(impl_).boot.comm(); }
 const Options& Comm::options() const { return live(impl_).options; }
 FdPassing Comm::fd_passing() const { return live(impl_).fds->mode(); }
-std::string Comm::device_info() const {
-  const auto& impl = live(impl_);
-  return impl.device ? impl.device->describe() + ", barrier(stream) " + impl.stream_barrier->describe()
-                     : "none: " + impl.device_why;
-}
+std::string Comm::device_info() const { return live(impl_).device_info(); }
 
 Window Comm::alloc(std::size_t bytes, Memory memory) {
   return Window(live(impl_).alloc(bytes, memory, false, "comm.alloc"));

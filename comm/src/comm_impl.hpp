@@ -45,6 +45,8 @@ class CommImpl {
 
   TransportKind transport(int rank, Memory memory, const char* call) const;
   std::string unreachable_reason(int rank, Memory memory, const char* call) const;
+  // This rank's device and barrier(stream) variant, or why device windows are unavailable.
+  std::string device_info() const;
 
   // Host-side wait: polls `ready()` with backoff, letting the transports serve peers'
   // requests meanwhile (the awaited signal may be in one of them); after MESHMEM_TIMEOUT

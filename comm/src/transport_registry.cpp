@@ -61,6 +61,18 @@ bool RouteTable::routes_through(const Transport* t, int rank) const {
   return find(rank, Memory::Device) == t || find(rank, Memory::Host) == t;
 }
 
+std::vector<bool> RouteTable::ranks_through(const Transport* t) const {
+  std::vector<bool> routed(static_cast<std::size_t>(size_));
+  for (int r = 0; r < size_; ++r) routed[r] = routes_through(t, r);
+  return routed;
+}
+
+std::vector<bool> RouteTable::ranks_through(const Transport* t, Memory memory) const {
+  std::vector<bool> routed(static_cast<std::size_t>(size_));
+  for (int r = 0; r < size_; ++r) routed[r] = routes_through(t, r, memory);
+  return routed;
+}
+
 }  // namespace detail
 
 const char* to_string(TransportKind kind) noexcept {

@@ -45,7 +45,9 @@ class RouteTable {
   // Whether this rank routes anything to `rank` through `t`.
   bool routes_through(const Transport* t, int rank) const;
   bool routes_through(const Transport* t, int rank, Memory memory) const { return find(rank, memory) == t; }
-  int size() const { return size_; }
+  // By rank: whether this rank routes anything (or windows of `memory`) through `t`.
+  std::vector<bool> ranks_through(const Transport* t) const;
+  std::vector<bool> ranks_through(const Transport* t, Memory memory) const;
 
  private:
   struct Route {

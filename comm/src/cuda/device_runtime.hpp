@@ -56,8 +56,6 @@ class CudaDeviceRuntime final : public DeviceRuntime {
 
   // Every rank's window parts are rounded to this (the largest granularity of the ranks).
   std::size_t granularity() const { return granularity_; }
-  // Another rank of this node runs on this rank's GPU (same PCI bus id).
-  bool shared_gpu() const { return shared_gpu_; }
   // Some rank of the Comm shares its GPU with another.
   bool any_shared_gpu() const { return any_shared_; }
   // Extra flags of stream waits (flush of remote writes where the device can).

@@ -67,7 +67,6 @@ class FlagWords {
   FlagWords(const Topology& topo, const BarrierContext& bctx)
       : topo_(topo), window_(bctx.alloc_signals(static_cast<std::size_t>(topo.size) * sizeof(std::uint64_t))) {}
   std::uint64_t next() { return ++epoch_; }
-  const WindowState& window() const { return *window_; }
 
  protected:
   const Topology& topo_;
