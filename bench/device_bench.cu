@@ -427,7 +427,7 @@ int main(int argc, char** argv) {
     struct B {
       const char* name;
       const char* kind;  // MESHMEM_BARRIER
-    } kinds[] = {{"meshmem", "auto"}, {"meshmem-flag", "flag"}, {"meshmem-kernel", "kernel"}, {"meshmem-event", "event"}};
+    } kinds[] = {{"meshmem", "auto"}, {"meshmem-meeting", "meeting"}, {"meshmem-flag", "flag"}, {"meshmem-event", "event"}};
     for (const B& b : kinds) {
       auto o = meshmem::Options::from_environment();
       o.set("MESHMEM_BARRIER", b.kind);
@@ -498,7 +498,7 @@ int main(int argc, char** argv) {
                 find("put_signal", "meshmem", 8, -1, false), find("put_signal", "meshmem-memop-wait", 8, -1, false),
                 find("put_signal", "cuda-memcpy-peer", 8, -1, false), find("put_signal", "nccl", 8, -1, false));
     for (int g : {2, nranks}) {
-      for (const char* v : {"meshmem", "meshmem-flag", "meshmem-kernel", "meshmem-event", "nccl"})
+      for (const char* v : {"meshmem", "meshmem-meeting", "meshmem-flag", "meshmem-event", "nccl"})
         std::printf("barrier %d ranks, %-15s idle stream: +sync %6.2f us, 200 back to back %5.2f us; behind a 20 us kernel: "
                     "+sync %6.2f us, back to back %6.2f us (kernel alone %.2f / %.2f)\n",
                     g, v, find("barrier", v, -1, g, false), find("barrier200", v, -1, g, false),

@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <optional>
 
 #include "backoff.hpp"
 #include "comm_impl.hpp"
@@ -172,10 +173,26 @@ CommImpl::~CommImpl() {
   } catch (const std::exception& e) {
     log(LogLevel::Error, std::string("~Comm: ") + e.what() + "; releasing local resources anyway");
   }
-  stream_barrier.reset();
+  // Device windows (the barrier's flags among them) are released together, once the GPU's
+  // earlier work is done, with one bounded wait; then the objects that own them go.
+  std::vector<std::shared_ptr<WindowState>> alive;
+  std::vector<WindowState*> on_device;
   for (auto& [id, weak] : live_)
-    if (auto state = weak.lock()) release(*state);
+    if (auto state = weak.lock()) {
+      alive.push_back(state);
+      if (state->memory == Memory::Device && device) on_device.push_back(state.get());
+    }
+  if (!on_device.empty()) {
+    try {
+      DeviceScope scope(*device, nullptr, false, "~Comm");
+      device->retire_all(on_device, "~Comm");
+    } catch (const std::exception& e) {
+      log(LogLevel::Error, std::string("~Comm: ") + e.what());
+    }
+  }
+  for (auto& state : alive) release(*state);
   live_.clear();
+  stream_barrier.reset();
   for (auto& t : transports) t->stop();
   transports.clear();
   device.reset();
@@ -297,8 +314,11 @@ std::shared_ptr<WindowState> CommImpl::alloc(std::size_t bytes, Memory memory, b
   state->bytes = bytes;
   state->memory = memory;
   state->is_signals = signals;
-  if (memory == Memory::Device)
+  std::optional<DeviceScope> scope;
+  if (memory == Memory::Device) {
+    agreed_step(boot, call, [&] { scope.emplace(*device, nullptr, false, call.c_str()); });
     agreed_step(boot, call, [&] { device->create_local(*state, call); });
+  }
   else
     create_host_part(*state, boot, call);
   // Each transport that serves this memory kind attaches the window, collectively and
@@ -327,6 +347,16 @@ void CommImpl::release(WindowState& state) {
   state.owner = nullptr;
 }
 
+void CommImpl::retire(WindowState& state, const char* call) {
+  if (state.memory != Memory::Device || !device || !state.storage) {
+    release(state);
+    return;
+  }
+  state.owner = nullptr;  // freed, whatever retire() says
+  DeviceScope scope(*device, nullptr, false, call);
+  device->retire(state, call);
+}
+
 void CommImpl::free_window(WindowState& state) {
   const char* call = "Window::free";
   quiet(nullptr, call);
@@ -341,7 +371,7 @@ void CommImpl::free_window(WindowState& state) {
                       std::to_string(mine) + ", rank " + std::to_string(r) + " frees #" +
                       std::to_string(all[r]));
   live_.erase(state.id);
-  release(state);
+  retire(state, call);
 }
 
 const WindowState& CommImpl::checked_transfer(const Window& win, int target, std::size_t offset, std::size_t bytes,
@@ -370,6 +400,11 @@ void CommImpl::put(const Window& win, int target, std::size_t offset, const void
       throw Error(ErrorCode::Unsupported, where(call) + ": the data window and the signals differ in memory kind");
     update = SignalUpdate{&s, index, value, op};
   }
+  if (w.memory == Memory::Device) {
+    DeviceScope scope(*device, stream, false, call);
+    route(w, target, call).put(w, target, offset, src, bytes, update, stream);
+    return;
+  }
   route(w, target, call).put(w, target, offset, src, bytes, update, stream);
 }
 
@@ -377,6 +412,11 @@ void CommImpl::get(void* dst, const Window& win, int target, std::size_t offset,
                    Stream stream) {
   const char* call = "comm.get";
   const WindowState& w = checked_transfer(win, target, offset, bytes, dst, stream, call, "src_offset", "dst");
+  if (w.memory == Memory::Device) {
+    DeviceScope scope(*device, stream, false, call);
+    route(w, target, call).get(dst, w, target, offset, bytes, stream);
+    return;
+  }
   route(w, target, call).get(dst, w, target, offset, bytes, stream);
 }
 
@@ -387,31 +427,71 @@ void CommImpl::signal(const Signals& sig, int target, std::size_t index, std::ui
   check_rank(target, call, "target");
   check_index(s, index, call);
   check_stream(s, stream, call);
+  std::optional<DeviceScope> scope;
+  if (s.memory == Memory::Device) scope.emplace(*device, stream, false, call);
   route(s, target, call).put(s, target, 0, nullptr, 0, SignalUpdate{&s, index, value, op}, stream);
 }
 
-void CommImpl::wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::uint64_t value,
-                          Stream stream) {
-  const char* call = "comm.wait_until";
+void CommImpl::wait_until(const Signals& sig, std::size_t index, std::size_t count, Cmp cmp, std::uint64_t value,
+                          Stream stream, const char* call) {
   const WindowState& s = checked(sig.words(), call);
+  if (count == 0) return;
   check_index(s, index, call);
+  check_index(s, index + count - 1, call);
   check_stream(s, stream, call);
   if (s.memory == Memory::Device) {
-    device->wait_until(s, index, cmp, value, stream);
+    DeviceScope scope(*device, stream, false, call);
+    if (stream == nullptr) {
+      wait_device_words(s, index, count, cmp, value, call);
+      return;
+    }
+    device->wait_until(s, index, count, cmp, value, stream);
     return;
   }
-  const auto* word = static_cast<const std::uint64_t*>(s.local) + index;
-  wait_host([&] { return compare(__atomic_load_n(word, __ATOMIC_ACQUIRE), cmp, value); },
+  const auto* words = static_cast<const std::uint64_t*>(s.local) + index;
+  auto first_pending = [&] {
+    for (std::size_t i = 0; i < count; ++i)
+      if (!compare(__atomic_load_n(words + i, __ATOMIC_ACQUIRE), cmp, value)) return i;
+    return count;
+  };
+  wait_host([&] { return first_pending() == count; },
             [&] {
-              return where(call) + ": signal " + std::to_string(index) + " is " +
-                     std::to_string(__atomic_load_n(word, __ATOMIC_ACQUIRE)) + ", still not " + cmp_text(cmp) + " " +
+              const std::size_t i = first_pending();
+              return where(call) + ": signal " + std::to_string(index + i) + " is " +
+                     std::to_string(__atomic_load_n(words + i, __ATOMIC_ACQUIRE)) + ", still not " + cmp_text(cmp) + " " +
                      std::to_string(value) + " after " + describe_timeout(options.timeout);
             });
+}
+
+// The host waits for device signal words: reads them from the GPU with backoff.
+void CommImpl::wait_device_words(const WindowState& s, std::size_t index, std::size_t count, Cmp cmp,
+                                 std::uint64_t value, const char* call) {
+  std::size_t pending = 0;
+  std::uint64_t seen = 0;
+  auto done = [&] {
+    for (; pending < count; ++pending) {
+      seen = device->read_word(s, index + pending);
+      if (!compare(seen, cmp, value)) return false;
+    }
+    return true;
+  };
+  wait_host(done, [&] {
+    return where(call) + ": signal " + std::to_string(index + pending) + " is " + std::to_string(seen) + ", still not " +
+           cmp_text(cmp) + " " + std::to_string(value) + " after " + describe_timeout(options.timeout);
+  });
+}
+
+std::uint64_t CommImpl::read_signal(const WindowState& s, std::size_t index) {
+  if (s.memory != Memory::Device) return __atomic_load_n(static_cast<const std::uint64_t*>(s.local) + index, __ATOMIC_ACQUIRE);
+  DeviceScope scope(*device, nullptr, false, "Signals::read");
+  return device->read_word(s, index);
 }
 
 void CommImpl::quiet(Stream stream, const char* call) {
   if (stream != nullptr && !device)
     throw Error(ErrorCode::Unsupported, where(call) + ": a stream was given but device windows are unavailable: " + device_why);
+  std::optional<DeviceScope> scope;
+  if (stream != nullptr) scope.emplace(*device, stream, false, call);
   for (const auto& t : transports) t->quiet(stream);
 }
 
@@ -424,7 +504,8 @@ void CommImpl::barrier(Stream stream) {
     return;
   }
   quiet(nullptr, call);
-  stream_barrier->arrive(stream);
+  DeviceScope scope(*device, stream, true, call);
+  stream_barrier->arrive(stream, scope.capturing());
 }
 
 void CommImpl::barrier_host() {
@@ -505,7 +586,8 @@ std::uint64_t Signals::read(std::size_t index) const {
   if (index >= count())
     throw Error(ErrorCode::InvalidArgument, "Signals::read: index " + std::to_string(index) +
                                                 " is out of range (" + std::to_string(count()) + " signals)");
-  return __atomic_load_n(local() + index, __ATOMIC_ACQUIRE);
+  const auto& s = *words_.state_;
+  return s.owner->read_signal(s, index);
 }
 
 Comm::Comm(MPI_Comm comm) : Comm(comm, Options::from_environment()) {}
@@ -567,7 +649,12 @@ void Comm::signal(const Signals& sig, int target, std::size_t index, std::uint64
 }
 
 void Comm::wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::uint64_t value, Stream stream) {
-  live(impl_).wait_until(sig, index, cmp, value, stream);
+  live(impl_).wait_until(sig, index, 1, cmp, value, stream, "comm.wait_until");
+}
+
+void Comm::wait_until_all(const Signals& sig, std::size_t first, std::size_t count, Cmp cmp, std::uint64_t value,
+                          Stream stream) {
+  live(impl_).wait_until(sig, first, count, cmp, value, stream, "comm.wait_until_all");
 }
 
 void Comm::quiet(Stream stream) { live(impl_).quiet(stream, "comm.quiet"); }

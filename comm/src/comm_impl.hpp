@@ -38,7 +38,9 @@ class CommImpl {
            Stream stream);
   void signal(const Signals& sig, int target, std::size_t index, std::uint64_t value, SignalOp op,
               Stream stream);
-  void wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::uint64_t value, Stream stream);
+  void wait_until(const Signals& sig, std::size_t index, std::size_t count, Cmp cmp, std::uint64_t value,
+                  Stream stream, const char* call);
+  std::uint64_t read_signal(const WindowState& sig, std::size_t index);
   void quiet(Stream stream, const char* call);
   void barrier(Stream stream);
   void barrier_host();
@@ -125,6 +127,11 @@ class CommImpl {
                                       const char* local_name) const;
   void check_index(const WindowState& sig, std::size_t index, const char* call) const;
   void release(WindowState& state);
+  // Frees a window's memory here: device windows once the GPU's earlier work is done
+  // (bounded by MESHMEM_TIMEOUT, Error(Timeout) past it).
+  void retire(WindowState& state, const char* call);
+  void wait_device_words(const WindowState& s, std::size_t index, std::size_t count, Cmp cmp, std::uint64_t value,
+                         const char* call);
 
   std::uint64_t next_window_id_ = 1;
   std::map<std::uint64_t, std::weak_ptr<WindowState>> live_;

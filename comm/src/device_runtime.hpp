@@ -13,6 +13,7 @@
 
 #include "meshmem/types.hpp"
 #include "transport.hpp"
+#include "window_state.hpp"
 
 namespace meshmem::detail {
 
@@ -25,11 +26,21 @@ struct DeviceCopy {
   std::size_t width, height, src_pitch, dst_pitch;
 };
 
-// Copies prepared once (their table lives on the device) and run with one kernel launch.
-class DeviceCopyPlan {
+// One halo exchange on the device, prepared once: its copies, the signal stores into the
+// neighbours' mapped words and the waits on this rank's words, in one kernel launch whose
+// exchange number lives on the GPU (right on every graph replay).
+struct DeviceHaloSpec {
+  std::vector<DeviceCopy> copies;
+  std::vector<std::uint64_t*> stores;        // neighbours' words for this rank, mapped here
+  std::vector<const std::uint64_t*> waits;   // this rank's words ...
+  std::vector<int> wait_ranks;               // ... and who writes each
+  std::uint64_t signals_window = 0;          // id, for error messages
+};
+class DeviceHaloPlan {
  public:
-  virtual ~DeviceCopyPlan() = default;
-  virtual void run(Stream stream) = 0;
+  virtual ~DeviceHaloPlan() = default;
+  // Runs the exchange's copies (or none: `copy` false), signals and waits on `stream`.
+  virtual void run(Stream stream, bool copy, bool capturing, const char* call) = 0;
 };
 
 // barrier(stream): one variant, chosen when the Comm is made (MESHMEM_BARRIER).
@@ -37,8 +48,9 @@ class StreamBarrier {
  public:
   virtual ~StreamBarrier() = default;
   // Collective, stream-ordered: once `stream` passes it, every rank's stream reached its
-  // barrier, and their earlier work is complete.
-  virtual void arrive(Stream stream) = 0;
+  // barrier, and their earlier work is complete. A variant that cannot be captured raises
+  // Error(Unsupported) before it touches a capturing stream.
+  virtual void arrive(Stream stream, bool capturing) = 0;
   virtual std::string describe() const = 0;
 };
 
@@ -47,6 +59,12 @@ struct BarrierContext {
   const RouteTable& routes;
   // Collective: a zeroed device signals window of `bytes`, attached like any window.
   std::function<std::shared_ptr<WindowState>(std::size_t bytes)> alloc_signals;
+};
+
+// What DeviceRuntime::enter found, for leave() and the call.
+struct DeviceEntry {
+  int previous = -1;       // the caller's current device, restored by leave()
+  bool capturing = false;  // the stream is being captured into a CUDA graph
 };
 
 class DeviceRuntime {
@@ -62,18 +80,44 @@ class DeviceRuntime {
   // Local, after the transports attached the window: its peer table on the device (view()).
   virtual void publish(WindowState& state, const std::string& what) = 0;
 
-  // Stream-ordered wait on this rank's signal word.
-  virtual void wait_until(const WindowState& sig, std::size_t index, Cmp cmp, std::uint64_t value,
-                          Stream stream) = 0;
-  // Stream-ordered, one driver call for a neighbourhood: stores `value` into each word of
-  // `stores` (device-accessible: peers' signal words mapped here) after the stream's
-  // earlier work, then waits until each word of `waits` (this rank's) is >= value.
-  virtual void store_and_wait(const std::vector<std::uint64_t*>& stores, const std::vector<const std::uint64_t*>& waits,
-                              std::uint64_t value, Stream stream, const char* call) = 0;
-  // The copies of a halo exchange, for one launch per exchange instead of one copy each.
-  virtual std::unique_ptr<DeviceCopyPlan> make_copy_plan(const std::vector<DeviceCopy>& copies) = 0;
+  // Every call that touches the GPU starts here (DeviceScope): raises a device wait's
+  // timeout (Error(Timeout)), makes the Comm's device current, rejects a stream of another
+  // device (Error(InvalidArgument) naming both) and, with `capture`, tells whether the
+  // stream is being captured.
+  virtual DeviceEntry enter(Stream stream, bool capture, const char* call) = 0;
+  virtual void leave(const DeviceEntry& entry) noexcept = 0;
+
+  // Stream-ordered wait on this rank's words index .. index+count-1.
+  virtual void wait_until(const WindowState& sig, std::size_t index, std::size_t count, Cmp cmp,
+                          std::uint64_t value, Stream stream) = 0;
+  // This rank's signal word now (a copy from the GPU on a stream of the runtime's own).
+  virtual std::uint64_t read_word(const WindowState& sig, std::size_t index) = 0;
+  virtual std::unique_ptr<DeviceHaloPlan> make_halo_plan(const DeviceHaloSpec& spec) = 0;
+  // Frees the memory of a device window once the device's earlier work is done; raises
+  // Error(Timeout) when that takes longer than MESHMEM_TIMEOUT (the memory is released
+  // later, when the work finishes). The state is empty afterwards either way.
+  virtual void retire(WindowState& state, const char* call) = 0;
+  // retire() of several windows with one bounded wait; logs instead of raising.
+  virtual void retire_all(const std::vector<WindowState*>& states, const char* call) noexcept = 0;
   // Collective: the barrier(stream) variant of this Comm.
   virtual std::unique_ptr<StreamBarrier> make_barrier(const CommContext& ctx, const BarrierContext& bctx) = 0;
 };
 
+}  // namespace meshmem::detail
+
+namespace meshmem::detail {
+// enter() ... leave() for one API call.
+class DeviceScope {
+ public:
+  DeviceScope(DeviceRuntime& runtime, Stream stream, bool capture, const char* call)
+      : runtime_(runtime), entry_(runtime.enter(stream, capture, call)) {}
+  ~DeviceScope() { runtime_.leave(entry_); }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  bool capturing() const { return entry_.capturing; }
+
+ private:
+  DeviceRuntime& runtime_;
+  DeviceEntry entry_;
+};
 }  // namespace meshmem::detail

@@ -22,12 +22,9 @@ struct HaloState {
   std::vector<int> send_to;    // distinct peers of `sends`
   std::vector<int> recv_from;  // ranks whose regions land here
   std::uint64_t epoch = 0;
-  // Device windows whose neighbours are all reached through mapped transports: every
-  // region in one kernel, and the signals and waits in one stream operation.
-  std::unique_ptr<DeviceCopyPlan> device_copies;
-  std::vector<int> signal_through_transport;      // neighbours whose transport signals
-  std::vector<std::uint64_t*> signal_stores;      // the other neighbours' words, mapped here
-  std::vector<const std::uint64_t*> signal_waits;  // this rank's words of recv_from
+  // Device windows (every neighbour mapped here: make_halo refuses others): the copies,
+  // signals and waits of an exchange in one kernel, its exchange number on the GPU.
+  std::unique_ptr<DeviceHaloPlan> device_plan;
 
   ~HaloState() {
     if (sig && !sig->freed()) {
@@ -156,30 +153,28 @@ std::unique_ptr<HaloState> CommImpl::make_halo(const Window& win, const std::vec
   halo->sig = alloc(static_cast<std::size_t>(n) * sizeof(std::uint64_t), w->memory, true, call);
   if (w->memory == Memory::Device) {
     // One launch per exchange instead of one copy per region (a column is thousands of
-    // 8-byte rows: a poor fit for the copy engine), where every neighbour's transport maps
-    // its window here.
-    std::vector<DeviceCopy> copies;
-    bool mapped = true;
-    for (const HaloRegion& r : halo->sends) {
-      mapped = mapped && route(*w, r.peer, call).capabilities().mapped && w->peer[r.peer] != nullptr;
-      if (!mapped) break;
-      copies.push_back(DeviceCopy{static_cast<char*>(w->peer[r.peer]) + r.dst_offset,
-                                  static_cast<const char*>(w->local) + r.src_offset, r.width, r.height, r.src_pitch,
-                                  r.dst_pitch});
-    }
-    agreed_step(boot, call, [&] {
-      if (mapped) halo->device_copies = device->make_copy_plan(copies);
-    });
+    // 8-byte rows: a poor fit for the copy engine) and one signal operation per neighbour.
     const WindowState& sig = *halo->sig;
-    for (int r : halo->send_to) {
-      if (route(sig, r, call).capabilities().mapped && sig.peer[r] != nullptr)
-        halo->signal_stores.push_back(static_cast<std::uint64_t*>(sig.peer[r]) + topo.rank);
-      else
-        halo->signal_through_transport.push_back(r);
-    }
-    for (int r : halo->recv_from) halo->signal_waits.push_back(static_cast<const std::uint64_t*>(sig.local) + r);
-  } else {
-    halo->signal_through_transport = halo->send_to;
+    DeviceHaloSpec spec;
+    spec.signals_window = sig.id;
+    agreed_step(boot, call, [&] {
+      for (const HaloRegion& r : halo->sends) {
+        if (!route(*w, r.peer, call).capabilities().mapped || w->peer[r.peer] == nullptr)
+          throw Error(ErrorCode::Unsupported, at + ": rank " + std::to_string(r.peer) +
+                                                  "'s device window is not mapped here; device halo exchanges need "
+                                                  "every neighbour mapped (same node, peer access)");
+        spec.copies.push_back(DeviceCopy{static_cast<char*>(w->peer[r.peer]) + r.dst_offset,
+                                         static_cast<const char*>(w->local) + r.src_offset, r.width, r.height, r.src_pitch,
+                                         r.dst_pitch});
+      }
+      for (int r : halo->send_to) spec.stores.push_back(static_cast<std::uint64_t*>(sig.peer[r]) + topo.rank);
+      for (int r : halo->recv_from) {
+        spec.waits.push_back(static_cast<const std::uint64_t*>(sig.local) + r);
+        spec.wait_ranks.push_back(r);
+      }
+      DeviceScope scope(*device, nullptr, false, call);
+      halo->device_plan = device->make_halo_plan(spec);
+    });
   }
   return halo;
 }
@@ -191,9 +186,10 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
   const WindowState& w = *halo.win;
   check_stream(w, stream, call);
   const std::uint64_t epoch = ++halo.epoch;
-  if (copy && halo.device_copies) {
-    halo.device_copies->run(stream);
-    copy = false;
+  if (w.memory == Memory::Device) {
+    DeviceScope scope(*device, stream, true, call);
+    halo.device_plan->run(stream, copy, scope.capturing(), call);
+    return;
   }
   for (const HaloRegion& r : halo.sends) {
     if (!copy) break;
@@ -204,14 +200,9 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
     else
       t.put_strided(w, r.peer, r.dst_offset, r.dst_pitch, src, r.src_pitch, r.width, r.height, stream);
   }
-  // One signal per neighbour, after its data: through its transport (after the data on the
-  // same transport), or as a store into its mapped word (after the stream's earlier work).
-  for (int r : halo.signal_through_transport)
+  // One signal per neighbour, after its data on the same transport.
+  for (int r : halo.send_to)
     route(*halo.sig, r, call).put(*halo.sig, r, 0, nullptr, 0, SignalUpdate{halo.sig.get(), static_cast<std::size_t>(topo.rank), epoch, SignalOp::Set}, stream);
-  if (w.memory == Memory::Device) {
-    device->store_and_wait(halo.signal_stores, halo.signal_waits, epoch, stream, call);
-    return;
-  }
   // Host windows: wait until every neighbour's signal for this exchange is here.
   const auto* words = static_cast<const std::uint64_t*>(halo.sig->local);
   auto arrived = [&](int r) { return __atomic_load_n(words + r, __ATOMIC_ACQUIRE) >= epoch; };

@@ -1,7 +1,7 @@
 // NodeMeeting: a host-side meeting of the ranks of one node through shared memory. Each
 // rank writes only its own page (a memfd the node peers map), so a meeting costs a store
 // and a few loads of peers' cache lines: well under a microsecond, against several for an
-// MPI gather/release. Each rank brings a note (one bit) that the others read.
+// MPI gather/release. Each rank brings a note (two bits) that the others read.
 #pragma once
 
 #include <cstdint>
@@ -24,14 +24,16 @@ class NodeMeeting {
   NodeMeeting(const NodeMeeting&) = delete;
   NodeMeeting& operator=(const NodeMeeting&) = delete;
 
-  // Brings `note` to the next meeting and returns once every node rank has come to it;
-  // notes[r] is then rank r's note (node ranks only). Raises Error(Timeout) after the
+  // Brings `note` (below kNoteLimit) to the next meeting and returns once every node rank
+  // has come to it; notes[r] is then rank r's note (node ranks only). Raises Error(Timeout) after the
   // Bootstrap's timeout, naming the ranks that did not come, and the Comm refuses further
   // collectives (as after any timeout). `what` names the calling API.
-  void meet(bool note, std::vector<bool>& notes, const char* what);
+  static constexpr unsigned kNoteBits = 2;
+  static constexpr unsigned kNoteLimit = 1u << kNoteBits;
+  void meet(unsigned note, std::vector<unsigned>& notes, const char* what);
 
  private:
-  // A rank's page: word e % 2 holds (e << 1) | note for meeting e. Two words suffice: a
+  // A rank's page: word e % 2 holds (e << kNoteBits) | note for meeting e. Two words suffice: a
   // rank can publish meeting e + 1 while slower ranks still read its word for e, but not
   // e + 2 before every rank has come to e + 1.
   static std::uint64_t* words(void* page) { return static_cast<std::uint64_t*>(page); }

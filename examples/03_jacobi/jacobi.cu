@@ -1,12 +1,23 @@
-// 03_jacobi: 2D Jacobi (5-point stencil, double) on GPUs, the halo exchange done four ways:
-//   --halo=mpi             classic: edge rows/columns device -> host, MPI_Isend/Irecv, host -> device
-//   --halo=nccl            ncclSend/ncclRecv in a group (columns packed into buffers)
-//   --halo=meshmem         a meshmem::HaloExchange declared once; exchange(stream) every iteration
-//   --halo=meshmem-device  the compute kernel writes its edge cells straight into the neighbours'
-//                          windows; HaloExchange::complete(stream) only signals and waits
-// --decomp=rows|blocks splits the grid into row bands or 2D blocks. Prints the L2 norm of the
-// last update, time per iteration and (--check) the largest difference from a single-GPU run.
+// 03_jacobi: 2D Jacobi (5-point stencil, double) on GPUs, the halo exchange done five ways:
+//   --halo=mpi                classic: edge rows/columns device -> host, MPI_Isend/Irecv, host -> device
+//   --halo=nccl               ncclSend/ncclRecv in a group (columns packed into buffers)
+//   --halo=meshmem            a meshmem::HaloExchange declared once; exchange(stream) every iteration
+//   --halo=meshmem-device     the compute kernel writes its edge cells straight into the neighbours'
+//                             windows; HaloExchange::complete(stream) only signals and waits
+//   --halo=meshmem-putsignal  row bands only: Comm::put_signal of each edge row into the neighbour's
+//                             halo row, wait_until_all on this rank's words, reset them (the nearest
+//                             one-sided counterpart of MPI_Sendrecv of two rows)
+// --decomp=rows|blocks splits the grid into row bands or 2D blocks.
+// --norm-every N (default 0: only after the timed loop) takes the L2 norm of the update every N
+// iterations inside the timed loop, as a convergence check does: a reduction kernel, a copy to
+// the host, a stream synchronisation and MPI_Allreduce.
+// --graph captures two iterations (both grid parities) into a CUDA graph after the warm-up and
+// times iters/2 replays (iters and N even; not --halo=mpi, whose host waits cannot be captured).
+// Prints the L2 norm of the last update, time per iteration and (--check) the largest
+// difference from a single-GPU run. --csv appends a row; its variant is the halo, then
+// "-blocks", "-norm<N>" (N > 0) and "-graph" where they apply.
 //   mpirun -np 4 03_jacobi --nx 4096 --ny 4096 --iters 2000 --halo=meshmem-device --check
+//   mpirun -np 4 03_jacobi --size 4096 --iters 2000 --halo=meshmem-putsignal --norm-every 2 --graph --check
 #include <cuda_runtime_api.h>
 #include <mpi.h>
 
@@ -71,12 +82,26 @@ __global__ void jacobi_kernel(const double* __restrict__ a, double* __restrict__
   }
 }
 
+// Sum of (anew - a)^2 over the interior, added to *sum. Blocks of 32 x kBlockRows threads (a
+// warp per block row): one atomicAdd per block, not per cell, since millions of atomics on one
+// address would cost more than the iteration itself with --norm-every 1.
+constexpr int kBlockRows = 8;
 __global__ void residual_kernel(const double* a, const double* anew, int rows, int cols, int pitch, double* sum) {
   const int j = blockIdx.x * blockDim.x + threadIdx.x + 1;
   const int i = blockIdx.y * blockDim.y + threadIdx.y + 1;
-  if (i > rows || j > cols) return;
-  const double d = anew[i * pitch + j] - a[i * pitch + j];
-  atomicAdd(sum, d * d);
+  double d2 = 0;
+  if (i <= rows && j <= cols) {
+    const double d = anew[i * pitch + j] - a[i * pitch + j];
+    d2 = d * d;
+  }
+  for (int o = 16; o > 0; o /= 2) d2 += __shfl_down_sync(0xffffffffu, d2, o);
+  __shared__ double warp_sum[kBlockRows];
+  if (threadIdx.x == 0) warp_sum[threadIdx.y] = d2;
+  __syncthreads();
+  if (threadIdx.y != 0) return;
+  d2 = threadIdx.x < blockDim.y ? warp_sum[threadIdx.x] : 0.0;
+  for (int o = 16; o > 0; o /= 2) d2 += __shfl_down_sync(0xffffffffu, d2, o);
+  if (threadIdx.x == 0) atomicAdd(sum, d2);
 }
 
 // Column `col` of the local array <-> a contiguous buffer of `rows` doubles (rows 1..rows).
@@ -183,9 +208,9 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
   int nranks = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &nranks);
-  int nx = 4096, ny = 4096, iters = 1000, warmup = 20;
+  int nx = 4096, ny = 4096, iters = 1000, warmup = 20, norm_every = 0;
   std::string halo = "meshmem-device", decomp = "rows", csv, commit = "unknown", machine = "unknown", date = bench::utc_now().substr(0, 10);
-  bool check = false;
+  bool check = false, graph = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto value = [&](const std::string& key) -> const char* {
@@ -204,16 +229,37 @@ int main(int argc, char** argv) {
     else if (const char* v = value("--commit")) commit = v;
     else if (const char* v = value("--machine")) machine = v;
     else if (const char* v = value("--date")) date = v;
+    else if (const char* v = value("--norm-every")) norm_every = std::atoi(v);
     else if (a == "--check") check = true;
+    else if (a == "--graph") graph = true;
     else {
       if (g_rank == 0) std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       MPI_Abort(MPI_COMM_WORLD, 2);
     }
   }
-  const bool use_mpi = halo == "mpi", use_nccl = halo == "nccl", use_mm = halo == "meshmem", use_dev = halo == "meshmem-device";
-  if (!(use_mpi || use_nccl || use_mm || use_dev) || (decomp != "rows" && decomp != "blocks")) {
-    if (g_rank == 0) std::fprintf(stderr, "--halo=mpi|nccl|meshmem|meshmem-device, --decomp=rows|blocks\n");
+  const bool use_mpi = halo == "mpi", use_nccl = halo == "nccl", use_mm = halo == "meshmem", use_dev = halo == "meshmem-device",
+             use_ps = halo == "meshmem-putsignal", use_win = use_mm || use_dev || use_ps;
+  if (!(use_mpi || use_nccl || use_win) || (decomp != "rows" && decomp != "blocks")) {
+    if (g_rank == 0) std::fprintf(stderr, "--halo=mpi|nccl|meshmem|meshmem-device|meshmem-putsignal, --decomp=rows|blocks\n");
     MPI_Abort(MPI_COMM_WORLD, 2);
+  }
+  // Combinations that cannot run: every rank sees the same arguments, so all leave here.
+  const char* reject = nullptr;
+  if (use_ps && decomp != "rows")
+    reject = "--halo=meshmem-putsignal exchanges rows only (one put_signal per north/south neighbour): use --decomp=rows";
+  else if (norm_every < 0)
+    reject = "--norm-every N needs N >= 0 (0: the norm only after the timed loop)";
+  else if (graph && use_mpi)
+    reject = "--graph does not work with --halo=mpi: its exchange waits on the host (cudaStreamSynchronize, MPI_Waitall), "
+             "which a CUDA graph cannot capture";
+  else if (graph && iters % 2 != 0)
+    reject = "--graph replays a pair of iterations: --iters must be even";
+  else if (graph && norm_every % 2 != 0)
+    reject = "--graph replays a pair of iterations: --norm-every must be even (the norm is taken between replays)";
+  if (reject) {
+    if (g_rank == 0) std::fprintf(stderr, "03_jacobi: %s\n", reject);
+    MPI_Finalize();
+    return 1;
   }
 #ifndef JACOBI_HAVE_NCCL
   if (use_nccl) {
@@ -238,8 +284,9 @@ int main(int argc, char** argv) {
   std::unique_ptr<meshmem::Comm> comm;
   meshmem::Window win[2];
   meshmem::HaloExchange plan[2];
+  meshmem::Signals sig;  // putsignal: word (parity * 2 + d), d = 0 from north, 1 from south
   double* grid[2] = {nullptr, nullptr};
-  if (use_mm || use_dev) {
+  if (use_win) {
     comm = std::make_unique<meshmem::Comm>(MPI_COMM_WORLD);
     // Windows are symmetric: every rank asks for the largest block (bands differ by a row).
     std::size_t largest = 0;
@@ -247,8 +294,9 @@ int main(int argc, char** argv) {
     for (int k = 0; k < 2; ++k) {
       win[k] = comm->alloc(largest);
       grid[k] = static_cast<double*>(win[k].local());
-      plan[k] = comm->make_halo(win[k], halo_regions(b, all));
+      if (!use_ps) plan[k] = comm->make_halo(win[k], halo_regions(b, all));
     }
+    if (use_ps) sig = comm->alloc_signals(4);
   } else {
     for (auto& g : grid) CK(cudaMalloc(&g, b.bytes()));
   }
@@ -301,7 +349,7 @@ int main(int argc, char** argv) {
     NK(ncclCommInitRank(&nccl, nranks, id, g_rank));
   }
 #endif
-  const dim3 block(32, 8), blocks((b.cols + 31) / 32, (b.rows + 7) / 8);
+  const dim3 block(32, kBlockRows), blocks((b.cols + 31) / 32, (b.rows + kBlockRows - 1) / kBlockRows);
   // Edges of grid `g` into the staging buffers (pack) and from them into its ring (unpack).
   // Rows: first/last interior row; columns: first/last interior column.
   auto pack = [&](double* g) {
@@ -330,10 +378,37 @@ int main(int argc, char** argv) {
   // message fills our north ring row, and it sent its south edge.
   const int opposite[4] = {1, 0, 3, 2};
 
-  int cur = 0;  // grid[cur] holds the latest values
+  // putsignal: where our edge rows land in the neighbours' parts (their bottom / top halo
+  // rows), and the signal words we wait on. Words are indexed by iteration parity so that a
+  // neighbour's signal of iteration i+2 cannot land before we reset the word of iteration i:
+  // it needs our signal of i+1 first, which our stream sends after the reset.
+  const std::size_t row_bytes = b.cols * sizeof(double);
+  const std::size_t north_halo = b.north >= 0 ? all[b.north].at(all[b.north].rows + 1, 1) : 0;
+  const std::size_t south_halo = b.south >= 0 ? all[b.south].at(0, 1) : 0;
+  const std::size_t first_word = b.north >= 0 ? 0 : 1;             // d of the words we wait on:
+  const std::size_t words = (b.north >= 0 ? 1 : 0) + (b.south >= 0 ? 1 : 0);  // first_word .. + words - 1
+
+  int cur = 0;        // grid[cur] holds the latest values
+  long iteration = 0;  // iterations enqueued (captured ones counted once; only its parity matters)
   auto step = [&]() {
     const int nxt = 1 - cur;
-    if (use_dev) {
+    if (use_ps) {
+      jacobi_kernel<false><<<blocks, block, 0, s>>>(grid[cur], grid[nxt], b.rows, b.cols, b.pitch, Neighbours{});
+      const std::size_t parity = static_cast<std::size_t>(iteration % 2);
+      // Our first row is the north neighbour's signal "from south" (d = 1), our last row the
+      // south neighbour's "from north" (d = 0). Constants only: the same on every graph replay.
+      if (b.north >= 0)
+        comm->put_signal(win[nxt], b.north, north_halo, grid[nxt] + b.pitch + 1, row_bytes, sig, parity * 2 + 1, 1,
+                         meshmem::SignalOp::Set, s);
+      if (b.south >= 0)
+        comm->put_signal(win[nxt], b.south, south_halo, grid[nxt] + static_cast<std::size_t>(b.rows) * b.pitch + 1,
+                         row_bytes, sig, parity * 2 + 0, 1, meshmem::SignalOp::Set, s);
+      if (words > 0) {
+        comm->wait_until_all(sig, parity * 2 + first_word, words, meshmem::Cmp::GE, 1, s);
+        for (std::size_t d = first_word; d < first_word + words; ++d)
+          comm->signal(sig, comm->rank(), parity * 2 + d, 0, meshmem::SignalOp::Set, s);
+      }
+    } else if (use_dev) {
       jacobi_kernel<true><<<blocks, block, 0, s>>>(grid[cur], grid[nxt], b.rows, b.cols, b.pitch, nb[nxt]);
       plan[nxt].complete(s);
     } else {
@@ -371,29 +446,65 @@ int main(int argc, char** argv) {
       }
     }
     cur = nxt;
+    ++iteration;
+  };
+
+  // L2 norm of the last update (grid[cur] - grid[1-cur]) over the whole grid, on the compute
+  // stream; the host waits for it (a convergence check has to).
+  double* d_sum = nullptr;
+  double* h_sum = nullptr;  // pinned: the copy is a real async copy on the stream
+  CK(cudaMalloc(&d_sum, sizeof(double)));
+  CK(cudaMallocHost(&h_sum, sizeof(double)));
+  auto norm = [&]() {
+    CK(cudaMemsetAsync(d_sum, 0, sizeof(double), s));
+    residual_kernel<<<blocks, block, 0, s>>>(grid[1 - cur], grid[cur], b.rows, b.cols, b.pitch, d_sum);
+    CK(cudaGetLastError());
+    CK(cudaMemcpyAsync(h_sum, d_sum, sizeof(double), cudaMemcpyDeviceToHost, s));
+    CK(cudaStreamSynchronize(s));
+    double total = 0;
+    MK(MPI_Allreduce(h_sum, &total, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+    return std::sqrt(total);
   };
 
   for (int it = 0; it < warmup; ++it) step();
+  // --graph: one pair of iterations, both parities (grid k, win[k], plan[k], signal words), so
+  // every replay starts where the previous one ended; the two swaps leave cur as it was.
+  // Capturing runs nothing: the grids still hold the warm-up's result.
+  cudaGraphExec_t pair = nullptr;
+  if (graph) {
+    cudaGraph_t captured = nullptr;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    step();
+    step();
+    CK(cudaStreamEndCapture(s, &captured));
+    CK(cudaGraphInstantiate(&pair, captured, 0));
+    CK(cudaGraphDestroy(captured));
+    CK(cudaGraphUpload(pair, s));  // not in the first timed launch
+  }
   CK(cudaStreamSynchronize(s));
   MK(MPI_Barrier(MPI_COMM_WORLD));
   const auto t0 = std::chrono::steady_clock::now();
-  for (int it = 0; it < iters; ++it) step();
+  if (pair) {
+    const int launches_per_norm = norm_every / 2;
+    for (int k = 0; k < iters / 2; ++k) {
+      CK(cudaGraphLaunch(pair, s));
+      if (norm_every > 0 && (k + 1) % launches_per_norm == 0) norm();
+    }
+  } else {
+    for (int it = 0; it < iters; ++it) {
+      step();
+      if (norm_every > 0 && (it + 1) % norm_every == 0) norm();
+    }
+  }
   CK(cudaStreamSynchronize(s));
   const double mine = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
   CK(cudaGetLastError());
   double per_iter = 0;
   MK(MPI_Allreduce(&mine, &per_iter, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
 
-  // L2 norm of the last update (grid[cur] - grid[1-cur]) over the whole grid.
-  double* d_sum;
-  CK(cudaMalloc(&d_sum, sizeof(double)));
-  CK(cudaMemset(d_sum, 0, sizeof(double)));
-  residual_kernel<<<blocks, block, 0, s>>>(grid[1 - cur], grid[cur], b.rows, b.cols, b.pitch, d_sum);
-  double part = 0, total = 0;
-  CK(cudaMemcpyAsync(&part, d_sum, sizeof(double), cudaMemcpyDeviceToHost, s));
-  CK(cudaStreamSynchronize(s));
-  MK(MPI_Allreduce(&part, &total, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+  const double l2 = norm();
   CK(cudaFree(d_sum));
+  CK(cudaFreeHost(h_sum));
 
   // --check: gather the interiors and compare with the same iterations on one GPU.
   double maxdiff = -1;
@@ -422,9 +533,12 @@ int main(int argc, char** argv) {
   }
 
   if (g_rank == 0) {
-    const std::string variant = nranks == 1 ? "single-gpu" : (halo + (decomp == "blocks" ? "-blocks" : ""));
-    std::printf("jacobi %dx%d, %d ranks (%dx%d %s), halo=%s: %d iterations, %.2f us per iteration, L2 norm of last update %.10e",
-                nx, ny, nranks, b.px, b.py, decomp.c_str(), halo.c_str(), iters, per_iter, std::sqrt(total));
+    std::string variant = nranks == 1 ? "single-gpu" : (halo + (decomp == "blocks" ? "-blocks" : ""));
+    if (norm_every > 0) variant += "-norm" + std::to_string(norm_every);
+    if (graph) variant += "-graph";
+    std::printf("jacobi %dx%d, %d ranks (%dx%d %s), halo=%s, norm_every=%d%s: %d iterations, %.2f us per iteration, "
+                "L2 norm of last update %.10e",
+                nx, ny, nranks, b.px, b.py, decomp.c_str(), halo.c_str(), norm_every, graph ? ", graph" : "", iters, per_iter, l2);
     if (check) std::printf(", max |diff| vs single GPU %.3e %s", maxdiff, maxdiff < 1e-10 ? "(OK)" : "(MISMATCH)");
     std::printf("\n");
     if (!csv.empty())
@@ -432,6 +546,7 @@ int main(int argc, char** argv) {
                                {{"jacobi", variant, nranks, nx, per_iter, -1}}, "03_jacobi");
   }
   const int rc = (check && g_rank == 0 && !(maxdiff < 1e-10)) ? 1 : 0;
+  if (pair) CK(cudaGraphExecDestroy(pair));  // before the NCCL comm and windows it refers to
 #ifdef JACOBI_HAVE_NCCL
   if (nccl) NK(ncclCommDestroy(nccl));
 #endif
@@ -441,10 +556,11 @@ int main(int argc, char** argv) {
     if (h_send[e]) cudaFreeHost(h_send[e]);
     if (h_recv[e]) cudaFreeHost(h_recv[e]);
   }
-  if (!(use_mm || use_dev))
+  if (!use_win)
     for (auto* g : grid) cudaFree(g);
   for (auto& p : plan) p = meshmem::HaloExchange();
   for (auto& w : win) w = meshmem::Window();
+  sig = meshmem::Signals();
   comm.reset();
   CK(cudaStreamDestroy(s));
   int any = 0;

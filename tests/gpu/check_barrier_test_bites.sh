@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
 # Mutation check for the GPU machine: broken barriers are built from a copy of the tree and
 # the barrier tests must fail under each:
-#   auto   the host meeting skips the GPU part even when a stream has work
-#   event  busy peers' events are never waited on
+#   kernel   the barrier kernel stores its flags but never waits for the peers' flags
+#   meeting  the host meeting skips the GPU part even when a stream has work
+#   event    busy peers' events are never waited on
 #   proxy  the cross-node proxy releases the stream without meeting the other ranks
 # Run from the repository root: tests/gpu/check_barrier_test_bites.sh OUT_DIR
 set -u
 out=${1:?out dir}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 ninja=$(command -v ninja || echo /opt/torch/.venv/bin/ninja)
-for mutant in auto event proxy; do
+for mutant in kernel meeting event proxy; do
   m=/tmp/mut-$mutant
   rm -rf $m && mkdir -p $m && cp -r comm ipc tests examples bench cmake launch CMakeLists.txt $m/ 2>/dev/null
   f=$m/comm/src/cuda/stream_barrier.cpp
   filter='*BusyAndIdle*'
   env=()
   case $mutant in
-    auto) sed -i 's/    if (std::any_of(topo_.node_ranks.begin(), topo_.node_ranks.end(), \[&\](int r) { return busy_\[r\]; }))/    if (false)/' $f ;;
+    kernel) f=$m/comm/src/cuda/kernels.cu
+            sed -i 's/    if (r != rank) wait_word(my_flags + r, Cmp::GE, epoch, limit, FaultKind::Barrier/    if (false) wait_word(my_flags + r, Cmp::GE, epoch, limit, FaultKind::Barrier/' $f ;;
+    meeting) sed -i 's/    if (std::any_of(topo_.node_ranks.begin(), topo_.node_ranks.end(), \[&\](int r) { return busy_\[r\]; }))/    if (false)/' $f
+             env=(MESHMEM_BARRIER=meeting) ;;
     event) sed -i 's/      if (r == topo_.rank || !busy_\[r\]) continue;/      continue;/' $f; env=(MESHMEM_BARRIER=event) ;;
     proxy) f=$m/comm/src/cuda/stream_barrier_proxy.cpp
            sed -i 's/      boot_.arrive("comm.barrier(stream)");/      (void)0;/' $f

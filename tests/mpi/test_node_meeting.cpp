@@ -34,8 +34,9 @@ struct Ranks {
 
 class NodeMeetingTest : public MpiTest {};
 
-bool note_of(std::uint64_t seed, int meeting, int rank) {
-  return ((seed >> (rank % 8)) ^ static_cast<std::uint64_t>(meeting * 2654435761u + rank * 40503u)) & 1;
+unsigned note_of(std::uint64_t seed, int meeting, int rank) {
+  return static_cast<unsigned>(((seed >> (rank % 8)) ^ static_cast<std::uint64_t>(meeting * 2654435761u + rank * 40503u)) %
+                               NodeMeeting::kNoteLimit);
 }
 
 TEST_F(NodeMeetingTest, NobodyLeavesEarlyAndNotesAreThatMeetings) {
@@ -65,7 +66,7 @@ TEST_F(NodeMeetingTest, NobodyLeavesEarlyAndNotesAreThatMeetings) {
 
   const std::uint64_t seed = shared_seed();
   std::mt19937 gen(static_cast<unsigned>(seed) + world_rank());
-  std::vector<bool> notes;
+  std::vector<unsigned> notes;
   int early = 0, wrong_note = 0;
   for (int m = 1; m <= 5000; ++m) {
     if (gen() % 64 == 0) std::this_thread::sleep_for(std::chrono::microseconds(gen() % 300));  // late now and then
@@ -87,11 +88,11 @@ TEST_F(NodeMeetingTest, MissingRankIsNamedOnTimeout) {
   Ranks s(std::chrono::milliseconds(300));
   NodeMeeting meeting(s.boot, s.fds, s.topo, "test");
   const int absent = s.topo.node_ranks.back();
-  std::vector<bool> notes;
+  std::vector<unsigned> notes;
   if (s.topo.node_ranks.size() < 2) GTEST_SKIP() << "needs two ranks on a node";
   if (world_rank() != absent) {
     try {
-      meeting.meet(false, notes, "comm.barrier(stream)");
+      meeting.meet(0, notes, "comm.barrier(stream)");
       ADD_FAILURE() << "meet() returned without rank " << absent;
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::Timeout);
@@ -101,7 +102,7 @@ TEST_F(NodeMeetingTest, MissingRankIsNamedOnTimeout) {
     }
     // The Comm is unusable after a timeout: the next meeting says so at once.
     try {
-      meeting.meet(false, notes, "comm.barrier(stream)");
+      meeting.meet(0, notes, "comm.barrier(stream)");
       ADD_FAILURE() << "a timed-out meeting was used again";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::Timeout);

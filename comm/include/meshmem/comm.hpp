@@ -53,6 +53,7 @@ class Window {
 
  private:
   friend class Comm;
+  friend class Signals;
   friend class detail::CommImpl;
   explicit Window(std::shared_ptr<detail::WindowState> state) : state_(std::move(state)) {}
   void release_noexcept() noexcept;
@@ -66,9 +67,12 @@ class Signals {
   std::size_t count() const;
   bool valid() const noexcept { return words_.valid(); }
   void free() { words_.free(); }
-  // This rank's words (host memory: readable directly; atomics recommended).
+  // This rank's words: host memory for Memory::Host signals (atomics recommended), GPU
+  // memory for Memory::Device ones (kernels only; the host uses read()).
   std::uint64_t* local() const { return static_cast<std::uint64_t*>(words_.local()); }
-  // Reads this rank's word `index` with acquire ordering.
+  // This rank's word `index` as it is now, with acquire ordering. Device signals: one
+  // 8-byte copy from the GPU on a stream of meshmem's own; it does not wait for other
+  // streams' work (synchronise them first to read what they wrote).
   std::uint64_t read(std::size_t index) const;
   const Window& words() const { return words_; }
   device::SignalsView view() const;  // for kernels (device signals)
@@ -118,19 +122,30 @@ class Comm {
   void signal(const Signals& sig, int target, std::size_t index, std::uint64_t value, SignalOp op,
               Stream stream = nullptr);
   // Blocks until this rank's word `index` compares true against `value`. Host-blocking with
-  // a null stream; times out after MESHMEM_TIMEOUT.
+  // a null stream; times out after MESHMEM_TIMEOUT. On a stream the wait itself times out
+  // on the GPU after MESHMEM_TIMEOUT (the stream moves on; the next call on this Comm raises
+  // Error(Timeout) naming the signal), except with MESHMEM_STREAM_WAIT=memop (the auto
+  // choice where this rank shares its GPU with another rank).
   void wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::uint64_t value,
                   Stream stream = nullptr);
+  // wait_until for each of the words first .. first+count-1 at once (one launch on a
+  // stream): a halo's two or four neighbours' signals, say.
+  void wait_until_all(const Signals& sig, std::size_t first, std::size_t count, Cmp cmp, std::uint64_t value,
+                      Stream stream = nullptr);
   // Every put and signal issued by this rank (on `stream`, for device windows) is complete
   // at its target.
   void quiet(Stream stream = nullptr);
   // Stream-ordered barrier: once `stream` passes it, every rank's stream has reached its
-  // barrier and their earlier puts are complete. The host never waits for the GPU; with
-  // MESHMEM_BARRIER=auto or event (auto is the default) it returns once every rank of the
-  // node has called barrier(stream) (a host meeting, as in MPI_Barrier), and enqueues no
-  // GPU work at all when every rank's stream was idle. Across nodes a proxy thread meets
-  // the ranks once the stream reached the barrier; the stream waits, the host does not.
-  // Where no GPU part runs (host windows only), the same as barrier().
+  // barrier and their earlier puts are complete. The host does not wait (MESHMEM_BARRIER
+  // auto or kernel: a one-block kernel whose barrier count lives on the GPU, so it is
+  // capturable into a CUDA graph and right on every replay; its waits time out after
+  // MESHMEM_TIMEOUT). MESHMEM_BARRIER=meeting meets the node's ranks on the host first and
+  // enqueues nothing when every stream was idle (auto does so where ranks share a GPU);
+  // flag and event are not capturable. The
+  // k-th barrier(stream) of a rank is met with the k-th of every other rank, whatever
+  // streams they run on: a barrier waits for the same rank's previous barrier(stream)
+  // (on another stream too). Across nodes a proxy thread meets the ranks once the stream
+  // reached the barrier. Where no GPU part runs (host windows only), the same as barrier().
   void barrier(Stream stream);
   // Host barrier: quiet + every rank has arrived; the host waits. Device puts issued on
   // streams are not covered (synchronise the stream first, or use barrier(stream)).

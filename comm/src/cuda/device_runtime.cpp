@@ -7,7 +7,9 @@
 
 #include "../bootstrap.hpp"
 #include "../gpu_part.hpp"
+#include "../backoff.hpp"
 #include "../knobs.hpp"
+#include "../log.hpp"
 #include "../topology.hpp"
 #include "device_window.hpp"
 #include "kernels.hpp"
@@ -26,35 +28,65 @@ std::string print_stream_wait(const StreamWait& w) { return choice_name(w, kStre
 
 const TuningKnob<StreamWait> kStreamWait{
     "device", "MESHMEM_STREAM_WAIT", StreamWait::Auto, parse_stream_wait, print_stream_wait,
-    "device `wait_until`: `memop` (cuStreamWaitValue64, holds no SM), `kernel` (polling kernel, about 2x lower "
-    "put_signal latency); `auto` = `kernel` unless this rank's GPU is shared (a polling kernel would hold a "
-    "time-sliced GPU from the ranks it waits for)"};
+    "device `wait_until`: `kernel` (a polling kernel that gives up after MESHMEM_TIMEOUT and reports it; about 2x "
+    "lower put_signal latency than memop), `memop` (cuStreamWaitValue64: holds no SM, so it is faster where ranks "
+    "share a GPU, but it cannot time out); `auto` = `kernel`, or `memop` where this rank's GPU is shared (a "
+    "polling kernel would hold the time-sliced GPU from the ranks it waits for)"};
 
-class KernelCopyPlan final : public DeviceCopyPlan {
+// Device memory owned by a plan: freed with it.
+template <class T>
+T* device_array(DevicePtr& owner, const std::vector<T>& values, const std::string& what) {
+  if (values.empty()) return nullptr;
+  void* p = nullptr;
+  ipc::check_cuda(cudaMalloc(&p, values.size() * sizeof(T)), "cudaMalloc", what);
+  owner.reset(p);
+  ipc::check_cuda(cudaMemcpy(p, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy", what);
+  return static_cast<T*>(p);
+}
+
+class KernelHaloPlan final : public DeviceHaloPlan {
  public:
-  KernelCopyPlan(const std::vector<DeviceCopy>& copies, int rank) : count_(static_cast<int>(copies.size())), rank_(rank) {
+  KernelHaloPlan(const DeviceHaloSpec& spec, const CudaDeviceRuntime& device)
+      : rank_(device.rank()), limit_(device.wait_limit()), sequence_("halo exchange plan") {
+    const std::string what = "halo exchange plan on rank " + std::to_string(rank_);
     std::vector<cuda::Copy2D> table;
-    for (const DeviceCopy& c : copies) {
+    for (const DeviceCopy& c : spec.copies) {
       table.push_back({static_cast<char*>(c.dst), static_cast<const char*>(c.src), c.width, c.height, c.src_pitch, c.dst_pitch});
       largest_ = std::max<std::uint64_t>(largest_, c.width * c.height);
     }
-    if (table.empty()) return;
+    count_ = static_cast<int>(table.size());
+    table_ = device_array(table_memory_, table, what);
+    sync_.stores = device_array(stores_, spec.stores, what);
+    sync_.waits = device_array(waits_, spec.waits, what);
+    sync_.wait_ranks = device_array(wait_ranks_, spec.wait_ranks, what);
+    sync_.nstores = static_cast<int>(spec.stores.size());
+    sync_.nwaits = static_cast<int>(spec.waits.size());
+    sync_.window = spec.signals_window;
+    // The exchange number and the count of finished copy blocks: zero, on the device.
     void* p = nullptr;
-    const std::string what = "halo copy plan on rank " + std::to_string(rank_);
-    ipc::check_cuda(cudaMalloc(&p, table.size() * sizeof(cuda::Copy2D)), "cudaMalloc", what);
-    table_.reset(p);
-    ipc::check_cuda(cudaMemcpy(p, table.data(), table.size() * sizeof(cuda::Copy2D), cudaMemcpyHostToDevice), "cudaMemcpy", what);
+    ipc::check_cuda(cudaMalloc(&p, 2 * sizeof(std::uint64_t)), "cudaMalloc", what);
+    counters_.reset(p);
+    ipc::check_cuda(cudaMemset(p, 0, 2 * sizeof(std::uint64_t)), "cudaMemset", what);
+    ipc::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", what);
+    sync_.epoch = static_cast<std::uint64_t*>(p);
+    sync_.arrived = reinterpret_cast<unsigned*>(static_cast<std::uint64_t*>(p) + 1);
   }
-  void run(Stream stream) override {
-    const cudaError_t rc = cuda::launch_copies(static_cast<const cuda::Copy2D*>(table_.get()), count_, largest_, stream);
-    if (rc != cudaSuccess) ipc::check_cuda(rc, "halo copy kernel launch", "HaloExchange::exchange on rank " + std::to_string(rank_));
+  void run(Stream stream, bool copy, bool capturing, const char* call) override {
+    sequence_.before(stream, capturing, call, rank_);
+    const cudaError_t rc = cuda::launch_halo(copy ? table_ : nullptr, copy ? count_ : 0, largest_, sync_, limit_, stream);
+    if (rc != cudaSuccess) ipc::check_cuda(rc, "halo exchange kernel launch", std::string(call) + " on rank " + std::to_string(rank_));
+    sequence_.after(stream, capturing, call, rank_);
   }
 
  private:
-  DevicePtr table_;
-  int count_;
   int rank_;
+  cuda::WaitLimit limit_;
+  StreamSequence sequence_;
+  DevicePtr table_memory_, stores_, waits_, wait_ranks_, counters_;
+  const cuda::Copy2D* table_ = nullptr;
+  int count_ = 0;
   std::uint64_t largest_ = 0;
+  cuda::HaloSync sync_{};
 };
 
 }  // namespace
@@ -77,11 +109,19 @@ OwnedStream::~OwnedStream() {
 }
 
 CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
-    : rank_(ctx.topo.rank), size_(ctx.topo.size), device_(device), setup_stream_("meshmem::Comm (device setup)") {
+    : rank_(ctx.topo.rank),
+      size_(ctx.topo.size),
+      device_(device),
+      timeout_(ctx.options.timeout),
+      setup_stream_("meshmem::Comm (device setup)"),
+      fault_(ctx.options.timeout, "meshmem::Comm (device setup)"),
+      releaser_(device) {
   const std::string what = "meshmem::Comm (device setup)";
   std::string bus_id;
   agreed_step(ctx.boot, what, [&] {
     ipc::check_cuda(cudaSetDevice(device_), "cudaSetDevice", what);
+    ipc::check_cuda(cudaFree(nullptr), "cudaFree(nullptr) (context creation)", what);
+    ipc::check_cu(ipc::cuda_driver().cuCtxGetCurrent(&context_), "cuCtxGetCurrent", what);
     cudaDeviceProp prop{};
     ipc::check_cuda(cudaGetDeviceProperties(&prop, device_), "cudaGetDeviceProperties", what);
     char bus[32] = {};
@@ -124,52 +164,114 @@ void CudaDeviceRuntime::create_local(WindowState& state, const std::string& what
 
 void CudaDeviceRuntime::publish(WindowState& state, const std::string& what) { publish_peer_table(state, what); }
 
-void CudaDeviceRuntime::wait_until(const WindowState& sig, std::size_t index, Cmp cmp, std::uint64_t value,
-                                   Stream stream) {
-  auto* word = static_cast<std::uint64_t*>(sig.local) + index;
-  const auto addr = reinterpret_cast<CUdeviceptr>(word);
-  // The stream's front end waits for GE / EQ (and GT as GE value+1); the other comparisons
-  // (and MESHMEM_STREAM_WAIT=kernel) use a polling kernel.
-  const bool memop = !wait_kernel_;
-  CUresult rc = CUDA_SUCCESS;
-  if (memop && (cmp == Cmp::GE || (cmp == Cmp::GT && value != UINT64_MAX))) {
-    rc = ipc::cuda_driver().cuStreamWaitValue64(stream, addr, cmp == Cmp::GT ? value + 1 : value,
-                                                CU_STREAM_WAIT_VALUE_GEQ | wait_flags_);
-  } else if (memop && cmp == Cmp::EQ) {
-    rc = ipc::cuda_driver().cuStreamWaitValue64(stream, addr, value, CU_STREAM_WAIT_VALUE_EQ | wait_flags_);
-  } else {
-    const cudaError_t k = cuda::launch_wait(word, cmp, value, stream);
+DeviceEntry CudaDeviceRuntime::enter(Stream stream, bool capture, const char* call) {
+  DeviceEntry entry;
+  cudaError_t rc = cudaGetDevice(&entry.previous);
+  if (rc != cudaSuccess) ipc::check_cuda(rc, "cudaGetDevice", where(call));
+  if (entry.previous != device_) {
+    rc = cudaSetDevice(device_);
+    if (rc != cudaSuccess) ipc::check_cuda(rc, "cudaSetDevice", where(call));
+  }
+  try {
+    fault_.raise_if_set(where(call));
+    if (stream != nullptr && stream != cudaStreamLegacy && stream != cudaStreamPerThread) {
+      CUcontext owner = nullptr;
+      ipc::check_cu(ipc::cuda_driver().cuStreamGetCtx(stream, &owner), "cuStreamGetCtx", where(call));
+      if (owner != context_)
+        throw Error(ErrorCode::InvalidArgument,
+                    where(call) + ": the stream belongs to " + device_of(owner) + ", but this Comm works on device " +
+                        std::to_string(device_) + " (the device current when the Comm was made); pass a stream of device " +
+                        std::to_string(device_));
+      if (capture) {
+        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+        rc = cudaStreamIsCapturing(stream, &status);
+        if (rc != cudaSuccess) ipc::check_cuda(rc, "cudaStreamIsCapturing", where(call));
+        if (status == cudaStreamCaptureStatusInvalidated)
+          throw Error(ErrorCode::InvalidArgument, where(call) + ": the stream's graph capture was invalidated by an earlier error");
+        entry.capturing = status == cudaStreamCaptureStatusActive;
+      }
+    }
+  } catch (...) {
+    leave(entry);
+    throw;
+  }
+  return entry;
+}
+
+// Only for the message of a refused stream.
+std::string CudaDeviceRuntime::device_of(CUcontext context) {
+  const ipc::CudaDriver& d = ipc::cuda_driver();
+  CUdevice dev = -1;
+  if (d.cuCtxPushCurrent(context) != CUDA_SUCCESS) return "another CUDA context";
+  const CUresult rc = d.cuCtxGetDevice(&dev);
+  CUcontext popped = nullptr;
+  (void)d.cuCtxPopCurrent(&popped);
+  if (rc != CUDA_SUCCESS) return "another CUDA context";
+  // A primary context of device dev (cudaSetDevice's) or a context the application made.
+  return "device " + std::to_string(static_cast<int>(dev));
+}
+
+void CudaDeviceRuntime::leave(const DeviceEntry& entry) noexcept {
+  if (entry.previous >= 0 && entry.previous != device_) (void)cudaSetDevice(entry.previous);
+}
+
+void CudaDeviceRuntime::wait_until(const WindowState& sig, std::size_t index, std::size_t count, Cmp cmp,
+                                   std::uint64_t value, Stream stream) {
+  auto* words = static_cast<std::uint64_t*>(sig.local) + index;
+  // The stream's front end waits for GE / EQ (and GT as GE value+1) with
+  // MESHMEM_STREAM_WAIT=memop (no timeout then); otherwise a polling kernel that gives up
+  // after MESHMEM_TIMEOUT.
+  const bool memop = !wait_kernel_ && (cmp == Cmp::GE || cmp == Cmp::EQ || (cmp == Cmp::GT && value != UINT64_MAX));
+  if (!memop) {
+    const cudaError_t k = cuda::launch_wait(words, count, cmp, value, sig.id, index, fault_.limit(), stream);
     if (k != cudaSuccess) ipc::check_cuda(k, "wait kernel launch", where("comm.wait_until"));
+    return;
   }
-  if (rc != CUDA_SUCCESS) ipc::check_cu(rc, "cuStreamWaitValue64", where("comm.wait_until"));
-}
-
-void CudaDeviceRuntime::store_and_wait(const std::vector<std::uint64_t*>& stores,
-                                       const std::vector<const std::uint64_t*>& waits, std::uint64_t value,
-                                       Stream stream, const char* call) {
-  std::vector<CUstreamBatchMemOpParams> ops;
-  ops.reserve(stores.size() + waits.size());
-  for (std::uint64_t* word : stores) {
-    CUstreamBatchMemOpParams op{};
-    op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-    op.writeValue.address = reinterpret_cast<CUdeviceptr>(word);
-    op.writeValue.value64 = value;
-    op.writeValue.flags = 0;  // memory barrier first: the puts before it land first
-    ops.push_back(op);
-  }
-  for (const std::uint64_t* word : waits) {
-    CUstreamBatchMemOpParams op{};
+  std::vector<CUstreamBatchMemOpParams> ops(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    CUstreamBatchMemOpParams& op = ops[i];
+    op = CUstreamBatchMemOpParams{};
     op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-    op.waitValue.address = reinterpret_cast<CUdeviceptr>(word);
-    op.waitValue.value64 = value;
-    op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ | wait_flags_;
-    ops.push_back(op);
+    op.waitValue.address = reinterpret_cast<CUdeviceptr>(words + i);
+    op.waitValue.value64 = cmp == Cmp::GT ? value + 1 : value;
+    op.waitValue.flags = (cmp == Cmp::EQ ? CU_STREAM_WAIT_VALUE_EQ : CU_STREAM_WAIT_VALUE_GEQ) | wait_flags_;
   }
-  if (!ops.empty()) run_stream_batch(ops, stream, call, rank_);
+  run_stream_batch(ops, stream, "comm.wait_until", rank_);
 }
 
-std::unique_ptr<DeviceCopyPlan> CudaDeviceRuntime::make_copy_plan(const std::vector<DeviceCopy>& copies) {
-  return std::make_unique<KernelCopyPlan>(copies, rank_);
+std::uint64_t CudaDeviceRuntime::read_word(const WindowState& sig, std::size_t index) {
+  const char* call = "Signals::read";
+  std::uint64_t value = 0;
+  ipc::check_cuda(cudaMemcpyAsync(&value, static_cast<const std::uint64_t*>(sig.local) + index, sizeof(value),
+                                  cudaMemcpyDeviceToHost, setup_stream_.get()),
+                  "cudaMemcpyAsync", where(call));
+  ipc::check_cuda(cudaStreamSynchronize(setup_stream_.get()), "cudaStreamSynchronize", where(call));
+  return value;
+}
+
+std::unique_ptr<DeviceHaloPlan> CudaDeviceRuntime::make_halo_plan(const DeviceHaloSpec& spec) {
+  return std::make_unique<KernelHaloPlan>(spec, *this);
+}
+
+void CudaDeviceRuntime::retire(WindowState& state, const char* call) {
+  const std::uint64_t ticket = releaser_.submit(state);
+  if (!releaser_.wait(ticket, timeout_))
+    throw Error(ErrorCode::Timeout,
+                where(call) + ": work issued on this GPU before the free has not finished (or a graph capture on this GPU is still open) after " + describe_timeout(timeout_) +
+                    " (a stream waiting for a signal or a barrier that never comes?); the window's memory is released "
+                    "once that work ends");
+}
+
+void CudaDeviceRuntime::retire_all(const std::vector<WindowState*>& states, const char* call) noexcept {
+  try {
+    std::uint64_t ticket = 0;
+    for (WindowState* s : states) ticket = releaser_.submit(*s);
+    if (ticket != 0 && !releaser_.wait(ticket, timeout_))
+      log(LogLevel::Error, where(call) + ": work issued on this GPU has not finished after " + describe_timeout(timeout_) +
+                               "; its windows' memory is released once that work ends");
+  } catch (const std::exception& e) {
+    log(LogLevel::Error, where(call) + ": " + e.what());
+  }
 }
 
 std::unique_ptr<StreamBarrier> CudaDeviceRuntime::make_barrier(const CommContext& ctx, const BarrierContext& bctx) {

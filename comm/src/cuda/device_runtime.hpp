@@ -7,12 +7,14 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "../device_runtime.hpp"
 #include "../transport.hpp"
+#include "device_sync.hpp"
 
 namespace meshmem::detail {
 
@@ -48,10 +50,14 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   std::string describe() const override { return description_; }
   void create_local(WindowState& state, const std::string& what) override;
   void publish(WindowState& state, const std::string& what) override;
-  void wait_until(const WindowState& sig, std::size_t index, Cmp cmp, std::uint64_t value, Stream stream) override;
-  void store_and_wait(const std::vector<std::uint64_t*>& stores, const std::vector<const std::uint64_t*>& waits,
-                      std::uint64_t value, Stream stream, const char* call) override;
-  std::unique_ptr<DeviceCopyPlan> make_copy_plan(const std::vector<DeviceCopy>& copies) override;
+  DeviceEntry enter(Stream stream, bool capture, const char* call) override;
+  void leave(const DeviceEntry& entry) noexcept override;
+  void wait_until(const WindowState& sig, std::size_t index, std::size_t count, Cmp cmp, std::uint64_t value,
+                  Stream stream) override;
+  std::uint64_t read_word(const WindowState& sig, std::size_t index) override;
+  std::unique_ptr<DeviceHaloPlan> make_halo_plan(const DeviceHaloSpec& spec) override;
+  void retire(WindowState& state, const char* call) override;
+  void retire_all(const std::vector<WindowState*>& states, const char* call) noexcept override;
   std::unique_ptr<StreamBarrier> make_barrier(const CommContext& ctx, const BarrierContext& bctx) override;
 
   // Every rank's window parts are rounded to this (the largest granularity of the ranks).
@@ -60,20 +66,28 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   bool any_shared_gpu() const { return any_shared_; }
   // Extra flags of stream waits (flush of remote writes where the device can).
   unsigned wait_flags() const { return wait_flags_; }
+  // Where device-side waits report a timeout, and the timeout.
+  cuda::WaitLimit wait_limit() const { return fault_.limit(); }
+  int rank() const { return rank_; }
 
  private:
   std::string where(const char* call) const { return std::string(call) + " on rank " + std::to_string(rank_); }
+  static std::string device_of(CUcontext context);
 
   int rank_;
   int size_;
   int device_;
+  CUcontext context_ = nullptr;  // device_'s primary context: a stream of any other is refused
   std::string description_;
   std::size_t granularity_ = 0;
   bool shared_gpu_ = false;
   bool any_shared_ = false;
   unsigned wait_flags_ = 0;
   bool wait_kernel_ = false;  // MESHMEM_STREAM_WAIT resolved
+  std::chrono::milliseconds timeout_;
   OwnedStream setup_stream_;
+  DeviceFaultRecord fault_;
+  WindowReleaser releaser_;
 };
 
 }  // namespace meshmem::detail

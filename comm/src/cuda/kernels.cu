@@ -33,21 +33,59 @@ __global__ void copy_signal_kernel(void* dst, const void* src, std::size_t bytes
   }
 }
 
-__global__ void wait_kernel(const std::uint64_t* word, Cmp cmp, std::uint64_t value) {
-  device::SignalWord w(*const_cast<std::uint64_t*>(word));
-  while (!device::compare(w.load(::cuda::memory_order_acquire), cmp, value)) __nanosleep(100);
+__device__ inline std::uint64_t global_ns() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
 }
 
-__global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, int rank, int size,
-                               std::uint64_t epoch) {
-  const int r = static_cast<int>(threadIdx.x);
-  if (r >= size || r == rank) return;
-  // Earlier stream work is complete (stream order); the fence orders it before the flag.
-  __threadfence_system();
-  device::SignalWord(peer_flags[r][rank]).store(epoch, ::cuda::memory_order_release);
-  device::SignalWord mine(my_flags[r]);
-  while (mine.load(::cuda::memory_order_acquire) < epoch) {
+// Polls `word` until it compares true; false once the limit passed (the fault is written).
+__device__ bool wait_word(const std::uint64_t* word, Cmp cmp, std::uint64_t value, const WaitLimit& limit,
+                          FaultKind kind, int peer, std::uint64_t window, std::uint64_t index) {
+  device::SignalWord w(*const_cast<std::uint64_t*>(word));
+  const std::uint64_t start = limit.timeout_ns ? global_ns() : 0;
+  for (unsigned spins = 0;; ++spins) {
+    const std::uint64_t v = w.load(::cuda::memory_order_acquire);
+    if (device::compare(v, cmp, value)) return true;
+    if (spins >= 64) __nanosleep(100);  // a first burst without sleeping: most waits are short
+    if (limit.timeout_ns != 0 && (spins & 255) == 255 && global_ns() - start > limit.timeout_ns) {
+      DeviceFault* f = limit.fault;
+      if (atomicCAS(&f->claimed, 0u, 1u) == 0u) {
+        f->peer = peer;
+        f->cmp = static_cast<unsigned>(cmp);
+        f->window = window;
+        f->index = index;
+        f->seen = v;
+        f->expected = value;
+        __threadfence_system();
+        ::cuda::atomic_ref<unsigned, ::cuda::thread_scope_system>(f->code).store(static_cast<unsigned>(kind),
+                                                                               ::cuda::memory_order_release);
+      }
+      return false;
+    }
   }
+}
+
+__global__ void wait_kernel(const std::uint64_t* words, std::size_t count, Cmp cmp, std::uint64_t value,
+                            std::uint64_t window, std::size_t first, WaitLimit limit) {
+  const std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < count) wait_word(words + i, cmp, value, limit, FaultKind::WaitUntil, -1, window, first + i);
+}
+
+__global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
+                               int rank, int size, WaitLimit limit) {
+  __shared__ std::uint64_t epoch;
+  if (threadIdx.x == 0) {
+    epoch = *counter + 1;  // this rank's barrier kernels run one at a time (StreamSequence)
+    *counter = epoch;
+  }
+  __syncthreads();
+  // Earlier stream work is complete (stream order); the fence orders it before the flags.
+  __threadfence_system();
+  for (int r = static_cast<int>(threadIdx.x); r < size; r += static_cast<int>(blockDim.x))
+    if (r != rank) device::SignalWord(peer_flags[r][rank]).store(epoch, ::cuda::memory_order_release);
+  for (int r = static_cast<int>(threadIdx.x); r < size; r += static_cast<int>(blockDim.x))
+    if (r != rank) wait_word(my_flags + r, Cmp::GE, epoch, limit, FaultKind::Barrier, r, 0, static_cast<std::uint64_t>(r));
 }
 
 template <class T>
@@ -67,8 +105,7 @@ __device__ void copy_2d(const Copy2D& c) {
   }
 }
 
-__global__ void copies_kernel(const Copy2D* table) {
-  const Copy2D c = table[blockIdx.y];
+__device__ void copy_block_of(const Copy2D& c) {
   const std::uint64_t bits = reinterpret_cast<std::uintptr_t>(c.dst) | reinterpret_cast<std::uintptr_t>(c.src) |
                              c.width | (c.height > 1 ? (c.src_pitch | c.dst_pitch) : 0);
   if ((bits & 15) == 0) copy_2d<uint4>(c);
@@ -77,21 +114,49 @@ __global__ void copies_kernel(const Copy2D* table) {
   else copy_2d<unsigned char>(c);
 }
 
+__global__ void halo_kernel(const Copy2D* table, int count, HaloSync sync, WaitLimit limit) {
+  if (static_cast<int>(blockIdx.y) < count) copy_block_of(table[blockIdx.y]);
+  // Every thread's copies are visible system-wide before its block counts as done; the
+  // last block to finish signals for all.
+  __threadfence_system();
+  __syncthreads();
+  __shared__ bool last;
+  __shared__ std::uint64_t epoch;
+  if (threadIdx.x == 0) {
+    const unsigned total = gridDim.x * gridDim.y;
+    last = atomicAdd(sync.arrived, 1u) == total - 1;
+    if (last) {
+      *sync.arrived = 0;  // the next exchange starts after this kernel (StreamSequence)
+      epoch = *sync.epoch + 1;
+      *sync.epoch = epoch;
+    }
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence_system();
+  for (int i = static_cast<int>(threadIdx.x); i < sync.nstores; i += static_cast<int>(blockDim.x))
+    device::SignalWord(*sync.stores[i]).store(epoch, ::cuda::memory_order_release);
+  for (int i = static_cast<int>(threadIdx.x); i < sync.nwaits; i += static_cast<int>(blockDim.x))
+    wait_word(sync.waits[i], Cmp::GE, epoch, limit, FaultKind::Halo, sync.wait_ranks[i], sync.window,
+              static_cast<std::uint64_t>(sync.wait_ranks[i]));
+}
+
 }  // namespace
 
-cudaError_t launch_copies(const Copy2D* table, int count, std::uint64_t largest, cudaStream_t stream) {
-  if (count == 0) return cudaSuccess;
-  // About 4 KiB a block for the largest copy (remote stores need many blocks in flight;
-  // 64 KiB a block measured 3x slower on H200), at most 128 blocks per copy.
-  unsigned blocks = static_cast<unsigned>(std::min<std::uint64_t>(128, std::max<std::uint64_t>(1, largest / 4096)));
-  copies_kernel<<<dim3(blocks, static_cast<unsigned>(count)), 256, 0, stream>>>(table);
+cudaError_t launch_barrier(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
+                           int rank, int size, WaitLimit limit, cudaStream_t stream) {
+  const int threads = std::min(1024, (size + 31) / 32 * 32);
+  barrier_kernel<<<1, threads, 0, stream>>>(peer_flags, my_flags, counter, rank, size, limit);
   return cudaGetLastError();
 }
 
-cudaError_t launch_barrier(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, int rank, int size,
-                           std::uint64_t epoch, cudaStream_t stream) {
-  const int threads = (size + 31) / 32 * 32;
-  barrier_kernel<<<1, threads, 0, stream>>>(peer_flags, my_flags, rank, size, epoch);
+cudaError_t launch_halo(const Copy2D* table, int count, std::uint64_t largest, const HaloSync& sync, WaitLimit limit,
+                        cudaStream_t stream) {
+  // About 4 KiB a block for the largest copy (remote stores need many blocks in flight;
+  // 64 KiB a block measured 3x slower on H200), at most 128 blocks per copy.
+  const unsigned blocks =
+      count == 0 ? 1u : static_cast<unsigned>(std::min<std::uint64_t>(128, std::max<std::uint64_t>(1, largest / 4096)));
+  halo_kernel<<<dim3(blocks, static_cast<unsigned>(std::max(count, 1))), 256, 0, stream>>>(table, count, sync, limit);
   return cudaGetLastError();
 }
 
@@ -112,8 +177,12 @@ cudaError_t launch_copy(void* dst, const void* src, std::size_t bytes, std::uint
   return cudaGetLastError();
 }
 
-cudaError_t launch_wait(const std::uint64_t* word, Cmp cmp, std::uint64_t value, cudaStream_t stream) {
-  wait_kernel<<<1, 1, 0, stream>>>(word, cmp, value);
+cudaError_t launch_wait(const std::uint64_t* words, std::size_t count, Cmp cmp, std::uint64_t value,
+                        std::uint64_t window_id, std::size_t first_index, WaitLimit limit, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  const unsigned threads = static_cast<unsigned>(std::min<std::size_t>(256, (count + 31) / 32 * 32));
+  const unsigned blocks = static_cast<unsigned>((count + threads - 1) / threads);
+  wait_kernel<<<blocks, threads, 0, stream>>>(words, count, cmp, value, window_id, first_index, limit);
   return cudaGetLastError();
 }
 

@@ -10,29 +10,68 @@
 
 namespace meshmem::detail::cuda {
 
+// What a device-side wait that ran out of time leaves for the host: pinned host memory
+// mapped into the device (DeviceFaultRecord owns it). The first wait to time out claims it;
+// `code` is written last, so the host reads the other fields once it sees code != 0.
+enum class FaultKind : unsigned { None = 0, WaitUntil = 1, Barrier = 2, Halo = 3 };
+struct DeviceFault {
+  unsigned claimed;
+  unsigned code;      // FaultKind, 0 while no wait timed out
+  int peer;           // the rank waited for, -1 where any rank may signal
+  unsigned cmp;       // Cmp of a wait_until
+  std::uint64_t window;    // the signals window's id (0: the barrier's own flags)
+  std::uint64_t index;     // the signal word
+  std::uint64_t seen;      // its value when the wait gave up
+  std::uint64_t expected;  // what it waited for
+};
+
+// Where a device wait reports its timeout, and after how long (0: waits forever).
+struct WaitLimit {
+  DeviceFault* fault;
+  std::uint64_t timeout_ns;
+};
+
 // SM copy of `bytes` (dst, src device-accessible). If `signal` is non-null, the word is
 // updated (system-scope release) after the whole copy is written: one launch for a small
 // put_signal. bytes may be 0 (signal only).
 cudaError_t launch_copy(void* dst, const void* src, std::size_t bytes, std::uint64_t* signal,
                         std::uint64_t value, SignalOp op, cudaStream_t stream);
 
-// Blocks `stream` until *word compares true (for the comparisons stream memory operations
-// lack).
-cudaError_t launch_wait(const std::uint64_t* word, Cmp cmp, std::uint64_t value, cudaStream_t stream);
+// Blocks `stream` until each of words[0 .. count) compares true against `value`, or until
+// the limit (then the fault names window `window_id`, word `first_index` + i).
+cudaError_t launch_wait(const std::uint64_t* words, std::size_t count, Cmp cmp, std::uint64_t value,
+                        std::uint64_t window_id, std::size_t first_index, WaitLimit limit, cudaStream_t stream);
 
-// One block, one thread per rank: stores `epoch` into word `rank` of every peer's flags
-// (peer_flags: device array of the peers' flag words), then waits until every peer's word
-// here reaches `epoch`.
-cudaError_t launch_barrier(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, int rank, int size,
-                           std::uint64_t epoch, cudaStream_t stream);
+// One block: takes this rank's next barrier number from *counter (device memory, advanced
+// by the kernel itself, so a graph replay takes a new one), stores it into word `rank` of
+// every peer's flags (peer_flags: device array of the peers' flag words), then waits until
+// every peer's word here reaches it.
+cudaError_t launch_barrier(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
+                           int rank, int size, WaitLimit limit, cudaStream_t stream);
 
-// Runs `count` 2-D copies described by `table` (device memory, DeviceCopy layout) in one
-// launch: blockIdx.y picks the copy, 16-byte accesses where the copy's layout allows.
+// Runs `count` 2-D copies described by `table` (device memory) in one launch: blockIdx.y
+// picks the copy, 16-byte accesses where the copy's layout allows.
 struct Copy2D {
   char* dst;
   const char* src;
   std::uint64_t width, height, src_pitch, dst_pitch;
 };
-cudaError_t launch_copies(const Copy2D* table, int count, std::uint64_t largest, cudaStream_t stream);
+
+// The signals of one halo exchange, all in device memory: the exchange number lives in
+// *epoch and is advanced by the kernel (graph replays and several streams stay right).
+struct HaloSync {
+  std::uint64_t* const* stores;    // neighbours' words for this rank, mapped here
+  const std::uint64_t* const* waits;  // this rank's words of the neighbours it receives from
+  const int* wait_ranks;           // who writes each of `waits`
+  int nstores, nwaits;
+  std::uint64_t* epoch;            // exchanges run so far
+  unsigned* arrived;               // copy blocks done in the running exchange
+  std::uint64_t window;            // the signals window's id (for the fault)
+};
+
+// The copies of `table`, then (the last block to finish) the next exchange number stored
+// into every neighbour's word, then waits for every neighbour's word here to reach it.
+cudaError_t launch_halo(const Copy2D* table, int count, std::uint64_t largest, const HaloSync& sync, WaitLimit limit,
+                        cudaStream_t stream);
 
 }  // namespace meshmem::detail::cuda

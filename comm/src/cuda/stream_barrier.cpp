@@ -19,28 +19,41 @@ namespace meshmem::detail {
 
 namespace {
 
-enum class BarrierKind { Auto, Flag, Kernel, Event };
-constexpr std::pair<const char*, BarrierKind> kBarrierKinds[] = {
-    {"auto", BarrierKind::Auto}, {"flag", BarrierKind::Flag}, {"kernel", BarrierKind::Kernel}, {"event", BarrierKind::Event}};
+enum class BarrierKind { Auto, Kernel, Meeting, Flag, Event };
+constexpr std::pair<const char*, BarrierKind> kBarrierKinds[] = {{"auto", BarrierKind::Auto},
+                                                                 {"kernel", BarrierKind::Kernel},
+                                                                 {"meeting", BarrierKind::Meeting},
+                                                                 {"flag", BarrierKind::Flag},
+                                                                 {"event", BarrierKind::Event}};
 BarrierKind parse_barrier(const char* n, const std::string& raw) { return parse_choice(n, raw, kBarrierKinds); }
 std::string print_barrier(const BarrierKind& b) { return choice_name(b, kBarrierKinds); }
 
 const TuningKnob<BarrierKind> kBarrier{
     "device", "MESHMEM_BARRIER", BarrierKind::Auto, parse_barrier, print_barrier,
-    "`barrier(stream)` on one node: `flag` (batched stream memory operations on mapped flag words) and `kernel` "
-    "(one-block polling kernel on the same flags) never block the host; `event` (IPC events after a host "
-    "meeting; only busy streams' events are waited on) and `auto` (a host meeting; if every stream is idle "
-    "nothing is enqueued, otherwise `kernel`, or `flag` where ranks share a GPU) return once every rank of the "
-    "node called it. Where ranks span nodes (or GPUs without peer access), the stream hands the barrier to a "
-    "proxy thread when it reaches it (cudaLaunchHostFunc), the proxy meets the other ranks over MPI and "
-    "releases the stream through a pinned host word; the host does not wait"};
+    "`barrier(stream)` on one node: `kernel` (a one-block kernel on flag words mapped between the ranks; its "
+    "barrier count lives on the GPU, so it is capturable; its waits time out) never blocks the host. `meeting` meets "
+    "the node's ranks on the host first and enqueues nothing when every stream was idle, else the kernel "
+    "(capturable: the meeting happens at capture). `flag` (batched stream memory operations, no SM held; no "
+    "timeout) and `event` (a host meeting, then IPC events of the busy streams) are not capturable. `auto` = "
+    "`kernel`, except where ranks share a GPU (a polling kernel would hold the time-sliced GPU from the ranks it "
+    "waits for): there a host meeting, then `flag`, or the kernel when a rank captures a graph. Where ranks span "
+    "nodes (or GPUs without peer access), the stream hands the barrier to a proxy thread (cudaLaunchHostFunc) that "
+    "meets the other ranks over MPI and releases the stream through a pinned host word; the host does not wait; "
+    "not capturable"};
 
 std::string where(const Topology& topo) { return "comm.barrier(stream) on rank " + std::to_string(topo.rank); }
+
+// Raised before a variant that cannot be captured touches a capturing stream.
+[[noreturn]] void refuse_capture(const Topology& topo, const char* variant, const char* why) {
+  throw Error(ErrorCode::Unsupported, where(topo) + ": the barrier(stream) variant " + variant +
+                                          " cannot be captured into a CUDA graph (" + why +
+                                          "); use MESHMEM_BARRIER=auto, kernel or meeting for graphs");
+}
 
 // One rank: every barrier is complete as soon as it is called.
 class SingleRankBarrier final : public StreamBarrier {
  public:
-  void arrive(Stream) override {}
+  void arrive(Stream, bool) override {}
   std::string describe() const override { return "none needed (one rank)"; }
 };
 
@@ -49,7 +62,10 @@ class ProxyBarrier final : public StreamBarrier {
  public:
   ProxyBarrier(const CommContext& ctx, const std::string& what)
       : topo_(ctx.topo), proxy_(ctx.boot.comm(), ctx.boot.timeout(), what) {}
-  void arrive(Stream stream) override { proxy_.enqueue(stream, where(topo_)); }
+  void arrive(Stream stream, bool capturing) override {
+    if (capturing) refuse_capture(topo_, "of ranks on several nodes (proxy thread)", "the proxy meets each barrier once, not on every replay");
+    proxy_.enqueue(stream, where(topo_));
+  }
   std::string describe() const override {
     return "through a proxy thread over MPI (ranks span nodes or unmapped GPUs)";
   }
@@ -76,7 +92,8 @@ class FlagWords {
 
 class FlagBarrier final : public StreamBarrier, FlagWords {
  public:
-  FlagBarrier(const Topology& topo, const BarrierContext& bctx, unsigned wait_flags) : FlagWords(topo, bctx) {
+  FlagBarrier(const Topology& topo, const BarrierContext& bctx, unsigned wait_flags)
+      : FlagWords(topo, bctx), sequence_("barrier(stream) setup") {
     // Each write carries the default memory barrier: earlier puts land before any flag.
     // (cuStreamBatchMemOp refuses CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER: measured on H200.)
     for (int r = 0; r < topo.size; ++r) {
@@ -96,27 +113,49 @@ class FlagBarrier final : public StreamBarrier, FlagWords {
       ops_.push_back(op);
     }
   }
-  void arrive(Stream stream) override {
+  void arrive(Stream stream, bool capturing) override {
+    if (capturing) refuse_capture(topo_, "flag", "its barrier numbers are fixed when it is enqueued");
     const std::uint64_t epoch = next();
     for (auto& op : ops_) op.writeValue.value64 = epoch;  // waitValue.value64 aliases it
+    sequence_.before(stream, false, "comm.barrier(stream)", topo_.rank);
     run_stream_batch(ops_, stream, "comm.barrier(stream)", topo_.rank);
+    sequence_.after(stream, false, "comm.barrier(stream)", topo_.rank);
   }
   std::string describe() const override { return "flag"; }
 
  private:
   std::vector<CUstreamBatchMemOpParams> ops_;  // writes to peers, then waits
+  StreamSequence sequence_;
 };
 
+// The barrier number lives in device memory and is advanced by the kernel: a graph replay
+// takes the next one.
 class KernelBarrier final : public StreamBarrier, FlagWords {
  public:
-  KernelBarrier(const Topology& topo, const BarrierContext& bctx) : FlagWords(topo, bctx) {}
-  void arrive(Stream stream) override {
+  KernelBarrier(const Topology& topo, const BarrierContext& bctx, const CudaDeviceRuntime& device)
+      : FlagWords(topo, bctx), limit_(device.wait_limit()), sequence_("barrier(stream) setup") {
+    void* p = nullptr;
+    ipc::check_cuda(cudaMalloc(&p, sizeof(std::uint64_t)), "cudaMalloc", where(topo));
+    counter_.reset(p);
+    ipc::check_cuda(cudaMemset(p, 0, sizeof(std::uint64_t)), "cudaMemset", where(topo));
+    ipc::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", where(topo));
+  }
+  void arrive(Stream stream, bool capturing) override {
+    const char* call = "comm.barrier(stream)";
+    sequence_.before(stream, capturing, call, topo_.rank);
     const cudaError_t rc = cuda::launch_barrier(static_cast<std::uint64_t* const*>(window_->device_peer_table),
-                                                static_cast<std::uint64_t*>(window_->local), topo_.rank, topo_.size,
-                                                next(), stream);
+                                                static_cast<std::uint64_t*>(window_->local),
+                                                static_cast<std::uint64_t*>(counter_.get()), topo_.rank, topo_.size,
+                                                limit_, stream);
     if (rc != cudaSuccess) ipc::check_cuda(rc, "barrier kernel launch", where(topo_));
+    sequence_.after(stream, capturing, call, topo_.rank);
   }
   std::string describe() const override { return "kernel"; }
+
+ private:
+  cuda::WaitLimit limit_;
+  StreamSequence sequence_;
+  DevicePtr counter_;
 };
 
 // Whether `stream` has work not yet complete.
@@ -132,24 +171,38 @@ bool stream_busy(Stream stream, const Topology& topo) {
 
 // A host meeting through shared memory first. A rank whose stream is idle has its earlier
 // work complete: the meeting itself orders that work before every peer's later work. Only
-// when some stream had work do the ranks run `inner` (every rank saw the same notes, so
-// either all run it or none does).
+// when some stream had work do the ranks run a GPU barrier, and every rank chooses the same
+// one from the same notes: `captured` (the kernel) when any rank captures a graph, else
+// `eager` (the flag barrier where ranks share a GPU: a polling kernel would hold the
+// time-sliced GPU from the very ranks it waits for).
 class MeetingFirstBarrier final : public StreamBarrier {
  public:
-  MeetingFirstBarrier(const CommContext& ctx, std::unique_ptr<StreamBarrier> inner, const std::string& what)
-      : topo_(ctx.topo), meeting_(ctx.boot, ctx.fds, ctx.topo, what), inner_(std::move(inner)) {}
-  void arrive(Stream stream) override {
-    meeting_.meet(stream_busy(stream, topo_), busy_, "comm.barrier(stream)");
-    if (std::any_of(topo_.node_ranks.begin(), topo_.node_ranks.end(), [&](int r) { return busy_[r]; }))
-      inner_->arrive(stream);
+  MeetingFirstBarrier(const CommContext& ctx, std::unique_ptr<StreamBarrier> captured,
+                      std::unique_ptr<StreamBarrier> eager, const std::string& what)
+      : topo_(ctx.topo), meeting_(ctx.boot, ctx.fds, ctx.topo, what), captured_(std::move(captured)),
+        eager_(std::move(eager)) {}
+  void arrive(Stream stream, bool capturing) override {
+    // Under capture the meeting happens once, now, and the graph holds the GPU barrier,
+    // which every replay runs.
+    const unsigned note = (capturing ? kCapturing : 0) | (capturing || stream_busy(stream, topo_) ? kBusy : 0);
+    meeting_.meet(note, notes_, "comm.barrier(stream)");
+    unsigned all = 0;
+    for (int r : topo_.node_ranks) all |= notes_[r];
+    if ((all & kBusy) == 0) return;
+    StreamBarrier& gpu = (all & kCapturing) != 0 || !eager_ ? *captured_ : *eager_;
+    gpu.arrive(stream, capturing);
   }
-  std::string describe() const override { return "host meeting, then " + inner_->describe(); }
+  std::string describe() const override {
+    return "host meeting, then " + (eager_ ? eager_->describe() + " (" + captured_->describe() + " in graphs)" : captured_->describe());
+  }
 
  private:
+  static constexpr unsigned kBusy = 1, kCapturing = 2;
   const Topology& topo_;
   NodeMeeting meeting_;
-  std::unique_ptr<StreamBarrier> inner_;
-  std::vector<bool> busy_;  // at the last meeting: whose stream had work
+  std::unique_ptr<StreamBarrier> captured_;
+  std::unique_ptr<StreamBarrier> eager_;  // null: captured_ always
+  std::vector<unsigned> notes_;           // at the last meeting
 };
 
 // A host meeting, with IPC events of the busy streams: each busy rank records its event
@@ -175,7 +228,8 @@ class EventBarrier final : public StreamBarrier {
           if (r != topo_.rank) peer_events_[k][r] = ipc::PeerEvent::open(all[static_cast<std::size_t>(r) * kRing + k]);
     });
   }
-  void arrive(Stream stream) override {
+  void arrive(Stream stream, bool capturing) override {
+    if (capturing) refuse_capture(topo_, "event", "it meets the ranks on the host and records IPC events eagerly");
     const int slot = static_cast<int>(++epoch_ % kRing);
     const bool busy = stream_busy(stream, topo_);
     // Events are recorded before the meeting, so that no peer can wait on this slot before
@@ -185,7 +239,7 @@ class EventBarrier final : public StreamBarrier {
       const cudaError_t rc = cudaEventRecord(events_[slot].get(), stream);
       if (rc != cudaSuccess) ipc::check_cuda(rc, "cudaEventRecord", where(topo_));
     }
-    meeting_.meet(busy, busy_, "comm.barrier(stream)");
+    meeting_.meet(busy ? 1 : 0, busy_, "comm.barrier(stream)");
     for (int r : topo_.node_ranks) {
       if (r == topo_.rank || !busy_[r]) continue;
       const cudaError_t rc = cudaStreamWaitEvent(stream, peer_events_[slot][r].get(), 0);
@@ -201,7 +255,7 @@ class EventBarrier final : public StreamBarrier {
   std::uint64_t epoch_ = 0;
   std::vector<ipc::IpcEvent> events_;
   std::vector<std::vector<ipc::PeerEvent>> peer_events_;  // [slot][rank]
-  std::vector<bool> busy_;
+  std::vector<unsigned> busy_;  // at the last meeting: whose stream had work
 };
 
 }  // namespace
@@ -223,23 +277,19 @@ std::unique_ptr<StreamBarrier> make_stream_barrier(const CommContext& ctx, const
     return std::make_unique<ProxyBarrier>(ctx, what);
   }
   if (topo.size == 1) return std::make_unique<SingleRankBarrier>();
-  // auto: a host meeting first, where idle streams need nothing more (measured 3.6 us for
-  // barrier + sync against 12 us for any barrier the GPU takes part in, on 4 x H200), then,
-  // if any stream has work, the kernel barrier (fastest behind work), or stream memory
-  // operations where ranks share a GPU (a polling kernel would hold a time-sliced GPU from
-  // the very ranks it waits for).
   switch (kBarrier.get(ctx.options)) {
     case BarrierKind::Flag: return std::make_unique<FlagBarrier>(topo, bctx, device.wait_flags());
-    case BarrierKind::Kernel: return std::make_unique<KernelBarrier>(topo, bctx);
     case BarrierKind::Event: return std::make_unique<EventBarrier>(ctx, what);
-    case BarrierKind::Auto: break;
+    case BarrierKind::Meeting:
+      return std::make_unique<MeetingFirstBarrier>(ctx, std::make_unique<KernelBarrier>(topo, bctx, device), nullptr, what);
+    case BarrierKind::Auto:
+      if (device.any_shared_gpu())
+        return std::make_unique<MeetingFirstBarrier>(ctx, std::make_unique<KernelBarrier>(topo, bctx, device),
+                                                     std::make_unique<FlagBarrier>(topo, bctx, device.wait_flags()), what);
+      break;
+    case BarrierKind::Kernel: break;
   }
-  std::unique_ptr<StreamBarrier> inner;
-  if (device.any_shared_gpu())
-    inner = std::make_unique<FlagBarrier>(topo, bctx, device.wait_flags());
-  else
-    inner = std::make_unique<KernelBarrier>(topo, bctx);
-  return std::make_unique<MeetingFirstBarrier>(ctx, std::move(inner), what);
+  return std::make_unique<KernelBarrier>(topo, bctx, device);
 }
 
 }  // namespace meshmem::detail

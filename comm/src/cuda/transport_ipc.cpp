@@ -29,12 +29,9 @@ const TuningKnob<std::size_t> kFusedSignalMax{
     "stream write of the signal"};
 
 // The node peers' parts of one device window, mapped here.
+// Released by the device runtime's WindowReleaser once the GPU's earlier work is done.
 class IpcAttachment final : public WindowAttachment {
  public:
-  ~IpcAttachment() override {
-    // Work of this device may still use the mappings: let it finish before unmapping.
-    (void)cudaDeviceSynchronize();
-  }
   std::vector<ipc::PeerMapping> peers;  // by rank; empty where not mapped
 };
 

@@ -39,6 +39,11 @@ CudaDriver load() {
   resolve(d.cuStreamWriteValue64, "cuStreamWriteValue64");
   resolve(d.cuStreamWaitValue64, "cuStreamWaitValue64");
   resolve(d.cuStreamBatchMemOp, "cuStreamBatchMemOp");
+  resolve(d.cuStreamGetCtx, "cuStreamGetCtx");
+  resolve(d.cuCtxGetCurrent, "cuCtxGetCurrent");
+  resolve(d.cuCtxPushCurrent, "cuCtxPushCurrent");
+  resolve(d.cuCtxPopCurrent, "cuCtxPopCurrent");
+  resolve(d.cuCtxGetDevice, "cuCtxGetDevice");
   return d;
 }
 

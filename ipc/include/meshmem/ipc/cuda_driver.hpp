@@ -28,6 +28,13 @@ struct CudaDriver {
   PFN_cuStreamWriteValue64_v11070 cuStreamWriteValue64 = nullptr;
   PFN_cuStreamWaitValue64_v11070 cuStreamWaitValue64 = nullptr;
   PFN_cuStreamBatchMemOp_v11070 cuStreamBatchMemOp = nullptr;
+  // A stream's device, asked in a way that is legal while the stream captures a graph
+  // (cuStreamGetDevice / cudaStreamGetDevice are not).
+  PFN_cuStreamGetCtx_v9020 cuStreamGetCtx = nullptr;
+  PFN_cuCtxGetCurrent_v4000 cuCtxGetCurrent = nullptr;
+  PFN_cuCtxPushCurrent_v4000 cuCtxPushCurrent = nullptr;
+  PFN_cuCtxPopCurrent_v4000 cuCtxPopCurrent = nullptr;
+  PFN_cuCtxGetDevice_v2000 cuCtxGetDevice = nullptr;
 };
 
 // Loads the entry points once. Raises Error(Unsupported) where there is no driver.

@@ -1,0 +1,171 @@
+#include "device_sync.hpp"
+
+#include "../backoff.hpp"
+#include "../log.hpp"
+#include "meshmem/error.hpp"
+#include "meshmem/ipc/cuda_driver.hpp"
+
+namespace meshmem::detail {
+
+namespace {
+const char* cmp_text(unsigned cmp) {
+  static const char* const names[] = {"==", "!=", ">", ">=", "<", "<="};
+  return cmp < 6 ? names[cmp] : "?";
+}
+}  // namespace
+
+DeviceFaultRecord::DeviceFaultRecord(std::chrono::milliseconds timeout, const std::string& what)
+    : timeout_(timeout),
+      timeout_ns_(static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(timeout).count())) {
+  void* p = nullptr;
+  ipc::check_cuda(cudaHostAlloc(&p, sizeof(cuda::DeviceFault), cudaHostAllocMapped | cudaHostAllocPortable),
+                  "cudaHostAlloc", what);
+  host_ = static_cast<cuda::DeviceFault*>(p);
+  *host_ = cuda::DeviceFault{};
+  void* d = nullptr;
+  const cudaError_t rc = cudaHostGetDevicePointer(&d, p, 0);
+  if (rc != cudaSuccess) {
+    (void)cudaFreeHost(p);
+    ipc::check_cuda(rc, "cudaHostGetDevicePointer", what);
+  }
+  device_ = static_cast<cuda::DeviceFault*>(d);
+}
+
+DeviceFaultRecord::~DeviceFaultRecord() {
+  if (host_ != nullptr) (void)cudaFreeHost(host_);
+}
+
+void DeviceFaultRecord::raise(const std::string& where) {
+  const cuda::DeviceFault f = *host_;
+  const auto kind = static_cast<cuda::FaultKind>(__atomic_load_n(&host_->code, __ATOMIC_ACQUIRE));
+  *host_ = cuda::DeviceFault{};  // the next timeout is reported on its own
+  const std::string after = " after " + describe_timeout(timeout_) + " on the GPU; the stream went on past the wait";
+  std::string msg = where + ": ";
+  switch (kind) {
+    case cuda::FaultKind::Barrier:
+      msg += "an earlier barrier(stream) waited for rank " + std::to_string(f.peer) + " (its barrier count is " +
+             std::to_string(f.seen) + ", this rank was at barrier " + std::to_string(f.expected) + ")" + after;
+      break;
+    case cuda::FaultKind::Halo:
+      msg += "the halos of exchange " + std::to_string(f.expected) + " from rank " + std::to_string(f.peer) +
+             " did not arrive (its signal word is at exchange " + std::to_string(f.seen) + ", signals window #" +
+             std::to_string(f.window) + ")" + after;
+      break;
+    default:
+      msg += "an earlier wait_until(stream) on signal " + std::to_string(f.index) + " of signals window #" +
+             std::to_string(f.window) + " for a value " + cmp_text(f.cmp) + " " + std::to_string(f.expected) +
+             " timed out (the word is " + std::to_string(f.seen) + ")" + after;
+      break;
+  }
+  log(LogLevel::Error, msg);
+  throw Error(ErrorCode::Timeout, msg);
+}
+
+StreamSequence::StreamSequence(const std::string& what) {
+  ipc::check_cuda(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreateWithFlags", what);
+}
+
+StreamSequence::~StreamSequence() {
+  if (event_ != nullptr) (void)cudaEventDestroy(event_);
+}
+
+void StreamSequence::before(cudaStream_t stream, bool capturing, const char* call, int rank) {
+  if (capturing || !recorded_ || stream == last_) return;
+  const cudaError_t rc = cudaStreamWaitEvent(stream, event_, 0);
+  if (rc != cudaSuccess) ipc::check_cuda(rc, "cudaStreamWaitEvent", std::string(call) + " on rank " + std::to_string(rank));
+}
+
+void StreamSequence::after(cudaStream_t stream, bool capturing, const char* call, int rank) {
+  if (capturing) return;
+  const cudaError_t rc = cudaEventRecord(event_, stream);
+  if (rc != cudaSuccess) ipc::check_cuda(rc, "cudaEventRecord", std::string(call) + " on rank " + std::to_string(rank));
+  last_ = stream;
+  recorded_ = true;
+}
+
+WindowReleaser::WindowReleaser(int device) : device_(device) {}
+
+WindowReleaser::~WindowReleaser() {
+  {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    shared_->stop = true;
+  }
+  shared_->wake.notify_all();
+  if (!thread_.joinable()) return;
+  bool pending = false;
+  {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    pending = shared_->released < shared_->submitted;
+  }
+  if (pending && stuck_) {
+    // Its cudaDeviceSynchronize waits for a stream that never finishes: joining would hang
+    // the caller; the thread keeps the memory (and itself) until the process ends.
+    thread_.detach();
+    return;
+  }
+  thread_.join();
+}
+
+std::uint64_t WindowReleaser::submit(WindowState& state) {
+  Job job;
+  job.attachments = std::move(state.attachments);
+  job.storage = std::move(state.storage);
+  state.release_memory();  // the rest: the peer table, pointers
+  std::uint64_t ticket = 0;
+  {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    shared_->jobs.push_back(std::move(job));
+    ticket = ++shared_->submitted;
+  }
+  if (!thread_.joinable()) thread_ = std::thread(&WindowReleaser::serve, shared_, device_);
+  shared_->wake.notify_all();
+  return ticket;
+}
+
+bool WindowReleaser::wait(std::uint64_t ticket, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(shared_->mutex);
+  auto done = [&] { return shared_->released >= ticket; };
+  if (timeout.count() == 0) {
+    shared_->done.wait(lock, done);
+    return true;
+  }
+  const bool ok = shared_->done.wait_for(lock, timeout, done);
+  stuck_ = !ok;
+  return ok;
+}
+
+void WindowReleaser::serve(std::shared_ptr<Shared> shared, int device) {
+  (void)cudaSetDevice(device);
+  std::unique_lock<std::mutex> lock(shared->mutex);
+  for (;;) {
+    shared->wake.wait(lock, [&] { return shared->stop || !shared->jobs.empty(); });
+    if (shared->jobs.empty()) return;  // stopping
+    std::deque<Job> jobs;
+    jobs.swap(shared->jobs);
+    const std::uint64_t upto = shared->submitted;
+    lock.unlock();
+    // A device synchronisation is refused while any stream of the device captures a graph
+    // (and, measured on H200 with CUDA 13, that capture is invalidated whatever this
+    // thread's capture mode): the memory stays mapped until the capture ends, or the
+    // waiter's timeout reports it.
+    cudaError_t rc = cudaDeviceSynchronize();
+    while (rc == cudaErrorStreamCaptureUnsupported || rc == cudaErrorStreamCaptureImplicit) {
+      (void)cudaGetLastError();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      rc = cudaDeviceSynchronize();
+    }
+    if (rc != cudaSuccess)
+      log(LogLevel::Error, std::string("releasing window memory: cudaDeviceSynchronize: ") + cudaGetErrorString(rc) +
+                               "; unmapping anyway");
+    for (Job& job : jobs) {
+      while (!job.attachments.empty()) job.attachments.pop_back();  // last attached first
+      job.storage.reset();
+    }
+    jobs.clear();
+    lock.lock();
+    shared->released = upto;
+    shared->done.notify_all();
+  }
+}
+
+}  // namespace meshmem::detail

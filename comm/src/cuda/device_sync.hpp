@@ -1,0 +1,99 @@
+// What keeps stream-ordered synchronisation right and bounded on one device:
+//   DeviceFaultRecord  where device-side waits report a timeout, read by the next host call
+//   StreamSequence     runs one object's stream work in call order across the caller's streams
+//   WindowReleaser     frees window memory once the device's earlier work is done, without
+//                      letting a wait that never ends hang the caller
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../window_state.hpp"
+#include "kernels.hpp"
+
+namespace meshmem::detail {
+
+class DeviceFaultRecord {
+ public:
+  DeviceFaultRecord(std::chrono::milliseconds timeout, const std::string& what);
+  ~DeviceFaultRecord();
+  DeviceFaultRecord(const DeviceFaultRecord&) = delete;
+  DeviceFaultRecord& operator=(const DeviceFaultRecord&) = delete;
+
+  cuda::WaitLimit limit() const { return cuda::WaitLimit{device_, timeout_ns_}; }
+  // Raises Error(Timeout) for a device wait that timed out since the last check (and clears
+  // it). One read of pinned memory when there is none: every stream call checks.
+  void raise_if_set(const std::string& where) {
+    if (__atomic_load_n(&host_->code, __ATOMIC_ACQUIRE) != 0) raise(where);
+  }
+
+ private:
+  [[noreturn]] void raise(const std::string& where);
+  cuda::DeviceFault* host_ = nullptr;
+  cuda::DeviceFault* device_ = nullptr;
+  std::chrono::milliseconds timeout_;
+  std::uint64_t timeout_ns_;
+};
+
+// The k-th call of an object (a barrier, a halo plan) must run on the GPU after the
+// (k-1)-th, whatever streams they were given: otherwise a later call's flags could release
+// an earlier one. An event after each call; a call on another stream than the last waits
+// for it. Not during graph capture (README "CUDA Graphs": order graphs and eager calls of
+// one object on different streams yourself).
+class StreamSequence {
+ public:
+  explicit StreamSequence(const std::string& what);
+  ~StreamSequence();
+  StreamSequence(const StreamSequence&) = delete;
+  StreamSequence& operator=(const StreamSequence&) = delete;
+  void before(cudaStream_t stream, bool capturing, const char* call, int rank);
+  void after(cudaStream_t stream, bool capturing, const char* call, int rank);
+
+ private:
+  cudaEvent_t event_ = nullptr;
+  cudaStream_t last_ = nullptr;
+  bool recorded_ = false;
+};
+
+// Window memory (transport attachments, then this rank's part) released on a thread of its
+// own after cudaDeviceSynchronize: memory may be unmapped only once no kernel or copy
+// issued before the free can still touch it, and a stream that waits for a peer that
+// never comes must bound the caller (MESHMEM_TIMEOUT), not hang it.
+class WindowReleaser {
+ public:
+  explicit WindowReleaser(int device);
+  ~WindowReleaser();  // waits at most the last wait()'s timeout, then leaves the thread be
+  // Takes the memory out of `state`; returns a ticket for wait().
+  std::uint64_t submit(WindowState& state);
+  // Whether every job up to `ticket` is released within `timeout` (0: waits for ever).
+  bool wait(std::uint64_t ticket, std::chrono::milliseconds timeout);
+
+ private:
+  struct Job {
+    std::vector<std::unique_ptr<WindowAttachment>> attachments;
+    std::unique_ptr<WindowMemory> storage;
+  };
+  struct Shared {
+    std::mutex mutex;
+    std::condition_variable wake, done;
+    std::deque<Job> jobs;
+    std::uint64_t submitted = 0, released = 0;
+    bool stop = false;
+  };
+  static void serve(std::shared_ptr<Shared> shared, int device);
+  int device_;
+  std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
+  std::thread thread_;
+  bool stuck_ = false;
+};
+
+}  // namespace meshmem::detail

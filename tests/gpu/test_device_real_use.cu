@@ -1,0 +1,616 @@
+// Device windows used the way applications use them: barriers and halo exchanges on two
+// alternating streams, CUDA graphs captured once and replayed hundreds of times with a rank
+// that is late on every replay, Signals::read on device signals, teardown behind a wait
+// that cannot complete, device waits for peers that never come, another device current and
+// a stream of another device. Fresh random data every round, destinations poisoned first,
+// every byte checked. Skipped without a GPU.
+//
+// Only API calls that c57ba70 had are used outside the MESHMEM_TEST_NEW_API part, so that
+// the file also builds against c57ba70 (where these tests fail or hang).
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include <meshmem/device/device.cuh>
+#include <meshmem/meshmem.hpp>
+
+#include "mpi_test.hpp"
+
+using namespace meshmem;
+using meshmem::test::first_difference;
+using meshmem::test::kPoison;
+using meshmem::test::pattern;
+
+#define CUDA_OK(call)                                                        \
+  do {                                                                       \
+    cudaError_t rc_ = (call);                                                \
+    ASSERT_EQ(rc_, cudaSuccess) << #call << ": " << cudaGetErrorString(rc_); \
+  } while (0)
+
+namespace {
+
+// Sets an environment variable for the life of the object (the Comm reads MESHMEM_* when
+// it is made).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) setenv(name_.c_str(), old_.c_str(), 1);
+    else unsetenv(name_.c_str());
+  }
+
+ private:
+  std::string name_, old_;
+  bool had_ = false;
+};
+
+__device__ std::uint64_t now_ns() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Spins for *ns (device memory: a graph replay reads the value of that replay) or `fixed`.
+__global__ void spin_kernel(const std::uint64_t* ns, std::uint64_t fixed) {
+  const std::uint64_t wait = ns != nullptr ? *reinterpret_cast<const volatile std::uint64_t*>(ns) : fixed;
+  const std::uint64_t start = now_ns();
+  while (now_ns() - start < wait) {
+  }
+}
+
+// Writes `value` into word `index` of `target`'s part of a window through the device API.
+__global__ void store_into_peer(device::WindowView view, int target, std::size_t offset, std::uint64_t value) {
+  *device::peer_ptr<std::uint64_t>(view, target, offset) = value;
+}
+
+struct DeviceBuffer {
+  explicit DeviceBuffer(std::size_t bytes) : bytes(bytes) { cudaMalloc(&p, bytes ? bytes : 1); }
+  ~DeviceBuffer() { cudaFree(p); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  char* c() const { return static_cast<char*>(p); }
+  void* p = nullptr;
+  std::size_t bytes;
+};
+
+cudaError_t upload(void* dev, const void* host, std::size_t bytes) {
+  const cudaError_t rc = cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice);
+  return rc != cudaSuccess ? rc : cudaDeviceSynchronize();
+}
+cudaError_t fill_now(void* dev, int byte, std::size_t bytes) {
+  const cudaError_t rc = cudaMemset(dev, byte, bytes);
+  return rc != cudaSuccess ? rc : cudaDeviceSynchronize();
+}
+std::vector<unsigned char> to_host(const void* dev, std::size_t bytes) {
+  std::vector<unsigned char> h(bytes);
+  cudaMemcpy(h.data(), dev, bytes, cudaMemcpyDeviceToHost);
+  return h;
+}
+
+std::uint64_t key(int round, int from, int to) {
+  return (static_cast<std::uint64_t>(round) << 24) ^ (static_cast<std::uint64_t>(from) << 12) ^ static_cast<std::uint64_t>(to);
+}
+
+// Waits for `stream` without hanging the test: false after `seconds`.
+bool finishes(cudaStream_t stream, int seconds) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  while (cudaStreamQuery(stream) == cudaErrorNotReady) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return cudaStreamSynchronize(stream) == cudaSuccess;
+}
+
+class RealUse : public meshmem::test::MpiTest {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (!gpu_available(&why) || select_local_device(MPI_COMM_WORLD) < 0) GTEST_SKIP() << "no usable GPU: " << why;
+    cudaGetDevice(&device);
+    seed = meshmem::test::shared_seed();
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s0, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking), cudaSuccess);
+  }
+  void make_comm() {
+    comm = std::make_unique<Comm>(MPI_COMM_WORLD);
+    me = comm->rank();
+    n = comm->size();
+    right = (me + 1) % n;
+    left = (me + n - 1) % n;
+  }
+  void TearDown() override {
+    // A failed case may leave its capture open: end it, so that the next case starts clean.
+    for (cudaStream_t s : {s0, s1}) {
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      if (s && cudaStreamIsCapturing(s, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
+        cudaGraph_t g = nullptr;
+        (void)cudaStreamEndCapture(s, &g);
+        if (g) cudaGraphDestroy(g);
+        (void)cudaGetLastError();
+      }
+    }
+    comm.reset();
+    if (s0) cudaStreamDestroy(s0);
+    if (s1) cudaStreamDestroy(s1);
+    MpiTest::TearDown();
+  }
+
+  std::unique_ptr<Comm> comm;
+  int device = -1, me = 0, n = 1, right = 0, left = 0;
+  std::uint64_t seed = 0;
+  cudaStream_t s0 = nullptr, s1 = nullptr;
+};
+
+// ---- several streams ----
+
+class TwoStreams : public RealUse, public ::testing::WithParamInterface<const char*> {};
+
+// Round k runs on stream k % 2, the even rounds behind a long kernel: the streams' work
+// overlaps and finishes out of call order. Each round every rank puts fresh data into its
+// own slot of every rank's window, then barrier(stream), then a snapshot of the round's
+// slots: the barrier must have waited for every rank's put of that round.
+TEST_P(TwoStreams, AlternatingBarriersSeeEveryPut) {
+  ScopedEnv variant("MESHMEM_BARRIER", GetParam());
+  make_comm();
+  constexpr int kRounds = 40;
+  constexpr std::size_t kSlot = 4096;
+  const std::size_t round_bytes = static_cast<std::size_t>(n) * kSlot;
+  Window win = comm->alloc(kRounds * round_bytes);
+  CUDA_OK(fill_now(win.local(), kPoison, kRounds * round_bytes));
+  DeviceBuffer src(kRounds * round_bytes), snap(kRounds * round_bytes);
+  for (int k = 0; k < kRounds; ++k)
+    for (int t = 0; t < n; ++t) {
+      auto d = pattern(seed, key(k, me, t), kSlot);
+      CUDA_OK(upload(src.c() + k * round_bytes + t * kSlot, d.data(), kSlot));
+    }
+  comm->barrier(s0);  // every rank poisoned its window
+  CUDA_OK(cudaStreamSynchronize(s0));
+  for (int k = 0; k < kRounds; ++k) {
+    cudaStream_t s = k % 2 ? s1 : s0;
+    if (k % 2 == 0) spin_kernel<<<1, 1, 0, s>>>(nullptr, 200000 + 40000ull * me);
+    for (int t = 0; t < n; ++t)
+      comm->put(win, t, k * round_bytes + me * kSlot, src.c() + k * round_bytes + t * kSlot, kSlot, s);
+    comm->barrier(s);
+    CUDA_OK(cudaMemcpyAsync(snap.c() + k * round_bytes, static_cast<char*>(win.local()) + k * round_bytes, round_bytes,
+                            cudaMemcpyDeviceToDevice, s));
+  }
+  ASSERT_TRUE(finishes(s0, 60) && finishes(s1, 60)) << "the streams did not finish within 60 s (a barrier hangs)";
+  const auto got = to_host(snap.p, snap.bytes);
+  int bad = 0;
+  for (int k = 0; k < kRounds; ++k)
+    for (int r = 0; r < n; ++r) {
+      const auto want = pattern(seed, key(k, r, me), kSlot);
+      const long long at = first_difference(got.data() + k * round_bytes + r * kSlot, want.data(), kSlot);
+      if (at >= 0 && ++bad <= 3)
+        ADD_FAILURE() << "round " << k << " (stream " << k % 2 << "): rank " << r << "'s put was not there after the barrier (byte " << at << ")";
+    }
+  EXPECT_EQ(bad, 0) << "rounds x senders whose put a barrier let pass";
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+}
+
+// A ring halo on alternating streams: round k writes fresh data into slot k of the send
+// area, exchanges, and snapshots slot k of both halos. Every exchange copies the whole send
+// area, so slot k holds poison until the neighbour's round-k data lands.
+TEST_P(TwoStreams, AlternatingHaloExchangesSeeEveryHalo) {
+  ScopedEnv variant("MESHMEM_BARRIER", GetParam());
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  constexpr int kRounds = 40;
+  constexpr std::size_t kSlot = 2048, kArea = kRounds * kSlot;
+  // [send][from left][from right]
+  Window win = comm->alloc(3 * kArea);
+  CUDA_OK(fill_now(win.local(), kPoison, 3 * kArea));
+  std::vector<HaloRegion> sends = {HaloRegion{right, 0, kArea, kArea}, HaloRegion{left, 0, 2 * kArea, kArea}};
+  HaloExchange halo = comm->make_halo(win, sends);
+  DeviceBuffer src(kArea), snap(2 * kArea);
+  for (int k = 0; k < kRounds; ++k) {
+    auto d = pattern(seed, key(k, me, 0), kSlot);
+    CUDA_OK(upload(src.c() + k * kSlot, d.data(), kSlot));
+  }
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  char* mine = static_cast<char*>(win.local());
+  for (int k = 0; k < kRounds; ++k) {
+    cudaStream_t s = k % 2 ? s1 : s0;
+    if (k % 2 == 0) spin_kernel<<<1, 1, 0, s>>>(nullptr, 200000 + 40000ull * me);
+    CUDA_OK(cudaMemcpyAsync(mine + k * kSlot, src.c() + k * kSlot, kSlot, cudaMemcpyDeviceToDevice, s));
+    halo.exchange(s);
+    CUDA_OK(cudaMemcpyAsync(snap.c() + k * kSlot, mine + kArea + k * kSlot, kSlot, cudaMemcpyDeviceToDevice, s));
+    CUDA_OK(cudaMemcpyAsync(snap.c() + kArea + k * kSlot, mine + 2 * kArea + k * kSlot, kSlot, cudaMemcpyDeviceToDevice, s));
+  }
+  ASSERT_TRUE(finishes(s0, 60) && finishes(s1, 60)) << "the streams did not finish within 60 s (an exchange hangs)";
+  const auto got = to_host(snap.p, snap.bytes);
+  int bad = 0;
+  for (int k = 0; k < kRounds; ++k) {
+    const auto from_left = pattern(seed, key(k, left, 0), kSlot);
+    const auto from_right = pattern(seed, key(k, right, 0), kSlot);
+    if (first_difference(got.data() + k * kSlot, from_left.data(), kSlot) >= 0 && ++bad <= 3)
+      ADD_FAILURE() << "round " << k << ": the halo from rank " << left << " was stale after the exchange";
+    if (first_difference(got.data() + kArea + k * kSlot, from_right.data(), kSlot) >= 0 && ++bad <= 3)
+      ADD_FAILURE() << "round " << k << ": the halo from rank " << right << " was stale after the exchange";
+  }
+  EXPECT_EQ(bad, 0) << "stale halos";
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+}
+
+INSTANTIATE_TEST_SUITE_P(Barriers, TwoStreams, ::testing::Values("auto", "kernel", "meeting", "flag", "event"),
+                         [](const auto& info) { return std::string(info.param); });
+
+// ---- CUDA graphs ----
+
+constexpr int kReplays = 200;
+constexpr std::uint64_t kLateNs = 300000;
+
+// Graph replays: before each, every rank poisons what it checks and loads fresh data, and
+// the ranks meet on the host; then rank (replay % n) is late by kLateNs inside the graph.
+class GraphReplay : public RealUse {
+ protected:
+  void set_delay(DeviceBuffer& delay, int replay) {
+    const std::uint64_t ns = replay % n == me ? kLateNs : 0;
+    ASSERT_EQ(cudaMemcpy(delay.p, &ns, sizeof(ns), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  cudaGraphExec_t instantiate(cudaGraph_t graph) {
+    cudaGraphExec_t exec = nullptr;
+    EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    cudaGraphDestroy(graph);
+    return exec;
+  }
+};
+
+class GraphBarrier : public GraphReplay, public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(GraphBarrier, ReplaysWaitForTheLateRank) {
+  ScopedEnv variant("MESHMEM_BARRIER", GetParam());
+  make_comm();
+  constexpr std::size_t kSlot = 1024;
+  const std::size_t bytes = static_cast<std::size_t>(n) * kSlot;
+  Window win = comm->alloc(bytes);
+  DeviceBuffer src(kSlot), snap(bytes), delay(sizeof(std::uint64_t));
+  CUDA_OK(fill_now(delay.p, 0, delay.bytes));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  const std::string variant_name = GetParam();
+  CUDA_OK(cudaStreamBeginCapture(s0, cudaStreamCaptureModeGlobal));
+  spin_kernel<<<1, 1, 0, s0>>>(static_cast<const std::uint64_t*>(delay.p), 0);
+  for (int t = 0; t < n; ++t) comm->put(win, t, me * kSlot, src.p, kSlot, s0);
+  if (variant_name == "flag" || variant_name == "event") {
+    // Not capturable: a clear error before the capture is touched.
+    try {
+      comm->barrier(s0);
+      ADD_FAILURE() << "barrier(stream) with MESHMEM_BARRIER=" << variant_name << " was captured";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::Unsupported) << e.what();
+      EXPECT_NE(std::string(e.what()).find("graph"), std::string::npos) << e.what();
+    }
+    cudaStreamCaptureStatus status{};
+    CUDA_OK(cudaStreamIsCapturing(s0, &status));
+    EXPECT_EQ(status, cudaStreamCaptureStatusActive) << "the refused barrier invalidated the capture";
+    cudaGraph_t graph = nullptr;
+    CUDA_OK(cudaStreamEndCapture(s0, &graph));
+    cudaGraphDestroy(graph);
+    MPI_Barrier(MPI_COMM_WORLD);
+    return;
+  }
+  comm->barrier(s0);
+  CUDA_OK(cudaMemcpyAsync(snap.p, win.local(), bytes, cudaMemcpyDeviceToDevice, s0));
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamEndCapture(s0, &graph));
+  cudaGraphExec_t exec = instantiate(graph);
+  ASSERT_NE(exec, nullptr);
+  int bad = 0;
+  for (int rep = 0; rep < kReplays; ++rep) {
+    CUDA_OK(fill_now(win.local(), kPoison, bytes));
+    auto d = pattern(seed, key(rep, me, 0), kSlot);
+    CUDA_OK(upload(src.p, d.data(), kSlot));
+    set_delay(delay, rep);
+    MPI_Barrier(MPI_COMM_WORLD);
+    CUDA_OK(cudaGraphLaunch(exec, s0));
+    ASSERT_TRUE(finishes(s0, 60)) << "replay " << rep << " did not finish within 60 s";
+    const auto got = to_host(snap.p, bytes);
+    for (int r = 0; r < n; ++r) {
+      const auto want = pattern(seed, key(rep, r, 0), kSlot);
+      if (first_difference(got.data() + r * kSlot, want.data(), kSlot) >= 0 && ++bad <= 3)
+        ADD_FAILURE() << "replay " << rep << ": rank " << r << "'s put was not there after the captured barrier";
+    }
+    MPI_Barrier(MPI_COMM_WORLD);  // nobody poisons before every rank checked
+  }
+  EXPECT_EQ(bad, 0) << "replays x senders the captured barrier let pass";
+  cudaGraphExecDestroy(exec);
+}
+
+INSTANTIATE_TEST_SUITE_P(Barriers, GraphBarrier, ::testing::Values("auto", "kernel", "meeting", "flag", "event"),
+                         [](const auto& info) { return std::string(info.param); });
+
+TEST_F(GraphReplay, HaloExchangeReplaysWaitForTheLateRank) {
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  constexpr std::size_t kArea = 8192;
+  Window win = comm->alloc(3 * kArea);  // [send][from left][from right]
+  HaloExchange halo = comm->make_halo(win, {HaloRegion{right, 0, kArea, kArea}, HaloRegion{left, 0, 2 * kArea, kArea}});
+  DeviceBuffer src(kArea), snap(2 * kArea), delay(sizeof(std::uint64_t));
+  CUDA_OK(fill_now(delay.p, 0, delay.bytes));
+  char* mine = static_cast<char*>(win.local());
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  CUDA_OK(cudaStreamBeginCapture(s0, cudaStreamCaptureModeGlobal));
+  spin_kernel<<<1, 1, 0, s0>>>(static_cast<const std::uint64_t*>(delay.p), 0);
+  CUDA_OK(cudaMemcpyAsync(mine, src.p, kArea, cudaMemcpyDeviceToDevice, s0));
+  halo.exchange(s0);
+  CUDA_OK(cudaMemcpyAsync(snap.p, mine + kArea, 2 * kArea, cudaMemcpyDeviceToDevice, s0));
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamEndCapture(s0, &graph));
+  cudaGraphExec_t exec = instantiate(graph);
+  ASSERT_NE(exec, nullptr);
+  int bad = 0;
+  for (int rep = 0; rep < kReplays; ++rep) {
+    CUDA_OK(fill_now(mine + kArea, kPoison, 2 * kArea));
+    auto d = pattern(seed, key(rep, me, 0), kArea);
+    CUDA_OK(upload(src.p, d.data(), kArea));
+    set_delay(delay, rep);
+    MPI_Barrier(MPI_COMM_WORLD);
+    CUDA_OK(cudaGraphLaunch(exec, s0));
+    ASSERT_TRUE(finishes(s0, 60)) << "replay " << rep << " did not finish within 60 s";
+    const auto got = to_host(snap.p, 2 * kArea);
+    const auto from_left = pattern(seed, key(rep, left, 0), kArea);
+    const auto from_right = pattern(seed, key(rep, right, 0), kArea);
+    if (first_difference(got.data(), from_left.data(), kArea) >= 0 && ++bad <= 3)
+      ADD_FAILURE() << "replay " << rep << ": stale halo from rank " << left;
+    if (first_difference(got.data() + kArea, from_right.data(), kArea) >= 0 && ++bad <= 3)
+      ADD_FAILURE() << "replay " << rep << ": stale halo from rank " << right;
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  EXPECT_EQ(bad, 0) << "stale halos in " << kReplays << " replays";
+  cudaGraphExecDestroy(exec);
+}
+
+// put_signal + wait_until in a graph: the values are those of the capture on every replay,
+// so the receiver resets its word after the wait (README "CUDA Graphs").
+TEST_F(GraphReplay, PutSignalWaitUntilWithResetReplays) {
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  constexpr std::size_t kBytes = 4096 + 8;
+  Window win = comm->alloc(kBytes);
+  Signals sig = comm->alloc_signals(1);
+  DeviceBuffer src(kBytes), snap(kBytes), delay(sizeof(std::uint64_t));
+  CUDA_OK(fill_now(delay.p, 0, delay.bytes));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  CUDA_OK(cudaStreamBeginCapture(s0, cudaStreamCaptureModeGlobal));
+  spin_kernel<<<1, 1, 0, s0>>>(static_cast<const std::uint64_t*>(delay.p), 0);
+  comm->put_signal(win, right, 0, src.p, kBytes, sig, 0, 1, SignalOp::Set, s0);
+  comm->wait_until(sig, 0, Cmp::EQ, 1, s0);
+  CUDA_OK(cudaMemcpyAsync(snap.p, win.local(), kBytes, cudaMemcpyDeviceToDevice, s0));
+  comm->signal(sig, me, 0, 0, SignalOp::Set, s0);
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamEndCapture(s0, &graph));
+  cudaGraphExec_t exec = instantiate(graph);
+  ASSERT_NE(exec, nullptr);
+  int bad = 0;
+  for (int rep = 0; rep < kReplays; ++rep) {
+    CUDA_OK(fill_now(win.local(), kPoison, kBytes));
+    auto d = pattern(seed, key(rep, me, 1), kBytes);
+    CUDA_OK(upload(src.p, d.data(), kBytes));
+    set_delay(delay, rep);
+    MPI_Barrier(MPI_COMM_WORLD);
+    CUDA_OK(cudaGraphLaunch(exec, s0));
+    ASSERT_TRUE(finishes(s0, 60)) << "replay " << rep << " did not finish within 60 s";
+    const auto got = to_host(snap.p, kBytes);
+    const auto want = pattern(seed, key(rep, left, 1), kBytes);
+    if (first_difference(got.data(), want.data(), kBytes) >= 0 && ++bad <= 3)
+      ADD_FAILURE() << "replay " << rep << ": the data from rank " << left << " was not there after wait_until";
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  EXPECT_EQ(bad, 0);
+  cudaGraphExecDestroy(exec);
+}
+
+// ---- Signals::read, teardown, late and missing peers ----
+
+TEST_F(RealUse, SignalsReadOnDeviceSignals) {
+  make_comm();
+  Signals sig = comm->alloc_signals(3);
+  const std::uint64_t value = (seed & 0xffffffffu) * 16 + static_cast<std::uint64_t>(me);
+  comm->signal(sig, right, 2, value, SignalOp::Set, s0);
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  EXPECT_EQ(sig.read(2), (seed & 0xffffffffu) * 16 + static_cast<std::uint64_t>(left));
+  EXPECT_EQ(sig.read(0), 0u);
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+}
+
+// Every rank's stream waits for a signal that its right neighbour sends only after its own
+// Window::free: the free cannot wait for the GPU for ever (stream waits of the memop kind
+// never time out on the GPU, so only the free's bound ends this).
+TEST_F(RealUse, FreeBehindAPendingWaitIsBounded) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+  ScopedEnv wait("MESHMEM_STREAM_WAIT", "memop");
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  Signals sig = comm->alloc_signals(1);
+  Window data = comm->alloc(1 << 20);
+  comm->wait_until(sig, 0, Cmp::GE, 1, s0);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string what;
+  try {
+    data.free();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+    what = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(seconds, 15.0) << "Window::free behind a pending wait took " << seconds << " s";
+  EXPECT_FALSE(data.valid());
+  if (!what.empty()) EXPECT_NE(what.find("Window::free"), std::string::npos) << what;
+  comm->signal(sig, left, 0, 1, SignalOp::Set, s1);
+  EXPECT_TRUE(finishes(s0, 30)) << "the wait did not end after the signal came";
+  CUDA_OK(cudaStreamSynchronize(s1));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+}
+
+// A signal that never comes: the device wait gives up after MESHMEM_TIMEOUT, the stream goes
+// on, and the next call raises Error(Timeout) naming the signal. (The kernel wait: auto's
+// choice except where ranks share a GPU, which takes the memop wait of the case above.)
+TEST_F(RealUse, DeviceWaitForASignalThatNeverComesTimesOut) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+  ScopedEnv wait("MESHMEM_STREAM_WAIT", "kernel");
+  make_comm();
+  Signals sig = comm->alloc_signals(4);
+  if (me == 0) {
+    comm->wait_until(sig, 3, Cmp::GE, 7, s0);
+    EXPECT_TRUE(finishes(s0, 30)) << "the device wait did not time out";
+    try {
+      comm->quiet(s0);
+      ADD_FAILURE() << "the timed-out device wait was not reported";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+      EXPECT_NE(std::string(e.what()).find("signal 3"), std::string::npos) << e.what();
+    }
+    comm->quiet(s0);  // reported once
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// A peer that never reaches its barrier(stream): the GPU barrier gives up and the next call
+// names the peer. (The kernel barrier: auto's choice except where ranks share a GPU, where
+// the host meeting times out instead.)
+TEST_F(RealUse, BarrierWithAPeerThatNeverComesTimesOut) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+  ScopedEnv barrier("MESHMEM_BARRIER", "kernel");
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  if (me == 0) {
+    comm->barrier(s0);
+    EXPECT_TRUE(finishes(s0, 30)) << "the device barrier did not time out";
+    try {
+      comm->quiet(s0);
+      ADD_FAILURE() << "the timed-out barrier was not reported";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+      EXPECT_NE(std::string(e.what()).find("waited for rank"), std::string::npos) << e.what();
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// ---- another device current, a stream of another device ----
+
+TEST_F(RealUse, EveryCallWorksWithAnotherDeviceCurrent) {
+  int count = 0;
+  cudaGetDeviceCount(&count);
+  if (count < 2) GTEST_SKIP() << "needs two visible GPUs";
+  make_comm();
+  const int other = (device + 1) % count;
+  DeviceBuffer src(4096);
+  auto d = pattern(seed, key(0, me, right), 4096);
+  CUDA_OK(upload(src.p, d.data(), 4096));
+  CUDA_OK(cudaSetDevice(other));
+  auto current = [] {
+    int c = -1;
+    cudaGetDevice(&c);
+    return c;
+  };
+  Window win = comm->alloc(4096 + 64);
+  Signals sig = comm->alloc_signals(2);
+  EXPECT_EQ(current(), other) << "alloc left another device current";
+  CUDA_OK(cudaSetDevice(device));
+  CUDA_OK(fill_now(win.local(), kPoison, 4096 + 64));
+  CUDA_OK(cudaSetDevice(other));
+  comm->barrier(s0);
+  comm->put_signal(win, right, 0, src.p, 4096, sig, 0, 1, SignalOp::Set, s0);
+  comm->wait_until(sig, 0, Cmp::GE, 1, s0);
+  comm->barrier(s0);
+  EXPECT_EQ(current(), other) << "a call left another device current";
+  // A kernel on the Comm's device that writes into the right neighbour through view().
+  CUDA_OK(cudaSetDevice(device));
+  store_into_peer<<<1, 1, 0, s0>>>(win.view(), right, 4096, 0x1234000000ull + me);
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaSetDevice(other));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  CUDA_OK(cudaSetDevice(device));
+  const auto got = to_host(win.local(), 4096 + 8);
+  const auto want = pattern(seed, key(0, left, me), 4096);
+  EXPECT_EQ(first_difference(got.data(), want.data(), 4096), -1);
+  std::uint64_t word = 0;
+  std::memcpy(&word, got.data() + 4096, 8);
+  EXPECT_EQ(word, 0x1234000000ull + left);
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+}
+
+TEST_F(RealUse, StreamOfAnotherDeviceIsRejected) {
+  int count = 0;
+  cudaGetDeviceCount(&count);
+  if (count < 2) GTEST_SKIP() << "needs two visible GPUs";
+  make_comm();
+  const int other = (device + 1) % count;
+  Window win = comm->alloc(4096);
+  DeviceBuffer src(4096);
+  cudaStream_t foreign = nullptr;
+  CUDA_OK(cudaSetDevice(other));
+  CUDA_OK(cudaStreamCreateWithFlags(&foreign, cudaStreamNonBlocking));
+  CUDA_OK(cudaSetDevice(device));
+  auto expect_rejected = [&](const char* what, auto&& call) {
+    try {
+      call();
+      ADD_FAILURE() << what << " accepted a stream of device " << other;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::InvalidArgument) << e.what();
+      const std::string m = e.what();
+      EXPECT_NE(m.find("device " + std::to_string(other)), std::string::npos) << m;
+      EXPECT_NE(m.find("device " + std::to_string(device)), std::string::npos) << m;
+    }
+  };
+  expect_rejected("put", [&] { comm->put(win, right, 0, src.p, 4096, foreign); });
+  expect_rejected("barrier(stream)", [&] { comm->barrier(foreign); });
+  cudaStreamDestroy(foreign);
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+}
+
+#ifdef MESHMEM_TEST_NEW_API
+// wait_until_all on a stream and in a graph: every word must have its value.
+TEST_F(GraphReplay, WaitUntilAllCoversEveryWord) {
+  make_comm();
+  constexpr int kWords = 5;
+  Signals sig = comm->alloc_signals(static_cast<std::size_t>(kWords) * n);
+  DeviceBuffer delay(sizeof(std::uint64_t));
+  CUDA_OK(fill_now(delay.p, 0, delay.bytes));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  // Each rank sets its kWords words at every rank, the late rank after a delay; every
+  // rank waits for all words with one call, then resets them.
+  CUDA_OK(cudaStreamBeginCapture(s0, cudaStreamCaptureModeGlobal));
+  spin_kernel<<<1, 1, 0, s0>>>(static_cast<const std::uint64_t*>(delay.p), 0);
+  for (int t = 0; t < n; ++t)
+    for (int w = 0; w < kWords; ++w) comm->signal(sig, t, static_cast<std::size_t>(me) * kWords + w, 1, SignalOp::Add, s0);
+  comm->wait_until_all(sig, 0, static_cast<std::size_t>(kWords) * n, Cmp::EQ, 1, s0);
+  for (int w = 0; w < kWords * n; ++w) comm->signal(sig, me, static_cast<std::size_t>(w), 0, SignalOp::Set, s0);
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamEndCapture(s0, &graph));
+  cudaGraphExec_t exec = instantiate(graph);
+  ASSERT_NE(exec, nullptr);
+  for (int rep = 0; rep < 50; ++rep) {
+    set_delay(delay, rep);
+    MPI_Barrier(MPI_COMM_WORLD);
+    CUDA_OK(cudaGraphLaunch(exec, s0));
+    ASSERT_TRUE(finishes(s0, 60)) << "replay " << rep << " did not finish within 60 s";
+    for (int w = 0; w < kWords * n; ++w) ASSERT_EQ(sig.read(static_cast<std::size_t>(w)), 0u) << "replay " << rep;
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  cudaGraphExecDestroy(exec);
+}
+#endif
+
+}  // namespace
