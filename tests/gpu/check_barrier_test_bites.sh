@@ -5,12 +5,12 @@
 #   meeting  the host meeting skips the GPU part even when a stream has work
 #   event    busy peers' events are never waited on
 #   proxy  the cross-node proxy releases the stream without meeting the other ranks
-# Run from the repository root: tests/gpu/check_barrier_test_bites.sh OUT_DIR
+# Run from the repository root: [MUTANTS="kernel meeting"] tests/gpu/check_barrier_test_bites.sh OUT_DIR
 set -u
 out=${1:?out dir}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 ninja=$(command -v ninja || echo /opt/torch/.venv/bin/ninja)
-for mutant in kernel meeting event proxy; do
+for mutant in ${MUTANTS:-kernel meeting event proxy}; do
   m=/tmp/mut-$mutant
   rm -rf $m && mkdir -p $m && cp -r comm ipc tests examples bench cmake launch CMakeLists.txt $m/ 2>/dev/null
   f=$m/comm/src/cuda/stream_barrier.cpp
@@ -18,8 +18,9 @@ for mutant in kernel meeting event proxy; do
   env=()
   case $mutant in
     kernel) f=$m/comm/src/cuda/kernels.cu
-            sed -i 's/    if (r != rank) wait_word(my_flags + r, Cmp::GE, epoch, limit, FaultKind::Barrier/    if (false) wait_word(my_flags + r, Cmp::GE, epoch, limit, FaultKind::Barrier/' $f ;;
-    meeting) sed -i 's/    if (std::any_of(topo_.node_ranks.begin(), topo_.node_ranks.end(), \[&\](int r) { return busy_\[r\]; }))/    if (false)/' $f
+            sed -i 's/    if (r != rank) wait_word(my_flags + r, Cmp::GE, epoch, limit, FaultKind::Barrier/    if (false) wait_word(my_flags + r, Cmp::GE, epoch, limit, FaultKind::Barrier/' $f
+            env=(MESHMEM_BARRIER=kernel) ;;
+    meeting) sed -i 's/    if ((all \& kBusy) == 0) return;/    return;/' $f
              env=(MESHMEM_BARRIER=meeting) ;;
     event) sed -i 's/      if (r == topo_.rank || !busy_\[r\]) continue;/      continue;/' $f; env=(MESHMEM_BARRIER=event) ;;
     proxy) f=$m/comm/src/cuda/stream_barrier_proxy.cpp
