@@ -1,6 +1,7 @@
 #define MESHMEM_DEFINING_GPU_PART
 #include "transport_ipc.hpp"
 
+#include <cstring>
 #include <string>
 
 #include "../bootstrap.hpp"
@@ -27,6 +28,20 @@ const TuningKnob<std::size_t> kFusedSignalMax{
     "ipc", "MESHMEM_FUSED_SIGNAL_MAX", 8192, parse_bytes, print_number,
     "a device `put_signal` up to this size is one kernel that copies then signals; larger: copy engine, then a "
     "stream write of the signal"};
+
+enum class PeerAtomicsCheck { Auto, Off };
+constexpr std::pair<const char*, PeerAtomicsCheck> kPeerAtomicsChoices[] = {{"auto", PeerAtomicsCheck::Auto},
+                                                                           {"off", PeerAtomicsCheck::Off}};
+PeerAtomicsCheck parse_peer_atomics(const char* n, const std::string& raw) {
+  return parse_choice(n, raw, kPeerAtomicsChoices);
+}
+std::string print_peer_atomics(const PeerAtomicsCheck& c) { return choice_name(c, kPeerAtomicsChoices); }
+const TuningKnob<PeerAtomicsCheck> kPeerAtomics{
+    "ipc", "MESHMEM_PEER_ATOMICS", PeerAtomicsCheck::Auto, parse_peer_atomics, print_peer_atomics,
+    "signal `Add` into another GPU is a remote atomic, which can lose updates between GPUs without native peer "
+    "atomics (PCIe): `auto` asks the driver per pair (CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED) and refuses "
+    "`Add` with Error(Unsupported) where they are absent (where the peer's GPU is hidden from this process it "
+    "cannot be asked: allowed, logged at info); `off` treats every other GPU as lacking them (to test the refusal)"};
 
 // The node peers' parts of one device window, mapped here.
 // Released by the device runtime's WindowReleaser once the GPU's earlier work is done.
@@ -67,6 +82,7 @@ void IpcTransport::probe_peers() {
     fd = probe.export_fd();
   });
   std::vector<ipc::UniqueFd> received = ctx_.fds.exchange(fd.get(), what);
+  probe_atomics();
   for (int r : topo.node_ranks) {
     if (r == topo.rank) continue;
     try {
@@ -77,6 +93,43 @@ void IpcTransport::probe_peers() {
                      " (the staged transport for such pairs is not implemented yet)";
       log(LogLevel::Warn, "ipc transport: no route to rank " + std::to_string(r) + ": " + no_route_[r]);
     }
+  }
+}
+
+// Which node peers' GPUs this GPU reaches with native atomics (the same GPU always does).
+void IpcTransport::probe_atomics() {
+  const std::string what = "meshmem::Comm (ipc peer atomics)";
+  const Topology& topo = ctx_.topo;
+  struct BusId {
+    char text[32];
+  } mine{};
+  agreed_step(ctx_.boot, what, [&] {
+    ipc::check_cuda(cudaDeviceGetPCIBusId(mine.text, sizeof(mine.text), device_->device()), "cudaDeviceGetPCIBusId", what);
+  });
+  std::vector<BusId> all(static_cast<std::size_t>(topo.size));
+  ctx_.boot.allgather(&mine, all.data(), sizeof(BusId), what);
+  const bool off = kPeerAtomics.get(ctx_.options) == PeerAtomicsCheck::Off;
+  no_atomics_.assign(static_cast<std::size_t>(topo.size), std::string());
+  for (int r : topo.node_ranks) {
+    if (r == topo.rank || std::strncmp(all[r].text, mine.text, sizeof(mine.text)) == 0) continue;
+    if (off) {
+      no_atomics_[r] = "MESHMEM_PEER_ATOMICS=off";
+      continue;
+    }
+    int peer_device = -1;
+    if (cudaDeviceGetByPCIBusId(&peer_device, all[r].text) != cudaSuccess) {
+      (void)cudaGetLastError();
+      log(LogLevel::Info, "ipc transport: rank " + std::to_string(r) + "'s GPU (" + all[r].text +
+                              ") is hidden from this process: native peer atomics cannot be checked; signal Add to it "
+                              "assumes them");
+      continue;
+    }
+    int native = 0;
+    ipc::check_cuda(cudaDeviceGetP2PAttribute(&native, cudaDevP2PAttrNativeAtomicSupported, device_->device(), peer_device),
+                    "cudaDeviceGetP2PAttribute(NativeAtomicSupported)", what);
+    if (!native)
+      no_atomics_[r] = std::string("the driver reports no native atomics from GPU ") + mine.text + " to GPU " + all[r].text +
+                       " (CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED = 0)";
   }
 }
 
@@ -133,6 +186,11 @@ void IpcTransport::put(const WindowState& win, int target, std::size_t offset, c
   char* dst = static_cast<char*>(win.peer[target]) + offset;
   std::uint64_t* word = nullptr;
   if (signal.sig != nullptr) word = static_cast<std::uint64_t*>(signal.sig->peer[target]) + signal.index;
+  // Refused before anything is enqueued: a remote atomic add could lose updates.
+  if (word != nullptr && signal.op == SignalOp::Add && !no_atomics_[target].empty())
+    throw Error(ErrorCode::Unsupported, what("signal Add", target) + ": " + no_atomics_[target] +
+                                            ", so a remote atomic add could lose updates; use SignalOp::Set (for "
+                                            "example one word per sender)");
 
   // Small put_signal: one kernel copies, then signals (no second stream operation). An Add
   // without data also needs the kernel; a Set without data is one stream write below.

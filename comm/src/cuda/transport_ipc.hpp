@@ -39,6 +39,7 @@ class IpcTransport final : public Transport {
 
  private:
   void probe_peers();
+  void probe_atomics();
   bool use_sm(const void* local, std::size_t bytes, std::size_t max) const;
   // Error context, built only when a call failed (puts are a hot path).
   std::string what(const char* op, int target) const;
@@ -48,6 +49,7 @@ class IpcTransport final : public Transport {
   std::size_t sm_copy_max_;
   std::size_t fused_signal_max_;
   std::vector<std::string> no_route_;  // by rank: why it cannot be reached ("" = it can)
+  std::vector<std::string> no_atomics_;  // by rank: why signal Add is refused ("" = native atomics)
 };
 
 // Whether kernels of the current device can dereference `p` (device, managed, or mapped
