@@ -75,6 +75,18 @@ __global__ void barrier_pdl(std::uint64_t* const* peer, std::uint64_t* mine, int
   fence_store_poll(peer, mine, rank, size, e);
 }
 
+// kernel-fence with the barrier number kept in device memory and advanced by the kernel (a
+// graph replay takes the next one), as meshmem's kernel barrier does.
+__global__ void barrier_counter(std::uint64_t* const* peer, std::uint64_t* mine, int rank, int size, std::uint64_t* counter) {
+  __shared__ std::uint64_t e;
+  if (threadIdx.x == 0) {
+    e = *counter + 1;
+    *counter = e;
+  }
+  __syncthreads();
+  fence_store_poll(peer, mine, rank, size, e);
+}
+
 struct Lab {
   int rank = 0, size = 0;
   cudaStream_t s = nullptr;
@@ -87,6 +99,9 @@ struct Lab {
   std::vector<std::vector<cudaEvent_t>> peer_ring;    // [slot][rank]
   volatile std::uint64_t* host_slots = nullptr;       // shm host meeting, a cache line per rank
   static constexpr int kRing = 4;
+  std::uint64_t* counter = nullptr;  // kernel-counter's barrier number (device memory)
+  bool counter_set = false;
+  cudaEvent_t sequence = nullptr;    // kernel+event: meshmem's StreamSequence record
 
   void host_meet() {
     auto* slot = const_cast<std::uint64_t*>(host_slots);
@@ -96,6 +111,16 @@ struct Lab {
   }
   void kernel(void (*k)(std::uint64_t* const*, std::uint64_t*, int, int, std::uint64_t)) {
     k<<<1, (size + 31) / 32 * 32, 0, s>>>(peer_table, mine, rank, size, epoch);
+    CK(cudaGetLastError());
+  }
+  void kernel_counter() {
+    if (!counter_set) {  // the flags hold earlier variants' numbers: continue from there
+      const std::uint64_t start = epoch - 1;
+      CK(cudaMemcpyAsync(counter, &start, sizeof(start), cudaMemcpyHostToDevice, s));
+      CK(cudaStreamSynchronize(s));
+      counter_set = true;
+    }
+    barrier_counter<<<1, (size + 31) / 32 * 32, 0, s>>>(peer_table, mine, rank, size, counter);
     CK(cudaGetLastError());
   }
   void kernel_pdl() {
@@ -172,6 +197,11 @@ int main(int argc, char** argv) {
     bench::check_rank() = lab.rank;
     meshmem::select_local_device(MPI_COMM_WORLD);
     meshmem::Comm comm(MPI_COMM_WORLD);
+    meshmem::Options kernel_options;
+    kernel_options.set("MESHMEM_BARRIER", "kernel");
+    meshmem::Comm kernel_comm(MPI_COMM_WORLD, kernel_options);
+    kernel_options.set("MESHMEM_EARLY_LAUNCH", "off");
+    meshmem::Comm plain_comm(MPI_COMM_WORLD, kernel_options);
     meshmem::Window flags = comm.alloc(sizeof(std::uint64_t) * lab.size, meshmem::Memory::Device);
     lab.mine = static_cast<std::uint64_t*>(flags.local());
     lab.peer.resize(lab.size);
@@ -181,6 +211,8 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(table, lab.peer.data(), sizeof(void*) * lab.size, cudaMemcpyHostToDevice));
     lab.peer_table = static_cast<std::uint64_t* const*>(table);
     CK(cudaStreamCreateWithFlags(&lab.s, cudaStreamNonBlocking));
+    CK(cudaMalloc(&lab.counter, sizeof(std::uint64_t)));
+    CK(cudaEventCreateWithFlags(&lab.sequence, cudaEventDisableTiming));
     int dev = 0, flush = 0;
     CK(cudaGetDevice(&dev));
     CU(meshmem::ipc::cuda_driver().cuDeviceGetAttribute(&flush, CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES, dev));
@@ -218,6 +250,15 @@ int main(int argc, char** argv) {
         {"kernel-release", "release store, relaxed polls, one acquire fence", [](Lab& l) { l.kernel(barrier_release); }},
         {"kernel-relaxed", "unsafe: volatile store and polls, no fences", [](Lab& l) { l.kernel(barrier_relaxed); }},
         {"kernel-pdl", "kernel-fence with programmatic dependent launch", [](Lab& l) { l.kernel_pdl(); }},
+        {"kernel-counter", "kernel-fence, barrier number from a device counter the kernel advances",
+         [](Lab& l) { l.kernel_counter(); }},
+        {"kernel-fence+event", "kernel-fence, then cudaEventRecord (meshmem's cross-stream order)", [](Lab& l) {
+           l.kernel(barrier_fence);
+           CK(cudaEventRecord(l.sequence, l.s));
+         }},
+        {"meshmem-kernel", "comm.barrier(stream), MESHMEM_BARRIER=kernel", [&](Lab& l) { kernel_comm.barrier(l.s); }},
+        {"meshmem-kernel-plain", "the same, MESHMEM_EARLY_LAUNCH=off (ordinary launches)",
+         [&](Lab& l) { plain_comm.barrier(l.s); }},
         {"memop-batch", "meshmem flag barrier: one cuStreamBatchMemOp, waits with FLUSH where supported",
          [](Lab& l) { l.memop_batch(l.wait_flush); }},
         {"memop-batch-noflush", "the same without the FLUSH flag", [](Lab& l) { l.memop_batch(0); }},
@@ -229,8 +270,9 @@ int main(int argc, char** argv) {
     std::vector<bench::ResultRow> rows;
     if (lab.rank == 0) {
       std::printf("# barrier_lab, %d ranks, %s, wait FLUSH %s\n", lab.size, comm.device_info().c_str(), flush ? "supported" : "unsupported");
-      std::printf("# single = per { barrier; cudaStreamSynchronize }, 500 iterations; burst = per barrier, 200 back to back, best of 5; max over ranks\n");
-      std::printf("%-22s %12s %12s  %s\n", "# variant", "single (us)", "burst (us)", "what");
+      std::printf("# single = per { barrier; cudaStreamSynchronize }, 500 iterations; burst = per barrier, 200 back to back, best of 5; "
+                  "enqueue = the host's time per call in the burst (before its synchronize); max over ranks\n");
+      std::printf("%-22s %12s %12s %12s  %s\n", "# variant", "single (us)", "burst (us)", "enqueue (us)", "what");
     }
     for (const Variant& v : variants) {
       auto one = [&] {
@@ -247,18 +289,20 @@ int main(int argc, char** argv) {
         CK(cudaStreamSynchronize(lab.s));
       }
       const double single = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
-      double burst = 1e30;
+      double burst = 1e30, enqueue = 1e30;
       for (int rep = 0; rep < 5; ++rep) {
         MK(MPI_Barrier(MPI_COMM_WORLD));
         t0 = std::chrono::steady_clock::now();
         for (int i = 0; i < 200; ++i) one();
+        const auto t1 = std::chrono::steady_clock::now();
         CK(cudaStreamSynchronize(lab.s));
         burst = std::min(burst, std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / 200);
+        enqueue = std::min(enqueue, std::chrono::duration<double, std::micro>(t1 - t0).count() / 200);
       }
-      double mine2[2] = {single, burst}, worst[2] = {0, 0};
-      MK(MPI_Reduce(mine2, worst, 2, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD));
+      double mine2[3] = {single, burst, enqueue}, worst[3] = {0, 0, 0};
+      MK(MPI_Reduce(mine2, worst, 3, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD));
       if (lab.rank == 0) {
-        std::printf("%-22s %12.2f %12.2f  %s\n", v.name, worst[0], worst[1], v.what);
+        std::printf("%-22s %12.2f %12.2f %12.2f  %s\n", v.name, worst[0], worst[1], worst[2], v.what);
         std::fflush(stdout);
         rows.push_back({"barrier_lab", v.name, lab.size, -1, worst[0], -1});
         rows.push_back({"barrier_lab200", v.name, lab.size, -1, worst[1], -1});
@@ -273,6 +317,8 @@ int main(int argc, char** argv) {
         if (e) CK(cudaEventDestroy(e));
     for (cudaEvent_t e : lab.ring) CK(cudaEventDestroy(e));
     CK(cudaFree(table));
+    CK(cudaFree(lab.counter));
+    CK(cudaEventDestroy(lab.sequence));
     CK(cudaStreamDestroy(lab.s));
     MK(MPI_Win_free(&shm_win));
   }

@@ -433,7 +433,7 @@ void CommImpl::signal(const Signals& sig, int target, std::size_t index, std::ui
 }
 
 void CommImpl::wait_until(const Signals& sig, std::size_t index, std::size_t count, Cmp cmp, std::uint64_t value,
-                          Stream stream, const char* call) {
+                          Stream stream, const char* call, std::optional<std::uint64_t> then) {
   const WindowState& s = checked(sig.words(), call);
   if (count == 0) return;
   check_index(s, index, call);
@@ -443,12 +443,13 @@ void CommImpl::wait_until(const Signals& sig, std::size_t index, std::size_t cou
     DeviceScope scope(*device, stream, false, call);
     if (stream == nullptr) {
       wait_device_words(s, index, count, cmp, value, call);
+      if (then) device->write_words(s, index, count, *then);
       return;
     }
-    device->wait_until(s, index, count, cmp, value, stream);
+    device->wait_until(s, index, count, cmp, value, then, stream);
     return;
   }
-  const auto* words = static_cast<const std::uint64_t*>(s.local) + index;
+  auto* words = static_cast<std::uint64_t*>(s.local) + index;
   auto first_pending = [&] {
     for (std::size_t i = 0; i < count; ++i)
       if (!compare(__atomic_load_n(words + i, __ATOMIC_ACQUIRE), cmp, value)) return i;
@@ -461,6 +462,8 @@ void CommImpl::wait_until(const Signals& sig, std::size_t index, std::size_t cou
                      std::to_string(__atomic_load_n(words + i, __ATOMIC_ACQUIRE)) + ", still not " + cmp_text(cmp) + " " +
                      std::to_string(value) + " after " + describe_timeout(options.timeout);
             });
+  if (then)
+    for (std::size_t i = 0; i < count; ++i) __atomic_store_n(words + i, *then, __ATOMIC_RELEASE);
 }
 
 // The host waits for device signal words: reads them from the GPU with backoff.
@@ -655,6 +658,11 @@ void Comm::wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::uint6
 void Comm::wait_until_all(const Signals& sig, std::size_t first, std::size_t count, Cmp cmp, std::uint64_t value,
                           Stream stream) {
   live(impl_).wait_until(sig, first, count, cmp, value, stream, "comm.wait_until_all");
+}
+
+void Comm::wait_until_all_then_set(const Signals& sig, std::size_t first, std::size_t count, Cmp cmp,
+                                   std::uint64_t value, std::uint64_t then, Stream stream) {
+  live(impl_).wait_until(sig, first, count, cmp, value, stream, "comm.wait_until_all_then_set", then);
 }
 
 void Comm::quiet(Stream stream) { live(impl_).quiet(stream, "comm.quiet"); }

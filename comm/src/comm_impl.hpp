@@ -38,8 +38,9 @@ class CommImpl {
            Stream stream);
   void signal(const Signals& sig, int target, std::size_t index, std::uint64_t value, SignalOp op,
               Stream stream);
+  // `then`: each word is set to it once the wait is over (wait_until_all_then_set).
   void wait_until(const Signals& sig, std::size_t index, std::size_t count, Cmp cmp, std::uint64_t value,
-                  Stream stream, const char* call);
+                  Stream stream, const char* call, std::optional<std::uint64_t> then = std::nullopt);
   std::uint64_t read_signal(const WindowState& sig, std::size_t index);
   void quiet(Stream stream, const char* call);
   void barrier(Stream stream);

@@ -5,8 +5,8 @@
 //   --halo=meshmem-device     the compute kernel writes its edge cells straight into the neighbours'
 //                             windows; HaloExchange::complete(stream) only signals and waits
 //   --halo=meshmem-putsignal  row bands only: Comm::put_signal of each edge row into the neighbour's
-//                             halo row, wait_until_all on this rank's words, reset them (the nearest
-//                             one-sided counterpart of MPI_Sendrecv of two rows)
+//                             halo row, wait_until_all_then_set on this rank's words (waits, then
+//                             resets them; the nearest one-sided counterpart of MPI_Sendrecv of two rows)
 // --decomp=rows|blocks splits the grid into row bands or 2D blocks.
 // --norm-every N (default 0: only after the timed loop) takes the L2 norm of the update every N
 // iterations inside the timed loop, as a convergence check does: a reduction kernel, a copy to
@@ -403,11 +403,9 @@ int main(int argc, char** argv) {
       if (b.south >= 0)
         comm->put_signal(win[nxt], b.south, south_halo, grid[nxt] + static_cast<std::size_t>(b.rows) * b.pitch + 1,
                          row_bytes, sig, parity * 2 + 0, 1, meshmem::SignalOp::Set, s);
-      if (words > 0) {
-        comm->wait_until_all(sig, parity * 2 + first_word, words, meshmem::Cmp::GE, 1, s);
-        for (std::size_t d = first_word; d < first_word + words; ++d)
-          comm->signal(sig, comm->rank(), parity * 2 + d, 0, meshmem::SignalOp::Set, s);
-      }
+      // Wait for both neighbours' rows, then reset their words for iteration i+2: one stream operation.
+      if (words > 0)
+        comm->wait_until_all_then_set(sig, parity * 2 + first_word, words, meshmem::Cmp::GE, 1, 0, s);
     } else if (use_dev) {
       jacobi_kernel<true><<<blocks, block, 0, s>>>(grid[cur], grid[nxt], b.rows, b.cols, b.pitch, nb[nxt]);
       plan[nxt].complete(s);

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <tuple>
 
 #include <meshmem/device/device.cuh>
 #include <meshmem/meshmem.hpp>
@@ -411,6 +412,116 @@ TEST_F(GraphReplay, PutSignalWaitUntilWithResetReplays) {
   }
   EXPECT_EQ(bad, 0);
   cudaGraphExecDestroy(exec);
+}
+
+// The halo pattern of examples/03_jacobi --halo=meshmem-putsignal, captured once: a row to
+// each neighbour with put_signal (Set 1), then one wait_until_all_then_set that waits for
+// both words and resets them to 0. Each replay the late rank is another; the received rows
+// must be that replay's and the words 0 afterwards. Both stream waits (polling kernel and
+// stream memory operations), a fused (small) and a copy-engine (large) put_signal.
+class WaitThenSet : public GraphReplay, public ::testing::WithParamInterface<std::tuple<const char*, std::size_t>> {};
+
+TEST_P(WaitThenSet, HaloRowsReplayWithReset) {
+  ScopedEnv wait("MESHMEM_STREAM_WAIT", std::get<0>(GetParam()));
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  const std::size_t kBytes = std::get<1>(GetParam());
+  Window win = comm->alloc(2 * kBytes);  // [0]: the row from the left, [1]: from the right
+  Signals sig = comm->alloc_signals(2);  // word 0: from the left, 1: from the right
+  DeviceBuffer src(2 * kBytes), snap(2 * kBytes), delay(sizeof(std::uint64_t));
+  CUDA_OK(fill_now(delay.p, 0, delay.bytes));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  CUDA_OK(cudaStreamBeginCapture(s0, cudaStreamCaptureModeGlobal));
+  spin_kernel<<<1, 1, 0, s0>>>(static_cast<const std::uint64_t*>(delay.p), 0);
+  // src[0]: the row for the right neighbour (its row "from the left"), src[1]: for the left.
+  comm->put_signal(win, right, 0, src.p, kBytes, sig, 0, 1, SignalOp::Set, s0);
+  comm->put_signal(win, left, kBytes, static_cast<char*>(src.p) + kBytes, kBytes, sig, 1, 1, SignalOp::Set, s0);
+  comm->wait_until_all_then_set(sig, 0, 2, Cmp::EQ, 1, 0, s0);
+  CUDA_OK(cudaMemcpyAsync(snap.p, win.local(), 2 * kBytes, cudaMemcpyDeviceToDevice, s0));
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamEndCapture(s0, &graph));
+  cudaGraphExec_t exec = instantiate(graph);
+  ASSERT_NE(exec, nullptr);
+  int bad = 0;
+  for (int rep = 0; rep < kReplays; ++rep) {
+    CUDA_OK(fill_now(snap.p, kPoison, 2 * kBytes));
+    auto to_right = pattern(seed, key(rep, me, right), kBytes);
+    auto to_left = pattern(seed, key(rep, me, left) ^ 0x5555, kBytes);
+    CUDA_OK(upload(src.p, to_right.data(), kBytes));
+    CUDA_OK(upload(static_cast<char*>(src.p) + kBytes, to_left.data(), kBytes));
+    set_delay(delay, rep);
+    MPI_Barrier(MPI_COMM_WORLD);
+    CUDA_OK(cudaGraphLaunch(exec, s0));
+    ASSERT_TRUE(finishes(s0, 60)) << "replay " << rep << " did not finish within 60 s";
+    const auto got = to_host(snap.p, 2 * kBytes);
+    const auto from_left = pattern(seed, key(rep, left, me), kBytes);
+    const auto from_right = pattern(seed, key(rep, right, me) ^ 0x5555, kBytes);
+    if ((first_difference(got.data(), from_left.data(), kBytes) >= 0 ||
+         first_difference(got.data() + kBytes, from_right.data(), kBytes) >= 0) &&
+        ++bad <= 3)
+      ADD_FAILURE() << "replay " << rep << ": a neighbour's row of this replay was not there after the wait";
+    EXPECT_EQ(sig.read(0), 0u) << "replay " << rep << ": word 0 not reset";
+    EXPECT_EQ(sig.read(1), 0u) << "replay " << rep << ": word 1 not reset";
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  EXPECT_EQ(bad, 0);
+  cudaGraphExecDestroy(exec);
+}
+
+INSTANTIATE_TEST_SUITE_P(Waits, WaitThenSet,
+                         ::testing::Combine(::testing::Values("kernel", "memop"),
+                                            ::testing::Values(std::size_t{264}, std::size_t{32768 + 8})),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param)) + "_" + std::to_string(std::get<1>(info.param));
+                         });
+
+// Writes a pattern of (round, rank) into `bytes` bytes of `p`.
+__global__ void produce(unsigned char* p, std::size_t bytes, int round, int rank) {
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < bytes; i += gridDim.x * blockDim.x)
+    p[i] = static_cast<unsigned char>(round * 31 + rank * 17 + i * 7);
+}
+
+// MESHMEM_EARLY_LAUNCH: meshmem's kernels are set up while the previous kernel on the stream
+// runs, and must not act before it ends. Each round a rank tells its left neighbour "go"
+// only after poisoning its own window on its stream (the round's late rank poisons late);
+// the neighbour's stream waits for "go" (wait kernel), then puts a row made by a kernel just
+// before (put_signal, one early-launched kernel). A put that ran before the wait was over
+// would land before the poison and be lost; one that ran before `produce` would carry
+// the last round's row.
+TEST_F(RealUse, EarlyLaunchedKernelsWaitForThePreviousKernel) {
+  ScopedEnv wait("MESHMEM_STREAM_WAIT", "kernel");
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  constexpr std::size_t kBytes = 4096 + 24;
+  Window win = comm->alloc(kBytes);
+  Signals sig = comm->alloc_signals(2);  // 0: "go" from the right, 1: the row from the left
+  DeviceBuffer src(kBytes), snap(kBytes);
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  int bad = 0;
+  for (int round = 0; round < kReplays; ++round) {
+    const std::uint64_t r = static_cast<std::uint64_t>(round) + 1;
+    if (round % n == me) spin_kernel<<<1, 1, 0, s0>>>(nullptr, kLateNs);
+    CUDA_OK(cudaMemsetAsync(win.local(), kPoison, kBytes, s0));
+    comm->signal(sig, left, 0, r, SignalOp::Set, s0);
+    produce<<<4, 256, 0, s0>>>(static_cast<unsigned char*>(src.p), kBytes, round, me);
+    comm->wait_until(sig, 0, Cmp::GE, r, s0);
+    comm->put_signal(win, right, 0, src.p, kBytes, sig, 1, r, SignalOp::Set, s0);
+    comm->wait_until(sig, 1, Cmp::GE, r, s0);
+    CUDA_OK(cudaMemcpyAsync(snap.p, win.local(), kBytes, cudaMemcpyDeviceToDevice, s0));
+    ASSERT_TRUE(finishes(s0, 60)) << "round " << round << " did not finish within 60 s";
+    const auto got = to_host(snap.p, kBytes);
+    std::vector<unsigned char> want(kBytes);
+    for (std::size_t i = 0; i < kBytes; ++i) want[i] = static_cast<unsigned char>(round * 31 + left * 17 + i * 7);
+    const long long at = first_difference(got.data(), want.data(), kBytes);
+    if (at >= 0 && ++bad <= 3)
+      ADD_FAILURE() << "round " << round << ": the row from rank " << left << " differs at byte " << at << " (0x" << std::hex
+                    << int(got[at]) << " instead of 0x" << int(want[at]) << std::dec << ")";
+  }
+  EXPECT_EQ(bad, 0) << "rounds with a wrong row, of " << kReplays;
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
 }
 
 // ---- Signals::read, teardown, late and missing peers ----

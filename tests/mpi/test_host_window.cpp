@@ -175,6 +175,35 @@ TEST_F(HostWindow, SignalAddFromEveryRank) {
   comm.barrier();
 }
 
+// Halo rows with put_signal (Set 1) from both neighbours, then one wait_until_all_then_set:
+// rows complete, both words 0 afterwards, and parity words keep iteration i+2's signal from
+// arriving before the reset of iteration i.
+TEST_F(HostWindow, WaitUntilAllThenSetResetsAfterTheWait) {
+  const std::size_t row = 1000 + 3;
+  Window win = comm.alloc(4 * row, Memory::Host);        // [parity][from left, from right]
+  Signals sig = comm.alloc_signals(4, Memory::Host);     // word parity * 2 + (0 left, 1 right)
+  const int right = (me + 1) % n;
+  const int left = (me + n - 1) % n;
+  std::memset(win.local(), kPoison, win.size());
+  comm.barrier();
+  for (int it = 0; it < 40; ++it) {
+    const std::size_t p = static_cast<std::size_t>(it % 2);
+    auto to_right = pattern(seed, key(row, me, right, it), row);
+    auto to_left = pattern(seed, key(row, me, left, it) ^ 0x77, row);
+    comm.put_signal(win, right, (p * 2 + 0) * row, to_right.data(), row, sig, p * 2 + 0, 1, SignalOp::Set);
+    comm.put_signal(win, left, (p * 2 + 1) * row, to_left.data(), row, sig, p * 2 + 1, 1, SignalOp::Set);
+    comm.wait_until_all_then_set(sig, p * 2, 2, Cmp::EQ, 1, 0);
+    EXPECT_EQ(sig.read(p * 2), 0u) << "iteration " << it;
+    EXPECT_EQ(sig.read(p * 2 + 1), 0u) << "iteration " << it;
+    auto from_left = pattern(seed, key(row, left, me, it), row);
+    auto from_right = pattern(seed, key(row, right, me, it) ^ 0x77, row);
+    const char* base = static_cast<const char*>(win.local()) + p * 2 * row;
+    ASSERT_EQ(first_difference(base, from_left.data(), row), -1) << "iteration " << it << ": the row from the left";
+    ASSERT_EQ(first_difference(base + row, from_right.data(), row), -1) << "iteration " << it << ": the row from the right";
+  }
+  comm.barrier();
+}
+
 TEST_F(HostWindow, WaitUntilComparisons) {
   Signals sig = comm.alloc_signals(1, Memory::Host);
   comm.signal(sig, me, 0, 5, SignalOp::Set);

@@ -90,7 +90,7 @@ TEST(Options, GpuPartKnobs) {
   // Defaults, as the table prints them.
   const Options o = parse({});
   EXPECT_EQ(meshmem::detail::find_knob("MESHMEM_SM_COPY_MAX")->text(o), "0");
-  EXPECT_EQ(meshmem::detail::find_knob("MESHMEM_FUSED_SIGNAL_MAX")->text(o), "8192");
+  EXPECT_EQ(meshmem::detail::find_knob("MESHMEM_FUSED_SIGNAL_MAX")->text(o), "65536");
   EXPECT_EQ(meshmem::detail::find_knob("MESHMEM_BARRIER")->text(o), "auto");
   EXPECT_EQ(meshmem::detail::find_knob("MESHMEM_STREAM_WAIT")->text(o), "auto");
   // Set from a program, checked the same way; they change what ranks must agree on.

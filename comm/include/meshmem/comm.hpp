@@ -132,6 +132,12 @@ class Comm {
   // stream): a halo's two or four neighbours' signals, say.
   void wait_until_all(const Signals& sig, std::size_t first, std::size_t count, Cmp cmp, std::uint64_t value,
                       Stream stream = nullptr);
+  // wait_until_all, then sets each of those words to `then`, in one operation on a stream:
+  // the reset of a halo's signal words before their next use, without a signal() per word.
+  // A peer's signal to one of these words must not arrive before this reset has run (use
+  // two sets of words, by iteration parity, as examples/03_jacobi does).
+  void wait_until_all_then_set(const Signals& sig, std::size_t first, std::size_t count, Cmp cmp,
+                               std::uint64_t value, std::uint64_t then, Stream stream = nullptr);
   // Every put and signal issued by this rank (on `stream`, for device windows) is complete
   // at its target.
   void quiet(Stream stream = nullptr);

@@ -33,6 +33,19 @@ const TuningKnob<StreamWait> kStreamWait{
     "share a GPU, but it cannot time out); `auto` = `kernel`, or `memop` where this rank's GPU is shared (a "
     "polling kernel would hold the time-sliced GPU from the ranks it waits for)"};
 
+enum class EarlyLaunch { Auto, Off };
+constexpr std::pair<const char*, EarlyLaunch> kEarlyLaunches[] = {{"auto", EarlyLaunch::Auto}, {"off", EarlyLaunch::Off}};
+EarlyLaunch parse_early_launch(const char* n, const std::string& raw) { return parse_choice(n, raw, kEarlyLaunches); }
+std::string print_early_launch(const EarlyLaunch& e) { return choice_name(e, kEarlyLaunches); }
+
+const TuningKnob<EarlyLaunch> kEarlyLaunch{
+    "device", "MESHMEM_EARLY_LAUNCH", EarlyLaunch::Auto, parse_early_launch, print_early_launch,
+    "meshmem's barrier, wait, halo and put kernels as programmatic dependent launches: `auto` where the GPU has them "
+    "(compute capability 9.0+): such a kernel is set up while the kernel before it on the stream runs, waits on the "
+    "GPU for it to finish, and lets the next programmatic launch start early in turn (so a kernel launched with "
+    "programmatic stream serialization after a meshmem call must call cudaGridDependencySynchronize, as that "
+    "attribute requires); `off`: ordinary launches"};
+
 // Device memory owned by a plan: freed with it.
 template <class T>
 T* device_array(DevicePtr& owner, const std::vector<T>& values, const std::string& what) {
@@ -47,7 +60,7 @@ T* device_array(DevicePtr& owner, const std::vector<T>& values, const std::strin
 class KernelHaloPlan final : public DeviceHaloPlan {
  public:
   KernelHaloPlan(const DeviceHaloSpec& spec, const CudaDeviceRuntime& device)
-      : rank_(device.rank()), limit_(device.wait_limit()), sequence_("halo exchange plan") {
+      : rank_(device.rank()), limit_(device.wait_limit()), early_(device.early_launch()), sequence_("halo exchange plan") {
     const std::string what = "halo exchange plan on rank " + std::to_string(rank_);
     std::vector<cuda::Copy2D> table;
     for (const DeviceCopy& c : spec.copies) {
@@ -73,7 +86,8 @@ class KernelHaloPlan final : public DeviceHaloPlan {
   }
   void run(Stream stream, bool copy, bool capturing, const char* call) override {
     sequence_.before(stream, capturing, call, rank_);
-    const cudaError_t rc = cuda::launch_halo(copy ? table_ : nullptr, copy ? count_ : 0, largest_, sync_, limit_, stream);
+    const cudaError_t rc = cuda::launch_halo(copy ? table_ : nullptr, copy ? count_ : 0, largest_, sync_, limit_, stream,
+                                             early_);
     if (rc != cudaSuccess) ipc::check_cuda(rc, "halo exchange kernel launch", std::string(call) + " on rank " + std::to_string(rank_));
     sequence_.after(stream, capturing, call, rank_);
   }
@@ -81,6 +95,7 @@ class KernelHaloPlan final : public DeviceHaloPlan {
  private:
   int rank_;
   cuda::WaitLimit limit_;
+  bool early_;
   StreamSequence sequence_;
   DevicePtr table_memory_, stores_, waits_, wait_ranks_, counters_;
   const cuda::Copy2D* table_ = nullptr;
@@ -127,6 +142,7 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
     char bus[32] = {};
     ipc::check_cuda(cudaDeviceGetPCIBusId(bus, sizeof(bus), device_), "cudaDeviceGetPCIBusId", what);
     description_ = "device " + std::to_string(device_) + " (" + prop.name + ", " + bus + ")";
+    early_launch_ = kEarlyLaunch.get(ctx.options) == EarlyLaunch::Auto && prop.major >= 9;
     bus_id = bus;
     granularity_ = ipc::vmm_granularity(device_);
     CUdevice dev = 0;
@@ -153,7 +169,7 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
   const StreamWait wait = kStreamWait.get(ctx.options);
   wait_kernel_ = wait == StreamWait::Kernel || (wait == StreamWait::Auto && !shared_gpu_);
   description_ += std::string(", stream waits ") + (wait_kernel_ ? "kernel" : "memop") +
-                  (shared_gpu_ ? " (GPU shared with other ranks)" : "");
+                  (shared_gpu_ ? " (GPU shared with other ranks)" : "") + (early_launch_ ? ", early launch" : "");
 }
 
 void CudaDeviceRuntime::create_local(WindowState& state, const std::string& what) {
@@ -173,10 +189,12 @@ DeviceEntry CudaDeviceRuntime::enter(Stream stream, bool capture, const char* ca
     if (rc != cudaSuccess) ipc::check_cuda(rc, "cudaSetDevice", where(call));
   }
   try {
-    fault_.raise_if_set(where(call));
+    // Messages are built only on failure: this runs before every stream operation.
+    fault_.raise_if_set([&] { return where(call); });
     if (stream != nullptr && stream != cudaStreamLegacy && stream != cudaStreamPerThread) {
       CUcontext owner = nullptr;
-      ipc::check_cu(ipc::cuda_driver().cuStreamGetCtx(stream, &owner), "cuStreamGetCtx", where(call));
+      const CUresult got = ipc::cuda_driver().cuStreamGetCtx(stream, &owner);
+      if (got != CUDA_SUCCESS) ipc::check_cu(got, "cuStreamGetCtx", where(call));
       if (owner != context_)
         throw Error(ErrorCode::InvalidArgument,
                     where(call) + ": the stream belongs to " + device_of(owner) + ", but this Comm works on device " +
@@ -216,18 +234,26 @@ void CudaDeviceRuntime::leave(const DeviceEntry& entry) noexcept {
 }
 
 void CudaDeviceRuntime::wait_until(const WindowState& sig, std::size_t index, std::size_t count, Cmp cmp,
-                                   std::uint64_t value, Stream stream) {
+                                   std::uint64_t value, std::optional<std::uint64_t> then, Stream stream) {
   auto* words = static_cast<std::uint64_t*>(sig.local) + index;
   // The stream's front end waits for GE / EQ (and GT as GE value+1) with
   // MESHMEM_STREAM_WAIT=memop (no timeout then); otherwise a polling kernel that gives up
   // after MESHMEM_TIMEOUT.
   const bool memop = !wait_kernel_ && (cmp == Cmp::GE || cmp == Cmp::EQ || (cmp == Cmp::GT && value != UINT64_MAX));
   if (!memop) {
-    const cudaError_t k = cuda::launch_wait(words, count, cmp, value, sig.id, index, fault_.limit(), stream);
+    const cudaError_t k = cuda::launch_wait(words, count, cmp, value, then.has_value(), then.value_or(0), sig.id, index,
+                                            fault_.limit(), stream, early_launch_);
     if (k != cudaSuccess) ipc::check_cuda(k, "wait kernel launch", where("comm.wait_until"));
     return;
   }
-  std::vector<CUstreamBatchMemOpParams> ops(count);
+  std::vector<CUstreamBatchMemOpParams> ops(then ? 2 * count : count);
+  for (std::size_t i = 0; then && i < count; ++i) {  // after every wait (a batch runs in order)
+    CUstreamBatchMemOpParams& op = ops[count + i];
+    op = CUstreamBatchMemOpParams{};
+    op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+    op.writeValue.address = reinterpret_cast<CUdeviceptr>(words + i);
+    op.writeValue.value64 = *then;
+  }
   for (std::size_t i = 0; i < count; ++i) {
     CUstreamBatchMemOpParams& op = ops[i];
     op = CUstreamBatchMemOpParams{};
@@ -247,6 +273,15 @@ std::uint64_t CudaDeviceRuntime::read_word(const WindowState& sig, std::size_t i
                   "cudaMemcpyAsync", where(call));
   ipc::check_cuda(cudaStreamSynchronize(setup_stream_.get()), "cudaStreamSynchronize", where(call));
   return value;
+}
+
+void CudaDeviceRuntime::write_words(const WindowState& sig, std::size_t index, std::size_t count, std::uint64_t value) {
+  const char* call = "comm.wait_until_all_then_set";
+  const std::vector<std::uint64_t> values(count, value);
+  ipc::check_cuda(cudaMemcpyAsync(static_cast<std::uint64_t*>(sig.local) + index, values.data(), count * sizeof(value),
+                                  cudaMemcpyHostToDevice, setup_stream_.get()),
+                  "cudaMemcpyAsync", where(call));
+  ipc::check_cuda(cudaStreamSynchronize(setup_stream_.get()), "cudaStreamSynchronize", where(call));
 }
 
 std::unique_ptr<DeviceHaloPlan> CudaDeviceRuntime::make_halo_plan(const DeviceHaloSpec& spec) {

@@ -53,8 +53,10 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   DeviceEntry enter(Stream stream, bool capture, const char* call) override;
   void leave(const DeviceEntry& entry) noexcept override;
   void wait_until(const WindowState& sig, std::size_t index, std::size_t count, Cmp cmp, std::uint64_t value,
+                  std::optional<std::uint64_t> then,
                   Stream stream) override;
   std::uint64_t read_word(const WindowState& sig, std::size_t index) override;
+  void write_words(const WindowState& sig, std::size_t index, std::size_t count, std::uint64_t value) override;
   std::unique_ptr<DeviceHaloPlan> make_halo_plan(const DeviceHaloSpec& spec) override;
   void retire(WindowState& state, const char* call) override;
   void retire_all(const std::vector<WindowState*>& states, const char* call) noexcept override;
@@ -68,6 +70,8 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   unsigned wait_flags() const { return wait_flags_; }
   // Where device-side waits report a timeout, and the timeout.
   cuda::WaitLimit wait_limit() const { return fault_.limit(); }
+  // MESHMEM_EARLY_LAUNCH resolved: launch meshmem's kernels as programmatic dependent launches.
+  bool early_launch() const { return early_launch_; }
   int rank() const { return rank_; }
 
  private:
@@ -84,6 +88,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   bool any_shared_ = false;
   unsigned wait_flags_ = 0;
   bool wait_kernel_ = false;  // MESHMEM_STREAM_WAIT resolved
+  bool early_launch_ = false;
   std::chrono::milliseconds timeout_;
   OwnedStream setup_stream_;
   DeviceFaultRecord fault_;

@@ -32,8 +32,10 @@ class DeviceFaultRecord {
   cuda::WaitLimit limit() const { return cuda::WaitLimit{device_, timeout_ns_}; }
   // Raises Error(Timeout) for a device wait that timed out since the last check (and clears
   // it). One read of pinned memory when there is none: every stream call checks.
-  void raise_if_set(const std::string& where) {
-    if (__atomic_load_n(&host_->code, __ATOMIC_ACQUIRE) != 0) raise(where);
+  // `where()` makes the message's prefix, only when there is a fault (this runs on every call).
+  template <class Where>
+  void raise_if_set(Where&& where) {
+    if (__atomic_load_n(&host_->code, __ATOMIC_ACQUIRE) != 0) raise(where());
   }
 
  private:

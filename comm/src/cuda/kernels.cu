@@ -9,7 +9,35 @@ namespace {
 
 constexpr int kThreads = 512;
 
-__global__ void copy_kernel(void* dst, const void* src, std::size_t bytes) {
+// The start of every meshmem kernel: waits for the stream's previous kernel (completion and
+// memory; without a programmatic launch it returns at once), then lets the next
+// programmatic launch on the stream start early: that kernel waits for this one the same way.
+__device__ inline void after_previous_kernel(bool early) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (!early) return;
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+template <class... Params, class... Args>
+cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, bool early, Args... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  if (early) {
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}
+
+__global__ void copy_kernel(void* dst, const void* src, std::size_t bytes, bool early) {
+  after_previous_kernel(early);
   // Each block copies its own contiguous slice.
   const std::size_t per_block = (bytes + gridDim.x - 1) / gridDim.x;
   const std::size_t begin = per_block * blockIdx.x;
@@ -20,7 +48,8 @@ __global__ void copy_kernel(void* dst, const void* src, std::size_t bytes) {
 
 // One block, so that one thread can signal once the block's writes are done.
 __global__ void copy_signal_kernel(void* dst, const void* src, std::size_t bytes, std::uint64_t* signal,
-                                   std::uint64_t value, SignalOp op) {
+                                   std::uint64_t value, SignalOp op, bool early) {
+  after_previous_kernel(early);
   if (bytes > 0) device::copy_block(dst, src, bytes);
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -43,12 +72,16 @@ __device__ inline std::uint64_t global_ns() {
 __device__ bool wait_word(const std::uint64_t* word, Cmp cmp, std::uint64_t value, const WaitLimit& limit,
                           FaultKind kind, int peer, std::uint64_t window, std::uint64_t index) {
   device::SignalWord w(*const_cast<std::uint64_t*>(word));
-  const std::uint64_t start = limit.timeout_ns ? global_ns() : 0;
+  // The clock is first read at the first check (spin 255), not before the first poll: a
+  // barrier's wait is usually over sooner, and the deadline moves by those few microseconds.
+  std::uint64_t start = 0;
   for (unsigned spins = 0;; ++spins) {
     const std::uint64_t v = w.load(::cuda::memory_order_acquire);
     if (device::compare(v, cmp, value)) return true;
     if (spins >= 64) __nanosleep(100);  // a first burst without sleeping: most waits are short
-    if (limit.timeout_ns != 0 && (spins & 255) == 255 && global_ns() - start > limit.timeout_ns) {
+    if (limit.timeout_ns == 0 || (spins & 255) != 255) continue;
+    if (start == 0) start = global_ns();
+    if (global_ns() - start > limit.timeout_ns) {
       DeviceFault* f = limit.fault;
       if (atomicCAS(&f->claimed, 0u, 1u) == 0u) {
         f->peer = peer;
@@ -66,15 +99,20 @@ __device__ bool wait_word(const std::uint64_t* word, Cmp cmp, std::uint64_t valu
   }
 }
 
-__global__ void wait_kernel(const std::uint64_t* words, std::size_t count, Cmp cmp, std::uint64_t value,
-                            std::uint64_t window, std::size_t first, WaitLimit limit) {
+__global__ void wait_kernel(std::uint64_t* words, std::size_t count, Cmp cmp, std::uint64_t value, bool reset,
+                            std::uint64_t then, std::uint64_t window, std::size_t first, WaitLimit limit, bool early) {
+  after_previous_kernel(early);
   const std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < count) wait_word(words + i, cmp, value, limit, FaultKind::WaitUntil, -1, window, first + i);
+  if (i >= count) return;
+  // A timed-out wait resets nothing: the word keeps what the fault reports.
+  if (wait_word(words + i, cmp, value, limit, FaultKind::WaitUntil, -1, window, first + i) && reset)
+    device::SignalWord(words[i]).store(then, ::cuda::memory_order_relaxed);
 }
 
 __global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
-                               int rank, int size, WaitLimit limit) {
+                               int rank, int size, WaitLimit limit, bool early) {
   __shared__ std::uint64_t epoch;
+  after_previous_kernel(early);
   if (threadIdx.x == 0) {
     epoch = *counter + 1;  // this rank's barrier kernels run one at a time (StreamSequence)
     *counter = epoch;
@@ -114,7 +152,8 @@ __device__ void copy_block_of(const Copy2D& c) {
   else copy_2d<unsigned char>(c);
 }
 
-__global__ void halo_kernel(const Copy2D* table, int count, HaloSync sync, WaitLimit limit) {
+__global__ void halo_kernel(const Copy2D* table, int count, HaloSync sync, WaitLimit limit, bool early) {
+  after_previous_kernel(early);
   if (static_cast<int>(blockIdx.y) < count) copy_block_of(table[blockIdx.y]);
   // Every thread's copies are visible system-wide before its block counts as done; the
   // last block to finish signals for all.
@@ -144,46 +183,45 @@ __global__ void halo_kernel(const Copy2D* table, int count, HaloSync sync, WaitL
 }  // namespace
 
 cudaError_t launch_barrier(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
-                           int rank, int size, WaitLimit limit, cudaStream_t stream) {
-  const int threads = std::min(1024, (size + 31) / 32 * 32);
-  barrier_kernel<<<1, threads, 0, stream>>>(peer_flags, my_flags, counter, rank, size, limit);
-  return cudaGetLastError();
+                           int rank, int size, WaitLimit limit, cudaStream_t stream, bool early) {
+  const unsigned threads = static_cast<unsigned>(std::min(1024, (size + 31) / 32 * 32));
+  return launch(barrier_kernel, 1, threads, stream, early, peer_flags, my_flags, counter, rank, size, limit, early);
 }
 
 cudaError_t launch_halo(const Copy2D* table, int count, std::uint64_t largest, const HaloSync& sync, WaitLimit limit,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, bool early) {
   // About 4 KiB a block for the largest copy (remote stores need many blocks in flight;
   // 64 KiB a block measured 3x slower on H200), at most 128 blocks per copy.
   const unsigned blocks =
       count == 0 ? 1u : static_cast<unsigned>(std::min<std::uint64_t>(128, std::max<std::uint64_t>(1, largest / 4096)));
-  halo_kernel<<<dim3(blocks, static_cast<unsigned>(std::max(count, 1))), 256, 0, stream>>>(table, count, sync, limit);
-  return cudaGetLastError();
+  return launch(halo_kernel, dim3(blocks, static_cast<unsigned>(std::max(count, 1))), 256, stream, early, table, count,
+                sync, limit, early);
 }
 
 cudaError_t launch_copy(void* dst, const void* src, std::size_t bytes, std::uint64_t* signal,
-                        std::uint64_t value, SignalOp op, cudaStream_t stream) {
+                        std::uint64_t value, SignalOp op, cudaStream_t stream, bool early) {
   const std::size_t wide = (bytes + 15) / 16;
   const int threads = static_cast<int>(wide < kThreads ? (wide < 32 ? 32 : (wide + 31) / 32 * 32) : kThreads);
   if (signal != nullptr) {
-    copy_signal_kernel<<<1, threads, 0, stream>>>(dst, src, bytes, signal, value, op);
+    return launch(copy_signal_kernel, 1, static_cast<unsigned>(threads), stream, early, dst, src, bytes, signal, value, op, early);
   } else {
     if (bytes == 0) return cudaSuccess;
     // About 16 KiB a block: one block for small puts (latency), a full grid of several
     // blocks per SM for large ones (NVLink needs many stores in flight).
     std::size_t blocks = (bytes + 16383) / 16384;
     if (blocks > 1024) blocks = 1024;
-    copy_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(dst, src, bytes);
+    return launch(copy_kernel, static_cast<unsigned>(blocks), static_cast<unsigned>(threads), stream, early, dst, src, bytes, early);
   }
-  return cudaGetLastError();
 }
 
-cudaError_t launch_wait(const std::uint64_t* words, std::size_t count, Cmp cmp, std::uint64_t value,
-                        std::uint64_t window_id, std::size_t first_index, WaitLimit limit, cudaStream_t stream) {
+cudaError_t launch_wait(std::uint64_t* words, std::size_t count, Cmp cmp, std::uint64_t value, bool reset, std::uint64_t then,
+                        std::uint64_t window_id, std::size_t first_index, WaitLimit limit, cudaStream_t stream,
+                        bool early) {
   if (count == 0) return cudaSuccess;
   const unsigned threads = static_cast<unsigned>(std::min<std::size_t>(256, (count + 31) / 32 * 32));
   const unsigned blocks = static_cast<unsigned>((count + threads - 1) / threads);
-  wait_kernel<<<blocks, threads, 0, stream>>>(words, count, cmp, value, window_id, first_index, limit);
-  return cudaGetLastError();
+  return launch(wait_kernel, blocks, threads, stream, early, words, count, cmp, value, reset, then, window_id, first_index,
+                limit, early);
 }
 
 }  // namespace meshmem::detail::cuda

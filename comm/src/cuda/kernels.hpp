@@ -31,23 +31,31 @@ struct WaitLimit {
   std::uint64_t timeout_ns;
 };
 
+// Every launcher takes `early`: a programmatic dependent launch (compute capability 9.0+):
+// the kernel may start while the kernel before it on the stream still runs, and waits on
+// the GPU (griddepcontrol.wait) for that kernel's completion and memory before its own
+// work. It hides the launch latency of back-to-back barriers and waits; after anything
+// other than a kernel it is an ordinary launch.
+
 // SM copy of `bytes` (dst, src device-accessible). If `signal` is non-null, the word is
 // updated (system-scope release) after the whole copy is written: one launch for a small
 // put_signal. bytes may be 0 (signal only).
 cudaError_t launch_copy(void* dst, const void* src, std::size_t bytes, std::uint64_t* signal,
-                        std::uint64_t value, SignalOp op, cudaStream_t stream);
+                        std::uint64_t value, SignalOp op, cudaStream_t stream, bool early);
 
 // Blocks `stream` until each of words[0 .. count) compares true against `value`, or until
 // the limit (then the fault names window `window_id`, word `first_index` + i).
-cudaError_t launch_wait(const std::uint64_t* words, std::size_t count, Cmp cmp, std::uint64_t value,
-                        std::uint64_t window_id, std::size_t first_index, WaitLimit limit, cudaStream_t stream);
+// With `reset`, each word is set to `then` once its wait is over.
+cudaError_t launch_wait(std::uint64_t* words, std::size_t count, Cmp cmp, std::uint64_t value, bool reset, std::uint64_t then,
+                        std::uint64_t window_id, std::size_t first_index, WaitLimit limit, cudaStream_t stream,
+                        bool early);
 
 // One block: takes this rank's next barrier number from *counter (device memory, advanced
 // by the kernel itself, so a graph replay takes a new one), stores it into word `rank` of
 // every peer's flags (peer_flags: device array of the peers' flag words), then waits until
 // every peer's word here reaches it.
 cudaError_t launch_barrier(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
-                           int rank, int size, WaitLimit limit, cudaStream_t stream);
+                           int rank, int size, WaitLimit limit, cudaStream_t stream, bool early);
 
 // Runs `count` 2-D copies described by `table` (device memory) in one launch: blockIdx.y
 // picks the copy, 16-byte accesses where the copy's layout allows.
@@ -72,6 +80,6 @@ struct HaloSync {
 // The copies of `table`, then (the last block to finish) the next exchange number stored
 // into every neighbour's word, then waits for every neighbour's word here to reach it.
 cudaError_t launch_halo(const Copy2D* table, int count, std::uint64_t largest, const HaloSync& sync, WaitLimit limit,
-                        cudaStream_t stream);
+                        cudaStream_t stream, bool early);
 
 }  // namespace meshmem::detail::cuda

@@ -133,7 +133,7 @@ class FlagBarrier final : public StreamBarrier, FlagWords {
 class KernelBarrier final : public StreamBarrier, FlagWords {
  public:
   KernelBarrier(const Topology& topo, const BarrierContext& bctx, const CudaDeviceRuntime& device)
-      : FlagWords(topo, bctx), limit_(device.wait_limit()), sequence_("barrier(stream) setup") {
+      : FlagWords(topo, bctx), limit_(device.wait_limit()), early_(device.early_launch()), sequence_("barrier(stream) setup") {
     void* p = nullptr;
     ipc::check_cuda(cudaMalloc(&p, sizeof(std::uint64_t)), "cudaMalloc", where(topo));
     counter_.reset(p);
@@ -146,7 +146,7 @@ class KernelBarrier final : public StreamBarrier, FlagWords {
     const cudaError_t rc = cuda::launch_barrier(static_cast<std::uint64_t* const*>(window_->device_peer_table),
                                                 static_cast<std::uint64_t*>(window_->local),
                                                 static_cast<std::uint64_t*>(counter_.get()), topo_.rank, topo_.size,
-                                                limit_, stream);
+                                                limit_, stream, early_);
     if (rc != cudaSuccess) ipc::check_cuda(rc, "barrier kernel launch", where(topo_));
     sequence_.after(stream, capturing, call, topo_.rank);
   }
@@ -154,6 +154,7 @@ class KernelBarrier final : public StreamBarrier, FlagWords {
 
  private:
   cuda::WaitLimit limit_;
+  bool early_;
   StreamSequence sequence_;
   DevicePtr counter_;
 };

@@ -25,9 +25,10 @@ const TuningKnob<std::size_t> kSmCopyMax{
     "device puts/gets up to this many bytes run as a copy kernel on the SMs, larger ones on the copy engine "
     "(measured: the copy engine is faster at every size on H200, so 0)"};
 const TuningKnob<std::size_t> kFusedSignalMax{
-    "ipc", "MESHMEM_FUSED_SIGNAL_MAX", 8192, parse_bytes, print_number,
+    "ipc", "MESHMEM_FUSED_SIGNAL_MAX", 65536, parse_bytes, print_number,
     "a device `put_signal` up to this size is one kernel that copies then signals; larger: copy engine, then a "
-    "stream write of the signal"};
+    "stream write of the signal (measured on H200, one way: 5.8 against 9.1 us at 32 KiB, 6.6 against 8.6 at "
+    "64 KiB, 11.6 against 9.6 at 256 KiB)"};
 
 enum class PeerAtomicsCheck { Auto, Off };
 constexpr std::pair<const char*, PeerAtomicsCheck> kPeerAtomicsChoices[] = {{"auto", PeerAtomicsCheck::Auto},
@@ -195,13 +196,13 @@ void IpcTransport::put(const WindowState& win, int target, std::size_t offset, c
   // Small put_signal: one kernel copies, then signals (no second stream operation). An Add
   // without data also needs the kernel; a Set without data is one stream write below.
   if (word != nullptr && ((bytes == 0 && signal.op == SignalOp::Add) || (bytes > 0 && use_sm(src, bytes, fused_signal_max_)))) {
-    const cudaError_t rc = cuda::launch_copy(dst, src, bytes, word, signal.value, signal.op, stream);
+    const cudaError_t rc = cuda::launch_copy(dst, src, bytes, word, signal.value, signal.op, stream, device_->early_launch());
     if (rc != cudaSuccess) ipc::check_cuda(rc, "copy+signal kernel launch", what("put_signal", target));
     return;
   }
   if (bytes > 0) {
     const bool sm = use_sm(src, bytes, sm_copy_max_);
-    const cudaError_t rc = sm ? cuda::launch_copy(dst, src, bytes, nullptr, 0, SignalOp::Set, stream)
+    const cudaError_t rc = sm ? cuda::launch_copy(dst, src, bytes, nullptr, 0, SignalOp::Set, stream, device_->early_launch())
                               : cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
     if (rc != cudaSuccess) ipc::check_cuda(rc, sm ? "copy kernel launch" : "cudaMemcpyAsync", what("put", target));
   }
@@ -211,7 +212,7 @@ void IpcTransport::put(const WindowState& win, int target, std::size_t offset, c
     const CUresult rc = ipc::cuda_driver().cuStreamWriteValue64(stream, reinterpret_cast<CUdeviceptr>(word), signal.value, 0);
     if (rc != CUDA_SUCCESS) ipc::check_cu(rc, "cuStreamWriteValue64", what("put_signal", target));
   } else {
-    const cudaError_t rc = cuda::launch_copy(nullptr, nullptr, 0, word, signal.value, signal.op, stream);
+    const cudaError_t rc = cuda::launch_copy(nullptr, nullptr, 0, word, signal.value, signal.op, stream, device_->early_launch());
     if (rc != cudaSuccess) ipc::check_cuda(rc, "signal kernel launch", what("put_signal", target));
   }
 }
@@ -231,7 +232,7 @@ void IpcTransport::get(void* dst, const WindowState& win, int target, std::size_
   if (bytes == 0) return;
   const char* src = static_cast<const char*>(win.peer[target]) + offset;
   const bool sm = use_sm(dst, bytes, sm_copy_max_);
-  const cudaError_t rc = sm ? cuda::launch_copy(dst, src, bytes, nullptr, 0, SignalOp::Set, stream)
+  const cudaError_t rc = sm ? cuda::launch_copy(dst, src, bytes, nullptr, 0, SignalOp::Set, stream, device_->early_launch())
                             : cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
   if (rc != cudaSuccess) ipc::check_cuda(rc, sm ? "copy kernel launch" : "cudaMemcpyAsync", what("get", target));
 }
