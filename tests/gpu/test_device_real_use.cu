@@ -255,9 +255,16 @@ constexpr std::uint64_t kLateNs = 300000;
 // the ranks meet on the host; then rank (replay % n) is late by kLateNs inside the graph.
 class GraphReplay : public RealUse {
  protected:
-  void set_delay(DeviceBuffer& delay, int replay) {
-    const std::uint64_t ns = replay % n == me ? kLateNs : 0;
-    ASSERT_EQ(cudaMemcpy(delay.p, &ns, sizeof(ns), cudaMemcpyHostToDevice), cudaSuccess);
+  // One replay: this replay's late rank set, the ranks meet on the host, the graph runs to its end.
+  ::testing::AssertionResult replay(cudaGraphExec_t exec, DeviceBuffer& delay, int rep) {
+    const std::uint64_t ns = rep % n == me ? kLateNs : 0;
+    if (cudaMemcpy(delay.p, &ns, sizeof(ns), cudaMemcpyHostToDevice) != cudaSuccess)
+      return ::testing::AssertionFailure() << "replay " << rep << ": setting the delay failed";
+    MPI_Barrier(MPI_COMM_WORLD);
+    const cudaError_t rc = cudaGraphLaunch(exec, s0);
+    if (rc != cudaSuccess) return ::testing::AssertionFailure() << "replay " << rep << ": cudaGraphLaunch: " << cudaGetErrorString(rc);
+    if (!finishes(s0, 60)) return ::testing::AssertionFailure() << "replay " << rep << " did not finish within 60 s";
+    return ::testing::AssertionSuccess();
   }
   cudaGraphExec_t instantiate(cudaGraph_t graph) {
     cudaGraphExec_t exec = nullptr;
@@ -312,10 +319,7 @@ TEST_P(GraphBarrier, ReplaysWaitForTheLateRank) {
     CUDA_OK(fill_now(win.local(), kPoison, bytes));
     auto d = pattern(seed, key(rep, me, 0), kSlot);
     CUDA_OK(upload(src.p, d.data(), kSlot));
-    set_delay(delay, rep);
-    MPI_Barrier(MPI_COMM_WORLD);
-    CUDA_OK(cudaGraphLaunch(exec, s0));
-    ASSERT_TRUE(finishes(s0, 60)) << "replay " << rep << " did not finish within 60 s";
+    ASSERT_TRUE(replay(exec, delay, rep));
     const auto got = to_host(snap.p, bytes);
     for (int r = 0; r < n; ++r) {
       const auto want = pattern(seed, key(rep, r, 0), kSlot);
@@ -356,10 +360,7 @@ TEST_F(GraphReplay, HaloExchangeReplaysWaitForTheLateRank) {
     CUDA_OK(fill_now(mine + kArea, kPoison, 2 * kArea));
     auto d = pattern(seed, key(rep, me, 0), kArea);
     CUDA_OK(upload(src.p, d.data(), kArea));
-    set_delay(delay, rep);
-    MPI_Barrier(MPI_COMM_WORLD);
-    CUDA_OK(cudaGraphLaunch(exec, s0));
-    ASSERT_TRUE(finishes(s0, 60)) << "replay " << rep << " did not finish within 60 s";
+    ASSERT_TRUE(replay(exec, delay, rep));
     const auto got = to_host(snap.p, 2 * kArea);
     const auto from_left = pattern(seed, key(rep, left, 0), kArea);
     const auto from_right = pattern(seed, key(rep, right, 0), kArea);
@@ -400,10 +401,7 @@ TEST_F(GraphReplay, PutSignalWaitUntilWithResetReplays) {
     CUDA_OK(fill_now(win.local(), kPoison, kBytes));
     auto d = pattern(seed, key(rep, me, 1), kBytes);
     CUDA_OK(upload(src.p, d.data(), kBytes));
-    set_delay(delay, rep);
-    MPI_Barrier(MPI_COMM_WORLD);
-    CUDA_OK(cudaGraphLaunch(exec, s0));
-    ASSERT_TRUE(finishes(s0, 60)) << "replay " << rep << " did not finish within 60 s";
+    ASSERT_TRUE(replay(exec, delay, rep));
     const auto got = to_host(snap.p, kBytes);
     const auto want = pattern(seed, key(rep, left, 1), kBytes);
     if (first_difference(got.data(), want.data(), kBytes) >= 0 && ++bad <= 3)
@@ -450,10 +448,7 @@ TEST_P(WaitThenSet, HaloRowsReplayWithReset) {
     auto to_left = pattern(seed, key(rep, me, left) ^ 0x5555, kBytes);
     CUDA_OK(upload(src.p, to_right.data(), kBytes));
     CUDA_OK(upload(static_cast<char*>(src.p) + kBytes, to_left.data(), kBytes));
-    set_delay(delay, rep);
-    MPI_Barrier(MPI_COMM_WORLD);
-    CUDA_OK(cudaGraphLaunch(exec, s0));
-    ASSERT_TRUE(finishes(s0, 60)) << "replay " << rep << " did not finish within 60 s";
+    ASSERT_TRUE(replay(exec, delay, rep));
     const auto got = to_host(snap.p, 2 * kBytes);
     const auto from_left = pattern(seed, key(rep, left, me), kBytes);
     const auto from_right = pattern(seed, key(rep, right, me) ^ 0x5555, kBytes);
@@ -768,10 +763,7 @@ TEST_F(GraphReplay, WaitUntilAllCoversEveryWord) {
   cudaGraphExec_t exec = instantiate(graph);
   ASSERT_NE(exec, nullptr);
   for (int rep = 0; rep < 50; ++rep) {
-    set_delay(delay, rep);
-    MPI_Barrier(MPI_COMM_WORLD);
-    CUDA_OK(cudaGraphLaunch(exec, s0));
-    ASSERT_TRUE(finishes(s0, 60)) << "replay " << rep << " did not finish within 60 s";
+    ASSERT_TRUE(replay(exec, delay, rep));
     for (int w = 0; w < kWords * n; ++w) ASSERT_EQ(sig.read(static_cast<std::size_t>(w)), 0u) << "replay " << rep;
     MPI_Barrier(MPI_COMM_WORLD);
   }
