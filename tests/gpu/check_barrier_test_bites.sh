@@ -30,7 +30,7 @@ for mutant in ${MUTANTS:-kernel meeting event proxy early}; do
            sed -i 's/      boot_.arrive("comm.barrier(stream)");/      (void)0;/' $f
            filter='*AcrossNodes*'; env=(MESHMEM_SIMULATE_NODES=2) ;;
     early) f=$m/comm/src/cuda/kernels.cu
-           sed -i 's/  asm volatile("griddepcontrol.wait;" ::: "memory");/  (void)0;/' $f
+           sed -i 's/  if (early) asm volatile("griddepcontrol.wait;" ::: "memory");/  (void)early;/' $f
            filter='*EarlyLaunched*'; target=test_device_real_use; np=2 ;;
   esac
   diff -q $f ${f#$m/} >/dev/null && { echo "mutant $mutant: mutation not applied (the code changed?)"; continue; }

@@ -41,10 +41,11 @@ std::string print_early_launch(const EarlyLaunch& e) { return choice_name(e, kEa
 const TuningKnob<EarlyLaunch> kEarlyLaunch{
     "device", "MESHMEM_EARLY_LAUNCH", EarlyLaunch::Auto, parse_early_launch, print_early_launch,
     "meshmem's barrier, wait, halo and put kernels as programmatic dependent launches: `auto` where the GPU has them "
-    "(compute capability 9.0+): such a kernel is set up while the kernel before it on the stream runs, waits on the "
-    "GPU for it to finish, and lets the next programmatic launch start early in turn (so a kernel launched with "
-    "programmatic stream serialization after a meshmem call must call cudaGridDependencySynchronize, as that "
-    "attribute requires); `off`: ordinary launches"};
+    "(compute capability 9.0+ and kernels built for it): such a kernel is set up while the kernel before it on the "
+    "stream runs and waits on the GPU for it to finish; the copy kernels also let the next programmatic launch start "
+    "early (so a kernel launched with programmatic stream serialization after a meshmem put must call "
+    "cudaGridDependencySynchronize before touching any buffer of that put, as that attribute requires); `off`: "
+    "ordinary launches"};
 
 // Device memory owned by a plan: freed with it.
 template <class T>
@@ -142,7 +143,7 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
     char bus[32] = {};
     ipc::check_cuda(cudaDeviceGetPCIBusId(bus, sizeof(bus), device_), "cudaDeviceGetPCIBusId", what);
     description_ = "device " + std::to_string(device_) + " (" + prop.name + ", " + bus + ")";
-    early_launch_ = kEarlyLaunch.get(ctx.options) == EarlyLaunch::Auto && prop.major >= 9;
+    early_launch_ = kEarlyLaunch.get(ctx.options) == EarlyLaunch::Auto && prop.major >= 9 && cuda::early_launch_compiled();
     bus_id = bus;
     granularity_ = ipc::vmm_granularity(device_);
     CUdevice dev = 0;

@@ -10,13 +10,20 @@ namespace {
 constexpr int kThreads = 512;
 
 // The start of every meshmem kernel: waits for the stream's previous kernel (completion and
-// memory; without a programmatic launch it returns at once), then lets the next
-// programmatic launch on the stream start early: that kernel waits for this one the same way.
+// memory; without a programmatic launch it returns at once).
 __device__ inline void after_previous_kernel(bool early) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (!early) return;
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  if (early) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next programmatic launch on the stream start (it waits for this kernel's end the
+// same way). Only kernels that never poll call it: behind a polling kernel (wait, barrier,
+// halo) a dependent grid made resident early could hold the SMs that the work it waits for
+// needs; those trigger their dependents when they exit.
+__device__ inline void let_next_kernel_start(bool early) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 
@@ -33,11 +40,14 @@ cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_
     config.attrs = &attribute;
     config.numAttrs = 1;
   }
-  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+  const cudaError_t rc = cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+  if (rc != cudaSuccess) (void)cudaGetLastError();  // reported by the caller; not left for the application
+  return rc;
 }
 
 __global__ void copy_kernel(void* dst, const void* src, std::size_t bytes, bool early) {
   after_previous_kernel(early);
+  let_next_kernel_start(early);
   // Each block copies its own contiguous slice.
   const std::size_t per_block = (bytes + gridDim.x - 1) / gridDim.x;
   const std::size_t begin = per_block * blockIdx.x;
@@ -50,6 +60,7 @@ __global__ void copy_kernel(void* dst, const void* src, std::size_t bytes, bool 
 __global__ void copy_signal_kernel(void* dst, const void* src, std::size_t bytes, std::uint64_t* signal,
                                    std::uint64_t value, SignalOp op, bool early) {
   after_previous_kernel(early);
+  let_next_kernel_start(early);
   if (bytes > 0) device::copy_block(dst, src, bytes);
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -181,6 +192,15 @@ __global__ void halo_kernel(const Copy2D* table, int count, HaloSync sync, WaitL
 }
 
 }  // namespace
+
+bool early_launch_compiled() {
+  cudaFuncAttributes attributes{};
+  if (cudaFuncGetAttributes(&attributes, wait_kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attributes.binaryVersion >= 90;
+}
 
 cudaError_t launch_barrier(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
                            int rank, int size, WaitLimit limit, cudaStream_t stream, bool early) {

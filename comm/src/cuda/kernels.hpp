@@ -37,6 +37,10 @@ struct WaitLimit {
 // work. It hides the launch latency of back-to-back barriers and waits; after anything
 // other than a kernel it is an ordinary launch.
 
+// Whether the kernels' code for the current device has the GPU-side wait (built for
+// compute capability 9.0 or later): without it an early launch would not wait.
+bool early_launch_compiled();
+
 // SM copy of `bytes` (dst, src device-accessible). If `signal` is non-null, the word is
 // updated (system-scope release) after the whole copy is written: one launch for a small
 // put_signal. bytes may be 0 (signal only).
