@@ -2,19 +2,30 @@
 # Registers one CTest test per rank count, launched with mpirun. Several ranks share the
 # cores of a small machine (--oversubscribe), so tests must never spin without yielding.
 set(MESHMEM_MPIEXEC_EXTRA_FLAGS "" CACHE STRING "Extra mpirun flags for the multi-rank tests")
+# Which launcher: FindMPI leaves MPI_C_LIBRARY_VERSION_STRING empty unless asked to try_run,
+# so ask the launcher itself. Open MPI's flags (--oversubscribe, --enable-recovery) only there.
+set(MESHMEM_MPIEXEC_IS_OPEN_MPI FALSE)
+if(MPIEXEC_EXECUTABLE)
+  execute_process(COMMAND ${MPIEXEC_EXECUTABLE} --version OUTPUT_VARIABLE _meshmem_mpiexec_version
+                  ERROR_QUIET RESULT_VARIABLE _meshmem_mpiexec_rc)
+  if(_meshmem_mpiexec_rc EQUAL 0 AND _meshmem_mpiexec_version MATCHES "Open MPI|OpenRTE")
+    set(MESHMEM_MPIEXEC_IS_OPEN_MPI TRUE)
+  endif()
+endif()
 function(meshmem_add_mpi_test)
-  cmake_parse_arguments(T "" "NAME;TARGET;TIMEOUT" "RANKS;ENV;LABELS;ARGS" ${ARGN})
+  # MPIEXEC_FLAGS: extra flags for this test's launcher (after the common ones).
+  cmake_parse_arguments(T "" "NAME;TARGET;TIMEOUT" "RANKS;ENV;LABELS;ARGS;MPIEXEC_FLAGS" ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 300)
   endif()
   set(flags ${MPIEXEC_PREFLAGS})
-  if(MPI_C_LIBRARY_VERSION_STRING MATCHES "Open MPI")
+  if(MESHMEM_MPIEXEC_IS_OPEN_MPI)
     # --oversubscribe: more ranks than cores on CI. --bind-to none: ranks must not be pinned
     # to one core each when there are fewer cores than ranks.
     list(APPEND flags --oversubscribe --bind-to none)
   endif()
   separate_arguments(extra UNIX_COMMAND "${MESHMEM_MPIEXEC_EXTRA_FLAGS}")
-  list(APPEND flags ${extra})
+  list(APPEND flags ${extra} ${T_MPIEXEC_FLAGS})
   foreach(n IN LISTS T_RANKS)
     set(test_name ${T_NAME}.np${n})
     add_test(NAME ${test_name}

@@ -360,10 +360,25 @@ void CommImpl::retire(WindowState& state, const char* call) {
 void CommImpl::free_window(WindowState& state) {
   const char* call = "Window::free";
   quiet(nullptr, call);
-  boot.arrive(call);
   std::uint64_t mine = state.id;
   std::vector<std::uint64_t> all(static_cast<std::size_t>(topo.size));
-  boot.allgather(&mine, all.data(), sizeof(mine), call);
+  try {
+    boot.arrive(call);
+    boot.allgather(&mine, all.data(), sizeof(mine), call);
+  } catch (const Error&) {
+    // The ranks can no longer meet (a timeout broke the Comm: a dead or late peer). Release
+    // this rank's part anyway, as ~Comm does, so that the window is freed and its destructor
+    // does not time out again; peers that mapped it hold their own references.
+    if (!boot.usable()) {
+      live_.erase(state.id);
+      try {
+        retire(state, call);
+      } catch (const std::exception& e) {
+        log(LogLevel::Error, e.what());
+      }
+    }
+    throw;
+  }
   for (int r = 0; r < topo.size; ++r)
     if (all[r] != mine)
       throw Error(ErrorCode::InvalidArgument,
@@ -443,10 +458,10 @@ void CommImpl::wait_until(const Signals& sig, std::size_t index, std::size_t cou
     DeviceScope scope(*device, stream, false, call);
     if (stream == nullptr) {
       wait_device_words(s, index, count, cmp, value, call);
-      if (then) device->write_words(s, index, count, *then);
+      if (then) device->write_words(s, index, count, *then, call);
       return;
     }
-    device->wait_until(s, index, count, cmp, value, then, stream);
+    device->wait_until(s, index, count, cmp, value, then, stream, call);
     return;
   }
   auto* words = static_cast<std::uint64_t*>(s.local) + index;

@@ -91,11 +91,13 @@ class DeviceRuntime {
   // Stream-ordered wait on this rank's words index .. index+count-1; with `then`, the same
   // operation sets them to it once the wait is over.
   virtual void wait_until(const WindowState& sig, std::size_t index, std::size_t count, Cmp cmp,
-                          std::uint64_t value, std::optional<std::uint64_t> then, Stream stream) = 0;
+                          std::uint64_t value, std::optional<std::uint64_t> then, Stream stream,
+                          const char* call) = 0;
   // This rank's signal word now (a copy from the GPU on a stream of the runtime's own).
   virtual std::uint64_t read_word(const WindowState& sig, std::size_t index) = 0;
   // Sets this rank's words index .. index+count-1 to `value` now (host-blocking).
-  virtual void write_words(const WindowState& sig, std::size_t index, std::size_t count, std::uint64_t value) = 0;
+  virtual void write_words(const WindowState& sig, std::size_t index, std::size_t count, std::uint64_t value,
+                           const char* call) = 0;
   virtual std::unique_ptr<DeviceHaloPlan> make_halo_plan(const DeviceHaloSpec& spec) = 0;
   // Frees the memory of a device window once the device's earlier work is done; raises
   // Error(Timeout) when that takes longer than MESHMEM_TIMEOUT (the memory is released

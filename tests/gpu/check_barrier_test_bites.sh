@@ -6,7 +6,7 @@
 #   event    busy peers' events are never waited on
 #   proxy  the cross-node proxy releases the stream without meeting the other ranks
 #   early    early-launched kernels do not wait for the stream's previous kernel
-#            (griddepcontrol.wait removed): the early-launch test must fail
+#            (griddepcontrol.wait removed): the early-launch tests must fail
 # Run from the repository root: [MUTANTS="kernel meeting"] tests/gpu/check_barrier_test_bites.sh OUT_DIR
 set -u
 out=${1:?out dir}

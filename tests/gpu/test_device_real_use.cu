@@ -10,6 +10,8 @@
 #include <cuda_runtime_api.h>
 
 #include <chrono>
+#include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -19,18 +21,13 @@
 #include <meshmem/device/device.cuh>
 #include <meshmem/meshmem.hpp>
 
+#include "gpu_test.hpp"
 #include "mpi_test.hpp"
 
 using namespace meshmem;
 using meshmem::test::first_difference;
 using meshmem::test::kPoison;
 using meshmem::test::pattern;
-
-#define CUDA_OK(call)                                                        \
-  do {                                                                       \
-    cudaError_t rc_ = (call);                                                \
-    ASSERT_EQ(rc_, cudaSuccess) << #call << ": " << cudaGetErrorString(rc_); \
-  } while (0)
 
 namespace {
 
@@ -412,6 +409,7 @@ TEST_F(GraphReplay, PutSignalWaitUntilWithResetReplays) {
   cudaGraphExecDestroy(exec);
 }
 
+#ifdef MESHMEM_TEST_NEW_API  // wait_until_all_then_set, device_info
 // The halo pattern of examples/03_jacobi --halo=meshmem-putsignal, captured once: a row to
 // each neighbour with put_signal (Set 1), then one wait_until_all_then_set that waits for
 // both words and resets them to 0. Each replay the late rank is another; the received rows
@@ -521,6 +519,55 @@ TEST_F(RealUse, EarlyLaunchedKernelsWaitForThePreviousKernel) {
   CUDA_OK(cudaStreamSynchronize(s0));
 }
 
+// Early launch between two of meshmem's own kernels: copy kernels let the next kernel start
+// early (it must then wait for them on the GPU). Each round a rank copies a fresh row into
+// its own window (put_signal to itself: one single-block copy kernel, slow at this size) and
+// at once puts that window on to its right neighbour (a put: a many-block copy kernel that
+// reads what the first writes, and would overtake it), then signals. A second kernel that
+// did not wait would forward the poison.
+TEST_F(RealUse, EarlyLaunchedCopyWaitsForThePreviousCopy) {
+  ScopedEnv wait("MESHMEM_STREAM_WAIT", "kernel");
+  ScopedEnv fused("MESHMEM_FUSED_SIGNAL_MAX", "8388608");  // both copies on the SMs
+  ScopedEnv sm("MESHMEM_SM_COPY_MAX", "8388608");
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  if (comm->device_info().find("early launch") == std::string::npos)
+    GTEST_SKIP() << "early launch is off here (" << comm->device_info() << ")";
+  constexpr std::size_t kBytes = (4 << 20) + 24;
+  Window stage = comm->alloc(kBytes), win = comm->alloc(kBytes);
+  Signals sig = comm->alloc_signals(3);  // 0: "go" from the right, 1: the row from the left, 2: own stage
+  DeviceBuffer src(kBytes), snap(kBytes);
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  int bad = 0;
+  for (int round = 0; round < kReplays; ++round) {
+    const std::uint64_t r = static_cast<std::uint64_t>(round) + 1;
+    CUDA_OK(cudaMemsetAsync(win.local(), kPoison, kBytes, s0));
+    comm->signal(sig, left, 0, r, SignalOp::Set, s0);
+    produce<<<64, 256, 0, s0>>>(static_cast<unsigned char*>(src.p), kBytes, round, me);
+    CUDA_OK(cudaMemsetAsync(stage.local(), kPoison, kBytes, s0));
+    comm->wait_until(sig, 0, Cmp::GE, r, s0);
+    comm->put_signal(stage, me, 0, src.p, kBytes, sig, 2, r, SignalOp::Set, s0);
+    comm->put(win, right, 0, stage.local(), kBytes, s0);
+    comm->signal(sig, right, 1, r, SignalOp::Set, s0);
+    comm->wait_until(sig, 1, Cmp::GE, r, s0);
+    CUDA_OK(cudaMemcpyAsync(snap.p, win.local(), kBytes, cudaMemcpyDeviceToDevice, s0));
+    ASSERT_TRUE(finishes(s0, 60)) << "round " << round << " did not finish within 60 s";
+    const auto got = to_host(snap.p, kBytes);
+    std::vector<unsigned char> want(kBytes);
+    for (std::size_t i = 0; i < kBytes; ++i) want[i] = static_cast<unsigned char>(round * 31 + left * 17 + i * 7);
+    const long long at = first_difference(got.data(), want.data(), kBytes);
+    if (at >= 0 && ++bad <= 3)
+      ADD_FAILURE() << "round " << round << ": the row forwarded by rank " << left << " differs at byte " << at
+                    << " (0x" << std::hex << int(got[at]) << " instead of 0x" << int(want[at]) << std::dec << ")";
+  }
+  EXPECT_EQ(bad, 0) << "rounds with a wrong row, of " << kReplays;
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+}
+
+#endif  // MESHMEM_TEST_NEW_API
+
 // ---- Signals::read, teardown, late and missing peers ----
 
 TEST_F(RealUse, SignalsReadOnDeviceSignals) {
@@ -609,6 +656,70 @@ TEST_F(RealUse, BarrierWithAPeerThatNeverComesTimesOut) {
     }
   }
   MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// A peer killed with SIGKILL while this rank still has work that needs it: a device wait
+// for its signal and a barrier(stream) end on the GPU and are reported as Error(Timeout)
+// naming the signal / the peer, and Window::free and ~Comm end within a bound. Run only by
+// gpu.killed_peer (mpirun --enable-recovery, so that the job outlives the killed rank);
+// the survivor cannot meet a dead rank in MPI_Finalize, so it ends its process here.
+TEST_F(RealUse, KilledPeerGivesErrorsNotHangs) {
+  const char* enabled = std::getenv("MESHMEM_TEST_KILL_PEER");
+  if (enabled == nullptr || std::string(enabled) != "1")
+    GTEST_SKIP() << "kills a rank: run by gpu.killed_peer (MESHMEM_TEST_KILL_PEER=1, mpirun --enable-recovery)";
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+  ScopedEnv wait("MESHMEM_STREAM_WAIT", "kernel");
+  ScopedEnv barrier("MESHMEM_BARRIER", "kernel");
+  make_comm();
+  if (n != 2) GTEST_SKIP() << "written for two ranks (one survivor, one victim)";
+  Signals sig = comm->alloc_signals(2);
+  Window data = comm->alloc(1 << 20);
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (me == 1) std::raise(SIGKILL);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the victim is gone
+
+  auto seconds_since = [](std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  auto expect_timeout = [&](const char* what, const std::string& needle) {
+    try {
+      comm->quiet(s0);
+      ADD_FAILURE() << what << " behind a killed peer was not reported";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  // A wait for a signal that the dead rank would have sent.
+  comm->wait_until(sig, 1, Cmp::GE, 1, s0);
+  EXPECT_TRUE(finishes(s0, 30)) << "the device wait for the killed peer's signal did not time out";
+  expect_timeout("wait_until(stream)", "signal 1");
+  // A barrier the dead rank never reaches.
+  comm->barrier(s0);
+  EXPECT_TRUE(finishes(s0, 30)) << "barrier(stream) with a killed peer did not time out";
+  expect_timeout("barrier(stream)", "waited for rank 1");
+  // Teardown: free meets the (dead) peer on the host, ~Comm too; both bounded.
+  auto t0 = std::chrono::steady_clock::now();
+  try {
+    data.free();
+    ADD_FAILURE() << "Window::free with a killed peer returned without an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank(s) 1 did not arrive"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(seconds_since(t0), 15.0) << "Window::free with a killed peer";
+  EXPECT_FALSE(data.valid());
+  t0 = std::chrono::steady_clock::now();
+  sig = Signals();
+  comm.reset();
+  EXPECT_LT(seconds_since(t0), 30.0) << "~Signals and ~Comm with a killed peer";
+  const bool failed = HasFailure();
+  std::printf("[ killed peer ] %s: rank 0 outlived rank 1 and every call ended\n", failed ? "FAILED" : "PASSED");
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::_Exit(failed ? 1 : 0);
 }
 
 // ---- another device current, a stream of another device ----

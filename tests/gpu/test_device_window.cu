@@ -12,18 +12,13 @@
 #include <meshmem/device/device.cuh>
 #include <meshmem/meshmem.hpp>
 
+#include "gpu_test.hpp"
 #include "mpi_test.hpp"
 
 using namespace meshmem;
 using meshmem::test::first_difference;
 using meshmem::test::kPoison;
 using meshmem::test::pattern;
-
-#define CUDA_OK(call)                                                                      \
-  do {                                                                                     \
-    cudaError_t rc_ = (call);                                                              \
-    ASSERT_EQ(rc_, cudaSuccess) << #call << ": " << cudaGetErrorString(rc_);               \
-  } while (0)
 
 namespace {
 

@@ -150,3 +150,20 @@ TEST_F(Errors, BarrierTimeoutNamesMissingRank) {
   expect_error([&] { quick.barrier(); }, ErrorCode::Timeout, {"earlier wait"});
   MPI_Barrier(MPI_COMM_WORLD);
 }
+
+// A free that the other ranks never meet (a late or dead peer) times out; the window is then
+// freed on this rank all the same (local parts released, as ~Comm does), so that neither a
+// second free nor the destructor waits for the peer again.
+TEST_F(Errors, FreeThatTimesOutLeavesTheWindowFreed) {
+  Comm quick(MPI_COMM_WORLD, options_with_timeout(std::chrono::milliseconds(300)));
+  Window win = quick.alloc(4096, Memory::Host);
+  const int late = n - 1;
+  if (me == late) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  const auto t0 = std::chrono::steady_clock::now();
+  expect_error([&] { win.free(); }, ErrorCode::Timeout, {"Window::free"});
+  EXPECT_FALSE(win.valid());
+  expect_error([&] { win.free(); }, ErrorCode::InvalidArgument, {"freed already"});
+  win = Window();  // the destructor has nothing left to do
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(8));
+  MPI_Barrier(MPI_COMM_WORLD);
+}

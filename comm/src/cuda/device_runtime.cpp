@@ -235,7 +235,8 @@ void CudaDeviceRuntime::leave(const DeviceEntry& entry) noexcept {
 }
 
 void CudaDeviceRuntime::wait_until(const WindowState& sig, std::size_t index, std::size_t count, Cmp cmp,
-                                   std::uint64_t value, std::optional<std::uint64_t> then, Stream stream) {
+                                   std::uint64_t value, std::optional<std::uint64_t> then, Stream stream,
+                                   const char* call) {
   auto* words = static_cast<std::uint64_t*>(sig.local) + index;
   // The stream's front end waits for GE / EQ (and GT as GE value+1) with
   // MESHMEM_STREAM_WAIT=memop (no timeout then); otherwise a polling kernel that gives up
@@ -244,7 +245,7 @@ void CudaDeviceRuntime::wait_until(const WindowState& sig, std::size_t index, st
   if (!memop) {
     const cudaError_t k = cuda::launch_wait(words, count, cmp, value, then.has_value(), then.value_or(0), sig.id, index,
                                             fault_.limit(), stream, early_launch_);
-    if (k != cudaSuccess) ipc::check_cuda(k, "wait kernel launch", where("comm.wait_until"));
+    if (k != cudaSuccess) ipc::check_cuda(k, "wait kernel launch", where(call));
     return;
   }
   std::vector<CUstreamBatchMemOpParams> ops(then ? 2 * count : count);
@@ -263,7 +264,7 @@ void CudaDeviceRuntime::wait_until(const WindowState& sig, std::size_t index, st
     op.waitValue.value64 = cmp == Cmp::GT ? value + 1 : value;
     op.waitValue.flags = (cmp == Cmp::EQ ? CU_STREAM_WAIT_VALUE_EQ : CU_STREAM_WAIT_VALUE_GEQ) | wait_flags_;
   }
-  run_stream_batch(ops, stream, "comm.wait_until", rank_);
+  run_stream_batch(ops, stream, call, rank_);
 }
 
 std::uint64_t CudaDeviceRuntime::read_word(const WindowState& sig, std::size_t index) {
@@ -276,8 +277,8 @@ std::uint64_t CudaDeviceRuntime::read_word(const WindowState& sig, std::size_t i
   return value;
 }
 
-void CudaDeviceRuntime::write_words(const WindowState& sig, std::size_t index, std::size_t count, std::uint64_t value) {
-  const char* call = "comm.wait_until_all_then_set";
+void CudaDeviceRuntime::write_words(const WindowState& sig, std::size_t index, std::size_t count, std::uint64_t value,
+                                    const char* call) {
   const std::vector<std::uint64_t> values(count, value);
   ipc::check_cuda(cudaMemcpyAsync(static_cast<std::uint64_t*>(sig.local) + index, values.data(), count * sizeof(value),
                                   cudaMemcpyHostToDevice, setup_stream_.get()),

@@ -53,10 +53,10 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   DeviceEntry enter(Stream stream, bool capture, const char* call) override;
   void leave(const DeviceEntry& entry) noexcept override;
   void wait_until(const WindowState& sig, std::size_t index, std::size_t count, Cmp cmp, std::uint64_t value,
-                  std::optional<std::uint64_t> then,
-                  Stream stream) override;
+                  std::optional<std::uint64_t> then, Stream stream, const char* call) override;
   std::uint64_t read_word(const WindowState& sig, std::size_t index) override;
-  void write_words(const WindowState& sig, std::size_t index, std::size_t count, std::uint64_t value) override;
+  void write_words(const WindowState& sig, std::size_t index, std::size_t count, std::uint64_t value,
+                   const char* call) override;
   std::unique_ptr<DeviceHaloPlan> make_halo_plan(const DeviceHaloSpec& spec) override;
   void retire(WindowState& state, const char* call) override;
   void retire_all(const std::vector<WindowState*>& states, const char* call) noexcept override;
