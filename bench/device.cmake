@@ -31,3 +31,9 @@ if(MESHMEM_HAVE_CUDA)
   add_executable(alloc_lab alloc_lab.cu)
   target_link_libraries(alloc_lab PRIVATE meshmem::meshmem)
 endif()
+# staging_memory_lab: GPU memory taken by pinned staging memory: meshmem's shared host-NUMA
+# pool against cudaHostRegister in every process.
+if(MESHMEM_HAVE_CUDA)
+  add_executable(staging_memory_lab staging_memory_lab.cu)
+  target_link_libraries(staging_memory_lab PRIVATE meshmem::meshmem)
+endif()

@@ -122,4 +122,86 @@ PeerMapping PeerMapping::import(int fd, std::size_t bytes, int device) {
   return m;
 }
 
+namespace {
+
+CUmemAllocationProp host_numa_prop(int numa_node) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+  prop.location.id = numa_node;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  return prop;
+}
+
+}  // namespace
+
+std::size_t host_numa_granularity(int numa_node) {
+  const CUmemAllocationProp prop = host_numa_prop(numa_node);
+  std::size_t granularity = 0;
+  check_cu(cuda_driver().cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+           "cuMemGetAllocationGranularity", "host NUMA node " + std::to_string(numa_node));
+  return granularity;
+}
+
+int host_numa_node_of(int device) {
+  const std::string context = "device " + std::to_string(device);
+  int supported = 0;
+  check_cu(cuda_driver().cuDeviceGetAttribute(&supported, CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                                              device),
+           "cuDeviceGetAttribute(HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)", context);
+  if (!supported) return -1;
+  int node = -1;
+  check_cu(cuda_driver().cuDeviceGetAttribute(&node, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, device),
+           "cuDeviceGetAttribute(HOST_NUMA_ID)", context);
+  return node < 0 ? 0 : node;  // no NUMA: id 0, as cuMemCreate asks
+}
+
+SharedHostMemory SharedHostMemory::map(PhysicalMemory memory, std::size_t bytes, const std::vector<int>& devices,
+                                       const std::string& context) {
+  SharedHostMemory m;
+  m.range_ = reserve(bytes, 0, context);
+  check_cu(cuda_driver().cuMemMap(m.range_.get(), bytes, 0, memory.get(), 0), "cuMemMap", context);
+  m.mapping_ = MemoryMapping(m.range_.get(), bytes);
+  // The CPU (HOST_NUMA: the id is ignored) and each device, in one call.
+  std::vector<CUmemAccessDesc> access(devices.size() + 1);
+  access[0].location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+  access[0].location.id = 0;
+  access[0].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  for (std::size_t i = 0; i < devices.size(); ++i) {
+    access[i + 1].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access[i + 1].location.id = devices[i];
+    access[i + 1].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  check_cu(cuda_driver().cuMemSetAccess(m.range_.get(), bytes, access.data(), access.size()), "cuMemSetAccess", context);
+  m.memory_ = std::move(memory);
+  m.bytes_ = bytes;
+  return m;
+}
+
+SharedHostMemory SharedHostMemory::create(std::size_t bytes, int numa_node, const std::vector<int>& devices) {
+  const std::string context = "shared host memory of " + std::to_string(bytes) + " bytes on host NUMA node " +
+                              std::to_string(numa_node);
+  const CUmemAllocationProp prop = host_numa_prop(numa_node);
+  CUmemGenericAllocationHandle handle = 0;
+  check_cu(cuda_driver().cuMemCreate(&handle, bytes, &prop, 0), "cuMemCreate", context);
+  return map(PhysicalMemory(handle), bytes, devices, context);
+}
+
+SharedHostMemory SharedHostMemory::import(int fd, std::size_t bytes, const std::vector<int>& devices) {
+  const std::string context = "mapping a peer's shared host memory of " + std::to_string(bytes) + " bytes (fd " +
+                              std::to_string(fd) + ")";
+  CUmemGenericAllocationHandle handle = 0;
+  check_cu(cuda_driver().cuMemImportFromShareableHandle(&handle, reinterpret_cast<void*>(static_cast<std::intptr_t>(fd)),
+                                                        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+           "cuMemImportFromShareableHandle", context);
+  return map(PhysicalMemory(handle), bytes, devices, context);
+}
+
+UniqueFd SharedHostMemory::export_fd() const {
+  int fd = -1;
+  check_cu(cuda_driver().cuMemExportToShareableHandle(&fd, memory_.get(), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+           "cuMemExportToShareableHandle", "shared host memory of " + std::to_string(bytes_) + " bytes");
+  return UniqueFd(fd);
+}
+
 }  // namespace meshmem::ipc

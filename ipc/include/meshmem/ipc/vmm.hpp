@@ -7,7 +7,9 @@
 #include <cuda.h>
 
 #include <cstddef>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "meshmem/ipc/unique_fd.hpp"
 
@@ -88,6 +90,39 @@ class PeerMapping {
  private:
   AddressRange range_;
   MemoryMapping mapping_;
+};
+
+// Granularity of shareable pinned host memory on host NUMA node `numa_node` (2 MiB on x86:
+// the driver maps it with large pages).
+std::size_t host_numa_granularity(int numa_node);
+// The host NUMA node nearest `device` (CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID), 0 where the system
+// has no NUMA; -1 where the device cannot allocate VMM host-NUMA memory.
+int host_numa_node_of(int device);
+
+// Pinned host memory shared between the processes of a node: physical memory created on a
+// host NUMA node (CU_MEM_LOCATION_TYPE_HOST_NUMA) with a POSIX-fd handle, mapped here for the
+// CPU and for `devices`. Every process that maps it holds its own reference, so it outlives
+// whichever process made it, and none pins the same pages again (cudaHostRegister in each
+// process would: 4 KiB page tables per process and device, and only the registering context
+// can unregister them).
+class SharedHostMemory {
+ public:
+  SharedHostMemory() = default;
+  // `bytes` must be a multiple of host_numa_granularity(numa_node).
+  static SharedHostMemory create(std::size_t bytes, int numa_node, const std::vector<int>& devices);
+  // Another process's memory from its descriptor (its export_fd()), mapped the same way.
+  static SharedHostMemory import(int fd, std::size_t bytes, const std::vector<int>& devices);
+  void* data() const { return reinterpret_cast<void*>(range_.get()); }
+  std::size_t size() const { return bytes_; }
+  UniqueFd export_fd() const;
+
+ private:
+  static SharedHostMemory map(PhysicalMemory memory, std::size_t bytes, const std::vector<int>& devices,
+                              const std::string& context);
+  PhysicalMemory memory_;
+  AddressRange range_;
+  MemoryMapping mapping_;
+  std::size_t bytes_ = 0;
 };
 
 }  // namespace meshmem::ipc
