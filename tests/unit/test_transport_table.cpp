@@ -60,10 +60,11 @@ std::vector<TransportKind> kinds(const std::vector<const TransportEntry*>& entri
 
 TEST(TransportTable, TheRealTableInOrder) {
   const auto& table = transport_table();
-  ASSERT_EQ(table.size(), 3u);
+  ASSERT_EQ(table.size(), 4u);
   EXPECT_STREQ(table[0].name, "ipc");
-  EXPECT_STREQ(table[1].name, "shm");
-  EXPECT_STREQ(table[2].name, "mpi");
+  EXPECT_STREQ(table[1].name, "staged");
+  EXPECT_STREQ(table[2].name, "shm");
+  EXPECT_STREQ(table[3].name, "mpi");
   EXPECT_STREQ(to_string(TransportKind::Shm), "shm");
   EXPECT_STREQ(to_string(TransportKind::None), "none");
   // MESHMEM_TRANSPORTS names what the table names.
@@ -74,7 +75,7 @@ TEST(TransportTable, TheRealTableInOrder) {
     o.set("MESHMEM_TRANSPORTS", "shm,tcp");
     ADD_FAILURE() << "accepted tcp";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("from: ipc, shm, mpi"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("from: ipc, staged, shm, mpi"), std::string::npos) << e.what();
   }
 }
 

@@ -14,6 +14,7 @@ namespace meshmem {
 enum class TransportKind {
   None,  // no transport reaches the peer
   Ipc,   // same node, device memory: the peer's VMM allocation is mapped here
+  Staged,  // same node, device memory without peer access: staged through pinned host memory
   Shm,   // same node, host memory: the peer's memfd is mapped here
   Mpi,   // any node: requests served by the target's progress thread over MPI
 };

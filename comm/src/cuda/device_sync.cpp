@@ -51,6 +51,11 @@ void DeviceFaultRecord::raise(const std::string& where) {
              " did not arrive (its signal word is at exchange " + std::to_string(f.seen) + ", signals window #" +
              std::to_string(f.window) + ")" + after;
       break;
+    case cuda::FaultKind::Transfer:
+      msg += "an earlier staged put or get with rank " + std::to_string(f.peer) + " (transfer " +
+             std::to_string(f.expected) + "; the last one finished is " + std::to_string(f.seen) +
+             ") did not finish" + after + " (its data may be incomplete)";
+      break;
     default:
       msg += "an earlier wait_until(stream) on signal " + std::to_string(f.index) + " of signals window #" +
              std::to_string(f.window) + " for a value " + cmp_text(f.cmp) + " " + std::to_string(f.expected) +

@@ -120,6 +120,12 @@ __global__ void wait_kernel(std::uint64_t* words, std::size_t count, Cmp cmp, st
     device::SignalWord(words[i]).store(then, ::cuda::memory_order_relaxed);
 }
 
+__global__ void transfer_wait_kernel(const std::uint64_t* word, std::uint64_t sequence, int peer, WaitLimit limit,
+                                     bool early) {
+  after_previous_kernel(early);
+  (void)wait_word(word, Cmp::GE, sequence, limit, FaultKind::Transfer, peer, 0, 0);
+}
+
 __global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
                                int rank, int size, WaitLimit limit, bool early) {
   __shared__ std::uint64_t epoch;
@@ -242,6 +248,11 @@ cudaError_t launch_wait(std::uint64_t* words, std::size_t count, Cmp cmp, std::u
   const unsigned blocks = static_cast<unsigned>((count + threads - 1) / threads);
   return launch(wait_kernel, blocks, threads, stream, early, words, count, cmp, value, reset, then, window_id, first_index,
                 limit, early);
+}
+
+cudaError_t launch_transfer_wait(const std::uint64_t* word, std::uint64_t sequence, int peer, WaitLimit limit,
+                                 cudaStream_t stream, bool early) {
+  return launch(transfer_wait_kernel, 1, 1, stream, early, word, sequence, peer, limit, early);
 }
 
 }  // namespace meshmem::detail::cuda

@@ -13,7 +13,7 @@ namespace meshmem::detail::cuda {
 // What a device-side wait that ran out of time leaves for the host: pinned host memory
 // mapped into the device (DeviceFaultRecord owns it). The first wait to time out claims it;
 // `code` is written last, so the host reads the other fields once it sees code != 0.
-enum class FaultKind : unsigned { None = 0, WaitUntil = 1, Barrier = 2, Halo = 3 };
+enum class FaultKind : unsigned { None = 0, WaitUntil = 1, Barrier = 2, Halo = 3, Transfer = 4 };
 struct DeviceFault {
   unsigned claimed;
   unsigned code;      // FaultKind, 0 while no wait timed out
@@ -53,6 +53,11 @@ cudaError_t launch_copy(void* dst, const void* src, std::size_t bytes, std::uint
 cudaError_t launch_wait(std::uint64_t* words, std::size_t count, Cmp cmp, std::uint64_t value, bool reset, std::uint64_t then,
                         std::uint64_t window_id, std::size_t first_index, WaitLimit limit, cudaStream_t stream,
                         bool early);
+
+// Blocks `stream` until *word (host or device memory mapped here) reaches `sequence`: the end
+// of staged transfer `sequence` with rank `peer`; on timeout the fault names the peer.
+cudaError_t launch_transfer_wait(const std::uint64_t* word, std::uint64_t sequence, int peer, WaitLimit limit,
+                                 cudaStream_t stream, bool early);
 
 // One block: takes this rank's next barrier number from *counter (device memory, advanced
 // by the kernel itself, so a graph replay takes a new one), stores it into word `rank` of

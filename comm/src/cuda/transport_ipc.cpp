@@ -91,7 +91,7 @@ void IpcTransport::probe_peers() {
     } catch (const Error& e) {
       no_route_[r] = "the GPU memory of rank " + std::to_string(r) + " cannot be mapped for " + device_->describe() +
                      " (no peer access between the GPUs?): " + e.what() +
-                     " (the staged transport for such pairs is not implemented yet)";
+                     " (MESHMEM_TRANSPORTS=ipc,staged,shm,mpi routes such pairs through pinned host memory: experimental)";
       log(LogLevel::Warn, "ipc transport: no route to rank " + std::to_string(r) + ": " + no_route_[r]);
     }
   }

@@ -1,0 +1,514 @@
+#define MESHMEM_DEFINING_GPU_PART
+#include "transport_staged.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "../backoff.hpp"
+#include "../bootstrap.hpp"
+#include "../fd_exchange.hpp"
+#include "../gpu_part.hpp"
+#include "../knobs.hpp"
+#include "../log.hpp"
+#include "../topology.hpp"
+#include "device_runtime.hpp"
+#include "device_window.hpp"
+#include "kernels.hpp"
+#include "meshmem/error.hpp"
+#include "meshmem/ipc/cuda_driver.hpp"
+#include "meshmem/ipc/vmm.hpp"
+#include "staging_pool.hpp"
+
+namespace meshmem::detail {
+
+namespace {
+
+std::size_t parse_slots(const char* name, const std::string& raw) {
+  const std::size_t n = parse_bytes(name, raw);
+  if (n < 2 || n > 64) bad_knob_value(name, raw, "a slot count from 2 to 64");
+  return n;
+}
+std::size_t parse_chunk(const char* name, const std::string& raw) {
+  const std::size_t n = parse_bytes(name, raw);
+  if (n < 4096 || n > (std::size_t(1) << 30) || n % 4096 != 0)
+    bad_knob_value(name, raw, "a byte count from 4096 to 2^30, a multiple of 4096");
+  return n;
+}
+
+const TuningKnob<std::size_t> kStagingChunk{
+    "staged", "MESHMEM_STAGING_CHUNK", std::size_t(4) << 20, parse_chunk, print_number,
+    "staged transport (GPU pairs without peer access): bytes per chunk; a chunk goes device-to-host on the source "
+    "GPU's copy engine while the previous one goes host-to-device on the target's"};
+const TuningKnob<std::size_t> kStagingSlots{
+    "staged", "MESHMEM_STAGING_SLOTS", 4, parse_slots, print_number,
+    "staged transport: chunks in flight per rank; each rank's share of the node's pinned staging pool is "
+    "slots x chunk (rounded up to 2 MiB pages), made when some pair of the Comm routes through `staged`"};
+
+// Sets `device` current for the life of the object (the agent and attach drive several GPUs).
+class CurrentDevice {
+ public:
+  explicit CurrentDevice(int device) {
+    (void)cudaGetDevice(&previous_);
+    if (previous_ != device) (void)cudaSetDevice(device);
+  }
+  ~CurrentDevice() {
+    int now = -1;
+    (void)cudaGetDevice(&now);
+    if (previous_ >= 0 && now != previous_) (void)cudaSetDevice(previous_);
+  }
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+// The node peers' parts of one device window, each mapped here for that peer's GPU.
+class StagedAttachment final : public WindowAttachment {
+ public:
+  explicit StagedAttachment(StagedTransport& t) : transport(t) {}
+  ~StagedAttachment() override {
+    // No queued or running transfer may touch a mapping once it is gone.
+    if (!transport.drain())
+      log(LogLevel::Error, "staged transport: transfers still running when a window was freed; its mappings of "
+                           "peers' memory are released anyway");
+  }
+  StagedTransport& transport;
+  std::vector<ipc::PeerMapping> parts;  // by rank
+};
+
+}  // namespace
+
+// One transfer, as the agent enqueues it.
+struct StagedRequest {
+  cudaEvent_t ready = nullptr;  // recorded on the caller's stream: the source is ready
+  void* dst = nullptr;
+  int dst_device = -1;
+  const void* src = nullptr;
+  int src_device = -1;
+  std::size_t bytes = 0;
+  std::uint64_t* signal = nullptr;  // on dst_device, or null
+  std::uint64_t value = 0;
+  SignalOp op = SignalOp::Set;
+  std::uint64_t sequence = 0;
+};
+
+// The thread that turns transfers into chunked copies on streams of its own: a lane (stream
+// and per-slot events) per GPU it touches.
+class StagingAgent {
+ public:
+  StagingAgent(int device, const std::vector<int>& devices, char* slots, std::size_t chunk, int nslots,
+               std::uint64_t* done, int rank, std::chrono::milliseconds timeout)
+      : device_(device), slots_(slots), chunk_(chunk), nslots_(nslots), done_(done), rank_(rank), timeout_(timeout) {
+    const std::string what = "staged transport on rank " + std::to_string(rank);
+    for (int d : devices) {
+      if (lanes_.count(d)) continue;
+      CurrentDevice current(d);
+      Lane& lane = lanes_[d];
+      ipc::check_cuda(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", what);
+      lane.copied.resize(static_cast<std::size_t>(nslots), nullptr);
+      lane.freed.resize(static_cast<std::size_t>(nslots), nullptr);
+      ipc::check_cuda(cudaEventCreateWithFlags(&lane.finished, cudaEventDisableTiming), "cudaEventCreateWithFlags", what);
+      ipc::check_cuda(cudaEventCreateWithFlags(&lane.passed, cudaEventDisableTiming), "cudaEventCreateWithFlags", what);
+      for (int s = 0; s < nslots; ++s) {
+        ipc::check_cuda(cudaEventCreateWithFlags(&lane.copied[s], cudaEventDisableTiming), "cudaEventCreateWithFlags", what);
+        ipc::check_cuda(cudaEventCreateWithFlags(&lane.freed[s], cudaEventDisableTiming), "cudaEventCreateWithFlags", what);
+      }
+    }
+    slot_free_.assign(static_cast<std::size_t>(nslots), nullptr);
+    thread_ = std::thread([this] { run(); });
+  }
+
+  ~StagingAgent() {
+    stop();
+    for (cudaEvent_t e : spare_) (void)cudaEventDestroy(e);
+    for (auto& [d, lane] : lanes_) {
+      CurrentDevice current(d);
+      if (lane.stream) (void)cudaStreamSynchronize(lane.stream);
+      for (cudaEvent_t e : lane.copied) (void)cudaEventDestroy(e);
+      for (cudaEvent_t e : lane.freed) (void)cudaEventDestroy(e);
+      if (lane.finished) (void)cudaEventDestroy(lane.finished);
+      if (lane.passed) (void)cudaEventDestroy(lane.passed);
+      if (lane.stream) (void)cudaStreamDestroy(lane.stream);
+    }
+  }
+
+  void stop() noexcept {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  // An event of this rank's device for the caller to record (caller's thread).
+  cudaEvent_t take_event() {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      if (!spare_.empty()) {
+        cudaEvent_t e = spare_.back();
+        spare_.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e = nullptr;
+    ipc::check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags",
+                    "staged transport on rank " + std::to_string(rank_));
+    return e;
+  }
+  void give_back(cudaEvent_t e) {
+    std::lock_guard<std::mutex> lock(m_);
+    spare_.push_back(e);
+  }
+
+  // Queues a transfer; returns its sequence number (the done word reaches it at its end).
+  std::uint64_t submit(StagedRequest r) {
+    std::lock_guard<std::mutex> lock(m_);
+    r.sequence = ++submitted_;
+    queue_.push_back(r);
+    cv_.notify_all();
+    return r.sequence;
+  }
+
+  // The first error the agent met, once ("" if none).
+  std::string take_error() {
+    std::lock_guard<std::mutex> lock(m_);
+    return std::exchange(error_, std::string());
+  }
+
+  bool drain() noexcept {
+    const auto deadline = std::chrono::steady_clock::now() + (timeout_.count() == 0 ? std::chrono::hours(24 * 365) : timeout_);
+    {
+      std::unique_lock<std::mutex> lock(m_);
+      if (!cv_.wait_until(lock, deadline, [&] { return enqueued_ == submitted_ || stop_; })) return false;
+    }
+    Backoff backoff;
+    for (auto& [d, lane] : lanes_) {
+      for (;;) {
+        const cudaError_t rc = cudaStreamQuery(lane.stream);
+        if (rc != cudaErrorNotReady) {
+          (void)cudaGetLastError();
+          break;
+        }
+        if (std::chrono::steady_clock::now() > deadline) return false;
+        backoff.pause();
+      }
+    }
+    return true;
+  }
+
+ private:
+  struct Lane {
+    cudaStream_t stream = nullptr;
+    std::vector<cudaEvent_t> copied;  // per slot: the device-to-host copy into it is done
+    std::vector<cudaEvent_t> freed;   // per slot: the host-to-device copy out of it is done
+    cudaEvent_t finished = nullptr;   // the last transfer that ended on this lane wrote its done word
+    cudaEvent_t passed = nullptr;     // a signal alone: the caller's work before it is done
+  };
+
+  void run() {
+    for (;;) {
+      StagedRequest r;
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, nothing left
+        r = queue_.front();
+        queue_.pop_front();
+      }
+      try {
+        execute(r);
+      } catch (const std::exception& e) {
+        fail(r, e.what());
+      }
+      {
+        std::lock_guard<std::mutex> lock(m_);
+        enqueued_ = r.sequence;
+      }
+      cv_.notify_all();
+    }
+  }
+
+  // A transfer that could not be enqueued: the error goes to the caller's next call, and the
+  // done word moves on (from the host, once the lanes are idle) so its stream is not held
+  // for a whole timeout.
+  void fail(const StagedRequest& r, const std::string& message) {
+    log(LogLevel::Error, message);
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      if (error_.empty()) error_ = message;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    Backoff backoff;
+    for (auto& [d, lane] : lanes_) {
+      CurrentDevice current(d);
+      while (cudaStreamQuery(lane.stream) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline)
+        backoff.pause();
+      (void)cudaGetLastError();
+    }
+    __atomic_store_n(done_, r.sequence, __ATOMIC_RELEASE);
+  }
+
+  void execute(const StagedRequest& r) {
+    const std::string what = "staged transfer " + std::to_string(r.sequence) + " of rank " + std::to_string(rank_);
+    Lane& from = lanes_.at(r.src_device);
+    Lane& to = lanes_.at(r.dst_device);
+    {
+      CurrentDevice current(r.src_device);
+      ipc::check_cuda(cudaStreamWaitEvent(from.stream, r.ready, 0), "cudaStreamWaitEvent", what);
+    }
+    give_back(r.ready);
+    if (r.bytes == 0) {  // a signal alone: after the caller's earlier work, passed on by the source lane
+      {
+        CurrentDevice current(r.src_device);
+        ipc::check_cuda(cudaEventRecord(from.passed, from.stream), "cudaEventRecord", what);
+      }
+      CurrentDevice current(r.dst_device);
+      ipc::check_cuda(cudaStreamWaitEvent(to.stream, from.passed, 0), "cudaStreamWaitEvent", what);
+    }
+    for (std::size_t at = 0; at < r.bytes; at += chunk_) {
+      const std::size_t len = std::min(chunk_, r.bytes - at);
+      const std::size_t s = next_slot_;
+      next_slot_ = (next_slot_ + 1) % static_cast<std::size_t>(nslots_);
+      char* slot = slots_ + s * chunk_;
+      {
+        CurrentDevice current(r.src_device);
+        if (slot_free_[s] != nullptr)
+          ipc::check_cuda(cudaStreamWaitEvent(from.stream, slot_free_[s], 0), "cudaStreamWaitEvent", what);
+        ipc::check_cuda(cudaMemcpyAsync(slot, static_cast<const char*>(r.src) + at, len, cudaMemcpyDefault, from.stream),
+                        "cudaMemcpyAsync (to the staging slot)", what);
+        ipc::check_cuda(cudaEventRecord(from.copied[s], from.stream), "cudaEventRecord", what);
+      }
+      CurrentDevice current(r.dst_device);
+      ipc::check_cuda(cudaStreamWaitEvent(to.stream, from.copied[s], 0), "cudaStreamWaitEvent", what);
+      ipc::check_cuda(cudaMemcpyAsync(static_cast<char*>(r.dst) + at, slot, len, cudaMemcpyDefault, to.stream),
+                      "cudaMemcpyAsync (from the staging slot)", what);
+      ipc::check_cuda(cudaEventRecord(to.freed[s], to.stream), "cudaEventRecord", what);
+      slot_free_[s] = to.freed[s];
+    }
+    CurrentDevice current(r.dst_device);
+    std::vector<CUstreamBatchMemOpParams> ops;
+    if (r.signal != nullptr && r.op == SignalOp::Add) {
+      ipc::check_cuda(cuda::launch_copy(nullptr, nullptr, 0, r.signal, r.value, r.op, to.stream, false),
+                      "signal kernel launch", what);
+    } else if (r.signal != nullptr) {
+      // The default flags put a memory barrier before the write: the data lands first.
+      CUstreamBatchMemOpParams op{};
+      op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+      op.writeValue.address = reinterpret_cast<CUdeviceptr>(r.signal);
+      op.writeValue.value64 = r.value;
+      ops.push_back(op);
+    }
+    // Transfers end on different lanes (one per target GPU) and could write the done word out
+    // of order, moving it backwards: each waits for the previous one's end first.
+    if (last_lane_ != nullptr && last_lane_ != &to) {
+      ipc::check_cuda(cudaStreamWaitEvent(to.stream, last_lane_->finished, 0), "cudaStreamWaitEvent", what);
+    }
+    CUstreamBatchMemOpParams done{};
+    done.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+    done.writeValue.address = reinterpret_cast<CUdeviceptr>(done_);
+    done.writeValue.value64 = r.sequence;
+    ops.push_back(done);
+    run_stream_batch(ops, to.stream, "staged transfer", rank_);
+    ipc::check_cuda(cudaEventRecord(to.finished, to.stream), "cudaEventRecord", what);
+    last_lane_ = &to;
+  }
+
+  int device_;
+  char* slots_;
+  std::size_t chunk_;
+  int nslots_;
+  std::uint64_t* done_;
+  int rank_;
+  std::chrono::milliseconds timeout_;
+  std::map<int, Lane> lanes_;
+  std::vector<cudaEvent_t> slot_free_;  // per slot: the event of the copy that last read it
+  std::size_t next_slot_ = 0;
+  Lane* last_lane_ = nullptr;  // where the last transfer ended
+
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<StagedRequest> queue_;
+  std::vector<cudaEvent_t> spare_;
+  std::uint64_t submitted_ = 0;
+  std::uint64_t enqueued_ = 0;
+  bool stop_ = false;
+  std::string error_;
+  std::thread thread_;
+};
+
+std::unique_ptr<Transport> make_staged_transport(const CommContext& ctx) {
+  return std::make_unique<StagedTransport>(ctx);
+}
+
+StagedTransport::StagedTransport(const CommContext& ctx)
+    : ctx_(ctx),
+      device_(static_cast<CudaDeviceRuntime*>(ctx.device)),
+      chunk_(kStagingChunk.get(ctx.options)),
+      slots_(static_cast<int>(kStagingSlots.get(ctx.options))) {
+  const Topology& topo = ctx_.topo;
+  const std::string what = "meshmem::Comm (staged transport)";
+  no_route_.assign(static_cast<std::size_t>(topo.size), std::string());
+  peer_device_.assign(static_cast<std::size_t>(topo.size), -1);
+  for (int r = 0; r < topo.size; ++r)
+    if (!topo.same_node(r))
+      no_route_[r] = "rank " + std::to_string(r) + " is on another node (staging is through the node's pinned memory)";
+  if (device_ == nullptr) return;
+  struct BusId {
+    char text[32];
+  } mine{};
+  agreed_step(ctx_.boot, what, [&] {
+    ipc::check_cuda(cudaDeviceGetPCIBusId(mine.text, sizeof(mine.text), device_->device()), "cudaDeviceGetPCIBusId", what);
+  });
+  std::vector<BusId> all(static_cast<std::size_t>(topo.size));
+  ctx_.boot.allgather(&mine, all.data(), sizeof(BusId), what);
+  for (int r : topo.node_ranks) {
+    int d = -1;
+    if (cudaDeviceGetByPCIBusId(&d, all[r].text) != cudaSuccess) {
+      (void)cudaGetLastError();
+      no_route_[r] = std::string("rank ") + std::to_string(r) + "'s GPU (" + all[r].text +
+                     ") is not visible to this process (CUDA_VISIBLE_DEVICES isolation?): the staged transport drives "
+                     "the target's copy engine from here (a target-side agent for hidden GPUs is not built yet)";
+      continue;
+    }
+    peer_device_[r] = d;
+  }
+}
+
+StagedTransport::~StagedTransport() { stop(); }
+
+void StagedTransport::stop() noexcept {
+  if (agent_) agent_->stop();
+}
+
+Reach StagedTransport::reach(int rank, Memory memory) const {
+  if (memory != Memory::Device) return Reach::no("device windows only");
+  if (device_ == nullptr) return Reach::no("device windows are unavailable");
+  if (!no_route_[rank].empty()) return Reach::no(no_route_[rank]);
+  return Reach::yes();
+}
+
+void StagedTransport::connect(const std::vector<bool>& routed) {
+  const std::string what = "meshmem::Comm (staged transport)";
+  std::vector<int> devices{device_->device()};
+  for (int r = 0; r < ctx_.topo.size; ++r)
+    if (routed[r] && peer_device_[r] >= 0 && std::find(devices.begin(), devices.end(), peer_device_[r]) == devices.end())
+      devices.push_back(peer_device_[r]);
+  // Slots first (2 MiB aligned), then a page of control words: the done word.
+  const std::size_t slots_bytes = chunk_ * static_cast<std::size_t>(slots_);
+  pool_ = std::make_unique<StagingPool>(ctx_.boot, ctx_.topo, ctx_.fds, slots_bytes + 4096, device_->device(), devices, what);
+  char* region = static_cast<char*>(pool_->region(ctx_.topo.rank));
+  auto* done = reinterpret_cast<std::uint64_t*>(region + slots_bytes);
+  *done = 0;
+  agreed_step(ctx_.boot, what, [&] {
+    agent_ = std::make_unique<StagingAgent>(device_->device(), devices, region, chunk_, slots_, done, ctx_.topo.rank,
+                                            ctx_.options.timeout);
+  });
+  log(LogLevel::Info, "staged transport: pool " + pool_->describe() + "; " + std::to_string(slots_) + " slots of " +
+                          std::to_string(chunk_) + " bytes per rank");
+}
+
+std::unique_ptr<WindowAttachment> StagedTransport::attach(WindowState& win, const std::vector<bool>& routed,
+                                                          const std::string& what) {
+  const Topology& topo = ctx_.topo;
+  const auto& memory = static_cast<const DeviceWindowMemory&>(*win.storage);
+  ipc::UniqueFd fd;
+  agreed_step(ctx_.boot, what, [&] { fd = memory.mine.export_fd(); });
+  std::vector<ipc::UniqueFd> received = ctx_.fds.exchange(fd.get(), what);
+  auto attachment = std::make_unique<StagedAttachment>(*this);
+  attachment->parts.resize(static_cast<std::size_t>(topo.size));
+  agreed_step(ctx_.boot, what, [&] {
+    for (int r : topo.node_ranks) {
+      if (!routed[r]) continue;
+      if (r == topo.rank) continue;  // this rank's own part: win.local
+      CurrentDevice current(peer_device_[r]);
+      attachment->parts[r] = ipc::PeerMapping::import(received[r].get(), memory.bytes, peer_device_[r]);
+    }
+  });
+  return attachment;
+}
+
+std::string StagedTransport::what(const char* op, int target) const {
+  return std::string("staged ") + op + " between rank " + std::to_string(ctx_.topo.rank) + " and rank " +
+         std::to_string(target);
+}
+
+void StagedTransport::refuse_capture(Stream stream, const char* op, int target) const {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status) != cudaSuccess) (void)cudaGetLastError();
+  if (status != cudaStreamCaptureStatusNone)
+    throw Error(ErrorCode::Unsupported,
+                what(op, target) + ": the stream is capturing a CUDA graph, and a staged transfer cannot be captured "
+                                   "(a thread of meshmem enqueues its chunks later); nothing was enqueued");
+}
+
+void* StagedTransport::mapped_part(const WindowState& win, int rank, const char* op) const {
+  if (rank == ctx_.topo.rank) return win.local;
+  for (const auto& a : win.attachments)
+    if (const auto* s = dynamic_cast<const StagedAttachment*>(a.get()))
+      if (void* p = s->parts[static_cast<std::size_t>(rank)].data()) return p;
+  throw Error(ErrorCode::Internal, what(op, rank) + ": window #" + std::to_string(win.id) + " is not attached here");
+}
+
+void StagedTransport::transfer(void* dst, int dst_device, const void* src, int src_device, std::size_t bytes,
+                               std::uint64_t* signal, std::uint64_t value, SignalOp op, int peer, Stream stream,
+                               const char* name) {
+  const std::string error = agent_->take_error();
+  if (!error.empty()) throw Error(ErrorCode::Cuda, what(name, peer) + ": an earlier transfer failed: " + error);
+  StagedRequest r;
+  r.ready = agent_->take_event();
+  const cudaError_t rc = cudaEventRecord(r.ready, static_cast<cudaStream_t>(stream));
+  if (rc != cudaSuccess) {
+    agent_->give_back(r.ready);
+    ipc::check_cuda(rc, "cudaEventRecord", what(name, peer));
+  }
+  r.dst = dst;
+  r.dst_device = dst_device;
+  r.src = src;
+  r.src_device = src_device;
+  r.bytes = bytes;
+  r.signal = signal;
+  r.value = value;
+  r.op = op;
+  const std::uint64_t sequence = agent_->submit(r);
+  const auto* done = reinterpret_cast<const std::uint64_t*>(static_cast<char*>(pool_->region(ctx_.topo.rank)) +
+                                                            chunk_ * static_cast<std::size_t>(slots_));
+  const cudaError_t k = cuda::launch_transfer_wait(done, sequence, peer, device_->wait_limit(),
+                                                   static_cast<cudaStream_t>(stream), device_->early_launch());
+  if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what(name, peer));
+}
+
+void StagedTransport::put(const WindowState& win, int target, std::size_t offset, const void* src, std::size_t bytes,
+                          const SignalUpdate& signal, Stream stream) {
+  refuse_capture(stream, "put", target);
+  char* dst = static_cast<char*>(mapped_part(win, target, "put")) + offset;
+  std::uint64_t* word = nullptr;
+  if (signal.sig != nullptr)
+    word = static_cast<std::uint64_t*>(mapped_part(*signal.sig, target, "put_signal")) + signal.index;
+  if (bytes == 0 && word == nullptr) return;
+  transfer(dst, peer_device_[target], src, device_->device(), bytes, word, signal.value, signal.op, target, stream,
+           word != nullptr ? "put_signal" : "put");
+}
+
+void StagedTransport::get(void* dst, const WindowState& win, int target, std::size_t offset, std::size_t bytes,
+                          Stream stream) {
+  refuse_capture(stream, "get", target);
+  if (bytes == 0) return;
+  const char* src = static_cast<const char*>(mapped_part(win, target, "get")) + offset;
+  transfer(dst, device_->device(), src, peer_device_[target], bytes, nullptr, 0, SignalOp::Set, target, stream, "get");
+}
+
+bool StagedTransport::drain() noexcept { return agent_ ? agent_->drain() : true; }
+
+std::string StagedTransport::describe() const {
+  return pool_ ? pool_->describe() : std::string("no pool (no pair routed through staged)");
+}
+
+}  // namespace meshmem::detail

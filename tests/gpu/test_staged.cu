@@ -1,0 +1,204 @@
+// The staged transport, forced (MESHMEM_TRANSPORTS=staged,shm,mpi) where peer access works:
+// put / put_signal / get / signal Add through the node's pinned staging pool, 1 B .. 1 GiB at
+// unaligned offsets, fresh random data, poisoned destinations, every byte checked; a put
+// returns before its data moved; a graph capture is refused before it is touched.
+// Skipped without a GPU.
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include <meshmem/meshmem.hpp>
+
+#include "gpu_test.hpp"
+#include "mpi_test.hpp"
+
+using namespace meshmem;
+using meshmem::test::first_difference;
+using meshmem::test::kPoison;
+using meshmem::test::pattern;
+
+namespace {
+
+class Staged : public meshmem::test::MpiTest {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (!gpu_available(&why) || select_local_device(MPI_COMM_WORLD) < 0) GTEST_SKIP() << "no usable GPU: " << why;
+    Options o = Options::from_environment();
+    o.set("MESHMEM_TRANSPORTS", "staged,shm,mpi");
+    comm = std::make_unique<Comm>(MPI_COMM_WORLD, o);
+    me = comm->rank();
+    n = comm->size();
+    right = (me + 1) % n;
+    left = (me + n - 1) % n;
+    seed = meshmem::test::shared_seed();
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  }
+  void TearDown() override {
+    comm.reset();
+    if (s) cudaStreamDestroy(s);
+    MpiTest::TearDown();
+  }
+  std::unique_ptr<Comm> comm;
+  int me = 0, n = 1, right = 0, left = 0;
+  std::uint64_t seed = 0;
+  cudaStream_t s = nullptr;
+};
+
+std::uint64_t key(std::size_t size, int from, int kind) { return (size << 8) ^ (static_cast<std::uint64_t>(from) << 2) ^ kind; }
+
+// Each size: every rank put_signals fresh data at an unaligned offset into its right
+// neighbour's poisoned window; the neighbour's stream waits for the signal and checks every
+// byte (and that nothing around the range was touched); then every rank gets that range
+// back from its right neighbour into a poisoned buffer.
+TEST_F(Staged, PutSignalAndGetEverySize) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  EXPECT_EQ(comm->transport(right, Memory::Device), TransportKind::Staged);
+  const std::size_t sizes[] = {1, 7, 4096 + 3, (4u << 20) + 5, (40u << 20) + 13, (std::size_t(1) << 30) + 3};
+  const std::size_t offset = 77;
+  const std::size_t largest = sizes[sizeof(sizes) / sizeof(sizes[0]) - 1];
+  const std::size_t guard = 64;
+  Window win = comm->alloc(offset + largest + guard);
+  Signals sig = comm->alloc_signals(1);
+  void *src = nullptr, *back = nullptr;
+  CUDA_OK(cudaMalloc(&src, largest));
+  CUDA_OK(cudaMalloc(&back, largest));
+  std::uint64_t round = 0;
+  for (std::size_t size : sizes) {
+    ++round;
+    const auto mine = pattern(seed, key(size, me, 0), size);
+    CUDA_OK(cudaMemcpy(src, mine.data(), size, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(win.local(), kPoison, offset + size + guard));
+    CUDA_OK(cudaMemset(back, kPoison, size));
+    CUDA_OK(cudaDeviceSynchronize());
+    comm->barrier();
+    comm->put_signal(win, right, offset, src, size, sig, 0, round, SignalOp::Set, s);
+    comm->wait_until(sig, 0, Cmp::GE, round, s);
+    CUDA_OK(cudaStreamSynchronize(s));
+    std::vector<unsigned char> got(offset + size + guard);
+    CUDA_OK(cudaMemcpy(got.data(), win.local(), got.size(), cudaMemcpyDeviceToHost));
+    const auto want = pattern(seed, key(size, left, 0), size);
+    EXPECT_EQ(first_difference(got.data() + offset, want.data(), size), -1) << size << " bytes from rank " << left;
+    std::vector<unsigned char> poison(offset, kPoison);
+    EXPECT_EQ(first_difference(got.data(), poison.data(), offset), -1) << "bytes before the put's range, " << size;
+    EXPECT_EQ(first_difference(got.data() + offset + size, poison.data(), guard), -1) << "bytes after the put's range, " << size;
+    comm->barrier();
+    // Right's window holds what this rank put there.
+    comm->get(back, win, right, offset, size, s);
+    CUDA_OK(cudaStreamSynchronize(s));
+    std::vector<unsigned char> fetched(size);
+    CUDA_OK(cudaMemcpy(fetched.data(), back, size, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(first_difference(fetched.data(), mine.data(), size), -1) << "get of " << size << " bytes from rank " << right;
+  }
+  comm->barrier();
+  cudaFree(src);
+  cudaFree(back);
+}
+
+// Several put_signals back to back on one stream, each overwriting the same range with new
+// data: the signal of each lands after its own data, never ahead (the receiver checks the
+// data of every signal value it sees at once, on the GPU: a kernel compares and counts).
+__global__ void check_round(const unsigned char* data, std::size_t bytes, const std::uint64_t* word, std::uint64_t round,
+                            unsigned* bad) {
+  // The caller's stream waited for the signal >= round: the data is that round's or a later one's
+  // only if the sender ran ahead, which it cannot (it waits for our ack).
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < bytes; i += gridDim.x * blockDim.x)
+    if (data[i] != static_cast<unsigned char>(round * 13 + i * 7)) atomicAdd(bad, 1u);
+  (void)word;
+}
+__global__ void fill_round(unsigned char* data, std::size_t bytes, std::uint64_t round) {
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < bytes; i += gridDim.x * blockDim.x)
+    data[i] = static_cast<unsigned char>(round * 13 + i * 7);
+}
+
+TEST_F(Staged, SignalNeverAheadOfItsData) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  constexpr std::size_t kBytes = (9u << 20) + 11;  // three chunks with the default 4 MiB
+  constexpr int kRounds = 30;
+  Window win = comm->alloc(kBytes);
+  Signals sig = comm->alloc_signals(2);  // 0: data from the left, 1: ack from the right
+  void* src = nullptr;
+  unsigned* bad = nullptr;
+  CUDA_OK(cudaMalloc(&src, kBytes));
+  CUDA_OK(cudaMalloc(&bad, sizeof(unsigned)));
+  CUDA_OK(cudaMemset(bad, 0, sizeof(unsigned)));
+  CUDA_OK(cudaDeviceSynchronize());
+  comm->barrier();
+  for (std::uint64_t r = 1; r <= kRounds; ++r) {
+    if (r > 1) comm->wait_until(sig, 1, Cmp::GE, r - 1, s);  // right checked the last round
+    fill_round<<<64, 256, 0, s>>>(static_cast<unsigned char*>(src), kBytes, r);
+    comm->put_signal(win, right, 0, src, kBytes, sig, 0, r, SignalOp::Set, s);
+    comm->wait_until(sig, 0, Cmp::GE, r, s);
+    check_round<<<64, 256, 0, s>>>(static_cast<const unsigned char*>(win.local()), kBytes, nullptr, r, bad);
+    comm->signal(sig, left, 1, r, SignalOp::Set, s);
+  }
+  CUDA_OK(cudaStreamSynchronize(s));
+  unsigned h = 0;
+  CUDA_OK(cudaMemcpy(&h, bad, sizeof(h), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(h, 0u) << "bytes seen before their data landed, over " << kRounds << " rounds";
+  comm->barrier();
+  cudaFree(src);
+  cudaFree(bad);
+}
+
+TEST_F(Staged, SignalAddFromEveryRankCountsEveryUpdate) {
+  Signals sig = comm->alloc_signals(1);
+  constexpr int kAdds = 50;
+  comm->barrier();
+  for (int i = 0; i < kAdds; ++i)
+    for (int t = 0; t < n; ++t) comm->signal(sig, t, 0, 1, SignalOp::Add, s);
+  CUDA_OK(cudaStreamSynchronize(s));
+  comm->barrier();
+  EXPECT_EQ(sig.read(0), static_cast<std::uint64_t>(kAdds) * n);
+  comm->barrier();
+}
+
+// The host returns from a 1 GiB put long before the data moved (the agent enqueues the
+// chunks); the stream is still busy then. Timed with a wide margin (the issue's target, 20 us,
+// is measured by the benchmark).
+TEST_F(Staged, PutReturnsBeforeItsDataMoved) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  const std::size_t bytes = std::size_t(1) << 30;
+  Window win = comm->alloc(bytes);
+  void* src = nullptr;
+  CUDA_OK(cudaMalloc(&src, bytes));
+  CUDA_OK(cudaMemset(src, 1, bytes));
+  CUDA_OK(cudaDeviceSynchronize());
+  comm->put(win, right, 0, src, 4096, s);  // warm-up: events, lanes
+  CUDA_OK(cudaStreamSynchronize(s));
+  comm->barrier();
+  const auto t0 = std::chrono::steady_clock::now();
+  comm->put(win, right, 0, src, bytes, s);
+  const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  const cudaError_t busy = cudaStreamQuery(s);
+  EXPECT_LT(us, 2000.0) << "a staged put of 1 GiB held the host";
+  EXPECT_EQ(busy, cudaErrorNotReady) << "the stream had finished the 1 GiB put when the call returned";
+  CUDA_OK(cudaStreamSynchronize(s));
+  comm->barrier();
+  cudaFree(src);
+}
+
+TEST_F(Staged, GraphCaptureIsRefusedBeforeItIsTouched) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  Window win = comm->alloc(4096);
+  void* src = nullptr;
+  CUDA_OK(cudaMalloc(&src, 4096));
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  try {
+    comm->put(win, right, 0, src, 4096, s);
+    ADD_FAILURE() << "a staged put was accepted during a graph capture";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Unsupported) << e.what();
+    EXPECT_NE(std::string(e.what()).find("graph"), std::string::npos) << e.what();
+  }
+  cudaGraph_t graph = nullptr;
+  EXPECT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess) << "the capture was invalidated";
+  if (graph) cudaGraphDestroy(graph);
+  comm->barrier();
+  cudaFree(src);
+}
+
+}  // namespace
