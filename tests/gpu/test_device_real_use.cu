@@ -475,6 +475,18 @@ __global__ void produce(unsigned char* p, std::size_t bytes, int round, int rank
     p[i] = static_cast<unsigned char>(round * 31 + rank * 17 + i * 7);
 }
 
+// Checks a round's row (made by `produce` on rank `from`) copied to `snap`: counts a wrong
+// round in *bad and reports the first three.
+void check_row(const void* snap, std::size_t bytes, int round, int from, const char* what, int* bad) {
+  const auto got = to_host(snap, bytes);
+  std::vector<unsigned char> want(bytes);
+  for (std::size_t i = 0; i < bytes; ++i) want[i] = static_cast<unsigned char>(round * 31 + from * 17 + i * 7);
+  const long long at = first_difference(got.data(), want.data(), bytes);
+  if (at >= 0 && ++*bad <= 3)
+    ADD_FAILURE() << "round " << round << ": " << what << " rank " << from << " differs at byte " << at << " (0x"
+                  << std::hex << int(got[at]) << " instead of 0x" << int(want[at]) << std::dec << ")";
+}
+
 // MESHMEM_EARLY_LAUNCH: meshmem's kernels are set up while the previous kernel on the stream
 // runs, and must not act before it ends. Each round a rank tells its left neighbour "go"
 // only after poisoning its own window on its stream (the round's late rank poisons late);
@@ -506,13 +518,7 @@ TEST_F(RealUse, EarlyLaunchedKernelsWaitForThePreviousKernel) {
     comm->wait_until(sig, 1, Cmp::GE, r, s0);
     CUDA_OK(cudaMemcpyAsync(snap.p, win.local(), kBytes, cudaMemcpyDeviceToDevice, s0));
     ASSERT_TRUE(finishes(s0, 60)) << "round " << round << " did not finish within 60 s";
-    const auto got = to_host(snap.p, kBytes);
-    std::vector<unsigned char> want(kBytes);
-    for (std::size_t i = 0; i < kBytes; ++i) want[i] = static_cast<unsigned char>(round * 31 + left * 17 + i * 7);
-    const long long at = first_difference(got.data(), want.data(), kBytes);
-    if (at >= 0 && ++bad <= 3)
-      ADD_FAILURE() << "round " << round << ": the row from rank " << left << " differs at byte " << at << " (0x" << std::hex
-                    << int(got[at]) << " instead of 0x" << int(want[at]) << std::dec << ")";
+    check_row(snap.p, kBytes, round, left, "the row from", &bad);
   }
   EXPECT_EQ(bad, 0) << "rounds with a wrong row, of " << kReplays;
   comm->barrier(s0);
@@ -553,13 +559,7 @@ TEST_F(RealUse, EarlyLaunchedCopyWaitsForThePreviousCopy) {
     comm->wait_until(sig, 1, Cmp::GE, r, s0);
     CUDA_OK(cudaMemcpyAsync(snap.p, win.local(), kBytes, cudaMemcpyDeviceToDevice, s0));
     ASSERT_TRUE(finishes(s0, 60)) << "round " << round << " did not finish within 60 s";
-    const auto got = to_host(snap.p, kBytes);
-    std::vector<unsigned char> want(kBytes);
-    for (std::size_t i = 0; i < kBytes; ++i) want[i] = static_cast<unsigned char>(round * 31 + left * 17 + i * 7);
-    const long long at = first_difference(got.data(), want.data(), kBytes);
-    if (at >= 0 && ++bad <= 3)
-      ADD_FAILURE() << "round " << round << ": the row forwarded by rank " << left << " differs at byte " << at
-                    << " (0x" << std::hex << int(got[at]) << " instead of 0x" << int(want[at]) << std::dec << ")";
+    check_row(snap.p, kBytes, round, left, "the row forwarded by", &bad);
   }
   EXPECT_EQ(bad, 0) << "rounds with a wrong row, of " << kReplays;
   comm->barrier(s0);

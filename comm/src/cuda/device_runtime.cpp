@@ -116,6 +116,20 @@ void run_stream_batch(std::vector<CUstreamBatchMemOpParams>& ops, Stream stream,
   }
 }
 
+std::vector<std::string> gather_bus_ids(const CommContext& ctx, int device, const std::string& what) {
+  struct BusId {
+    char text[32];
+  } mine{};
+  agreed_step(ctx.boot, what, [&] {
+    ipc::check_cuda(cudaDeviceGetPCIBusId(mine.text, sizeof(mine.text), device), "cudaDeviceGetPCIBusId", what);
+  });
+  std::vector<BusId> all(static_cast<std::size_t>(ctx.topo.size));
+  ctx.boot.allgather(&mine, all.data(), sizeof(BusId), what);
+  std::vector<std::string> ids;
+  for (const BusId& b : all) ids.emplace_back(b.text, strnlen(b.text, sizeof(b.text)));
+  return ids;
+}
+
 OwnedStream::OwnedStream(const std::string& what) {
   ipc::check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", what);
 }

@@ -29,6 +29,10 @@ using DevicePtr = std::unique_ptr<void, CudaFree>;
 // The error message (call, rank) is built only when a call fails: this is a hot path.
 void run_stream_batch(std::vector<CUstreamBatchMemOpParams>& ops, Stream stream, const char* call, int rank);
 
+// Collective: every rank's GPU as a PCI bus id ("0000:1b:00.0"), by rank (the way to name a
+// peer's GPU across processes that number their devices differently).
+std::vector<std::string> gather_bus_ids(const CommContext& ctx, int device, const std::string& what);
+
 class OwnedStream {
  public:
   explicit OwnedStream(const std::string& what);

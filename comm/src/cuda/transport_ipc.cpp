@@ -101,26 +101,20 @@ void IpcTransport::probe_peers() {
 void IpcTransport::probe_atomics() {
   const std::string what = "meshmem::Comm (ipc peer atomics)";
   const Topology& topo = ctx_.topo;
-  struct BusId {
-    char text[32];
-  } mine{};
-  agreed_step(ctx_.boot, what, [&] {
-    ipc::check_cuda(cudaDeviceGetPCIBusId(mine.text, sizeof(mine.text), device_->device()), "cudaDeviceGetPCIBusId", what);
-  });
-  std::vector<BusId> all(static_cast<std::size_t>(topo.size));
-  ctx_.boot.allgather(&mine, all.data(), sizeof(BusId), what);
+  const std::vector<std::string> bus = gather_bus_ids(ctx_, device_->device(), what);
+  const std::string& mine = bus[topo.rank];
   const bool off = kPeerAtomics.get(ctx_.options) == PeerAtomicsCheck::Off;
   no_atomics_.assign(static_cast<std::size_t>(topo.size), std::string());
   for (int r : topo.node_ranks) {
-    if (r == topo.rank || std::strncmp(all[r].text, mine.text, sizeof(mine.text)) == 0) continue;
+    if (r == topo.rank || bus[r] == mine) continue;
     if (off) {
       no_atomics_[r] = "MESHMEM_PEER_ATOMICS=off";
       continue;
     }
     int peer_device = -1;
-    if (cudaDeviceGetByPCIBusId(&peer_device, all[r].text) != cudaSuccess) {
+    if (cudaDeviceGetByPCIBusId(&peer_device, bus[r].c_str()) != cudaSuccess) {
       (void)cudaGetLastError();
-      log(LogLevel::Info, "ipc transport: rank " + std::to_string(r) + "'s GPU (" + all[r].text +
+      log(LogLevel::Info, "ipc transport: rank " + std::to_string(r) + "'s GPU (" + bus[r] +
                               ") is hidden from this process: native peer atomics cannot be checked; signal Add to it "
                               "assumes them");
       continue;
@@ -129,7 +123,7 @@ void IpcTransport::probe_atomics() {
     ipc::check_cuda(cudaDeviceGetP2PAttribute(&native, cudaDevP2PAttrNativeAtomicSupported, device_->device(), peer_device),
                     "cudaDeviceGetP2PAttribute(NativeAtomicSupported)", what);
     if (!native)
-      no_atomics_[r] = std::string("the driver reports no native atomics from GPU ") + mine.text + " to GPU " + all[r].text +
+      no_atomics_[r] = "the driver reports no native atomics from GPU " + mine + " to GPU " + bus[r] +
                        " (CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED = 0)";
   }
 }

@@ -361,19 +361,12 @@ StagedTransport::StagedTransport(const CommContext& ctx)
     if (!topo.same_node(r))
       no_route_[r] = "rank " + std::to_string(r) + " is on another node (staging is through the node's pinned memory)";
   if (device_ == nullptr) return;
-  struct BusId {
-    char text[32];
-  } mine{};
-  agreed_step(ctx_.boot, what, [&] {
-    ipc::check_cuda(cudaDeviceGetPCIBusId(mine.text, sizeof(mine.text), device_->device()), "cudaDeviceGetPCIBusId", what);
-  });
-  std::vector<BusId> all(static_cast<std::size_t>(topo.size));
-  ctx_.boot.allgather(&mine, all.data(), sizeof(BusId), what);
+  const std::vector<std::string> bus = gather_bus_ids(ctx_, device_->device(), what);
   for (int r : topo.node_ranks) {
     int d = -1;
-    if (cudaDeviceGetByPCIBusId(&d, all[r].text) != cudaSuccess) {
+    if (cudaDeviceGetByPCIBusId(&d, bus[r].c_str()) != cudaSuccess) {
       (void)cudaGetLastError();
-      no_route_[r] = std::string("rank ") + std::to_string(r) + "'s GPU (" + all[r].text +
+      no_route_[r] = std::string("rank ") + std::to_string(r) + "'s GPU (" + bus[r] +
                      ") is not visible to this process (CUDA_VISIBLE_DEVICES isolation?): the staged transport drives "
                      "the target's copy engine from here (a target-side agent for hidden GPUs is not built yet)";
       continue;
