@@ -125,6 +125,10 @@ TEST_F(Staged, SignalNeverAheadOfItsData) {
   CUDA_OK(cudaMalloc(&src, kBytes));
   CUDA_OK(cudaMalloc(&bad, sizeof(unsigned)));
   CUDA_OK(cudaMemset(bad, 0, sizeof(unsigned)));
+  // Load this test's kernels before any wait is in flight: under CUDA's lazy loading a first
+  // launch may synchronise the context behind a polling wait (see kernels.hpp, preload_kernels).
+  fill_round<<<1, 32, 0, s>>>(static_cast<unsigned char*>(src), 0, 0);
+  check_round<<<1, 32, 0, s>>>(static_cast<const unsigned char*>(win.local()), 0, nullptr, 0, bad);
   CUDA_OK(cudaDeviceSynchronize());
   comm->barrier();
   for (std::uint64_t r = 1; r <= kRounds; ++r) {

@@ -152,6 +152,7 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
     ipc::check_cuda(cudaSetDevice(device_), "cudaSetDevice", what);
     ipc::check_cuda(cudaFree(nullptr), "cudaFree(nullptr) (context creation)", what);
     ipc::check_cu(ipc::cuda_driver().cuCtxGetCurrent(&context_), "cuCtxGetCurrent", what);
+    ipc::check_cuda(cuda::preload_kernels(), "cudaFuncGetAttributes (loading meshmem's kernels)", what);
     cudaDeviceProp prop{};
     ipc::check_cuda(cudaGetDeviceProperties(&prop, device_), "cudaGetDeviceProperties", what);
     char bus[32] = {};

@@ -199,6 +199,18 @@ __global__ void halo_kernel(const Copy2D* table, int count, HaloSync sync, WaitL
 
 }  // namespace
 
+cudaError_t preload_kernels() {
+  cudaFuncAttributes a{};
+  const void* kernels[] = {reinterpret_cast<const void*>(copy_kernel), reinterpret_cast<const void*>(copy_signal_kernel),
+                           reinterpret_cast<const void*>(wait_kernel), reinterpret_cast<const void*>(transfer_wait_kernel),
+                           reinterpret_cast<const void*>(barrier_kernel), reinterpret_cast<const void*>(halo_kernel)};
+  for (const void* k : kernels) {
+    const cudaError_t rc = cudaFuncGetAttributes(&a, k);
+    if (rc != cudaSuccess) return rc;
+  }
+  return cudaSuccess;
+}
+
 bool early_launch_compiled() {
   cudaFuncAttributes attributes{};
   if (cudaFuncGetAttributes(&attributes, wait_kernel) != cudaSuccess) {

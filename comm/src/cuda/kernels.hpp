@@ -41,6 +41,13 @@ struct WaitLimit {
 // compute capability 9.0 or later): without it an early launch would not wait.
 bool early_launch_compiled();
 
+// Loads every meshmem kernel into the current device's context now. Under CUDA's lazy
+// loading (the default) a kernel's first launch loads it, and loading may synchronise the
+// context: behind a polling kernel that waits for work another thread of this process has
+// still to enqueue (the staged transport's agent), that is a deadlock until the wait times
+// out. The CUDA guide's advice for kernels that must run concurrently: preload them.
+cudaError_t preload_kernels();
+
 // SM copy of `bytes` (dst, src device-accessible). If `signal` is non-null, the word is
 // updated (system-scope release) after the whole copy is written: one launch for a small
 // put_signal. bytes may be 0 (signal only).

@@ -110,6 +110,9 @@ class StagingAgent {
     for (int d : devices) {
       if (lanes_.count(d)) continue;
       CurrentDevice current(d);
+      // The signal kernel may run on this GPU from the agent's thread: loaded now, not at a
+      // first launch behind a polling kernel (kernels.hpp, preload_kernels).
+      ipc::check_cuda(cuda::preload_kernels(), "cudaFuncGetAttributes (loading meshmem's kernels)", what);
       Lane& lane = lanes_[d];
       ipc::check_cuda(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", what);
       lane.copied.resize(static_cast<std::size_t>(nslots), nullptr);

@@ -22,7 +22,13 @@
 // (signals in a loop, put_signal + ack rounds) never finish their first transfer on the GPU
 // machines (the done word stays 0; tests Staged.SignalNeverAhead*, Staged.SignalAdd*), while
 // single and synchronised transfers up to 1 GiB are correct. Hence experimental: not in the
-// default MESHMEM_TRANSPORTS order.
+// default MESHMEM_TRANSPORTS order. Probable cause (found by reading, not yet confirmed on a
+// GPU): CUDA's lazy loading. The first launch of a kernel (the agent's signal-Add kernel, a
+// test's own kernel) loads it and may synchronise the context, which waits for a polling
+// transfer/signal wait that needs the agent (or the peer's agent) to make progress. meshmem now
+// preloads its kernels on every GPU it uses (cuda::preload_kernels); application kernels
+// launched for the first time while a staged wait is in flight remain a risk
+// (CUDA_MODULE_LOADING=EAGER avoids it).
 #pragma once
 
 #include <cuda_runtime_api.h>
