@@ -3,6 +3,8 @@
 #include <chrono>
 #include <cstdio>
 
+#include "../bootstrap.hpp"
+#include "../fd_exchange.hpp"
 #include "../log.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
 
@@ -29,6 +31,13 @@ void create_device_part(WindowState& state, int device, std::size_t granularity,
   }
   state.local = memory->mine.data();
   state.storage = std::move(memory);
+}
+
+std::vector<ipc::UniqueFd> exchange_part_fds(const CommContext& ctx, const WindowState& state, const std::string& what) {
+  const auto& memory = static_cast<const DeviceWindowMemory&>(*state.storage);
+  ipc::UniqueFd fd;
+  agreed_step(ctx.boot, what, [&] { fd = memory.mine.export_fd(); });
+  return ctx.fds.exchange(fd.get(), what);
 }
 
 void publish_peer_table(WindowState& state, const std::string& what) {

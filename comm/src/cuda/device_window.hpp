@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "../window_state.hpp"
 #include "device_runtime.hpp"
@@ -28,5 +29,9 @@ void create_device_part(WindowState& state, int device, std::size_t granularity,
                         const std::string& what);
 // state.peer copied to the device (state.device_peer_table). Local.
 void publish_peer_table(WindowState& state, const std::string& what);
+
+// Collective over the Comm: this rank's part of device window `state` exported, and by rank a
+// descriptor of every node peer's part (empty for this rank and other nodes).
+std::vector<ipc::UniqueFd> exchange_part_fds(const CommContext& ctx, const WindowState& state, const std::string& what);
 
 }  // namespace meshmem::detail

@@ -139,9 +139,7 @@ std::unique_ptr<WindowAttachment> IpcTransport::attach(WindowState& win, const s
                                                        const std::string& what) {
   const Topology& topo = ctx_.topo;
   const auto& memory = static_cast<const DeviceWindowMemory&>(*win.storage);
-  ipc::UniqueFd fd;
-  agreed_step(ctx_.boot, what, [&] { fd = memory.mine.export_fd(); });
-  std::vector<ipc::UniqueFd> received = ctx_.fds.exchange(fd.get(), what);
+  std::vector<ipc::UniqueFd> received = exchange_part_fds(ctx_, win, what);
   auto attachment = std::make_unique<IpcAttachment>();
   attachment->peers.resize(static_cast<std::size_t>(topo.size));
   agreed_step(ctx_.boot, what, [&] {
