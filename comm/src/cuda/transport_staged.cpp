@@ -129,11 +129,14 @@ class StagingAgent {
   }
 
   ~StagingAgent() {
+    // Bounded: a lane can wait on a caller's stream that never moves on (a memop wait for a
+    // signal that never comes). Streams and events with pending work may be destroyed; CUDA
+    // releases them once that work is done.
+    if (!drain()) log(LogLevel::Error, "staged transport: transfers still running at teardown");
     stop();
     for (cudaEvent_t e : spare_) (void)cudaEventDestroy(e);
     for (auto& [d, lane] : lanes_) {
       CurrentDevice current(d);
-      if (lane.stream) (void)cudaStreamSynchronize(lane.stream);
       for (cudaEvent_t e : lane.copied) (void)cudaEventDestroy(e);
       for (cudaEvent_t e : lane.freed) (void)cudaEventDestroy(e);
       if (lane.finished) (void)cudaEventDestroy(lane.finished);
