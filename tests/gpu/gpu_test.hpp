@@ -4,6 +4,9 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <cstddef>
+#include <vector>
+
 // Fails the test (and returns from it) when a CUDA runtime call does not succeed, with the
 // call and CUDA's message.
 #define CUDA_OK(call)                                                        \
@@ -11,3 +14,39 @@
     cudaError_t rc_ = (call);                                                \
     ASSERT_EQ(rc_, cudaSuccess) << #call << ": " << cudaGetErrorString(rc_); \
   } while (0)
+
+namespace meshmem::test {
+
+// Device memory owned for the life of the object.
+struct DeviceBuffer {
+  explicit DeviceBuffer(std::size_t bytes) : bytes(bytes) { cudaMalloc(&p, bytes ? bytes : 1); }
+  ~DeviceBuffer() { cudaFree(p); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  char* c() const { return static_cast<char*>(p); }
+  void* p = nullptr;
+  std::size_t bytes;
+};
+
+// cudaMemcpy from pageable memory may return before the DMA into `dev` is done, and the
+// tests' streams do not synchronise with the legacy stream: wait for it.
+inline cudaError_t upload(void* dev, const void* host, std::size_t bytes) {
+  const cudaError_t rc = cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice);
+  return rc != cudaSuccess ? rc : cudaDeviceSynchronize();
+}
+
+// The same for cudaMemset (asynchronous for device memory, on the legacy stream): a window
+// poisoned this way could otherwise be overwritten after a peer's put landed, since a
+// barrier(stream) orders only `stream` (and enqueues nothing at all when streams are idle).
+inline cudaError_t fill_now(void* dev, int byte, std::size_t bytes) {
+  const cudaError_t rc = cudaMemset(dev, byte, bytes);
+  return rc != cudaSuccess ? rc : cudaDeviceSynchronize();
+}
+
+inline std::vector<unsigned char> to_host(const void* dev, std::size_t bytes) {
+  std::vector<unsigned char> h(bytes);
+  cudaMemcpy(h.data(), dev, bytes, cudaMemcpyDeviceToHost);
+  return h;
+}
+
+}  // namespace meshmem::test

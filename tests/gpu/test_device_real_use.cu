@@ -25,7 +25,11 @@
 #include "mpi_test.hpp"
 
 using namespace meshmem;
+using meshmem::test::DeviceBuffer;
+using meshmem::test::fill_now;
 using meshmem::test::first_difference;
+using meshmem::test::to_host;
+using meshmem::test::upload;
 using meshmem::test::kPoison;
 using meshmem::test::pattern;
 
@@ -66,30 +70,6 @@ __global__ void spin_kernel(const std::uint64_t* ns, std::uint64_t fixed) {
 // Writes `value` into word `index` of `target`'s part of a window through the device API.
 __global__ void store_into_peer(device::WindowView view, int target, std::size_t offset, std::uint64_t value) {
   *device::peer_ptr<std::uint64_t>(view, target, offset) = value;
-}
-
-struct DeviceBuffer {
-  explicit DeviceBuffer(std::size_t bytes) : bytes(bytes) { cudaMalloc(&p, bytes ? bytes : 1); }
-  ~DeviceBuffer() { cudaFree(p); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  char* c() const { return static_cast<char*>(p); }
-  void* p = nullptr;
-  std::size_t bytes;
-};
-
-cudaError_t upload(void* dev, const void* host, std::size_t bytes) {
-  const cudaError_t rc = cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice);
-  return rc != cudaSuccess ? rc : cudaDeviceSynchronize();
-}
-cudaError_t fill_now(void* dev, int byte, std::size_t bytes) {
-  const cudaError_t rc = cudaMemset(dev, byte, bytes);
-  return rc != cudaSuccess ? rc : cudaDeviceSynchronize();
-}
-std::vector<unsigned char> to_host(const void* dev, std::size_t bytes) {
-  std::vector<unsigned char> h(bytes);
-  cudaMemcpy(h.data(), dev, bytes, cudaMemcpyDeviceToHost);
-  return h;
 }
 
 std::uint64_t key(int round, int from, int to) {

@@ -16,7 +16,11 @@
 #include "mpi_test.hpp"
 
 using namespace meshmem;
+using meshmem::test::DeviceBuffer;
+using meshmem::test::fill_now;
 using meshmem::test::first_difference;
+using meshmem::test::to_host;
+using meshmem::test::upload;
 using meshmem::test::kPoison;
 using meshmem::test::pattern;
 
@@ -54,36 +58,6 @@ class DeviceWindow : public meshmem::test::MpiTest {
   std::uint64_t seed = 0;
   cudaStream_t stream = nullptr;
 };
-
-struct DeviceBuffer {
-  explicit DeviceBuffer(std::size_t bytes) : bytes(bytes) { cudaMalloc(&p, bytes ? bytes : 1); }
-  ~DeviceBuffer() { cudaFree(p); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void* p = nullptr;
-  std::size_t bytes;
-};
-
-// cudaMemcpy from pageable memory may return before the DMA into `dev` is done, and the
-// tests' streams do not synchronise with the legacy stream: wait for it.
-void upload(void* dev, const void* host, std::size_t bytes) {
-  cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice);
-  cudaDeviceSynchronize();
-}
-
-// The same for cudaMemset (asynchronous for device memory, on the legacy stream): a window
-// poisoned this way could otherwise be overwritten after a peer's put landed, since a
-// barrier(stream) orders only `stream` (and enqueues nothing at all when streams are idle).
-cudaError_t fill_now(void* dev, int byte, std::size_t bytes) {
-  const cudaError_t rc = cudaMemset(dev, byte, bytes);
-  return rc != cudaSuccess ? rc : cudaDeviceSynchronize();
-}
-
-std::vector<unsigned char> to_host(const void* dev, std::size_t bytes) {
-  std::vector<unsigned char> h(bytes);
-  cudaMemcpy(h.data(), dev, bytes, cudaMemcpyDeviceToHost);
-  return h;
-}
 
 std::uint64_t key(std::size_t size, int from, int to, int tag = 0) {
   return (static_cast<std::uint64_t>(size) << 24) ^ (static_cast<std::uint64_t>(from) << 12) ^
