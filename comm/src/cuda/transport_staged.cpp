@@ -103,9 +103,9 @@ struct StagedRequest {
 // and per-slot events) per GPU it touches.
 class StagingAgent {
  public:
-  StagingAgent(int device, const std::vector<int>& devices, char* slots, std::size_t chunk, int nslots,
-               std::uint64_t* done, int rank, std::chrono::milliseconds timeout)
-      : device_(device), slots_(slots), chunk_(chunk), nslots_(nslots), done_(done), rank_(rank), timeout_(timeout) {
+  StagingAgent(const std::vector<int>& devices, char* slots, std::size_t chunk, int nslots, std::uint64_t* done, int rank,
+               std::chrono::milliseconds timeout)
+      : slots_(slots), chunk_(chunk), nslots_(nslots), done_(done), rank_(rank), timeout_(timeout) {
     const std::string what = "staged transport on rank " + std::to_string(rank);
     for (int d : devices) {
       if (lanes_.count(d)) continue;
@@ -182,6 +182,9 @@ class StagingAgent {
     cv_.notify_all();
     return r.sequence;
   }
+
+  // The word the lanes set to each transfer's sequence number at its end (in the pool).
+  const std::uint64_t* done_word() const { return done_; }
 
   // The first error the agent met, once ("" if none).
   std::string take_error() {
@@ -327,7 +330,6 @@ class StagingAgent {
     last_lane_ = &to;
   }
 
-  int device_;
   char* slots_;
   std::size_t chunk_;
   int nslots_;
@@ -407,8 +409,7 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
   auto* done = reinterpret_cast<std::uint64_t*>(region + slots_bytes);
   *done = 0;
   agreed_step(ctx_.boot, what, [&] {
-    agent_ = std::make_unique<StagingAgent>(device_->device(), devices, region, chunk_, slots_, done, ctx_.topo.rank,
-                                            ctx_.options.timeout);
+    agent_ = std::make_unique<StagingAgent>(devices, region, chunk_, slots_, done, ctx_.topo.rank, ctx_.options.timeout);
   });
   log(LogLevel::Info, "staged transport: pool " + pool_->describe() + "; " + std::to_string(slots_) + " slots of " +
                           std::to_string(chunk_) + " bytes per rank");
@@ -475,9 +476,7 @@ void StagedTransport::transfer(void* dst, int dst_device, const void* src, int s
   r.value = value;
   r.op = op;
   const std::uint64_t sequence = agent_->submit(r);
-  const auto* done = reinterpret_cast<const std::uint64_t*>(static_cast<char*>(pool_->region(ctx_.topo.rank)) +
-                                                            chunk_ * static_cast<std::size_t>(slots_));
-  const cudaError_t k = cuda::launch_transfer_wait(done, sequence, peer, device_->wait_limit(),
+  const cudaError_t k = cuda::launch_transfer_wait(agent_->done_word(), sequence, peer, device_->wait_limit(),
                                                    static_cast<cudaStream_t>(stream), device_->early_launch());
   if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what(name, peer));
 }
@@ -503,9 +502,5 @@ void StagedTransport::get(void* dst, const WindowState& win, int target, std::si
 }
 
 bool StagedTransport::drain() noexcept { return agent_ ? agent_->drain() : true; }
-
-std::string StagedTransport::describe() const {
-  return pool_ ? pool_->describe() : std::string("no pool (no pair routed through staged)");
-}
 
 }  // namespace meshmem::detail

@@ -69,7 +69,6 @@ class StagedTransport final : public Transport {
   // Waits until every transfer handed to the agent has finished on the GPUs (bounded by
   // MESHMEM_TIMEOUT; false if not). A window's peer mappings go only after this.
   bool drain() noexcept;
-  std::string describe() const;
 
  private:
   std::string what(const char* op, int target) const;

@@ -10,14 +10,17 @@ namespace meshmem::ipc {
 
 namespace {
 
-CUmemAllocationProp device_prop(int device) {
+// Pinned physical memory at `location` (a device, or a host NUMA node), exportable as a fd.
+CUmemAllocationProp exportable_prop(CUmemLocationType location, int id) {
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = device;
+  prop.location.type = location;
+  prop.location.id = id;
   prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   return prop;
 }
+CUmemAllocationProp device_prop(int device) { return exportable_prop(CU_MEM_LOCATION_TYPE_DEVICE, device); }
+CUmemAllocationProp host_numa_prop(int numa_node) { return exportable_prop(CU_MEM_LOCATION_TYPE_HOST_NUMA, numa_node); }
 
 void set_access(CUdeviceptr ptr, std::size_t bytes, int device, const std::string& context) {
   CUmemAccessDesc access{};
@@ -121,19 +124,6 @@ PeerMapping PeerMapping::import(int fd, std::size_t bytes, int device) {
   set_access(m.range_.get(), bytes, device, context);
   return m;
 }
-
-namespace {
-
-CUmemAllocationProp host_numa_prop(int numa_node) {
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
-  prop.location.id = numa_node;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  return prop;
-}
-
-}  // namespace
 
 std::size_t host_numa_granularity(int numa_node) {
   const CUmemAllocationProp prop = host_numa_prop(numa_node);
