@@ -120,7 +120,9 @@ CommImpl::CommImpl(MPI_Comm comm, const Options& opts)
     device_why = kNoGpuPart;
   select_transports();
   if (device) {
-    const BarrierContext bctx{*routes, [this](std::size_t bytes) {
+    std::vector<const Transport*> connected;
+    for (const auto& t : transports) connected.push_back(t.get());
+    const BarrierContext bctx{*routes, connected, [this](std::size_t bytes) {
                                 return alloc(bytes, Memory::Device, true, "meshmem::Comm (barrier setup)");
                               }};
     stream_barrier = device->make_barrier(context(), bctx);

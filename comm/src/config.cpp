@@ -120,8 +120,7 @@ const OptionKnob<std::vector<TransportKind>> kTransports{
     "MESHMEM_TRANSPORTS", &Options::transports, parse_transports, print_transports,
     "the transports allowed, in the order tried for each peer and memory kind: `ipc` (device windows, same "
     "node, VMM mappings), `staged` (device windows, same node, GPUs without peer access: through the node's "
-    "pinned staging pool; EXPERIMENTAL, not in the default order: back-to-back signals can hang; "
-    "`ipc,staged,shm,mpi` adds it, `staged,shm,mpi` forces it where peer access works), `shm` (host windows, same node, mapped memfd), `mpi` (host windows, any node, "
+    "pinned staging pool; `staged,shm,mpi` forces it where peer access works), `shm` (host windows, same node, mapped memfd), `mpi` (host windows, any node, "
     "progress thread). `mpi` alone sends even same-node host traffic through MPI; without `ipc` and "
     "`staged` device windows reach no peer"};
 

@@ -58,6 +58,7 @@ class StreamBarrier {
 // What the barrier may use besides the Comm's context.
 struct BarrierContext {
   const RouteTable& routes;
+  std::vector<const Transport*> connected;  // the Comm's transports, in the order tried
   // Collective: a zeroed device signals window of `bytes`, attached like any window.
   std::function<std::shared_ptr<WindowState>(std::size_t bytes)> alloc_signals;
 };

@@ -22,9 +22,15 @@ struct HaloState {
   std::vector<int> send_to;    // distinct peers of `sends`
   std::vector<int> recv_from;  // ranks whose regions land here
   std::uint64_t epoch = 0;
-  // Device windows (every neighbour mapped here: make_halo refuses others): the copies,
-  // signals and waits of an exchange in one kernel, its exchange number on the GPU.
+  // Device windows: the copies to mapped neighbours, their signals and every wait of an
+  // exchange in one kernel, its exchange number on the GPU.
   std::unique_ptr<DeviceHaloPlan> device_plan;
+  // Device windows: regions of neighbours that are not mapped here (staged transport), and
+  // those neighbours. Their transport moves the regions, then adds 1 to the neighbour's word
+  // for this rank: after n exchanges it holds n, as the kernel's stores of mapped ones do
+  // (an addition, not the exchange number, so that a graph replay counts too).
+  std::vector<HaloRegion> transport_sends;
+  std::vector<int> transport_send_to;
 
   ~HaloState() {
     if (sig && !sig->freed()) {
@@ -159,15 +165,24 @@ std::unique_ptr<HaloState> CommImpl::make_halo(const Window& win, const std::vec
     spec.signals_window = sig.id;
     agreed_step(boot, call, [&] {
       for (const HaloRegion& r : halo->sends) {
-        if (!route(*w, r.peer, call).capabilities().mapped || w->peer[r.peer] == nullptr)
-          throw Error(ErrorCode::Unsupported, at + ": rank " + std::to_string(r.peer) +
-                                                  "'s device window is not mapped here; device halo exchanges need "
-                                                  "every neighbour mapped (same node, peer access)");
-        spec.copies.push_back(DeviceCopy{static_cast<char*>(w->peer[r.peer]) + r.dst_offset,
-                                         static_cast<const char*>(w->local) + r.src_offset, r.width, r.height, r.src_pitch,
-                                         r.dst_pitch});
+        Transport& t = route(*w, r.peer, call);
+        if (t.capabilities().mapped && w->peer[r.peer] != nullptr) {
+          spec.copies.push_back(DeviceCopy{static_cast<char*>(w->peer[r.peer]) + r.dst_offset,
+                                           static_cast<const char*>(w->local) + r.src_offset, r.width, r.height,
+                                           r.src_pitch, r.dst_pitch});
+        } else if (t.capabilities().stream_ordered) {
+          halo->transport_sends.push_back(r);
+          if (std::find(halo->transport_send_to.begin(), halo->transport_send_to.end(), r.peer) ==
+              halo->transport_send_to.end())
+            halo->transport_send_to.push_back(r.peer);
+        } else {
+          throw Error(ErrorCode::Unsupported, at + ": rank " + std::to_string(r.peer) + "'s device window is reached through " +
+                                                  to_string(t.kind()) + ", which cannot carry a device halo exchange");
+        }
       }
-      for (int r : halo->send_to) spec.stores.push_back(static_cast<std::uint64_t*>(sig.peer[r]) + topo.rank);
+      for (int r : halo->send_to)
+        if (std::find(halo->transport_send_to.begin(), halo->transport_send_to.end(), r) == halo->transport_send_to.end())
+          spec.stores.push_back(static_cast<std::uint64_t*>(sig.peer[r]) + topo.rank);
       for (int r : halo->recv_from) {
         spec.waits.push_back(static_cast<const std::uint64_t*>(sig.local) + r);
         spec.wait_ranks.push_back(r);
@@ -188,6 +203,21 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
   const std::uint64_t epoch = ++halo.epoch;
   if (w.memory == Memory::Device) {
     DeviceScope scope(*device, stream, true, call);
+    if (!copy && !halo.transport_send_to.empty())
+      throw Error(ErrorCode::Unsupported,
+                  where(call) + ": rank " + std::to_string(halo.transport_send_to.front()) +
+                      "'s window is not mapped here (" + to_string(route(w, halo.transport_send_to.front(), call).kind()) +
+                      "), so kernels cannot have written its halos; use exchange()");
+    // Unmapped neighbours first: each transfer ends before the stream moves on, so their
+    // data and signals are out before this rank's kernel waits for its own halos.
+    for (const HaloRegion& r : halo.transport_sends) {
+      const char* src = static_cast<const char*>(w.local) + r.src_offset;
+      route(w, r.peer, call).put_strided(w, r.peer, r.dst_offset, r.dst_pitch, src, r.src_pitch, r.width, r.height, stream);
+    }
+    for (int r : halo.transport_send_to)
+      route(*halo.sig, r, call)
+          .put(*halo.sig, r, 0, nullptr, 0, SignalUpdate{halo.sig.get(), static_cast<std::size_t>(topo.rank), 1, SignalOp::Add},
+               stream);
     halo.device_plan->run(stream, copy, scope.capturing(), call);
     return;
   }

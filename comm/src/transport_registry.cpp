@@ -9,8 +9,7 @@ namespace meshmem {
 namespace detail {
 
 // The transports, in the order tried. Device windows: ipc (same node, VMM mappings), then
-// staged (same node, GPUs without peer access: through the node's pinned staging pool;
-// experimental, so not in Options' default order).
+// staged (same node, GPUs without peer access: through the node's pinned staging pool).
 // Host windows: shm (same node, memfd mappings), then mpi (any node, progress thread).
 const std::vector<TransportEntry>& transport_table() {
   static const std::vector<TransportEntry> table = {

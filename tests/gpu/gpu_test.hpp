@@ -5,7 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <string>
 #include <vector>
+
+#include <meshmem/meshmem.hpp>
 
 // Fails the test (and returns from it) when a CUDA runtime call does not succeed, with the
 // call and CUDA's message.
@@ -47,6 +50,17 @@ inline std::vector<unsigned char> to_host(const void* dev, std::size_t bytes) {
   std::vector<unsigned char> h(bytes);
   cudaMemcpy(h.data(), dev, bytes, cudaMemcpyDeviceToHost);
   return h;
+}
+
+// The device API (Window::view(), Window::peer) reaches only peers mapped here (ipc): a
+// test of it names the first peer that is not ("" if all are), to skip with the reason
+// (under MESHMEM_TRANSPORTS=staged,... or MESHMEM_PEER_ACCESS=off some pairs are staged).
+inline std::string unmapped_peer(const Comm& comm, const Window& win) {
+  for (int r = 0; r < comm.size(); ++r)
+    if (win.peer(r) == nullptr)
+      return "rank " + std::to_string(r) + " is reached through " + to_string(comm.transport(r, Memory::Device)) +
+             ", not mapped here: the device API needs mapped peers";
+  return "";
 }
 
 }  // namespace meshmem::test

@@ -730,11 +730,18 @@ TEST_F(RealUse, EveryCallWorksWithAnotherDeviceCurrent) {
   comm->wait_until(sig, 0, Cmp::GE, 1, s0);
   comm->barrier(s0);
   EXPECT_EQ(current(), other) << "a call left another device current";
-  // A kernel on the Comm's device that writes into the right neighbour through view().
+  // A kernel on the Comm's device that writes into the right neighbour through view() (a
+  // mapped one; a staged one gets the word by a put, from the other device still).
   CUDA_OK(cudaSetDevice(device));
-  store_into_peer<<<1, 1, 0, s0>>>(win.view(), right, 4096, 0x1234000000ull + me);
-  CUDA_OK(cudaGetLastError());
+  const std::uint64_t mark = 0x1234000000ull + me;
+  if (win.peer(right) != nullptr) {
+    store_into_peer<<<1, 1, 0, s0>>>(win.view(), right, 4096, mark);
+    CUDA_OK(cudaGetLastError());
+  } else {
+    CUDA_OK(cudaMemcpy(src.p, &mark, sizeof(mark), cudaMemcpyHostToDevice));
+  }
   CUDA_OK(cudaSetDevice(other));
+  if (win.peer(right) == nullptr) comm->put(win, right, 4096, src.p, sizeof(mark), s0);
   comm->barrier(s0);
   CUDA_OK(cudaStreamSynchronize(s0));
   CUDA_OK(cudaSetDevice(device));
@@ -793,8 +800,10 @@ TEST_F(RealUse, SignalAddWithoutNativePeerAtomicsIsRefused) {
   std::vector<char> buses(static_cast<std::size_t>(n) * sizeof(bus));
   MPI_Allgather(bus, sizeof(bus), MPI_CHAR, buses.data(), sizeof(bus), MPI_CHAR, MPI_COMM_WORLD);
   auto on_my_gpu = [&](int r) { return std::strncmp(bus, &buses[static_cast<std::size_t>(r) * sizeof(bus)], sizeof(bus)) == 0; };
-  const bool same_gpu = on_my_gpu(right);     // what I send
-  const bool left_same_gpu = on_my_gpu(left);  // what I receive
+  // The staged route applies Add with an atomic on the target's own GPU: no peer atomics.
+  auto staged = [&](int r) { return comm->transport(r, Memory::Device) == TransportKind::Staged; };
+  const bool same_gpu = on_my_gpu(right) || staged(right);     // what I send: Add accepted
+  const bool left_same_gpu = on_my_gpu(left) || staged(left);  // what I receive
   constexpr std::size_t kBytes = 4096;
   Window data = comm->alloc(kBytes);
   Signals sig = comm->alloc_signals(2);

@@ -46,7 +46,7 @@ struct Options {
   // MESHMEM_FD_PASSING
   FdPassing fd_passing = FdPassing::Auto;
   // MESHMEM_TRANSPORTS: the transports allowed, in the order tried.
-  std::vector<TransportKind> transports{TransportKind::Ipc, TransportKind::Shm, TransportKind::Mpi};
+  std::vector<TransportKind> transports{TransportKind::Ipc, TransportKind::Staged, TransportKind::Shm, TransportKind::Mpi};
   // MESHMEM_LOG_LEVEL
   LogLevel log_level = LogLevel::Warn;
 

@@ -47,17 +47,6 @@ const TuningKnob<EarlyLaunch> kEarlyLaunch{
     "cudaGridDependencySynchronize before touching any buffer of that put, as that attribute requires); `off`: "
     "ordinary launches"};
 
-// Device memory owned by a plan: freed with it.
-template <class T>
-T* device_array(DevicePtr& owner, const std::vector<T>& values, const std::string& what) {
-  if (values.empty()) return nullptr;
-  void* p = nullptr;
-  ipc::check_cuda(cudaMalloc(&p, values.size() * sizeof(T)), "cudaMalloc", what);
-  owner.reset(p);
-  ipc::check_cuda(cudaMemcpy(p, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy", what);
-  return static_cast<T*>(p);
-}
-
 class KernelHaloPlan final : public DeviceHaloPlan {
  public:
   KernelHaloPlan(const DeviceHaloSpec& spec, const CudaDeviceRuntime& device)

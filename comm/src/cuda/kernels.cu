@@ -120,9 +120,12 @@ __global__ void wait_kernel(std::uint64_t* words, std::size_t count, Cmp cmp, st
     device::SignalWord(words[i]).store(then, ::cuda::memory_order_relaxed);
 }
 
-__global__ void transfer_wait_kernel(const std::uint64_t* word, std::uint64_t sequence, int peer, WaitLimit limit,
-                                     bool early) {
+__global__ void transfer_wait_kernel(const std::uint64_t* word, std::uint64_t sequence, const std::uint64_t* sequence_at,
+                                     int peer, WaitLimit limit, bool early) {
   after_previous_kernel(early);
+  // Captured transfers learn their number on each replay, when their host node hands them to
+  // the agent (written before this kernel starts: stream order).
+  if (sequence_at != nullptr) sequence = *reinterpret_cast<const volatile std::uint64_t*>(sequence_at);
   (void)wait_word(word, Cmp::GE, sequence, limit, FaultKind::Transfer, peer, 0, 0);
 }
 
@@ -262,9 +265,9 @@ cudaError_t launch_wait(std::uint64_t* words, std::size_t count, Cmp cmp, std::u
                 limit, early);
 }
 
-cudaError_t launch_transfer_wait(const std::uint64_t* word, std::uint64_t sequence, int peer, WaitLimit limit,
-                                 cudaStream_t stream, bool early) {
-  return launch(transfer_wait_kernel, 1, 1, stream, early, word, sequence, peer, limit, early);
+cudaError_t launch_transfer_wait(const std::uint64_t* word, std::uint64_t sequence, const std::uint64_t* sequence_at,
+                                 int peer, WaitLimit limit, cudaStream_t stream, bool early) {
+  return launch(transfer_wait_kernel, 1, 1, stream, early, word, sequence, sequence_at, peer, limit, early);
 }
 
 }  // namespace meshmem::detail::cuda

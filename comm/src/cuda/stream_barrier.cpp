@@ -14,6 +14,7 @@
 #include "meshmem/ipc/cuda_driver.hpp"
 #include "meshmem/ipc/ipc_event.hpp"
 #include "stream_barrier_proxy.hpp"
+#include "transport_staged.hpp"
 
 namespace meshmem::detail {
 
@@ -82,6 +83,7 @@ class FlagWords {
  public:
   FlagWords(const Topology& topo, const BarrierContext& bctx)
       : topo_(topo), window_(bctx.alloc_signals(static_cast<std::size_t>(topo.size) * sizeof(std::uint64_t))) {}
+  explicit FlagWords(const Topology& topo) : topo_(topo) {}  // the flags live elsewhere
   std::uint64_t next() { return ++epoch_; }
 
  protected:
@@ -130,33 +132,49 @@ class FlagBarrier final : public StreamBarrier, FlagWords {
 
 // The barrier number lives in device memory and is advanced by the kernel: a graph replay
 // takes the next one.
+// The barrier kernel over flag words: by default in a device signals window that every node
+// peer maps (FlagWords); where some node peers are not mapped (staged transport), in the
+// node's staging pool (pinned host memory that every GPU of the node reaches).
 class KernelBarrier final : public StreamBarrier, FlagWords {
  public:
   KernelBarrier(const Topology& topo, const BarrierContext& bctx, const CudaDeviceRuntime& device)
       : FlagWords(topo, bctx), limit_(device.wait_limit()), early_(device.early_launch()), sequence_("barrier(stream) setup") {
-    void* p = nullptr;
-    ipc::check_cuda(cudaMalloc(&p, sizeof(std::uint64_t)), "cudaMalloc", where(topo));
-    counter_.reset(p);
-    ipc::check_cuda(cudaMemset(p, 0, sizeof(std::uint64_t)), "cudaMemset", where(topo));
-    ipc::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", where(topo));
+    peer_flags_ = static_cast<std::uint64_t* const*>(window_->device_peer_table);
+    my_flags_ = static_cast<std::uint64_t*>(window_->local);
+    make_counter();
+  }
+  KernelBarrier(const Topology& topo, const StagedTransport& pool, const CudaDeviceRuntime& device)
+      : FlagWords(topo), limit_(device.wait_limit()), early_(device.early_launch()), sequence_("barrier(stream) setup") {
+    std::vector<std::uint64_t*> table(static_cast<std::size_t>(topo.size), nullptr);
+    for (int r : topo.node_ranks) table[r] = pool.barrier_flags(r);
+    peer_flags_ = device_array(table_, table, where(topo));
+    my_flags_ = pool.barrier_flags(topo.rank);
+    make_counter();
   }
   void arrive(Stream stream, bool capturing) override {
     const char* call = "comm.barrier(stream)";
     sequence_.before(stream, capturing, call, topo_.rank);
-    const cudaError_t rc = cuda::launch_barrier(static_cast<std::uint64_t* const*>(window_->device_peer_table),
-                                                static_cast<std::uint64_t*>(window_->local),
-                                                static_cast<std::uint64_t*>(counter_.get()), topo_.rank, topo_.size,
-                                                limit_, stream, early_);
+    const cudaError_t rc = cuda::launch_barrier(peer_flags_, my_flags_, static_cast<std::uint64_t*>(counter_.get()),
+                                                topo_.rank, topo_.size, limit_, stream, early_);
     if (rc != cudaSuccess) ipc::check_cuda(rc, "barrier kernel launch", where(topo_));
     sequence_.after(stream, capturing, call, topo_.rank);
   }
-  std::string describe() const override { return "kernel"; }
+  std::string describe() const override { return window_ ? "kernel" : "kernel (flags in the staging pool)"; }
 
  private:
+  void make_counter() {
+    void* p = nullptr;
+    ipc::check_cuda(cudaMalloc(&p, sizeof(std::uint64_t)), "cudaMalloc", where(topo_));
+    counter_.reset(p);
+    ipc::check_cuda(cudaMemset(p, 0, sizeof(std::uint64_t)), "cudaMemset", where(topo_));
+    ipc::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", where(topo_));
+  }
   cuda::WaitLimit limit_;
   bool early_;
   StreamSequence sequence_;
-  DevicePtr counter_;
+  DevicePtr counter_, table_;
+  std::uint64_t* const* peer_flags_ = nullptr;
+  std::uint64_t* my_flags_ = nullptr;
 };
 
 // Whether `stream` has work not yet complete.
@@ -266,16 +284,38 @@ std::unique_ptr<StreamBarrier> make_stream_barrier(const CommContext& ctx, const
   const std::string what = "meshmem::Comm (barrier setup)";
   const Topology& topo = ctx.topo;
   // The node variants need every rank on this node and reached through a transport that
-  // maps its device windows here; otherwise the proxy meets them over MPI.
+  // maps its device windows here; where some are staged instead, the kernel barrier's flags
+  // live in the staging pool. Otherwise the proxy meets the ranks over MPI.
   bool all_mapped = topo.node_count == 1;
+  const StagedTransport* staged = nullptr;
   for (int r = 0; r < topo.size && all_mapped; ++r) {
     const Transport* t = bctx.routes.find(r, Memory::Device);
+    if (t != nullptr && t->kind() == TransportKind::Staged) {
+      staged = static_cast<const StagedTransport*>(t);
+      continue;
+    }
     all_mapped = t != nullptr && t->capabilities().mapped;
   }
-  if (ctx.boot.allreduce_max(all_mapped ? 0 : 1, what) != 0) {
+  const std::uint64_t verdict = ctx.boot.allreduce_max(!all_mapped ? 2 : staged != nullptr ? 1 : 0, what);
+  if (verdict == 2) {
     log(LogLevel::Info, "barrier(stream): ranks span nodes or unmapped GPUs; a proxy thread meets them over MPI "
                         "once the stream reaches the barrier");
     return std::make_unique<ProxyBarrier>(ctx, what);
+  }
+  if (verdict == 1) {
+    // Every rank routes some peer through `staged` (its pool is collective): flags there.
+    for (const Transport* t : bctx.connected)
+      if (staged == nullptr && t->kind() == TransportKind::Staged) staged = static_cast<const StagedTransport*>(t);
+    if (staged == nullptr || !staged->has_pool())
+      throw Error(ErrorCode::Internal, what + ": the staged transport's pool is missing on rank " + std::to_string(topo.rank));
+    if (kBarrier.get(ctx.options) != BarrierKind::Auto && kBarrier.get(ctx.options) != BarrierKind::Kernel)
+      log(LogLevel::Info, "barrier(stream): MESHMEM_BARRIER=" + print_barrier(kBarrier.get(ctx.options)) +
+                              " needs every node peer mapped; some are staged: the kernel barrier over the staging "
+                              "pool is used");
+    auto kernel = std::make_unique<KernelBarrier>(topo, *staged, device);
+    if (device.any_shared_gpu())
+      return std::make_unique<MeetingFirstBarrier>(ctx, std::move(kernel), nullptr, what);
+    return kernel;
   }
   if (topo.size == 1) return std::make_unique<SingleRankBarrier>();
   switch (kBarrier.get(ctx.options)) {

@@ -44,6 +44,17 @@ const TuningKnob<PeerAtomicsCheck> kPeerAtomics{
     "`Add` with Error(Unsupported) where they are absent (where the peer's GPU is hidden from this process it "
     "cannot be asked: allowed, logged at info); `off` treats every other GPU as lacking them (to test the refusal)"};
 
+enum class PeerAccess { Auto, Off };
+constexpr std::pair<const char*, PeerAccess> kPeerAccessChoices[] = {{"auto", PeerAccess::Auto}, {"off", PeerAccess::Off}};
+PeerAccess parse_peer_access(const char* n, const std::string& raw) { return parse_choice(n, raw, kPeerAccessChoices); }
+std::string print_peer_access(const PeerAccess& c) { return choice_name(c, kPeerAccessChoices); }
+const TuningKnob<PeerAccess> kPeerAccess{
+    "ipc", "MESHMEM_PEER_ACCESS", PeerAccess::Auto, parse_peer_access, print_peer_access,
+    "`auto`: ipc maps a node peer's GPU memory where the driver grants peer access (cudaDeviceCanAccessPeer, where "
+    "the peer's GPU is visible) and a probe mapping works; `off`: ipc reaches only ranks sharing this GPU, so pairs "
+    "of different GPUs go through `staged` as on a node without peer access (for peer access that the driver "
+    "grants but that does not work, and to test the staged route beside ipc in one job)"};
+
 // The node peers' parts of one device window, mapped here.
 // Released by the device runtime's WindowReleaser once the GPU's earlier work is done.
 class IpcAttachment final : public WindowAttachment {
@@ -83,25 +94,43 @@ void IpcTransport::probe_peers() {
     fd = probe.export_fd();
   });
   std::vector<ipc::UniqueFd> received = ctx_.fds.exchange(fd.get(), what);
-  probe_atomics();
+  const std::vector<std::string> bus = gather_bus_ids(ctx_, device_->device(), what);
+  probe_atomics(bus);
+  const std::string& mine = bus[topo.rank];
+  const bool off = kPeerAccess.get(ctx_.options) == PeerAccess::Off;
+  const std::string staged_hint = " (the staged transport carries such pairs through pinned host memory where "
+                                  "MESHMEM_TRANSPORTS lists it, as by default)";
   for (int r : topo.node_ranks) {
-    if (r == topo.rank) continue;
+    if (r == topo.rank || bus[r] == mine) continue;
+    int peer_device = -1, can = 1;
+    if (off) {
+      no_route_[r] = "MESHMEM_PEER_ACCESS=off: rank " + std::to_string(r) + "'s GPU (" + bus[r] +
+                     ") is another GPU than this rank's (" + mine + ")" + staged_hint;
+    } else if (cudaDeviceGetByPCIBusId(&peer_device, bus[r].c_str()) != cudaSuccess) {
+      (void)cudaGetLastError();  // hidden (isolation): the probe mapping below decides
+    } else if (peer_device != device_->device()) {
+      ipc::check_cuda(cudaDeviceCanAccessPeer(&can, device_->device(), peer_device), "cudaDeviceCanAccessPeer", what);
+      if (!can)
+        no_route_[r] = "the driver reports no peer access from GPU " + mine + " to rank " + std::to_string(r) +
+                       "'s GPU " + bus[r] + " (cudaDeviceCanAccessPeer = 0)" + staged_hint;
+    }
+  }
+  for (int r : topo.node_ranks) {
+    if (r == topo.rank || !no_route_[r].empty()) continue;
     try {
       ipc::PeerMapping m = ipc::PeerMapping::import(received[r].get(), granule, device_->device());
     } catch (const Error& e) {
       no_route_[r] = "the GPU memory of rank " + std::to_string(r) + " cannot be mapped for " + device_->describe() +
-                     " (no peer access between the GPUs?): " + e.what() +
-                     " (MESHMEM_TRANSPORTS=ipc,staged,shm,mpi routes such pairs through pinned host memory: experimental)";
+                     " (no peer access between the GPUs?): " + e.what() + staged_hint;
       log(LogLevel::Warn, "ipc transport: no route to rank " + std::to_string(r) + ": " + no_route_[r]);
     }
   }
 }
 
 // Which node peers' GPUs this GPU reaches with native atomics (the same GPU always does).
-void IpcTransport::probe_atomics() {
+void IpcTransport::probe_atomics(const std::vector<std::string>& bus) {
   const std::string what = "meshmem::Comm (ipc peer atomics)";
   const Topology& topo = ctx_.topo;
-  const std::vector<std::string> bus = gather_bus_ids(ctx_, device_->device(), what);
   const std::string& mine = bus[topo.rank];
   const bool off = kPeerAtomics.get(ctx_.options) == PeerAtomicsCheck::Off;
   no_atomics_.assign(static_cast<std::size_t>(topo.size), std::string());

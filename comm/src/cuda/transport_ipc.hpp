@@ -39,7 +39,7 @@ class IpcTransport final : public Transport {
 
  private:
   void probe_peers();
-  void probe_atomics();
+  void probe_atomics(const std::vector<std::string>& bus);  // bus ids by rank
   bool use_sm(const void* local, std::size_t bytes, std::size_t max) const;
   // Error context, built only when a call failed (puts are a hot path).
   std::string what(const char* op, int target) const;

@@ -69,44 +69,60 @@ class CurrentDevice {
   int previous_ = -1;
 };
 
-// The node peers' parts of one device window, each mapped here for that peer's GPU.
-class StagedAttachment final : public WindowAttachment {
- public:
-  explicit StagedAttachment(StagedTransport& t) : transport(t) {}
-  ~StagedAttachment() override {
-    // No queued or running transfer may touch a mapping once it is gone.
-    if (!transport.drain())
-      log(LogLevel::Error, "staged transport: transfers still running when a window was freed; its mappings of "
-                           "peers' memory are released anyway");
-  }
-  StagedTransport& transport;
-  std::vector<ipc::PeerMapping> parts;  // by rank
-};
-
 }  // namespace
 
-// One transfer, as the agent enqueues it.
+// One transfer, as the agent enqueues it: `rows` rows of `width` bytes, `src_pitch` /
+// `dst_pitch` apart (a contiguous transfer is one row).
 struct StagedRequest {
-  cudaEvent_t ready = nullptr;  // recorded on the caller's stream: the source is ready
+  cudaEvent_t ready = nullptr;  // recorded on the caller's stream: the source is ready (null:
+                                // handed over by a captured host node, which runs once it is)
   void* dst = nullptr;
   int dst_device = -1;
   const void* src = nullptr;
   int src_device = -1;
-  std::size_t bytes = 0;
+  std::size_t width = 0;
+  std::size_t rows = 1;
+  std::size_t src_pitch = 0;
+  std::size_t dst_pitch = 0;
   std::uint64_t* signal = nullptr;  // on dst_device, or null
   std::uint64_t value = 0;
   SignalOp op = SignalOp::Set;
   std::uint64_t sequence = 0;
+  std::size_t bytes() const { return width * rows; }
+};
+
+// The control words after the slots in each rank's region of the pool.
+// Word 0: the done word; then the barrier's flags (one per rank of the Comm); then the
+// numbers of captured transfers.
+struct ControlWords {
+  static constexpr std::size_t kBytes = std::size_t(1) << 20;
+  static constexpr std::size_t kWords = kBytes / sizeof(std::uint64_t);
+  std::uint64_t* base = nullptr;
+  std::size_t ranks = 0;
+  std::uint64_t* done() const { return base; }
+  std::uint64_t* barrier_flags() const { return base + 8; }
+  std::size_t captured_count() const { return kWords - 8 - (ranks + 7) / 8 * 8; }
+  std::uint64_t* captured(std::size_t i) const { return base + 8 + (ranks + 7) / 8 * 8 + i; }
 };
 
 // The thread that turns transfers into chunked copies on streams of its own: a lane (stream
-// and per-slot events) per GPU it touches.
+// and per-slot events) per GPU it touches. It owns this rank's share of the staging pool
+// (its slots and control words): in-flight copies use them until the agent is gone, and
+// window attachments and captured graphs may keep it after the transport itself.
 class StagingAgent {
  public:
-  StagingAgent(const std::vector<int>& devices, char* slots, std::size_t chunk, int nslots, std::uint64_t* done, int rank,
-               std::chrono::milliseconds timeout)
-      : slots_(slots), chunk_(chunk), nslots_(nslots), done_(done), rank_(rank), timeout_(timeout) {
+  StagingAgent(std::unique_ptr<StagingPool> pool, const std::vector<int>& devices, std::size_t chunk, int nslots,
+               int rank, int ranks, std::chrono::milliseconds timeout)
+      : pool_(std::move(pool)),
+        slots_(static_cast<char*>(pool_->region(rank))),
+        chunk_(chunk),
+        nslots_(nslots),
+        control_{reinterpret_cast<std::uint64_t*>(slots_ + chunk * static_cast<std::size_t>(nslots)),
+                 static_cast<std::size_t>(ranks)},
+        rank_(rank),
+        timeout_(timeout) {
     const std::string what = "staged transport on rank " + std::to_string(rank);
+    std::memset(control_.base, 0, ControlWords::kBytes);
     for (int d : devices) {
       if (lanes_.count(d)) continue;
       CurrentDevice current(d);
@@ -127,6 +143,8 @@ class StagingAgent {
     slot_free_.assign(static_cast<std::size_t>(nslots), nullptr);
     thread_ = std::thread([this] { run(); });
   }
+  StagingAgent(const StagingAgent&) = delete;
+  StagingAgent& operator=(const StagingAgent&) = delete;
 
   ~StagingAgent() {
     // Bounded: a lane can wait on a caller's stream that never moves on (a memop wait for a
@@ -184,7 +202,9 @@ class StagingAgent {
   }
 
   // The word the lanes set to each transfer's sequence number at its end (in the pool).
-  const std::uint64_t* done_word() const { return done_; }
+  const std::uint64_t* done_word() const { return control_.done(); }
+  const ControlWords& control() const { return control_; }
+  const StagingPool& pool() const { return *pool_; }
 
   // The first error the agent met, once ("" if none).
   std::string take_error() {
@@ -223,6 +243,10 @@ class StagingAgent {
   };
 
   void run() {
+    // The application may capture a graph in global mode on another thread meanwhile; this
+    // thread's calls touch only its own streams and must not be refused (nor invalidate it).
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    (void)cudaThreadExchangeStreamCaptureMode(&mode);
     for (;;) {
       StagedRequest r;
       {
@@ -262,19 +286,21 @@ class StagingAgent {
         backoff.pause();
       (void)cudaGetLastError();
     }
-    __atomic_store_n(done_, r.sequence, __ATOMIC_RELEASE);
+    __atomic_store_n(control_.done(), r.sequence, __ATOMIC_RELEASE);
   }
 
   void execute(const StagedRequest& r) {
     const std::string what = "staged transfer " + std::to_string(r.sequence) + " of rank " + std::to_string(rank_);
     Lane& from = lanes_.at(r.src_device);
     Lane& to = lanes_.at(r.dst_device);
-    {
-      CurrentDevice current(r.src_device);
-      ipc::check_cuda(cudaStreamWaitEvent(from.stream, r.ready, 0), "cudaStreamWaitEvent", what);
+    if (r.ready != nullptr) {
+      {
+        CurrentDevice current(r.src_device);
+        ipc::check_cuda(cudaStreamWaitEvent(from.stream, r.ready, 0), "cudaStreamWaitEvent", what);
+      }
+      give_back(r.ready);
     }
-    give_back(r.ready);
-    if (r.bytes == 0) {  // a signal alone: after the caller's earlier work, passed on by the source lane
+    if (r.bytes() == 0) {  // a signal alone: after the caller's earlier work, passed on by the source lane
       {
         CurrentDevice current(r.src_device);
         ipc::check_cuda(cudaEventRecord(from.passed, from.stream), "cudaEventRecord", what);
@@ -282,25 +308,38 @@ class StagingAgent {
       CurrentDevice current(r.dst_device);
       ipc::check_cuda(cudaStreamWaitEvent(to.stream, from.passed, 0), "cudaStreamWaitEvent", what);
     }
-    for (std::size_t at = 0; at < r.bytes; at += chunk_) {
-      const std::size_t len = std::min(chunk_, r.bytes - at);
-      const std::size_t s = next_slot_;
-      next_slot_ = (next_slot_ + 1) % static_cast<std::size_t>(nslots_);
-      char* slot = slots_ + s * chunk_;
-      {
-        CurrentDevice current(r.src_device);
-        if (slot_free_[s] != nullptr)
-          ipc::check_cuda(cudaStreamWaitEvent(from.stream, slot_free_[s], 0), "cudaStreamWaitEvent", what);
-        ipc::check_cuda(cudaMemcpyAsync(slot, static_cast<const char*>(r.src) + at, len, cudaMemcpyDefault, from.stream),
-                        "cudaMemcpyAsync (to the staging slot)", what);
-        ipc::check_cuda(cudaEventRecord(from.copied[s], from.stream), "cudaEventRecord", what);
+    // Pieces of at most a chunk: whole rows where a row fits (packed in the slot), otherwise
+    // a chunk of one row.
+    const std::size_t rows_per = r.width <= chunk_ ? std::max<std::size_t>(1, chunk_ / r.width) : 1;
+    const std::size_t cut = r.width <= chunk_ ? r.width : chunk_;
+    for (std::size_t row = 0; row < r.rows && r.width > 0; row += rows_per) {
+      const std::size_t rows = std::min(rows_per, r.rows - row);
+      for (std::size_t col = 0; col < r.width; col += cut) {
+        const std::size_t width = std::min(cut, r.width - col);
+        const char* src = static_cast<const char*>(r.src) + row * r.src_pitch + col;
+        char* dst = static_cast<char*>(r.dst) + row * r.dst_pitch + col;
+        const std::size_t s = next_slot_;
+        next_slot_ = (next_slot_ + 1) % static_cast<std::size_t>(nslots_);
+        char* slot = slots_ + s * chunk_;
+        {
+          CurrentDevice current(r.src_device);
+          if (slot_free_[s] != nullptr)
+            ipc::check_cuda(cudaStreamWaitEvent(from.stream, slot_free_[s], 0), "cudaStreamWaitEvent", what);
+          ipc::check_cuda(rows == 1 ? cudaMemcpyAsync(slot, src, width, cudaMemcpyDefault, from.stream)
+                                    : cudaMemcpy2DAsync(slot, width, src, r.src_pitch, width, rows, cudaMemcpyDefault,
+                                                        from.stream),
+                          "cudaMemcpyAsync (to the staging slot)", what);
+          ipc::check_cuda(cudaEventRecord(from.copied[s], from.stream), "cudaEventRecord", what);
+        }
+        CurrentDevice current(r.dst_device);
+        ipc::check_cuda(cudaStreamWaitEvent(to.stream, from.copied[s], 0), "cudaStreamWaitEvent", what);
+        ipc::check_cuda(rows == 1 ? cudaMemcpyAsync(dst, slot, width, cudaMemcpyDefault, to.stream)
+                                  : cudaMemcpy2DAsync(dst, r.dst_pitch, slot, width, width, rows, cudaMemcpyDefault,
+                                                      to.stream),
+                        "cudaMemcpyAsync (from the staging slot)", what);
+        ipc::check_cuda(cudaEventRecord(to.freed[s], to.stream), "cudaEventRecord", what);
+        slot_free_[s] = to.freed[s];
       }
-      CurrentDevice current(r.dst_device);
-      ipc::check_cuda(cudaStreamWaitEvent(to.stream, from.copied[s], 0), "cudaStreamWaitEvent", what);
-      ipc::check_cuda(cudaMemcpyAsync(static_cast<char*>(r.dst) + at, slot, len, cudaMemcpyDefault, to.stream),
-                      "cudaMemcpyAsync (from the staging slot)", what);
-      ipc::check_cuda(cudaEventRecord(to.freed[s], to.stream), "cudaEventRecord", what);
-      slot_free_[s] = to.freed[s];
     }
     CurrentDevice current(r.dst_device);
     std::vector<CUstreamBatchMemOpParams> ops;
@@ -322,7 +361,7 @@ class StagingAgent {
     }
     CUstreamBatchMemOpParams done{};
     done.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-    done.writeValue.address = reinterpret_cast<CUdeviceptr>(done_);
+    done.writeValue.address = reinterpret_cast<CUdeviceptr>(control_.done());
     done.writeValue.value64 = r.sequence;
     ops.push_back(done);
     run_stream_batch(ops, to.stream, "staged transfer", rank_);
@@ -330,10 +369,11 @@ class StagingAgent {
     last_lane_ = &to;
   }
 
+  std::unique_ptr<StagingPool> pool_;  // first: destroyed last, after the lanes stopped using it
   char* slots_;
   std::size_t chunk_;
   int nslots_;
-  std::uint64_t* done_;
+  ControlWords control_;
   int rank_;
   std::chrono::milliseconds timeout_;
   std::map<int, Lane> lanes_;
@@ -351,6 +391,65 @@ class StagingAgent {
   std::string error_;
   std::thread thread_;
 };
+
+namespace {
+
+// The node peers' parts of one device window, each mapped here for that peer's GPU. It keeps
+// the agent: its release may run on the window releaser's thread after the Comm is gone.
+class StagedAttachment final : public WindowAttachment {
+ public:
+  explicit StagedAttachment(std::shared_ptr<StagingAgent> a) : agent(std::move(a)) {}
+  ~StagedAttachment() override {
+    // No queued or running transfer may touch a mapping once it is gone.
+    if (!agent->drain())
+      log(LogLevel::Error, "staged transport: transfers still running when a window was freed; its mappings of "
+                           "peers' memory are released anyway");
+  }
+  std::shared_ptr<StagingAgent> agent;
+  std::vector<ipc::PeerMapping> parts;  // by rank
+};
+
+}  // namespace
+
+// What captured transfers share with the transport: a CUDA graph may outlive the Comm, and
+// its host nodes and destructor callbacks (threads of CUDA, which may not call CUDA) only
+// touch this.
+struct CaptureBoard {
+  std::mutex m;
+  StagingAgent* agent = nullptr;  // null once the transport stopped
+  std::vector<std::size_t> free;  // captured-transfer words not in use (ControlWords::captured)
+};
+
+namespace {
+
+// One captured transfer: on every replay its host node hands the request to the agent and
+// writes the number it got where the graph's wait kernel reads it.
+struct CapturedTransfer {
+  std::shared_ptr<CaptureBoard> board;
+  StagedRequest request;
+  std::size_t word = 0;
+  std::uint64_t* sequence_at = nullptr;
+};
+
+void CUDART_CB submit_captured(void* p) {
+  auto* c = static_cast<CapturedTransfer*>(p);
+  std::lock_guard<std::mutex> lock(c->board->m);
+  // After the Comm is gone its memory is too: nothing is written; the graph's wait times out
+  // naming the peer (replaying a graph of freed windows is the caller's error).
+  if (c->board->agent == nullptr) return;
+  __atomic_store_n(c->sequence_at, c->board->agent->submit(c->request), __ATOMIC_RELEASE);
+}
+
+void CUDART_CB release_captured(void* p) {
+  auto* c = static_cast<CapturedTransfer*>(p);
+  {
+    std::lock_guard<std::mutex> lock(c->board->m);
+    c->board->free.push_back(c->word);
+  }
+  delete c;
+}
+
+}  // namespace
 
 std::unique_ptr<Transport> make_staged_transport(const CommContext& ctx) {
   return std::make_unique<StagedTransport>(ctx);
@@ -386,6 +485,10 @@ StagedTransport::StagedTransport(const CommContext& ctx)
 StagedTransport::~StagedTransport() { stop(); }
 
 void StagedTransport::stop() noexcept {
+  if (board_) {
+    std::lock_guard<std::mutex> lock(board_->m);
+    board_->agent = nullptr;
+  }
   if (agent_) agent_->stop();
 }
 
@@ -402,16 +505,19 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
   for (int r = 0; r < ctx_.topo.size; ++r)
     if (routed[r] && peer_device_[r] >= 0 && std::find(devices.begin(), devices.end(), peer_device_[r]) == devices.end())
       devices.push_back(peer_device_[r]);
-  // Slots first (2 MiB aligned), then a page of control words: the done word.
+  // Slots first (2 MiB aligned), then the control words (ControlWords).
   const std::size_t slots_bytes = chunk_ * static_cast<std::size_t>(slots_);
-  pool_ = std::make_unique<StagingPool>(ctx_.boot, ctx_.topo, ctx_.fds, slots_bytes + 4096, device_->device(), devices, what);
-  char* region = static_cast<char*>(pool_->region(ctx_.topo.rank));
-  auto* done = reinterpret_cast<std::uint64_t*>(region + slots_bytes);
-  *done = 0;
+  auto pool =
+      std::make_unique<StagingPool>(ctx_.boot, ctx_.topo, ctx_.fds, slots_bytes + ControlWords::kBytes, device_->device(), devices, what);
+  const std::string layout = pool->describe();
   agreed_step(ctx_.boot, what, [&] {
-    agent_ = std::make_unique<StagingAgent>(devices, region, chunk_, slots_, done, ctx_.topo.rank, ctx_.options.timeout);
+    agent_ = std::make_shared<StagingAgent>(std::move(pool), devices, chunk_, slots_, ctx_.topo.rank, ctx_.topo.size,
+                                            ctx_.options.timeout);
   });
-  log(LogLevel::Info, "staged transport: pool " + pool_->describe() + "; " + std::to_string(slots_) + " slots of " +
+  board_ = std::make_shared<CaptureBoard>();
+  board_->agent = agent_.get();
+  for (std::size_t i = agent_->control().captured_count(); i-- > 0;) board_->free.push_back(i);
+  log(LogLevel::Info, "staged transport: pool " + layout + "; " + std::to_string(slots_) + " slots of " +
                           std::to_string(chunk_) + " bytes per rank");
 }
 
@@ -420,7 +526,7 @@ std::unique_ptr<WindowAttachment> StagedTransport::attach(WindowState& win, cons
   const Topology& topo = ctx_.topo;
   const auto& memory = static_cast<const DeviceWindowMemory&>(*win.storage);
   std::vector<ipc::UniqueFd> received = exchange_part_fds(ctx_, win, what);
-  auto attachment = std::make_unique<StagedAttachment>(*this);
+  auto attachment = std::make_unique<StagedAttachment>(agent_);
   attachment->parts.resize(static_cast<std::size_t>(topo.size));
   agreed_step(ctx_.boot, what, [&] {
     for (int r : topo.node_ranks) {
@@ -438,15 +544,6 @@ std::string StagedTransport::what(const char* op, int target) const {
          std::to_string(target);
 }
 
-void StagedTransport::refuse_capture(Stream stream, const char* op, int target) const {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status) != cudaSuccess) (void)cudaGetLastError();
-  if (status != cudaStreamCaptureStatusNone)
-    throw Error(ErrorCode::Unsupported,
-                what(op, target) + ": the stream is capturing a CUDA graph, and a staged transfer cannot be captured "
-                                   "(a thread of meshmem enqueues its chunks later); nothing was enqueued");
-}
-
 void* StagedTransport::mapped_part(const WindowState& win, int rank, const char* op) const {
   if (rank == ctx_.topo.rank) return win.local;
   for (const auto& a : win.attachments)
@@ -455,52 +552,121 @@ void* StagedTransport::mapped_part(const WindowState& win, int rank, const char*
   throw Error(ErrorCode::Internal, what(op, rank) + ": window #" + std::to_string(win.id) + " is not attached here");
 }
 
-void StagedTransport::transfer(void* dst, int dst_device, const void* src, int src_device, std::size_t bytes,
-                               std::uint64_t* signal, std::uint64_t value, SignalOp op, int peer, Stream stream,
-                               const char* name) {
+void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const char* name) {
   const std::string error = agent_->take_error();
   if (!error.empty()) throw Error(ErrorCode::Cuda, what(name, peer) + ": an earlier transfer failed: " + error);
-  StagedRequest r;
+  const auto s = static_cast<cudaStream_t>(stream);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  cudaGraph_t graph = nullptr;
+  ipc::check_cuda(cudaStreamGetCaptureInfo(s, &status, nullptr, &graph), "cudaStreamGetCaptureInfo", what(name, peer));
+  if (status == cudaStreamCaptureStatusActive) {
+    capture_transfer(r, graph, peer, s, name);
+    return;
+  }
   r.ready = agent_->take_event();
-  const cudaError_t rc = cudaEventRecord(r.ready, static_cast<cudaStream_t>(stream));
+  const cudaError_t rc = cudaEventRecord(r.ready, s);
   if (rc != cudaSuccess) {
     agent_->give_back(r.ready);
     ipc::check_cuda(rc, "cudaEventRecord", what(name, peer));
   }
+  const std::uint64_t sequence = agent_->submit(r);
+  const cudaError_t k = cuda::launch_transfer_wait(agent_->done_word(), sequence, nullptr, peer, device_->wait_limit(), s,
+                                                   device_->early_launch());
+  if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what(name, peer));
+}
+
+// Under capture the graph gets a host node that hands the request to the agent on every
+// replay (it runs once the caller's earlier work is done, so no ready event is needed), then
+// the wait kernel for the number that node got. The request lives as long as the graph (a
+// CUDA user object).
+void StagedTransport::capture_transfer(const StagedRequest& r, cudaGraph_t graph, int peer, cudaStream_t stream,
+                                       const char* name) {
+  auto captured = std::make_unique<CapturedTransfer>();
+  captured->board = board_;
+  captured->request = r;
+  {
+    std::lock_guard<std::mutex> lock(board_->m);
+    if (board_->free.empty())
+      throw Error(ErrorCode::Unsupported, what(name, peer) + ": more than " +
+                                              std::to_string(agent_->control().captured_count()) +
+                                              " staged transfers captured into CUDA graphs that still exist; nothing "
+                                              "was enqueued");
+    captured->word = board_->free.back();
+    board_->free.pop_back();
+  }
+  captured->sequence_at = agent_->control().captured(captured->word);
+  *captured->sequence_at = 0;
+  cudaUserObject_t object = nullptr;
+  const cudaError_t rc = cudaUserObjectCreate(&object, captured.get(), release_captured, 1, cudaUserObjectNoDestructorSync);
+  if (rc != cudaSuccess) {
+    std::lock_guard<std::mutex> lock(board_->m);
+    board_->free.push_back(captured->word);
+    ipc::check_cuda(rc, "cudaUserObjectCreate", what(name, peer));
+  }
+  CapturedTransfer* c = captured.release();  // the user object owns it now
+  const cudaError_t kept = cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove);
+  if (kept != cudaSuccess) {
+    (void)cudaUserObjectRelease(object, 1);  // runs release_captured
+    ipc::check_cuda(kept, "cudaGraphRetainUserObject", what(name, peer));
+  }
+  ipc::check_cuda(cudaLaunchHostFunc(stream, submit_captured, c), "cudaLaunchHostFunc (captured staged transfer)",
+                  what(name, peer));
+  const cudaError_t k = cuda::launch_transfer_wait(agent_->done_word(), 0, c->sequence_at, peer, device_->wait_limit(),
+                                                   stream, device_->early_launch());
+  if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what(name, peer));
+}
+
+StagedRequest StagedTransport::request(void* dst, int dst_device, const void* src, int src_device, std::size_t width,
+                                       std::size_t rows, std::size_t dst_pitch, std::size_t src_pitch) const {
+  StagedRequest r;
   r.dst = dst;
   r.dst_device = dst_device;
   r.src = src;
   r.src_device = src_device;
-  r.bytes = bytes;
-  r.signal = signal;
-  r.value = value;
-  r.op = op;
-  const std::uint64_t sequence = agent_->submit(r);
-  const cudaError_t k = cuda::launch_transfer_wait(agent_->done_word(), sequence, peer, device_->wait_limit(),
-                                                   static_cast<cudaStream_t>(stream), device_->early_launch());
-  if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what(name, peer));
+  r.width = width;
+  r.rows = rows;
+  r.dst_pitch = dst_pitch;
+  r.src_pitch = src_pitch;
+  return r;
 }
 
 void StagedTransport::put(const WindowState& win, int target, std::size_t offset, const void* src, std::size_t bytes,
                           const SignalUpdate& signal, Stream stream) {
-  refuse_capture(stream, "put", target);
   char* dst = static_cast<char*>(mapped_part(win, target, "put")) + offset;
-  std::uint64_t* word = nullptr;
-  if (signal.sig != nullptr)
-    word = static_cast<std::uint64_t*>(mapped_part(*signal.sig, target, "put_signal")) + signal.index;
-  if (bytes == 0 && word == nullptr) return;
-  transfer(dst, peer_device_[target], src, device_->device(), bytes, word, signal.value, signal.op, target, stream,
-           word != nullptr ? "put_signal" : "put");
+  StagedRequest r = request(dst, peer_device_[target], src, device_->device(), bytes, 1, bytes, bytes);
+  if (signal.sig != nullptr) {
+    r.signal = static_cast<std::uint64_t*>(mapped_part(*signal.sig, target, "put_signal")) + signal.index;
+    r.value = signal.value;
+    r.op = signal.op;
+  }
+  if (bytes == 0 && r.signal == nullptr) return;
+  transfer(r, target, stream, r.signal != nullptr ? "put_signal" : "put");
+}
+
+void StagedTransport::put_strided(const WindowState& win, int target, std::size_t dst_offset, std::size_t dst_pitch,
+                                  const void* src, std::size_t src_pitch, std::size_t width, std::size_t height,
+                                  Stream stream) {
+  if (width == 0 || height == 0) return;
+  char* dst = static_cast<char*>(mapped_part(win, target, "put")) + dst_offset;
+  transfer(request(dst, peer_device_[target], src, device_->device(), width, height, dst_pitch, src_pitch), target, stream,
+           "put (strided)");
 }
 
 void StagedTransport::get(void* dst, const WindowState& win, int target, std::size_t offset, std::size_t bytes,
                           Stream stream) {
-  refuse_capture(stream, "get", target);
   if (bytes == 0) return;
   const char* src = static_cast<const char*>(mapped_part(win, target, "get")) + offset;
-  transfer(dst, device_->device(), src, peer_device_[target], bytes, nullptr, 0, SignalOp::Set, target, stream, "get");
+  transfer(request(dst, device_->device(), src, peer_device_[target], bytes, 1, bytes, bytes), target, stream, "get");
 }
 
 bool StagedTransport::drain() noexcept { return agent_ ? agent_->drain() : true; }
+
+std::uint64_t* StagedTransport::barrier_flags(int rank) const {
+  const std::size_t offset = chunk_ * static_cast<std::size_t>(slots_);
+  auto* control = reinterpret_cast<std::uint64_t*>(static_cast<char*>(agent_->pool().region(rank)) + offset);
+  return ControlWords{control, static_cast<std::size_t>(ctx_.topo.size)}.barrier_flags();
+}
+
+std::string StagedTransport::describe_pool() const { return agent_ ? agent_->pool().describe() : std::string(); }
 
 }  // namespace meshmem::detail

@@ -13,22 +13,19 @@
 // landed: a word in the pool that the agent's stream writes, polled by a one-thread kernel
 // that times out like every device wait. Transfers of this rank run one after another.
 //
-// Limits (this version): the target's GPU must be visible to this process (under per-rank
-// CUDA_VISIBLE_DEVICES isolation the pair is not reached and says why); calls during a CUDA
-// graph capture raise Error(Unsupported) before touching the capture (the agent enqueues
-// later, outside the capture).
+// CUDA graphs: under capture the graph gets a host node that hands the transfer to the agent
+// on every replay, and the wait kernel reads the number it got from pinned memory; the
+// request lives as long as the graph (a CUDA user object). A graph must not be replayed after
+// its Comm is gone (as with every route: its windows are gone too).
 //
-// Open defect: transfers queued back to back without a host synchronisation between them
-// (signals in a loop, put_signal + ack rounds) never finish their first transfer on the GPU
-// machines (the done word stays 0; tests Staged.SignalNeverAhead*, Staged.SignalAdd*), while
-// single and synchronised transfers up to 1 GiB are correct. Hence experimental: not in the
-// default MESHMEM_TRANSPORTS order. Probable cause (found by reading, not yet confirmed on a
-// GPU): CUDA's lazy loading. The first launch of a kernel (the agent's signal-Add kernel, a
-// test's own kernel) loads it and may synchronise the context, which waits for a polling
-// transfer/signal wait that needs the agent (or the peer's agent) to make progress. meshmem now
-// preloads its kernels on every GPU it uses (cuda::preload_kernels); application kernels
-// launched for the first time while a staged wait is in flight remain a risk
-// (CUDA_MODULE_LOADING=EAGER avoids it).
+// Transfers are handed over in stream order and run one after another per rank. The agent
+// preloads meshmem's kernels on every GPU it drives: under CUDA's lazy loading a first launch
+// may wait for the context to be idle, which a polling transfer wait never is (this hung
+// back-to-back transfers until 6fa5e92). An application kernel launched for the first time
+// while a staged wait is in flight has the same risk (CUDA_MODULE_LOADING=EAGER avoids it).
+//
+// Limits (this version): the target's GPU must be visible to this process (under per-rank
+// CUDA_VISIBLE_DEVICES isolation the pair is not reached and says why).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -41,9 +38,10 @@
 
 namespace meshmem::detail {
 
+struct CaptureBoard;
 class CudaDeviceRuntime;
 class StagingAgent;
-class StagingPool;
+struct StagedRequest;
 
 class StagedTransport final : public Transport {
  public:
@@ -51,7 +49,7 @@ class StagedTransport final : public Transport {
   explicit StagedTransport(const CommContext& ctx);
   ~StagedTransport() override;
   TransportKind kind() const override { return TransportKind::Staged; }
-  Capabilities capabilities() const override { return Capabilities{true, false, true, false}; }
+  Capabilities capabilities() const override { return Capabilities{true, false, true, true}; }
   bool serves(Memory memory) const override { return memory == Memory::Device && device_ != nullptr; }
   Reach reach(int rank, Memory memory) const override;
   // Collective: makes the node's staging pool and starts the agent.
@@ -62,6 +60,9 @@ class StagedTransport final : public Transport {
            const SignalUpdate& signal, Stream stream) override;
   void get(void* dst, const WindowState& win, int target, std::size_t offset, std::size_t bytes,
            Stream stream) override;
+  // One transfer (2D copies through the slots), not one per row.
+  void put_strided(const WindowState& win, int target, std::size_t dst_offset, std::size_t dst_pitch, const void* src,
+                   std::size_t src_pitch, std::size_t width, std::size_t height, Stream stream) override;
   // The caller's stream waits for each transfer's end: nothing to add.
   void quiet(Stream) override {}
   void stop() noexcept override;
@@ -69,14 +70,21 @@ class StagedTransport final : public Transport {
   // Waits until every transfer handed to the agent has finished on the GPUs (bounded by
   // MESHMEM_TIMEOUT; false if not). A window's peer mappings go only after this.
   bool drain() noexcept;
+  // The pool as this rank sees it ("" before connect).
+  std::string describe_pool() const;
+  bool has_pool() const { return agent_ != nullptr; }
+  // The barrier's flag words in rank r's region of the pool (one per rank, the word of rank
+  // s written by s), mapped here for this rank's GPU; after connect, node ranks only.
+  std::uint64_t* barrier_flags(int rank) const;
 
  private:
   std::string what(const char* op, int target) const;
-  void refuse_capture(Stream stream, const char* op, int target) const;
   void* mapped_part(const WindowState& win, int rank, const char* op) const;
+  StagedRequest request(void* dst, int dst_device, const void* src, int src_device, std::size_t width, std::size_t rows,
+                        std::size_t dst_pitch, std::size_t src_pitch) const;
   // Hands one transfer to the agent; the caller's stream waits for its end.
-  void transfer(void* dst, int dst_device, const void* src, int src_device, std::size_t bytes, std::uint64_t* signal,
-                std::uint64_t value, SignalOp op, int peer, Stream stream, const char* name);
+  void transfer(StagedRequest r, int peer, Stream stream, const char* name);
+  void capture_transfer(const StagedRequest& r, cudaGraph_t graph, int peer, cudaStream_t stream, const char* name);
 
   CommContext ctx_;
   CudaDeviceRuntime* device_;       // null where device windows are unavailable
@@ -84,8 +92,8 @@ class StagedTransport final : public Transport {
   std::vector<std::string> no_route_;
   std::size_t chunk_;
   int slots_;
-  std::unique_ptr<StagingPool> pool_;
-  std::unique_ptr<StagingAgent> agent_;
+  std::shared_ptr<StagingAgent> agent_;  // shared with window attachments (released later)
+  std::shared_ptr<CaptureBoard> board_;  // shared with captured graphs
 };
 
 }  // namespace meshmem::detail
