@@ -37,3 +37,9 @@ if(MESHMEM_HAVE_CUDA)
   add_executable(staging_memory_lab staging_memory_lab.cu)
   target_link_libraries(staging_memory_lab PRIVATE meshmem::meshmem)
 endif()
+# staged_bench: the staged transport (forced with MESHMEM_TRANSPORTS=staged,shm,mpi) against
+# D2H / H2D copies and the driver's host-staged cudaMemcpyPeerAsync (bench/README.md).
+if(MESHMEM_HAVE_CUDA)
+  add_executable(staged_bench staged_bench.cu)
+  target_link_libraries(staged_bench PRIVATE meshmem::meshmem)
+endif()

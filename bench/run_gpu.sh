@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: build, run the GPU tests, run the device benchmarks (meshmem, CUDA IPC,
-# NCCL, NVSHMEM where present), and leave logs and the results CSV in OUT_DIR.
+# NCCL, NVSHMEM where present; staged_bench), and leave logs and the results CSV in OUT_DIR.
 #   bench/run_gpu.sh OUT_DIR MACHINE_NAME [--skip-tests] [--quick]
 set -uo pipefail
 out=${1:?out dir}; machine=${2:?machine name}; shift 2
@@ -45,3 +45,9 @@ if [ -x ./bench/nvshmem_bench ]; then
 else
   echo "nvshmem_bench not built (see configure.log)"
 fi
+# The staged transport (forced: staged_bench sets MESHMEM_TRANSPORTS=staged,shm,mpi) against
+# D2H / H2D copies and the driver's host-staged cudaMemcpyPeerAsync; 2 ranks, GPUs 0 and 1.
+timeout 300 mpirun -np 2 $flags ./bench/staged_bench --csv "$csv" --commit "$commit" --machine "$machine" --date "$date" \
+  ${quick:+--max-bytes 64M} > "$out/staged_bench.txt" 2>&1
+echo "staged_bench exit $?"
+grep -A12 "# summary" "$out/staged_bench.txt"

@@ -94,6 +94,7 @@ TEST_F(Staged, PutSignalAndGetEverySize) {
     std::vector<unsigned char> fetched(size);
     CUDA_OK(cudaMemcpy(fetched.data(), back, size, cudaMemcpyDeviceToHost));
     EXPECT_EQ(first_difference(fetched.data(), mine.data(), size), -1) << "get of " << size << " bytes from rank " << right;
+    comm->barrier();  // the left neighbour's get from this window is done before the next round poisons it
   }
   comm->barrier();
   cudaFree(src);

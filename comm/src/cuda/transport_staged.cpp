@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
+#include <strings.h>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -310,7 +312,7 @@ class StagingAgent {
     }
     // Pieces of at most a chunk: whole rows where a row fits (packed in the slot), otherwise
     // a chunk of one row.
-    const std::size_t rows_per = r.width <= chunk_ ? std::max<std::size_t>(1, chunk_ / r.width) : 1;
+    const std::size_t rows_per = r.width == 0 ? 1 : r.width <= chunk_ ? chunk_ / r.width : 1;
     const std::size_t cut = r.width <= chunk_ ? r.width : chunk_;
     for (std::size_t row = 0; row < r.rows && r.width > 0; row += rows_per) {
       const std::size_t rows = std::min(rows_per, r.rows - row);
@@ -517,6 +519,14 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
   board_ = std::make_shared<CaptureBoard>();
   board_->agent = agent_.get();
   for (std::size_t i = agent_->control().captured_count(); i-- > 0;) board_->free.push_back(i);
+  const char* loading = std::getenv("CUDA_MODULE_LOADING");
+  static bool warned = false;
+  if ((loading == nullptr || strcasecmp(loading, "EAGER") != 0) && !std::exchange(warned, true))
+    log(LogLevel::Warn,
+        "staged transport with CUDA lazy module loading (CUDA_MODULE_LOADING is not EAGER): the first launch of an "
+        "application kernel while a staged transfer is in flight can wait for the GPU to be idle, which the transfer's "
+        "stream wait never is until MESHMEM_TIMEOUT; set CUDA_MODULE_LOADING=EAGER, or launch each kernel once "
+        "before the first staged transfer");
   log(LogLevel::Info, "staged transport: pool " + layout + "; " + std::to_string(slots_) + " slots of " +
                           std::to_string(chunk_) + " bytes per rank");
 }

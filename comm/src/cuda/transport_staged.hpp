@@ -22,7 +22,10 @@
 // preloads meshmem's kernels on every GPU it drives: under CUDA's lazy loading a first launch
 // may wait for the context to be idle, which a polling transfer wait never is (this hung
 // back-to-back transfers until 6fa5e92). An application kernel launched for the first time
-// while a staged wait is in flight has the same risk (CUDA_MODULE_LOADING=EAGER avoids it).
+// while a staged wait is in flight still stalls until MESHMEM_TIMEOUT (seen on 2 x H200 in
+// RealUse.EarlyLaunchedKernelsWaitForThePreviousKernel): the launch waits for an idle GPU
+// and holds the agent's driver calls meanwhile. CUDA_MODULE_LOADING=EAGER avoids it; the
+// transport warns at connect when it is not set.
 //
 // Limits (this version): the target's GPU must be visible to this process (under per-rank
 // CUDA_VISIBLE_DEVICES isolation the pair is not reached and says why).

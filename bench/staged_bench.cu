@@ -1,0 +1,546 @@
+// staged_bench: meshmem's `staged` transport (device windows of GPUs without peer access,
+// carried through the node's pinned staging pool), forced with
+// MESHMEM_TRANSPORTS=staged,shm,mpi where peer access works, against the copies it is made of
+// and the driver's own host staging, all measured on rank 0 in one run:
+//   meshmem            comm.put into / comm.get from rank 1's device window, device buffer
+//   meshmem-host-call  the host time spent inside those calls (latency column only)
+//   driver-staged      cudaMemcpyPeerAsync between rank 0's GPU and another GPU of its process
+//                      with peer access off, so that the driver stages through host memory
+//   d2h, h2d           cudaMemcpyAsync between rank 0's GPU and pinned host memory
+// Benchmarks staged_put (rank 0 -> rank 1; driver-staged this GPU -> the other) and
+// staged_get (the reverse). Prints an OSU-style table and the target ratios; --csv appends
+// the rows in the bench/results format.
+//   mpirun -np 2 staged_bench [--csv FILE --commit C --machine M --date D]
+//                             [--max-bytes N] [--iters N] [--reps N]
+#include <cuda_runtime_api.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <meshmem/meshmem.hpp>
+#include <string>
+#include <vector>
+
+#include "bench_check.hpp"
+#include "results_csv.hpp"
+
+namespace {
+
+int g_rank = 0;
+using Clock = std::chrono::steady_clock;
+
+constexpr std::size_t kKiB = std::size_t{1} << 10;
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+constexpr std::size_t kGiB = std::size_t{1} << 30;
+constexpr std::size_t kGuard = 4 * kKiB;          // bytes past the destination that must stay untouched
+constexpr unsigned char kPoison = 0xEE;
+constexpr std::size_t kLoopBytes = 4 * kGiB;      // a timed loop moves at most this much (at least 3 ops)
+constexpr std::size_t kRatioFrom = 64 * kMiB;     // the summary's ratios: sizes from here up
+
+// ---- the data check: a pseudo-random byte pattern made and compared on the GPU ----
+
+__device__ __forceinline__ unsigned char pattern_byte(unsigned long long seed, std::size_t i) {
+  unsigned long long z = seed + static_cast<unsigned long long>(i >> 3) * 0x9E3779B97F4A7C15ull;  // splitmix64
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<unsigned char>(z >> ((i & 7) * 8));
+}
+
+__global__ void fill_pattern(unsigned char* p, std::size_t n, unsigned long long seed) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    p[i] = pattern_byte(seed, i);
+}
+
+// out[0] += bytes of p[0, n) that differ from the pattern (constant < 0) or from `constant`;
+// out[1] = min(out[1], the first such index).
+__global__ void count_mismatches(const unsigned char* p, std::size_t n, unsigned long long seed, int constant,
+                                 unsigned long long* out) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  unsigned long long count = 0, first = ~0ull;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const unsigned char want = constant < 0 ? pattern_byte(seed, i) : static_cast<unsigned char>(constant);
+    if (p[i] != want) {
+      if (count == 0) first = i;
+      ++count;
+    }
+  }
+  if (count != 0) {
+    atomicAdd(&out[0], count);
+    atomicMin(&out[1], first);
+  }
+}
+
+constexpr int kBlocks = 1024, kThreads = 256;
+
+void fill(void* p, std::size_t n, unsigned long long seed, cudaStream_t s) {
+  fill_pattern<<<kBlocks, kThreads, 0, s>>>(static_cast<unsigned char*>(p), n, seed);
+  CK(cudaGetLastError());
+  CK(cudaStreamSynchronize(s));
+}
+
+struct Mismatch {
+  unsigned long long count = 0, first = ~0ull;
+};
+
+// Compares p[0, n) (a buffer of the current GPU) with the pattern (constant < 0) or a byte.
+Mismatch compare(const void* p, std::size_t n, unsigned long long seed, int constant, unsigned long long* counters,
+                 cudaStream_t s) {
+  Mismatch m;
+  CK(cudaMemcpyAsync(counters, &m, sizeof(m), cudaMemcpyHostToDevice, s));
+  count_mismatches<<<kBlocks, kThreads, 0, s>>>(static_cast<const unsigned char*>(p), n, seed, constant, counters);
+  CK(cudaGetLastError());
+  CK(cudaMemcpyAsync(&m, counters, sizeof(m), cudaMemcpyDeviceToHost, s));
+  CK(cudaStreamSynchronize(s));
+  return m;
+}
+
+// ---- command line ----
+
+// "4096", "64K", "16M", "1G" (binary units).
+bool parse_bytes(const std::string& text, std::size_t* out) {
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long v = std::strtoull(text.c_str(), &end, 10);
+  if (errno != 0 || end == text.c_str() || v == 0) return false;
+  std::size_t unit = 1;
+  const std::string suffix = end;
+  if (suffix == "K" || suffix == "k" || suffix == "KiB") unit = kKiB;
+  else if (suffix == "M" || suffix == "m" || suffix == "MiB") unit = kMiB;
+  else if (suffix == "G" || suffix == "g" || suffix == "GiB") unit = kGiB;
+  else if (!suffix.empty()) return false;
+  *out = static_cast<std::size_t>(v) * unit;
+  return true;
+}
+
+bool parse_count(const std::string& text, int* out) {
+  char* end = nullptr;
+  const long v = std::strtol(text.c_str(), &end, 10);
+  if (end == text.c_str() || *end != '\0' || v < 1 || v > 1000000) return false;
+  *out = static_cast<int>(v);
+  return true;
+}
+
+void usage(std::FILE* f) {
+  std::fprintf(f,
+               "usage: mpirun -np 2 staged_bench [--csv FILE] [--commit C] [--machine M] [--date D]\n"
+               "                                 [--max-bytes N] [--iters N] [--reps N]\n"
+               "  --max-bytes N  largest size (default 1G; K/M/G suffixes); sizes 4K, 16K, ... up to it\n"
+               "  --iters N      operations per timed loop (default 100; fewer where a loop would move\n"
+               "                 more than 4 GiB, at least 3)\n"
+               "  --reps N       timed loops per size and variant, taking turns; the fastest is reported\n"
+               "                 (default 3)\n"
+               "Sets MESHMEM_TRANSPORTS=staged,shm,mpi unless it is set already.\n");
+}
+
+// ---- rows ----
+
+std::vector<bench::ResultRow> g_rows;
+
+void print_row(const bench::ResultRow& r) {
+  char lat[32] = "-", bw[32] = "-";
+  if (r.latency_us >= 0) std::snprintf(lat, sizeof(lat), "%.2f", r.latency_us);
+  if (r.bandwidth_gbps >= 0) std::snprintf(bw, sizeof(bw), "%.3f", r.bandwidth_gbps);
+  std::printf("  %-10s %-17s %12lld %14s %16s\n", r.benchmark.c_str(), r.variant.c_str(), r.size_bytes, lat, bw);
+  std::fflush(stdout);
+}
+
+void record(const std::string& bench, const std::string& variant, std::size_t size, double lat_us, double bw_gbps) {
+  g_rows.push_back({bench, variant, 2, static_cast<long long>(size), lat_us, bw_gbps});
+  print_row(g_rows.back());
+}
+
+double find_bw(const std::string& bench, const std::string& variant, std::size_t size) {
+  for (const auto& r : g_rows)
+    if (r.benchmark == bench && r.variant == variant && r.size_bytes == static_cast<long long>(size)) return r.bandwidth_gbps;
+  return -1;
+}
+
+double find_lat(const std::string& bench, const std::string& variant, std::size_t size) {
+  for (const auto& r : g_rows)
+    if (r.benchmark == bench && r.variant == variant && r.size_bytes == static_cast<long long>(size)) return r.latency_us;
+  return -1;
+}
+
+// Peer access from `from` to `to` off, if the driver could grant it at all (it is never
+// enabled here; this undoes it if something else did).
+void disable_peer_access(int from, int to, int home) {
+  int can = 0;
+  CK(cudaDeviceCanAccessPeer(&can, from, to));
+  if (!can) return;
+  CK(cudaSetDevice(from));
+  const cudaError_t rc = cudaDeviceDisablePeerAccess(to);
+  if (rc == cudaSuccess) {
+    std::printf("# peer access GPU %d -> GPU %d was enabled: disabled for driver-staged\n", from, to);
+  } else if (rc == cudaErrorPeerAccessNotEnabled) {
+    (void)cudaGetLastError();  // the expected answer: clear it
+  } else {
+    bench::fail("cudaDeviceDisablePeerAccess(to)", cudaGetErrorString(rc), __FILE__, __LINE__);
+  }
+  CK(cudaSetDevice(home));
+}
+
+struct Setup {
+  std::size_t max_bytes;
+  int iters, reps;
+  int device, devices;
+  bool transports_from_user;
+  std::string transports;
+};
+
+// Everything that holds a Comm or device memory; returns the exit status.
+int measure(const Setup& cfg) {
+  const bool origin = g_rank == 0;
+  std::vector<std::size_t> sizes;
+  for (std::size_t s = 4 * kKiB; s <= std::min(cfg.max_bytes, kGiB); s *= 4) sizes.push_back(s);
+  if (sizes.empty()) sizes.push_back(cfg.max_bytes);  // --max-bytes below 4 KiB: that size alone
+  const std::size_t max_size = sizes.back();
+
+  // Both ranks: their GPU's PCI bus id, for the header.
+  char mine[32] = {}, bus[2][32] = {};
+  CK(cudaDeviceGetPCIBusId(mine, sizeof(mine), cfg.device));
+  MK(MPI_Gather(mine, sizeof(mine), MPI_CHAR, bus, sizeof(mine), MPI_CHAR, 0, MPI_COMM_WORLD));
+  const bool shared_gpu = std::strcmp(bus[0], bus[1]) == 0;
+
+  // Load the check kernels now: under CUDA's lazy loading a first launch while a staged
+  // transfer's wait is in flight may wait for the context to go idle (transport_staged.hpp).
+  cudaFuncAttributes attr{};
+  CK(cudaFuncGetAttributes(&attr, fill_pattern));
+  CK(cudaFuncGetAttributes(&attr, count_mismatches));
+
+  meshmem::Comm comm(MPI_COMM_WORLD);
+  const meshmem::TransportKind route = comm.transport(origin ? 1 : 0, meshmem::Memory::Device);
+  int staged_here = route == meshmem::TransportKind::Staged ? 1 : 0, staged = 0;
+  MK(MPI_Allreduce(&staged_here, &staged, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+  int status = 0;
+  if (origin) {
+    cudaDeviceProp prop{};
+    CK(cudaGetDeviceProperties(&prop, cfg.device));
+    std::printf("# meshmem staged_bench: 2 ranks, %d GPU(s) visible (%s); rank 0 on %s, rank 1 on %s%s\n", cfg.devices,
+                prop.name, bus[0], bus[1], shared_gpu ? " (one GPU shared)" : "");
+    std::printf("# MESHMEM_TRANSPORTS=%s (%s)\n", cfg.transports.c_str(),
+                cfg.transports_from_user ? "set by the user" : "set by staged_bench");
+    std::printf("# rank 0 reaches rank 1's device window through: %s\n", meshmem::to_string(route));
+    std::printf("# device setup: %s\n", comm.device_info().c_str());
+    if (route == meshmem::TransportKind::None)
+      std::fprintf(stderr, "staged_bench: no transport reaches rank 1: %s\n",
+                   comm.unreachable_reason(1, meshmem::Memory::Device).c_str());
+    if (!staged)
+      std::fprintf(stderr,
+                   "staged_bench: rank 1 is not reached through the staged transport (%s): no meshmem rows; "
+                   "the baselines are still measured\n",
+                   meshmem::to_string(route));
+  }
+  if (!staged) status = 1;
+
+  meshmem::Window win = comm.alloc(max_size + kGuard);
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  unsigned long long* counters = nullptr;
+  CK(cudaMalloc(&counters, 2 * sizeof(unsigned long long)));
+
+  // Rank 0's buffers: meshmem's source / destination (+ guard), the baselines' device buffer,
+  // pinned host memory, and a buffer on another GPU of this process for driver-staged.
+  void* mbuf = nullptr;
+  void* cbuf = nullptr;
+  void* hbuf = nullptr;
+  void* obuf = nullptr;
+  int other = -1;
+  if (origin) {
+    CK(cudaMalloc(&mbuf, max_size + kGuard));
+    CK(cudaMalloc(&cbuf, max_size));
+    CK(cudaMallocHost(&hbuf, max_size));
+    CK(cudaMemset(cbuf, 0x5a, max_size));
+    std::memset(hbuf, 0xa5, max_size);
+    if (cfg.devices >= 2) {
+      other = (cfg.device + 1) % cfg.devices;
+      disable_peer_access(cfg.device, other, cfg.device);
+      disable_peer_access(other, cfg.device, cfg.device);
+      CK(cudaSetDevice(other));
+      CK(cudaMalloc(&obuf, max_size));
+      CK(cudaMemset(obuf, 0x3c, max_size));
+      CK(cudaDeviceSynchronize());
+      CK(cudaSetDevice(cfg.device));
+      int can = 0;
+      CK(cudaDeviceCanAccessPeer(&can, cfg.device, other));
+      std::printf("# driver-staged: cudaMemcpyPeerAsync GPU %d <-> GPU %d, peer access not enabled (the driver %s grant it)\n",
+                  cfg.device, other, can ? "could" : "could not");
+    } else {
+      std::printf("# driver-staged: skipped: rank 0 sees only one GPU (needs two visible to one process)\n");
+    }
+    CK(cudaDeviceSynchronize());
+    std::printf("# sizes %zu .. %zu bytes; up to %d operations per timed loop (a loop moves at most %zu MiB), fastest of %d "
+                "loops; latency = time / operations, bandwidth = bytes x operations / time (GB/s = 1e9 B/s), host-timed "
+                "from the first enqueue to cudaStreamSynchronize\n",
+                sizes.front(), max_size, cfg.iters, kLoopBytes / kMiB, cfg.reps);
+    std::printf("# %-10s %-17s %12s %14s %16s\n", "benchmark", "variant", "size", "latency(us)", "bandwidth(GB/s)");
+    std::fflush(stdout);
+  }
+  MK(MPI_Barrier(MPI_COMM_WORLD));
+
+  bool failed = false;
+  for (const char* bench_name : {"staged_put", "staged_get"}) {
+    const bool put = bench_name[7] == 'p';
+    for (std::size_t size : sizes) {
+      const int iters = static_cast<int>(std::max<std::size_t>(3, std::min<std::size_t>(cfg.iters, kLoopBytes / size)));
+      const int warm = static_cast<int>(std::max<std::size_t>(2, std::min<std::size_t>(10, kGiB / size)));
+      const unsigned long long seed = (put ? 0x1000ull : 0x2000ull) + size;
+      const std::size_t checked = size + kGuard;  // the buffers have kGuard bytes past max_size
+
+      // The operations of rank 0, each enqueued on s; host_ns adds the time inside comm calls.
+      double host_ns = 0;
+      auto meshmem_op = [&] {
+        const auto t0 = Clock::now();
+        if (put) comm.put(win, 1, 0, mbuf, size, s);
+        else comm.get(mbuf, win, 1, 0, size, s);
+        host_ns += std::chrono::duration<double, std::nano>(Clock::now() - t0).count();
+      };
+      auto driver_op = [&] {
+        if (put) CK(cudaMemcpyPeerAsync(obuf, other, cbuf, cfg.device, size, s));
+        else CK(cudaMemcpyPeerAsync(cbuf, cfg.device, obuf, other, size, s));
+      };
+      auto d2h_op = [&] { CK(cudaMemcpyAsync(hbuf, cbuf, size, cudaMemcpyDeviceToHost, s)); };
+      auto h2d_op = [&] { CK(cudaMemcpyAsync(cbuf, hbuf, size, cudaMemcpyHostToDevice, s)); };
+      struct Variant {
+        const char* name;
+        bool active;
+        std::function<void()> op;
+        double best_s = 1e30, best_host_ns = 1e30;
+      };
+      Variant variants[] = {{"meshmem", staged != 0, meshmem_op},
+                            {"driver-staged", other >= 0, driver_op},
+                            {"d2h", true, d2h_op},
+                            {"h2d", true, h2d_op}};
+
+      // 1. The data: put: rank 0's source; get: rank 1's window.
+      if (put && origin) fill(mbuf, size, seed, s);
+      if (!put && !origin) fill(win.local(), size, seed, s);
+      comm.barrier();
+      // 2. Warm-up (rank 0; rank 1 waits in the barrier).
+      if (origin) {
+        for (auto& v : variants)
+          if (v.active)
+            for (int w = 0; w < warm; ++w) v.op();
+        CK(cudaStreamSynchronize(s));
+      }
+      comm.barrier();
+      // 3. Poison the destination and the guard behind it.
+      if (put && !origin) {
+        CK(cudaMemsetAsync(win.local(), kPoison, checked, s));
+        CK(cudaStreamSynchronize(s));
+      }
+      if (!put && origin) {
+        CK(cudaMemsetAsync(mbuf, kPoison, checked, s));
+        CK(cudaStreamSynchronize(s));
+      }
+      comm.barrier();
+      // 4. The timed loops, the variants taking turns.
+      if (origin) {
+        for (int rep = 0; rep < cfg.reps; ++rep) {
+          for (auto& v : variants) {
+            if (!v.active) continue;
+            CK(cudaStreamSynchronize(s));
+            host_ns = 0;
+            const auto t0 = Clock::now();
+            for (int i = 0; i < iters; ++i) v.op();
+            CK(cudaStreamSynchronize(s));
+            const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+            v.best_s = std::min(v.best_s, secs);
+            v.best_host_ns = std::min(v.best_host_ns, host_ns / iters);
+          }
+        }
+      }
+      comm.barrier();
+      // 5. Every byte of the destination, and the guard behind it (still poison).
+      unsigned long long bad[2] = {0, 0};
+      if (staged && (put ? !origin : origin)) {
+        const void* dst = put ? win.local() : mbuf;
+        const Mismatch data = compare(dst, size, seed, -1, counters, s);
+        const std::size_t guard = checked - size;
+        const Mismatch tail = guard ? compare(static_cast<const char*>(dst) + size, guard, 0, kPoison, counters, s) : Mismatch{};
+        bad[0] = data.count;
+        bad[1] = tail.count;
+        if (data.count != 0)
+          std::fprintf(stderr, "rank %d: %s %zu B: CHECK FAILED: %llu of %zu bytes wrong, the first at offset %llu\n", g_rank,
+                       bench_name, size, data.count, size, data.first);
+        if (tail.count != 0)
+          std::fprintf(stderr, "rank %d: %s %zu B: CHECK FAILED: %llu bytes written past the end (first at +%llu)\n", g_rank,
+                       bench_name, size, tail.count, tail.first);
+      }
+      unsigned long long bad_all[2] = {0, 0};
+      MK(MPI_Allreduce(bad, bad_all, 2, MPI_UNSIGNED_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
+      const bool ok = bad_all[0] == 0 && bad_all[1] == 0;
+      if (!ok) failed = true;
+
+      if (origin) {
+        for (auto& v : variants) {
+          if (!v.active) continue;
+          const bool is_meshmem = std::strcmp(v.name, "meshmem") == 0;
+          if (is_meshmem && !ok) {
+            std::printf("  %-10s %-17s %12zu   (left out: the data check failed)\n", bench_name, v.name, size);
+            continue;
+          }
+          record(bench_name, v.name, size, v.best_s * 1e6 / iters, static_cast<double>(size) * iters / v.best_s / 1e9);
+          if (is_meshmem) record(bench_name, "meshmem-host-call", size, v.best_host_ns / 1e3, -1);
+        }
+      }
+    }
+  }
+
+  if (origin) {
+    std::printf("\n# summary (ratios within this run; bandwidth)\n");
+    bool any = false;
+    for (const char* bench_name : {"staged_put", "staged_get"}) {
+      for (std::size_t size : sizes) {
+        if (size < kRatioFrom) continue;
+        any = true;
+        const double m = find_bw(bench_name, "meshmem", size), d2h = find_bw(bench_name, "d2h", size),
+                     h2d = find_bw(bench_name, "h2d", size), drv = find_bw(bench_name, "driver-staged", size);
+        const double link = std::min(d2h, h2d);
+        char r1[32] = "n/a", r2[32] = "n/a";
+        if (m > 0 && link > 0) std::snprintf(r1, sizeof(r1), "%.3f", m / link);
+        if (m > 0 && drv > 0) std::snprintf(r2, sizeof(r2), "%.3f", m / drv);
+        std::printf("%s %5zu MiB: meshmem %7.2f GB/s, d2h %7.2f, h2d %7.2f, driver-staged %7.2f; "
+                    "meshmem/min(d2h,h2d) %s (target >= 0.9), meshmem/driver-staged %s (target >= 1.3)\n",
+                    bench_name, size / kMiB, m, d2h, h2d, drv, r1, r2);
+        if (drv > 0 && link > 0 && drv > 1.2 * std::max(d2h, h2d))
+          std::printf("  note: driver-staged is faster than the host link: the driver took a direct path, so it is not a "
+                      "host-staged baseline here\n");
+      }
+    }
+    if (!any) std::printf("no size >= %zu MiB measured (--max-bytes): no bandwidth ratios\n", kRatioFrom / kMiB);
+    for (const char* bench_name : {"staged_put", "staged_get"}) {
+      double lo = 1e30, hi = -1;
+      std::size_t lo_size = 0, hi_size = 0;
+      for (std::size_t size : sizes) {
+        const double t = find_lat(bench_name, "meshmem-host-call", size);
+        if (t < 0) continue;
+        if (t < lo) {
+          lo = t;
+          lo_size = size;
+        }
+        if (t > hi) {
+          hi = t;
+          hi_size = size;
+        }
+      }
+      if (hi >= 0)
+        std::printf("%s meshmem-host-call: %.2f us (%zu B) .. %.2f us (%zu B), max/min %.2f (target: independent of size)\n",
+                    bench_name, lo, lo_size, hi, hi_size, hi / lo);
+    }
+    if (failed) std::printf("DATA CHECK FAILED (see stderr): the failed sizes' meshmem rows are left out\n");
+    if (!staged) std::printf("NOT STAGED: rank 1 was reached through %s, no meshmem rows\n", meshmem::to_string(route));
+    std::fflush(stdout);
+  }
+  if (failed) status = 1;
+
+  CK(cudaStreamSynchronize(s));
+  CK(cudaStreamDestroy(s));
+  CK(cudaFree(counters));
+  if (origin) {
+    CK(cudaFree(mbuf));
+    CK(cudaFree(cbuf));
+    CK(cudaFreeHost(hbuf));
+    if (obuf != nullptr) {
+      CK(cudaSetDevice(other));
+      CK(cudaFree(obuf));
+      CK(cudaSetDevice(cfg.device));
+    }
+  }
+  return status;  // win, then comm, go here (collective on both ranks)
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int provided = 0;
+  if (MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS) {
+    std::fprintf(stderr, "staged_bench: MPI_Init_thread failed\n");
+    return 1;
+  }
+  MK(MPI_Comm_rank(MPI_COMM_WORLD, &g_rank));
+  bench::check_rank() = g_rank;
+  int nranks = 0;
+  MK(MPI_Comm_size(MPI_COMM_WORLD, &nranks));
+
+  bench::RunInfo run;
+  run.date = bench::utc_now();
+  Setup cfg{kGiB, 100, 3, 0, 0, false, ""};
+  bool bad = false, help = false;
+  for (int i = 1; i < argc; ++i) {
+    if (run.parse(argc, argv, i)) continue;
+    const std::string a = argv[i];
+    const bool has_value = i + 1 < argc;
+    bool ok = true;
+    if (a == "--help" || a == "-h") help = true;
+    else if (a == "--max-bytes" && has_value) ok = parse_bytes(argv[++i], &cfg.max_bytes);
+    else if (a == "--iters" && has_value) ok = parse_count(argv[++i], &cfg.iters);
+    else if (a == "--reps" && has_value) ok = parse_count(argv[++i], &cfg.reps);
+    else {
+      if (g_rank == 0) std::fprintf(stderr, "staged_bench: unknown or incomplete argument '%s'\n", a.c_str());
+      bad = true;
+    }
+    if (!ok) {
+      if (g_rank == 0) std::fprintf(stderr, "staged_bench: bad value for %s: '%s'\n", a.c_str(), argv[i]);
+      bad = true;
+    }
+  }
+  if (help || bad) {
+    if (g_rank == 0) usage(help ? stdout : stderr);
+    MPI_Finalize();
+    return bad ? 2 : 0;
+  }
+  if (nranks != 2) {
+    if (g_rank == 0) std::fprintf(stderr, "staged_bench needs exactly 2 ranks (mpirun -np 2), got %d\n", nranks);
+    MPI_Finalize();
+    return 2;
+  }
+
+  // Force the staged route where peer access would give ipc, before any Comm reads it.
+  cfg.transports_from_user = std::getenv("MESHMEM_TRANSPORTS") != nullptr;
+  if (setenv("MESHMEM_TRANSPORTS", "staged,shm,mpi", 0) != 0)
+    bench::fail("setenv(\"MESHMEM_TRANSPORTS\", \"staged,shm,mpi\", 0)", std::strerror(errno), __FILE__, __LINE__);
+  cfg.transports = std::getenv("MESHMEM_TRANSPORTS");
+
+  // Every rank must have a GPU; they agree, so that none waits for the other.
+  std::string why;
+  int have_gpu = meshmem::gpu_available(&why) ? 1 : 0, all_have_gpu = 0;
+  MK(MPI_Allreduce(&have_gpu, &all_have_gpu, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+  if (!all_have_gpu) {
+    if (!have_gpu) std::printf("staged_bench (rank %d): no CUDA device: nothing measured (%s)\n", g_rank, why.c_str());
+    MPI_Finalize();
+    return 0;
+  }
+
+  // GPU = node-local rank % visible GPUs (as device_bench).
+  MPI_Comm node;
+  MK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  int local = 0;
+  MK(MPI_Comm_rank(node, &local));
+  CK(cudaGetDeviceCount(&cfg.devices));
+  cfg.device = local % cfg.devices;
+  CK(cudaSetDevice(cfg.device));
+  CK(cudaFree(nullptr));
+
+  int status = 0;
+  try {
+    status = measure(cfg);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d: staged_bench: %s\n", g_rank, e.what());
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+  if (g_rank == 0 && !run.csv.empty() &&
+      !bench::write_results_csv(run.csv, bench::CsvMode::Append, run.date, run.commit, run.machine, g_rows, "staged_bench"))
+    status = 1;
+  MK(MPI_Comm_free(&node));
+  MPI_Finalize();
+  return status;
+}
