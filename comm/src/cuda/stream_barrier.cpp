@@ -313,7 +313,8 @@ std::unique_ptr<StreamBarrier> make_stream_barrier(const CommContext& ctx, const
                               " needs every node peer mapped; some are staged: the kernel barrier over the staging "
                               "pool is used");
     auto kernel = std::make_unique<KernelBarrier>(topo, *staged, device);
-    if (device.any_shared_gpu())
+    // As for mapped peers: ranks sharing a GPU meet on the host first unless `kernel` is asked for.
+    if (device.any_shared_gpu() && kBarrier.get(ctx.options) != BarrierKind::Kernel)
       return std::make_unique<MeetingFirstBarrier>(ctx, std::move(kernel), nullptr, what);
     return kernel;
   }
