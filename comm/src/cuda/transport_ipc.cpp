@@ -30,26 +30,20 @@ const TuningKnob<std::size_t> kFusedSignalMax{
     "stream write of the signal (measured on H200, one way: 5.8 against 9.1 us at 32 KiB, 6.6 against 8.6 at "
     "64 KiB, 11.6 against 9.6 at 256 KiB)"};
 
-enum class PeerAtomicsCheck { Auto, Off };
-constexpr std::pair<const char*, PeerAtomicsCheck> kPeerAtomicsChoices[] = {{"auto", PeerAtomicsCheck::Auto},
-                                                                           {"off", PeerAtomicsCheck::Off}};
-PeerAtomicsCheck parse_peer_atomics(const char* n, const std::string& raw) {
-  return parse_choice(n, raw, kPeerAtomicsChoices);
-}
-std::string print_peer_atomics(const PeerAtomicsCheck& c) { return choice_name(c, kPeerAtomicsChoices); }
-const TuningKnob<PeerAtomicsCheck> kPeerAtomics{
-    "ipc", "MESHMEM_PEER_ATOMICS", PeerAtomicsCheck::Auto, parse_peer_atomics, print_peer_atomics,
+// Both ipc checks below: `auto` (ask the driver, probe) or `off`.
+enum class AutoOff { Auto, Off };
+constexpr std::pair<const char*, AutoOff> kAutoOffChoices[] = {{"auto", AutoOff::Auto}, {"off", AutoOff::Off}};
+AutoOff parse_auto_off(const char* n, const std::string& raw) { return parse_choice(n, raw, kAutoOffChoices); }
+std::string print_auto_off(const AutoOff& c) { return choice_name(c, kAutoOffChoices); }
+const TuningKnob<AutoOff> kPeerAtomics{
+    "ipc", "MESHMEM_PEER_ATOMICS", AutoOff::Auto, parse_auto_off, print_auto_off,
     "signal `Add` into another GPU is a remote atomic, which can lose updates between GPUs without native peer "
     "atomics (PCIe): `auto` asks the driver per pair (CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED) and refuses "
     "`Add` with Error(Unsupported) where they are absent (where the peer's GPU is hidden from this process it "
     "cannot be asked: allowed, logged at info); `off` treats every other GPU as lacking them (to test the refusal)"};
 
-enum class PeerAccess { Auto, Off };
-constexpr std::pair<const char*, PeerAccess> kPeerAccessChoices[] = {{"auto", PeerAccess::Auto}, {"off", PeerAccess::Off}};
-PeerAccess parse_peer_access(const char* n, const std::string& raw) { return parse_choice(n, raw, kPeerAccessChoices); }
-std::string print_peer_access(const PeerAccess& c) { return choice_name(c, kPeerAccessChoices); }
-const TuningKnob<PeerAccess> kPeerAccess{
-    "ipc", "MESHMEM_PEER_ACCESS", PeerAccess::Auto, parse_peer_access, print_peer_access,
+const TuningKnob<AutoOff> kPeerAccess{
+    "ipc", "MESHMEM_PEER_ACCESS", AutoOff::Auto, parse_auto_off, print_auto_off,
     "`auto`: ipc maps a node peer's GPU memory where the driver grants peer access (cudaDeviceCanAccessPeer, where "
     "the peer's GPU is visible) and a probe mapping works; `off`: ipc reaches only ranks sharing this GPU, so pairs "
     "of different GPUs go through `staged` as on a node without peer access (for peer access that the driver "
@@ -97,7 +91,7 @@ void IpcTransport::probe_peers() {
   const std::vector<std::string> bus = gather_bus_ids(ctx_, device_->device(), what);
   probe_atomics(bus);
   const std::string& mine = bus[topo.rank];
-  const bool off = kPeerAccess.get(ctx_.options) == PeerAccess::Off;
+  const bool off = kPeerAccess.get(ctx_.options) == AutoOff::Off;
   const std::string staged_hint = " (the staged transport carries such pairs through pinned host memory where "
                                   "MESHMEM_TRANSPORTS lists it, as by default)";
   for (int r : topo.node_ranks) {
@@ -132,7 +126,7 @@ void IpcTransport::probe_atomics(const std::vector<std::string>& bus) {
   const std::string what = "meshmem::Comm (ipc peer atomics)";
   const Topology& topo = ctx_.topo;
   const std::string& mine = bus[topo.rank];
-  const bool off = kPeerAtomics.get(ctx_.options) == PeerAtomicsCheck::Off;
+  const bool off = kPeerAtomics.get(ctx_.options) == AutoOff::Off;
   no_atomics_.assign(static_cast<std::size_t>(topo.size), std::string());
   for (int r : topo.node_ranks) {
     if (r == topo.rank || bus[r] == mine) continue;
