@@ -201,7 +201,13 @@ CommImpl::~CommImpl() {
 }
 
 std::string CommImpl::device_info() const {
-  return device ? device->describe() + ", barrier(stream) " + stream_barrier->describe() : "none: " + device_why;
+  if (!device) return "none: " + device_why;
+  std::string info = device->describe() + ", barrier(stream) " + stream_barrier->describe();
+  for (const auto& t : transports) {
+    const std::string more = t->describe();
+    if (!more.empty()) info += "; " + std::string(to_string(t->kind())) + ": " + more;
+  }
+  return info;
 }
 
 std::string CommImpl::where(const char* call) const {

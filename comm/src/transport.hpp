@@ -110,6 +110,8 @@ class Transport {
   // transport with a progress thread lets it stand aside meanwhile.
   virtual void waiter_begins() {}
   virtual void waiter_ends() {}
+  // What it holds that a user may want to see (Comm::device_info, meshmem-info); "" for nothing.
+  virtual std::string describe() const { return ""; }
   // Stops background activity (threads); called once, after every window was detached.
   virtual void stop() noexcept {}
 };

@@ -169,8 +169,9 @@ class Comm {
   std::string unreachable_reason(int rank, Memory memory) const;
   // How descriptors are passed between ranks of this node.
   FdPassing fd_passing() const;
-  // This rank's device and the barrier / stream-wait variants chosen for it, or why device
-  // windows are unavailable.
+  // This rank's device and the barrier / stream-wait variants chosen for it, and what the
+  // transports in use hold (the staged transport's pinned pool), or why device windows are
+  // unavailable.
   std::string device_info() const;
 
  private:

@@ -677,6 +677,10 @@ std::uint64_t* StagedTransport::barrier_flags(int rank) const {
   return ControlWords{control, static_cast<std::size_t>(ctx_.topo.size)}.barrier_flags();
 }
 
-std::string StagedTransport::describe_pool() const { return agent_ ? agent_->pool().describe() : std::string(); }
+std::string StagedTransport::describe() const {
+  return agent_ ? "staging pool " + agent_->pool().describe() + ", " + std::to_string(slots_) + " slots of " +
+                      std::to_string(chunk_) + " bytes per rank"
+                : std::string();
+}
 
 }  // namespace meshmem::detail

@@ -73,8 +73,8 @@ class StagedTransport final : public Transport {
   // Waits until every transfer handed to the agent has finished on the GPUs (bounded by
   // MESHMEM_TIMEOUT; false if not). A window's peer mappings go only after this.
   bool drain() noexcept;
-  // The pool as this rank sees it ("" before connect).
-  std::string describe_pool() const;
+  // The staging pool as this rank sees it ("" before connect).
+  std::string describe() const override;
   bool has_pool() const { return agent_ != nullptr; }
   // The barrier's flag words in rank r's region of the pool (one per rank, the word of rank
   // s written by s), mapped here for this rank's GPU; after connect, node ranks only.
