@@ -37,10 +37,11 @@ const TuningKnob<BarrierKind> kBarrier{
     "(capturable: the meeting happens at capture). `flag` (batched stream memory operations, no SM held; no "
     "timeout) and `event` (a host meeting, then IPC events of the busy streams) are not capturable. `auto` = "
     "`kernel`, except where ranks share a GPU (a polling kernel would hold the time-sliced GPU from the ranks it "
-    "waits for): there a host meeting, then `flag`, or the kernel when a rank captures a graph. Where ranks span "
-    "nodes (or GPUs without peer access), the stream hands the barrier to a proxy thread (cudaLaunchHostFunc) that "
-    "meets the other ranks over MPI and releases the stream through a pinned host word; the host does not wait; "
-    "not capturable"};
+    "waits for): there a host meeting, then `flag`, or the kernel when a rank captures a graph. Where some node "
+    "pairs are staged (GPUs without peer access), the kernel's flags live in the staging pool and this setting "
+    "is ignored except `kernel` (no host meeting first on a shared GPU). Where ranks span nodes, the stream hands "
+    "the barrier to a proxy thread (cudaLaunchHostFunc) that meets the other ranks over MPI and releases the "
+    "stream through a pinned host word; the host does not wait; not capturable"};
 
 std::string where(const Topology& topo) { return "comm.barrier(stream) on rank " + std::to_string(topo.rank); }
 

@@ -50,7 +50,7 @@ const TuningKnob<std::size_t> kStagingChunk{
 const TuningKnob<std::size_t> kStagingSlots{
     "staged", "MESHMEM_STAGING_SLOTS", 4, parse_slots, print_number,
     "staged transport: chunks in flight per rank; each rank's share of the node's pinned staging pool is "
-    "slots x chunk (rounded up to 2 MiB pages), made when some pair of the Comm routes through `staged`"};
+    "slots x chunk plus 1 MiB of control words (rounded up to 2 MiB pages; meshmem-info prints it), made when some pair of the Comm routes through `staged`"};
 
 // Sets `device` current for the life of the object (the agent and attach drive several GPUs).
 class CurrentDevice {
