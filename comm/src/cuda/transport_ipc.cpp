@@ -94,6 +94,7 @@ void IpcTransport::probe_peers() {
   const bool off = kPeerAccess.get(ctx_.options) == AutoOff::Off;
   const std::string staged_hint = " (the staged transport carries such pairs through pinned host memory where "
                                   "MESHMEM_TRANSPORTS lists it, as by default)";
+  agreed_step(ctx_.boot, what, [&] {  // a failing driver query fails every rank alike
   for (int r : topo.node_ranks) {
     if (r == topo.rank || bus[r] == mine) continue;
     int peer_device = -1, can = 1;
@@ -109,6 +110,7 @@ void IpcTransport::probe_peers() {
                        "'s GPU " + bus[r] + " (cudaDeviceCanAccessPeer = 0)" + staged_hint;
     }
   }
+  });
   for (int r : topo.node_ranks) {
     if (r == topo.rank || !no_route_[r].empty()) continue;
     try {

@@ -280,12 +280,17 @@ class StagingAgent {
       std::lock_guard<std::mutex> lock(m_);
       if (error_.empty()) error_ = message;
     }
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    // The earlier transfers must end first (the done word never runs ahead of them): bounded by
+    // MESHMEM_TIMEOUT (0: forever, as everywhere); if they do not, the word stays where it is
+    // and the caller's wait times out.
+    const auto deadline = std::chrono::steady_clock::now() + (timeout_.count() == 0 ? std::chrono::hours(24 * 365) : timeout_);
     Backoff backoff;
     for (auto& [d, lane] : lanes_) {
       CurrentDevice current(d);
-      while (cudaStreamQuery(lane.stream) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline)
+      while (cudaStreamQuery(lane.stream) == cudaErrorNotReady) {
+        if (std::chrono::steady_clock::now() > deadline) return;
         backoff.pause();
+      }
       (void)cudaGetLastError();
     }
     __atomic_store_n(control_.done(), r.sequence, __ATOMIC_RELEASE);
@@ -436,8 +441,9 @@ struct CapturedTransfer {
 void CUDART_CB submit_captured(void* p) {
   auto* c = static_cast<CapturedTransfer*>(p);
   std::lock_guard<std::mutex> lock(c->board->m);
-  // After the Comm is gone its memory is too: nothing is written; the graph's wait times out
-  // naming the peer (replaying a graph of freed windows is the caller's error).
+  // After the transport stopped nothing is written (the pool may be gone): the wait then sees
+  // the last replay's number and lets the stream pass with no data moved (replaying a graph
+  // whose Comm and windows are gone is the caller's error, as on every route).
   if (c->board->agent == nullptr) return;
   __atomic_store_n(c->sequence_at, c->board->agent->submit(c->request), __ATOMIC_RELEASE);
 }

@@ -27,6 +27,15 @@
 // and holds the agent's driver calls meanwhile. CUDA_MODULE_LOADING=EAGER avoids it; the
 // transport warns at connect when it is not set.
 //
+// Open defects (found by review, 2026-11-23; not yet fixed): transfers are numbered when the
+// host hands them over and run one after another per rank, so (1) an eager transfer issued
+// on a stream behind a graph launch that holds a staged transfer waits for that graph, whose
+// own transfer then queues behind it: a deadlock until MESHMEM_TIMEOUT; (2) eager transfers
+// on two streams are ordered by call, so one stream waiting on a peer's signal holds the
+// other's transfers (ipc does not); (3) two running copies of one captured graph share one
+// number word. A fix: hand every transfer over in stream order (a host node, as captured ones
+// are) so that the agent only ever queues transfers whose source is ready.
+//
 // Limits (this version): the target's GPU must be visible to this process (under per-rank
 // CUDA_VISIBLE_DEVICES isolation the pair is not reached and says why).
 #pragma once
