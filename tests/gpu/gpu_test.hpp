@@ -52,6 +52,21 @@ inline std::vector<unsigned char> to_host(const void* dev, std::size_t bytes) {
   return h;
 }
 
+// Every rank's current GPU as a PCI bus id, by rank (collective over MPI_COMM_WORLD; "" where
+// a rank has none).
+inline std::vector<std::string> gpu_bus_ids() {
+  char bus[64] = {};
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetPCIBusId(bus, sizeof(bus), device) != cudaSuccess) bus[0] = 0;
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  std::vector<char> all(sizeof(bus) * static_cast<std::size_t>(n));
+  MPI_Allgather(bus, sizeof(bus), MPI_CHAR, all.data(), sizeof(bus), MPI_CHAR, MPI_COMM_WORLD);
+  std::vector<std::string> ids;
+  for (int r = 0; r < n; ++r) ids.emplace_back(&all[sizeof(bus) * static_cast<std::size_t>(r)]);
+  return ids;
+}
+
 // The device API (Window::view(), Window::peer) reaches only peers mapped here (ipc): a
 // test of it names the first peer that is not ("" if all are), to skip with the reason
 // (under MESHMEM_TRANSPORTS=staged,... or MESHMEM_PEER_ACCESS=off some pairs are staged).

@@ -799,11 +799,9 @@ TEST_F(RealUse, SignalAddWithoutNativePeerAtomicsIsRefused) {
   ScopedEnv atomics("MESHMEM_PEER_ATOMICS", "off");
   make_comm();
   if (n < 2) GTEST_SKIP() << "needs two ranks";
-  char bus[32] = {};
-  CUDA_OK(cudaDeviceGetPCIBusId(bus, sizeof(bus), device));
-  std::vector<char> buses(static_cast<std::size_t>(n) * sizeof(bus));
-  MPI_Allgather(bus, sizeof(bus), MPI_CHAR, buses.data(), sizeof(bus), MPI_CHAR, MPI_COMM_WORLD);
-  auto on_my_gpu = [&](int r) { return std::strncmp(bus, &buses[static_cast<std::size_t>(r) * sizeof(bus)], sizeof(bus)) == 0; };
+  const std::vector<std::string> bus = meshmem::test::gpu_bus_ids();
+  ASSERT_FALSE(bus[me].empty()) << "no PCI bus id for this rank's GPU";
+  auto on_my_gpu = [&](int r) { return bus[r] == bus[me]; };
   // The staged route applies Add with an atomic on the target's own GPU: no peer atomics.
   auto staged = [&](int r) { return comm->transport(r, Memory::Device) == TransportKind::Staged; };
   const bool same_gpu = on_my_gpu(right) || staged(right);     // what I send: Add accepted

@@ -120,12 +120,9 @@ TransportKind expected_route(int me, int r) {
   if (order != nullptr && std::strncmp(order, "staged", 6) == 0) return TransportKind::Staged;
   const char* access = std::getenv("MESHMEM_PEER_ACCESS");
   if (access == nullptr || std::strcmp(access, "off") != 0) return TransportKind::Ipc;
-  char bus[64] = {};
-  int device = -1;
-  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetPCIBusId(bus, sizeof(bus), device) != cudaSuccess) return TransportKind::None;
-  std::vector<char> all(64 * static_cast<std::size_t>(meshmem::test::world_size()));
-  MPI_Allgather(bus, 64, MPI_CHAR, all.data(), 64, MPI_CHAR, MPI_COMM_WORLD);
-  return std::strcmp(all.data() + 64 * me, all.data() + 64 * r) == 0 ? TransportKind::Ipc : TransportKind::Staged;
+  const std::vector<std::string> bus = meshmem::test::gpu_bus_ids();
+  if (bus[me].empty()) return TransportKind::None;
+  return bus[me] == bus[r] ? TransportKind::Ipc : TransportKind::Staged;
 }
 
 TEST_F(DeviceWindow, RoutesAndMappings) {

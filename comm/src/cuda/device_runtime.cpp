@@ -105,7 +105,8 @@ void run_stream_batch(std::vector<CUstreamBatchMemOpParams>& ops, Stream stream,
   }
 }
 
-std::vector<std::string> gather_bus_ids(const CommContext& ctx, int device, const std::string& what) {
+// Collective: every rank's GPU as a PCI bus id, by rank.
+static std::vector<std::string> gather_bus_ids(const CommContext& ctx, int device, const std::string& what) {
   struct BusId {
     char text[32];
   } mine{};
@@ -162,14 +163,8 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
   granularity_ = ctx.boot.allreduce_max(granularity_, what);
   // Which node peers share this rank's GPU (same PCI bus id): polling kernels would hold a
   // time-sliced GPU from the very ranks they wait for, so the Auto choices avoid them then.
-  struct BusId {
-    char text[32];
-  } mine{};
-  std::snprintf(mine.text, sizeof(mine.text), "%s", bus_id.c_str());
-  std::vector<BusId> all(static_cast<std::size_t>(ctx.topo.size));
-  ctx.boot.allgather(&mine, all.data(), sizeof(BusId), what);
-  for (int r : ctx.topo.node_ranks)
-    shared_gpu_ = shared_gpu_ || (r != ctx.topo.rank && std::strncmp(all[r].text, mine.text, sizeof(mine.text)) == 0);
+  bus_ids_ = gather_bus_ids(ctx, device_, what);
+  for (int r : ctx.topo.node_ranks) shared_gpu_ = shared_gpu_ || (r != ctx.topo.rank && bus_ids_[r] == bus_id);
   any_shared_ = ctx.boot.allreduce_max(shared_gpu_ ? 1 : 0, what) != 0;
   const StreamWait wait = kStreamWait.get(ctx.options);
   wait_kernel_ = wait == StreamWait::Kernel || (wait == StreamWait::Auto && !shared_gpu_);

@@ -41,9 +41,6 @@ T* device_array(DevicePtr& owner, const std::vector<T>& values, const std::strin
 // The error message (call, rank) is built only when a call fails: this is a hot path.
 void run_stream_batch(std::vector<CUstreamBatchMemOpParams>& ops, Stream stream, const char* call, int rank);
 
-// Collective: every rank's GPU as a PCI bus id ("0000:1b:00.0"), by rank (the way to name a
-// peer's GPU across processes that number their devices differently).
-std::vector<std::string> gather_bus_ids(const CommContext& ctx, int device, const std::string& what);
 
 class OwnedStream {
  public:
@@ -82,6 +79,9 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   std::size_t granularity() const { return granularity_; }
   // Some rank of the Comm shares its GPU with another.
   bool any_shared_gpu() const { return any_shared_; }
+  // Every rank's GPU as a PCI bus id ("0000:1b:00.0"), by rank: the way to name a peer's GPU
+  // across processes that number their devices differently (gathered once, at construction).
+  const std::vector<std::string>& bus_ids() const { return bus_ids_; }
   // Extra flags of stream waits (flush of remote writes where the device can).
   unsigned wait_flags() const { return wait_flags_; }
   // Where device-side waits report a timeout, and the timeout.
@@ -101,6 +101,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   std::string description_;
   std::size_t granularity_ = 0;
   bool shared_gpu_ = false;
+  std::vector<std::string> bus_ids_;
   bool any_shared_ = false;
   unsigned wait_flags_ = 0;
   bool wait_kernel_ = false;  // MESHMEM_STREAM_WAIT resolved

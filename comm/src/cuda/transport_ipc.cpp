@@ -88,7 +88,7 @@ void IpcTransport::probe_peers() {
     fd = probe.export_fd();
   });
   std::vector<ipc::UniqueFd> received = ctx_.fds.exchange(fd.get(), what);
-  const std::vector<std::string> bus = gather_bus_ids(ctx_, device_->device(), what);
+  const std::vector<std::string>& bus = device_->bus_ids();
   probe_atomics(bus);
   const std::string& mine = bus[topo.rank];
   const bool off = kPeerAccess.get(ctx_.options) == AutoOff::Off;

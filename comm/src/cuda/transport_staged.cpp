@@ -119,11 +119,11 @@ class StagingAgent {
         slots_(static_cast<char*>(pool_->region(rank))),
         chunk_(chunk),
         nslots_(nslots),
-        control_{reinterpret_cast<std::uint64_t*>(slots_ + chunk * static_cast<std::size_t>(nslots)),
-                 static_cast<std::size_t>(ranks)},
+        control_{nullptr, static_cast<std::size_t>(ranks)},
         rank_(rank),
         timeout_(timeout) {
     const std::string what = "staged transport on rank " + std::to_string(rank);
+    control_ = control_of(rank);
     std::memset(control_.base, 0, ControlWords::kBytes);
     for (int d : devices) {
       if (lanes_.count(d)) continue;
@@ -206,6 +206,12 @@ class StagingAgent {
   // The word the lanes set to each transfer's sequence number at its end (in the pool).
   const std::uint64_t* done_word() const { return control_.done(); }
   const ControlWords& control() const { return control_; }
+  // Rank r's control words, in its region of the pool as mapped here.
+  ControlWords control_of(int rank) const {
+    return ControlWords{reinterpret_cast<std::uint64_t*>(static_cast<char*>(pool_->region(rank)) +
+                                                         chunk_ * static_cast<std::size_t>(nslots_)),
+                        control_.ranks};
+  }
   const StagingPool& pool() const { return *pool_; }
 
   // The first error the agent met, once ("" if none).
@@ -469,14 +475,13 @@ StagedTransport::StagedTransport(const CommContext& ctx)
       chunk_(kStagingChunk.get(ctx.options)),
       slots_(static_cast<int>(kStagingSlots.get(ctx.options))) {
   const Topology& topo = ctx_.topo;
-  const std::string what = "meshmem::Comm (staged transport)";
   no_route_.assign(static_cast<std::size_t>(topo.size), std::string());
   peer_device_.assign(static_cast<std::size_t>(topo.size), -1);
   for (int r = 0; r < topo.size; ++r)
     if (!topo.same_node(r))
       no_route_[r] = "rank " + std::to_string(r) + " is on another node (staging is through the node's pinned memory)";
   if (device_ == nullptr) return;
-  const std::vector<std::string> bus = gather_bus_ids(ctx_, device_->device(), what);
+  const std::vector<std::string>& bus = device_->bus_ids();
   for (int r : topo.node_ranks) {
     int d = -1;
     if (cudaDeviceGetByPCIBusId(&d, bus[r].c_str()) != cudaSuccess) {
@@ -677,11 +682,7 @@ void StagedTransport::get(void* dst, const WindowState& win, int target, std::si
 
 bool StagedTransport::drain() noexcept { return agent_ ? agent_->drain() : true; }
 
-std::uint64_t* StagedTransport::barrier_flags(int rank) const {
-  const std::size_t offset = chunk_ * static_cast<std::size_t>(slots_);
-  auto* control = reinterpret_cast<std::uint64_t*>(static_cast<char*>(agent_->pool().region(rank)) + offset);
-  return ControlWords{control, static_cast<std::size_t>(ctx_.topo.size)}.barrier_flags();
-}
+std::uint64_t* StagedTransport::barrier_flags(int rank) const { return agent_->control_of(rank).barrier_flags(); }
 
 std::string StagedTransport::describe() const {
   return agent_ ? "staging pool " + agent_->pool().describe() + ", " + std::to_string(slots_) + " slots of " +

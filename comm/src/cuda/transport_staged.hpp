@@ -57,7 +57,7 @@ struct StagedRequest;
 
 class StagedTransport final : public Transport {
  public:
-  // Collective: learns which node peers' GPUs this process sees (PCI bus ids).
+  // Learns which node peers' GPUs this process sees (the device runtime's PCI bus ids).
   explicit StagedTransport(const CommContext& ctx);
   ~StagedTransport() override;
   TransportKind kind() const override { return TransportKind::Staged; }
