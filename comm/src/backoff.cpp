@@ -3,6 +3,7 @@
 #include <sched.h>
 #include <sys/prctl.h>
 
+#include <algorithm>
 #include <string>
 #include <thread>
 
@@ -26,7 +27,7 @@ void Backoff::pause() {
                   : waited < std::chrono::milliseconds(20) ? std::chrono::microseconds(100)
                   : waited < std::chrono::milliseconds(200) ? std::chrono::microseconds(300)
                                                              : std::chrono::microseconds(1000);
-  std::this_thread::sleep_for(us);
+  std::this_thread::sleep_for(std::min<std::chrono::microseconds>(us, longest_));
 }
 
 void tighten_timer_slack() { (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); }

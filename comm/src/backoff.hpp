@@ -11,6 +11,9 @@ namespace meshmem::detail {
 
 class Backoff {
  public:
+  Backoff() = default;
+  // Sleeps no longer than `longest` (a poller that must notice progress soon).
+  explicit Backoff(std::chrono::microseconds longest) : longest_(longest) {}
   // One step of waiting: pause, yield or sleep depending on how long this wait has lasted
   // (by the clock, not by the number of polls: a yield costs from 0.4 us to a time slice).
   void pause();
@@ -19,6 +22,7 @@ class Backoff {
  private:
   std::uint64_t polls_ = 0;
   std::chrono::steady_clock::time_point start_;
+  std::chrono::microseconds longest_{1000};
 };
 
 // Sets this thread's timer slack to 1 us, so that short sleeps of a polling thread are not

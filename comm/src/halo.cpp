@@ -31,6 +31,9 @@ struct HaloState {
   // (an addition, not the exchange number, so that a graph replay counts too).
   std::vector<HaloRegion> transport_sends;
   std::vector<int> transport_send_to;
+  // Why complete() is refused, the same on every rank ("" if it is not): some rank sends
+  // through a transport, so kernels cannot have written those halos.
+  std::string complete_refused;
 
   ~HaloState() {
     if (sig && !sig->freed()) {
@@ -190,6 +193,16 @@ std::unique_ptr<HaloState> CommImpl::make_halo(const Window& win, const std::vec
       DeviceScope scope(*device, nullptr, false, call);
       halo->device_plan = device->make_halo_plan(spec);
     });
+    // complete() is refused on every rank where any rank has unmapped neighbours: refused on
+    // the senders alone, their neighbours' waits would run into the timeout.
+    const std::int64_t unmapped = halo->transport_send_to.empty() ? -1 : halo->transport_send_to.front();
+    std::vector<std::int64_t> unmapped_of(static_cast<std::size_t>(n));
+    boot.allgather(&unmapped, unmapped_of.data(), sizeof(unmapped), call);
+    for (int a = 0; a < n && halo->complete_refused.empty(); ++a)
+      if (unmapped_of[a] >= 0)
+        halo->complete_refused = "rank " + std::to_string(unmapped_of[a]) + "'s window is not mapped on rank " +
+                                 std::to_string(a) + " (a transport carries those halos), so kernels cannot have "
+                                 "written them; use exchange() (complete() is refused on every rank of this exchange)";
   }
   return halo;
 }
@@ -200,14 +213,10 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
     throw Error(ErrorCode::InvalidArgument, where(call) + ": the window of this halo exchange (or its Comm) was freed");
   const WindowState& w = *halo.win;
   check_stream(w, stream, call);
+  if (!copy && !halo.complete_refused.empty()) throw Error(ErrorCode::Unsupported, where(call) + ": " + halo.complete_refused);
   const std::uint64_t epoch = ++halo.epoch;
   if (w.memory == Memory::Device) {
     DeviceScope scope(*device, stream, true, call);
-    if (!copy && !halo.transport_send_to.empty())
-      throw Error(ErrorCode::Unsupported,
-                  where(call) + ": rank " + std::to_string(halo.transport_send_to.front()) +
-                      "'s window is not mapped here (" + to_string(route(w, halo.transport_send_to.front(), call).kind()) +
-                      "), so kernels cannot have written its halos; use exchange()");
     // Unmapped neighbours first: each transfer ends before the stream moves on, so their
     // data and signals are out before this rank's kernel waits for its own halos.
     for (const HaloRegion& r : halo.transport_sends) {

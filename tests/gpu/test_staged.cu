@@ -290,6 +290,175 @@ TEST_F(Staged, PutBehindALongKernelDoesNotDelayAnotherStream) {
   cudaFree(b_dst);
 }
 
+// A transfer whose stream waits for a peer holds no other stream's transfer back (the agent
+// starts transfers as their sources become ready, not in call order). Rank 0 first enqueues
+// on stream B a wait for rank 1's signal and a put behind it, then on stream A a put_signal
+// that rank 1 waits for before it sends that signal. Enqueued in call order (before
+// this was fixed) the put on B held A's put_signal: both ranks stalled until MESHMEM_TIMEOUT.
+TEST_F(Staged, AStreamWaitingForAPeerHoldsNoOtherStreamsTransfer) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  constexpr std::size_t kBytes = (5u << 20) + 3, kOffset = 11;
+  Window win = comm->alloc(2 * kBytes + kOffset);
+  Signals sig = comm->alloc_signals(2);  // 0: rank 1 -> rank 0, go on; 1: rank 0 -> rank 1, A's data
+  void *a_src = nullptr, *b_src = nullptr;
+  CUDA_OK(cudaMalloc(&a_src, kBytes));
+  CUDA_OK(cudaMalloc(&b_src, kBytes));
+  const auto a_data = pattern(seed, key(kBytes, me, 30), kBytes);
+  const auto b_data = pattern(seed, key(kBytes, me, 31), kBytes);
+  CUDA_OK(cudaMemcpy(a_src, a_data.data(), kBytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(b_src, b_data.data(), kBytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(win.local(), kPoison, 2 * kBytes + kOffset));
+  cudaStream_t b = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
+  CUDA_OK(cudaDeviceSynchronize());
+  comm->barrier();
+  if (me == 0) {
+    comm->wait_until(sig, 0, Cmp::GE, 1, b);
+    comm->put(win, 1, kOffset + kBytes, b_src, kBytes, b);
+    comm->put_signal(win, 1, kOffset, a_src, kBytes, sig, 1, 1, SignalOp::Set, s);
+  } else if (me == 1) {
+    comm->wait_until(sig, 1, Cmp::GE, 1, s);
+    comm->signal(sig, 0, 0, 1, SignalOp::Set, s);
+  }
+  CUDA_OK(cudaStreamSynchronize(s));
+  CUDA_OK(cudaStreamSynchronize(b));
+  comm->barrier();
+  if (me == 1) {
+    std::vector<unsigned char> got(2 * kBytes + kOffset);
+    CUDA_OK(cudaMemcpy(got.data(), win.local(), got.size(), cudaMemcpyDeviceToHost));
+    const auto want_a = pattern(seed, key(kBytes, 0, 30), kBytes);
+    const auto want_b = pattern(seed, key(kBytes, 0, 31), kBytes);
+    EXPECT_EQ(first_difference(got.data() + kOffset, want_a.data(), kBytes), -1) << "stream A's put_signal";
+    EXPECT_EQ(first_difference(got.data() + kOffset + kBytes, want_b.data(), kBytes), -1) << "stream B's put";
+    const std::vector<unsigned char> poison(kOffset, kPoison);
+    EXPECT_EQ(first_difference(got.data(), poison.data(), kOffset), -1) << "bytes before the range";
+  }
+  comm->barrier();
+  cudaStreamDestroy(b);
+  cudaFree(a_src);
+  cudaFree(b_src);
+}
+
+// An eager put issued on a stream behind a graph launch whose graph holds a staged
+// put_signal: the graph's transfer is handed over only when the stream reaches it (after a
+// long kernel), after the eager put was; both land. Enqueued in call order (before this was
+// fixed) the eager put waited for the graph, whose transfer waited behind the eager put.
+TEST_F(Staged, EagerPutBehindAGraphLaunchOnOneStream) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  constexpr std::size_t kBytes = (3u << 20) + 5;
+  Window win = comm->alloc(2 * kBytes);
+  Signals sig = comm->alloc_signals(1);
+  void *g_src = nullptr, *e_src = nullptr;
+  CUDA_OK(cudaMalloc(&g_src, kBytes));
+  CUDA_OK(cudaMalloc(&e_src, kBytes));
+  const auto g_data = pattern(seed, key(kBytes, me, 40), kBytes);
+  const auto e_data = pattern(seed, key(kBytes, me, 41), kBytes);
+  CUDA_OK(cudaMemcpy(g_src, g_data.data(), kBytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(e_src, e_data.data(), kBytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(win.local(), kPoison, 2 * kBytes));
+  spin_for<<<1, 1, 0, s>>>(0);  // loaded before any wait is in flight
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  comm->put_signal(win, right, 0, g_src, kBytes, sig, 0, 1, SignalOp::Add, s);
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamEndCapture(s, &graph));
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_OK(cudaDeviceSynchronize());
+  comm->barrier();
+  spin_for<<<1, 1, 0, s>>>(200ull * 1000 * 1000);  // the graph's host node runs after the eager put's call
+  CUDA_OK(cudaGraphLaunch(exec, s));
+  comm->put(win, right, kBytes, e_src, kBytes, s);
+  CUDA_OK(cudaStreamSynchronize(s));
+  comm->barrier();
+  std::vector<unsigned char> got(2 * kBytes);
+  CUDA_OK(cudaMemcpy(got.data(), win.local(), got.size(), cudaMemcpyDeviceToHost));
+  const auto want_g = pattern(seed, key(kBytes, left, 40), kBytes);
+  const auto want_e = pattern(seed, key(kBytes, left, 41), kBytes);
+  EXPECT_EQ(first_difference(got.data(), want_g.data(), kBytes), -1) << "the graph's put_signal";
+  EXPECT_EQ(first_difference(got.data() + kBytes, want_e.data(), kBytes), -1) << "the eager put behind the graph";
+  EXPECT_EQ(sig.read(0), 1u);
+  comm->barrier();
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  cudaFree(g_src);
+  cudaFree(e_src);
+}
+
+// Many small transfers on several streams at once, each stream's later put overwriting its
+// earlier one's range: done words are lent and taken back all the time (a word reused while
+// an older wait still reads it must not move backwards); the last value of every range lands.
+TEST_F(Staged, ManySmallTransfersOnFourStreamsEachKeepTheirOrder) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  constexpr int kStreams = 4, kRounds = 200;
+  constexpr std::size_t kBytes = 4096 + 9;
+  Window win = comm->alloc(kStreams * kBytes);
+  void* src = nullptr;
+  CUDA_OK(cudaMalloc(&src, std::size_t(kRounds) * kStreams * kBytes));
+  std::vector<unsigned char> all(std::size_t(kRounds) * kStreams * kBytes);
+  for (int r = 0; r < kRounds; ++r)
+    for (int k = 0; k < kStreams; ++k) {
+      const auto p = pattern(seed, key(kBytes, me, 1000 + r * kStreams + k), kBytes);
+      std::memcpy(all.data() + (std::size_t(r) * kStreams + k) * kBytes, p.data(), kBytes);
+    }
+  CUDA_OK(cudaMemcpy(src, all.data(), all.size(), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(win.local(), kPoison, kStreams * kBytes));
+  cudaStream_t streams[kStreams];
+  for (auto& st : streams) CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  CUDA_OK(cudaDeviceSynchronize());
+  comm->barrier();
+  for (int r = 0; r < kRounds; ++r)
+    for (int k = 0; k < kStreams; ++k)
+      comm->put(win, right, k * kBytes, static_cast<char*>(src) + (std::size_t(r) * kStreams + k) * kBytes, kBytes,
+                streams[k]);
+  for (auto& st : streams) CUDA_OK(cudaStreamSynchronize(st));
+  comm->barrier();
+  std::vector<unsigned char> got(kStreams * kBytes);
+  CUDA_OK(cudaMemcpy(got.data(), win.local(), got.size(), cudaMemcpyDeviceToHost));
+  for (int k = 0; k < kStreams; ++k) {
+    const auto want = pattern(seed, key(kBytes, left, 1000 + (kRounds - 1) * kStreams + k), kBytes);
+    EXPECT_EQ(first_difference(got.data() + k * kBytes, want.data(), kBytes), -1) << "stream " << k << "'s last put";
+  }
+  comm->barrier();
+  for (auto& st : streams) cudaStreamDestroy(st);
+  cudaFree(src);
+}
+
+// HaloExchange::complete() (halos written by kernels) is refused on every rank when some
+// pair of the exchange is staged, including ranks with no staged neighbour of their own
+// (before, only the senders refused and their neighbours' waits ran into the timeout); the
+// exchange stays usable: exchange() then moves every region.
+TEST_F(Staged, HaloCompleteIsRefusedOnEveryRankWhereSomePairIsStaged) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  constexpr std::size_t kBytes = 4096 + 7;
+  Window win = comm->alloc(2 * kBytes);
+  std::vector<HaloRegion> sends;
+  if (me < 2) sends.push_back(HaloRegion{1 - me, 0, kBytes, kBytes, 1, 0, 0});  // ranks 0 and 1 only
+  HaloExchange halo = comm->make_halo(win, sends);
+  const auto mine = pattern(seed, key(kBytes, me, 50), kBytes);
+  CUDA_OK(cudaMemcpy(win.local(), mine.data(), kBytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(static_cast<char*>(win.local()) + kBytes, kPoison, kBytes));
+  CUDA_OK(cudaDeviceSynchronize());
+  comm->barrier();
+  try {
+    halo.complete(s);
+    ADD_FAILURE() << "complete() was accepted on rank " << me;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Unsupported) << e.what();
+    EXPECT_NE(std::string(e.what()).find("exchange()"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(halo.exchanges(), 0u);
+  halo.exchange(s);
+  CUDA_OK(cudaStreamSynchronize(s));
+  comm->barrier();
+  if (me < 2) {
+    std::vector<unsigned char> got(kBytes);
+    CUDA_OK(cudaMemcpy(got.data(), static_cast<char*>(win.local()) + kBytes, kBytes, cudaMemcpyDeviceToHost));
+    const auto want = pattern(seed, key(kBytes, 1 - me, 50), kBytes);
+    EXPECT_EQ(first_difference(got.data(), want.data(), kBytes), -1) << "the halo from rank " << 1 - me;
+  }
+  comm->barrier();
+}
+
 int open_fds() {
   int count = 0;
   if (DIR* d = opendir("/proc/self/fd")) {

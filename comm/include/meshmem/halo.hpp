@@ -46,7 +46,9 @@ class HaloExchange {
 
   // For halos that kernels wrote into the neighbours' windows themselves (device API,
   // Window::view()): the same signals and waits as exchange(), without the copies. The
-  // writes must be ordered before this call on `stream` (the kernel ran on it).
+  // writes must be ordered before this call on `stream` (the kernel ran on it). Refused
+  // (Unsupported) on every rank when some rank of the exchange has a neighbour whose window
+  // it cannot map (the staged transport): kernels cannot write there.
   void complete(Stream stream = nullptr);
 
   std::uint64_t exchanges() const;  // how many exchange() calls so far

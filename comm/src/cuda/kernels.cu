@@ -123,7 +123,7 @@ __global__ void wait_kernel(std::uint64_t* words, std::size_t count, Cmp cmp, st
 __global__ void transfer_wait_kernel(const std::uint64_t* word, std::uint64_t sequence, const std::uint64_t* sequence_at,
                                      int peer, WaitLimit limit, bool early) {
   after_previous_kernel(early);
-  // Captured transfers learn their number on each replay, when their host node hands them to
+  // Captured transfers learn their ticket on each replay, when their host node hands them to
   // the agent (written before this kernel starts: stream order).
   if (sequence_at != nullptr) sequence = *reinterpret_cast<const volatile std::uint64_t*>(sequence_at);
   (void)wait_word(word, Cmp::GE, sequence, limit, FaultKind::Transfer, peer, 0, 0);

@@ -62,9 +62,9 @@ cudaError_t launch_wait(std::uint64_t* words, std::size_t count, Cmp cmp, std::u
                         bool early);
 
 // Blocks `stream` until *word (host or device memory mapped here) reaches `sequence`: the end
-// of staged transfer `sequence` with rank `peer`; on timeout the fault names the peer. With
-// `sequence_at` (pinned host memory) the number is read from there when the kernel starts
-// (captured transfers get a new number on every replay).
+// of a staged transfer with rank `peer` (its done word and ticket); on timeout the fault names
+// the peer. With `sequence_at` (pinned host memory) the ticket is read from there when the
+// kernel starts (captured transfers get a new ticket on every replay).
 cudaError_t launch_transfer_wait(const std::uint64_t* word, std::uint64_t sequence, const std::uint64_t* sequence_at,
                                  int peer, WaitLimit limit, cudaStream_t stream, bool early);
 

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <strings.h>
 #include <deque>
+#include <list>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -89,28 +90,40 @@ struct StagedRequest {
   std::uint64_t* signal = nullptr;  // on dst_device, or null
   std::uint64_t value = 0;
   SignalOp op = SignalOp::Set;
-  std::uint64_t sequence = 0;
+  // Its done word (ControlWords::transfer(word)) reaches `ticket` at its end; the caller's
+  // stream waits for that. Tickets only grow, so a word reused later never moves backwards.
+  std::size_t word = 0;
+  std::uint64_t* done = nullptr;
+  bool word_is_lent = false;  // an eager transfer's word: back to the free list after its end
+  std::uint64_t ticket = 0;
   std::size_t bytes() const { return width * rows; }
 };
 
-// The control words after the slots in each rank's region of the pool.
-// Word 0: the done word; then the barrier's flags (one per rank of the Comm); then the
-// numbers of captured transfers.
+// The control words after the slots in each rank's region of the pool: one done counter per
+// lane (the host reads which transfers ended, to reuse their words), the barrier's flags (one
+// per rank of the Comm), then one done word per transfer in flight or captured.
 struct ControlWords {
   static constexpr std::size_t kBytes = std::size_t(1) << 20;
   static constexpr std::size_t kWords = kBytes / sizeof(std::uint64_t);
+  static constexpr std::size_t kLanes = 64;
   std::uint64_t* base = nullptr;
   std::size_t ranks = 0;
-  std::uint64_t* done() const { return base; }
-  std::uint64_t* barrier_flags() const { return base + 8; }
-  std::size_t captured_count() const { return kWords - 8 - (ranks + 7) / 8 * 8; }
-  std::uint64_t* captured(std::size_t i) const { return base + 8 + (ranks + 7) / 8 * 8 + i; }
+  std::uint64_t* lane_done(std::size_t lane) const { return base + lane; }
+  std::uint64_t* barrier_flags() const { return base + kLanes; }
+  std::size_t transfer_count() const { return kWords - kLanes - (ranks + 7) / 8 * 8; }
+  std::uint64_t* transfer(std::size_t i) const { return base + kLanes + (ranks + 7) / 8 * 8 + i; }
 };
 
 // The thread that turns transfers into chunked copies on streams of its own: a lane (stream
 // and per-slot events) per GPU it touches. It owns this rank's share of the staging pool
 // (its slots and control words): in-flight copies use them until the agent is gone, and
 // window attachments and captured graphs may keep it after the transport itself.
+//
+// Transfers start in the order their sources become ready, not in call order: the agent
+// polls each one's ready event and enqueues only transfers whose source is ready, so its lanes
+// never wait on a caller's stream. (Enqueued in call order with a stream wait on the event, an
+// eager transfer behind a graph launch holding a staged transfer, or one stream waiting on a
+// peer, held every later transfer of the rank until MESHMEM_TIMEOUT.)
 class StagingAgent {
  public:
   StagingAgent(std::unique_ptr<StagingPool> pool, const std::vector<int>& devices, std::size_t chunk, int nslots,
@@ -125,18 +138,20 @@ class StagingAgent {
     const std::string what = "staged transport on rank " + std::to_string(rank);
     control_ = control_of(rank);
     std::memset(control_.base, 0, ControlWords::kBytes);
+    for (std::size_t i = control_.transfer_count(); i-- > 0;) free_words_.push_back(i);
     for (int d : devices) {
       if (lanes_.count(d)) continue;
+      if (lanes_.size() == ControlWords::kLanes)
+        throw Error(ErrorCode::Unsupported, what + ": more than " + std::to_string(ControlWords::kLanes) + " GPUs to drive");
       CurrentDevice current(d);
       // The signal kernel may run on this GPU from the agent's thread: loaded now, not at a
       // first launch behind a polling kernel (kernels.hpp, preload_kernels).
       ipc::check_cuda(cuda::preload_kernels(), "cudaFuncGetAttributes (loading meshmem's kernels)", what);
       Lane& lane = lanes_[d];
+      lane.ordinal = lanes_.size() - 1;
       ipc::check_cuda(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", what);
       lane.copied.resize(static_cast<std::size_t>(nslots), nullptr);
       lane.freed.resize(static_cast<std::size_t>(nslots), nullptr);
-      ipc::check_cuda(cudaEventCreateWithFlags(&lane.finished, cudaEventDisableTiming), "cudaEventCreateWithFlags", what);
-      ipc::check_cuda(cudaEventCreateWithFlags(&lane.passed, cudaEventDisableTiming), "cudaEventCreateWithFlags", what);
       for (int s = 0; s < nslots; ++s) {
         ipc::check_cuda(cudaEventCreateWithFlags(&lane.copied[s], cudaEventDisableTiming), "cudaEventCreateWithFlags", what);
         ipc::check_cuda(cudaEventCreateWithFlags(&lane.freed[s], cudaEventDisableTiming), "cudaEventCreateWithFlags", what);
@@ -149,18 +164,16 @@ class StagingAgent {
   StagingAgent& operator=(const StagingAgent&) = delete;
 
   ~StagingAgent() {
-    // Bounded: a lane can wait on a caller's stream that never moves on (a memop wait for a
-    // signal that never comes). Streams and events with pending work may be destroyed; CUDA
-    // releases them once that work is done.
-    if (!drain()) log(LogLevel::Error, "staged transport: transfers still running at teardown");
+    // Bounded: a transfer's source can sit behind a caller's stream that never moves on (a
+    // wait for a signal that never comes). Streams and events with pending work may be
+    // destroyed; CUDA releases them once that work is done.
+    if (!drain()) log(LogLevel::Error, "staged transport: transfers still waiting or running at teardown");
     stop();
     for (cudaEvent_t e : spare_) (void)cudaEventDestroy(e);
     for (auto& [d, lane] : lanes_) {
       CurrentDevice current(d);
       for (cudaEvent_t e : lane.copied) (void)cudaEventDestroy(e);
       for (cudaEvent_t e : lane.freed) (void)cudaEventDestroy(e);
-      if (lane.finished) (void)cudaEventDestroy(lane.finished);
-      if (lane.passed) (void)cudaEventDestroy(lane.passed);
       if (lane.stream) (void)cudaStreamDestroy(lane.stream);
     }
   }
@@ -194,17 +207,47 @@ class StagingAgent {
     spare_.push_back(e);
   }
 
-  // Queues a transfer; returns its sequence number (the done word reaches it at its end).
-  std::uint64_t submit(StagedRequest r) {
+  // A done word for one transfer (ControlWords::transfer), or false when every word is in
+  // use. Words of ended transfers are taken back first.
+  bool try_take_word(std::size_t* word) {
     std::lock_guard<std::mutex> lock(m_);
-    r.sequence = ++submitted_;
-    queue_.push_back(r);
-    cv_.notify_all();
-    return r.sequence;
+    reclaim_words();  // every time, not only when none is left: words are reused at once (and so tested)
+    if (free_words_.empty()) return false;
+    *word = free_words_.back();
+    free_words_.pop_back();
+    return true;
+  }
+  // As try_take_word, but with every word in use (that many transfers waiting or running)
+  // the caller waits for the oldest to end, as a full CUDA launch queue makes it wait;
+  // bounded by MESHMEM_TIMEOUT.
+  std::size_t take_word(const std::string& what) {
+    Deadline deadline(timeout_);
+    Backoff backoff;
+    std::size_t word = 0;
+    while (!try_take_word(&word)) {
+      if (deadline.expired())
+        throw Error(ErrorCode::Timeout, what + ": " + std::to_string(control_.transfer_count()) +
+                                            " staged transfers of this rank are waiting or running (or captured) and "
+                                            "none ended within " + describe_timeout(timeout_) + "; nothing was enqueued");
+      backoff.pause();
+    }
+    return word;
+  }
+  void release_word(std::size_t word) {
+    std::lock_guard<std::mutex> lock(m_);
+    free_words_.push_back(word);
   }
 
-  // The word the lanes set to each transfer's sequence number at its end (in the pool).
-  const std::uint64_t* done_word() const { return control_.done(); }
+  // Queues a transfer (its done word set); returns its ticket: the value its done word reaches
+  // at its end.
+  std::uint64_t submit(StagedRequest r) {
+    std::lock_guard<std::mutex> lock(m_);
+    r.ticket = ++submitted_;
+    queue_.push_back(r);
+    cv_.notify_all();
+    return r.ticket;
+  }
+
   const ControlWords& control() const { return control_; }
   // Rank r's control words, in its region of the pool as mapped here.
   ControlWords control_of(int rank) const {
@@ -220,11 +263,13 @@ class StagingAgent {
     return std::exchange(error_, std::string());
   }
 
+  // Waits until every transfer handed over was enqueued (its source ready) and the lanes are
+  // idle; bounded by MESHMEM_TIMEOUT (0: no bound, as everywhere); false if not.
   bool drain() noexcept {
     const auto deadline = std::chrono::steady_clock::now() + (timeout_.count() == 0 ? std::chrono::hours(24 * 365) : timeout_);
     {
       std::unique_lock<std::mutex> lock(m_);
-      if (!cv_.wait_until(lock, deadline, [&] { return enqueued_ == submitted_ || stop_; })) return false;
+      if (!cv_.wait_until(lock, deadline, [&] { return handled_ == submitted_ || stop_; })) return false;
     }
     Backoff backoff;
     for (auto& [d, lane] : lanes_) {
@@ -243,84 +288,105 @@ class StagingAgent {
 
  private:
   struct Lane {
+    std::size_t ordinal = 0;          // its done counter: ControlWords::lane_done(ordinal)
     cudaStream_t stream = nullptr;
     std::vector<cudaEvent_t> copied;  // per slot: the device-to-host copy into it is done
     std::vector<cudaEvent_t> freed;   // per slot: the host-to-device copy out of it is done
-    cudaEvent_t finished = nullptr;   // the last transfer that ended on this lane wrote its done word
-    cudaEvent_t passed = nullptr;     // a signal alone: the caller's work before it is done
+    std::uint64_t ended = 0;          // transfers enqueued to end on this lane (its counter's goal)
+    std::deque<std::pair<std::uint64_t, std::size_t>> lent;  // (count at its end, word) of eager transfers
   };
+
+  // Under m_: words of transfers whose end a lane's counter has passed go back to the free list.
+  void reclaim_words() {
+    for (auto& [d, lane] : lanes_) {
+      const std::uint64_t done = __atomic_load_n(control_.lane_done(lane.ordinal), __ATOMIC_ACQUIRE);
+      while (!lane.lent.empty() && lane.lent.front().first <= done) {
+        free_words_.push_back(lane.lent.front().second);
+        lane.lent.pop_front();
+      }
+    }
+  }
 
   void run() {
     // The application may capture a graph in global mode on another thread meanwhile; this
     // thread's calls touch only its own streams and must not be refused (nor invalidate it).
     cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
     (void)cudaThreadExchangeStreamCaptureMode(&mode);
+    tighten_timer_slack();
+    std::list<StagedRequest> waiting;  // handed over; sources not known to be ready yet
+    // Polls ready events while some source is not ready: sleeps at most 20 us between polls,
+    // so a transfer starts at most that late after the kernel before it.
+    Backoff backoff(std::chrono::microseconds(20));
     for (;;) {
-      StagedRequest r;
       {
         std::unique_lock<std::mutex> lock(m_);
-        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopping, nothing left
-        r = queue_.front();
-        queue_.pop_front();
+        if (waiting.empty()) cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        while (!queue_.empty()) {
+          waiting.push_back(queue_.front());
+          queue_.pop_front();
+        }
+        if (waiting.empty()) return;  // stopping, nothing left
       }
-      try {
-        execute(r);
-      } catch (const std::exception& e) {
-        fail(r, e.what());
+      bool started = false;
+      for (auto it = waiting.begin(); it != waiting.end();) {
+        const cudaError_t rc = it->ready == nullptr ? cudaSuccess : cudaEventQuery(it->ready);
+        if (rc == cudaErrorNotReady) {
+          ++it;
+          continue;
+        }
+        const StagedRequest r = *it;
+        it = waiting.erase(it);
+        if (r.ready != nullptr) give_back(r.ready);
+        if (rc != cudaSuccess) {
+          (void)cudaGetLastError();
+          fail(r, std::string("staged transfer of rank ") + std::to_string(rank_) +
+                      ": cudaEventQuery on the caller's stream failed: " + cudaGetErrorString(rc));
+        } else {
+          try {
+            execute(r);
+          } catch (const std::exception& e) {
+            fail(r, e.what());
+          }
+        }
+        {
+          std::lock_guard<std::mutex> lock(m_);
+          ++handled_;
+        }
+        cv_.notify_all();
+        started = true;
+      }
+      if (started) {
+        backoff.reset();
+        continue;
       }
       {
         std::lock_guard<std::mutex> lock(m_);
-        enqueued_ = r.sequence;
+        // Stopping (after drain gave up) with sources that never became ready: their callers'
+        // waits time out.
+        if (stop_) return;
+        if (!queue_.empty()) continue;
       }
-      cv_.notify_all();
+      backoff.pause();
     }
   }
 
-  // A transfer that could not be enqueued: the error goes to the caller's next call, and the
-  // done word moves on (from the host, once the lanes are idle) so its stream is not held
-  // for a whole timeout.
+  // A transfer that could not be enqueued: the error goes to the caller's next call, and its
+  // done word is set from the host so that its stream is not held for a whole timeout
+  // (earlier transfers of that stream ended before its source was ready: stream order).
   void fail(const StagedRequest& r, const std::string& message) {
     log(LogLevel::Error, message);
     {
       std::lock_guard<std::mutex> lock(m_);
       if (error_.empty()) error_ = message;
     }
-    // The earlier transfers must end first (the done word never runs ahead of them): bounded by
-    // MESHMEM_TIMEOUT (0: forever, as everywhere); if they do not, the word stays where it is
-    // and the caller's wait times out.
-    const auto deadline = std::chrono::steady_clock::now() + (timeout_.count() == 0 ? std::chrono::hours(24 * 365) : timeout_);
-    Backoff backoff;
-    for (auto& [d, lane] : lanes_) {
-      CurrentDevice current(d);
-      while (cudaStreamQuery(lane.stream) == cudaErrorNotReady) {
-        if (std::chrono::steady_clock::now() > deadline) return;
-        backoff.pause();
-      }
-      (void)cudaGetLastError();
-    }
-    __atomic_store_n(control_.done(), r.sequence, __ATOMIC_RELEASE);
+    __atomic_store_n(r.done, r.ticket, __ATOMIC_RELEASE);
+    if (r.word_is_lent) release_word(r.word);
   }
 
   void execute(const StagedRequest& r) {
-    const std::string what = "staged transfer " + std::to_string(r.sequence) + " of rank " + std::to_string(rank_);
+    const std::string what = "staged transfer " + std::to_string(r.ticket) + " of rank " + std::to_string(rank_);
     Lane& from = lanes_.at(r.src_device);
     Lane& to = lanes_.at(r.dst_device);
-    if (r.ready != nullptr) {
-      {
-        CurrentDevice current(r.src_device);
-        ipc::check_cuda(cudaStreamWaitEvent(from.stream, r.ready, 0), "cudaStreamWaitEvent", what);
-      }
-      give_back(r.ready);
-    }
-    if (r.bytes() == 0) {  // a signal alone: after the caller's earlier work, passed on by the source lane
-      {
-        CurrentDevice current(r.src_device);
-        ipc::check_cuda(cudaEventRecord(from.passed, from.stream), "cudaEventRecord", what);
-      }
-      CurrentDevice current(r.dst_device);
-      ipc::check_cuda(cudaStreamWaitEvent(to.stream, from.passed, 0), "cudaStreamWaitEvent", what);
-    }
     // Pieces of at most a chunk: whole rows where a row fits (packed in the slot), otherwise
     // a chunk of one row.
     const std::size_t rows_per = r.width == 0 ? 1 : r.width <= chunk_ ? chunk_ / r.width : 1;
@@ -367,19 +433,21 @@ class StagingAgent {
       op.writeValue.value64 = r.value;
       ops.push_back(op);
     }
-    // Transfers end on different lanes (one per target GPU) and could write the done word out
-    // of order, moving it backwards: each waits for the previous one's end first.
-    if (last_lane_ != nullptr && last_lane_ != &to) {
-      ipc::check_cuda(cudaStreamWaitEvent(to.stream, last_lane_->finished, 0), "cudaStreamWaitEvent", what);
-    }
+    // The transfer's done word (the caller's stream waits for it), then the lane's counter
+    // (the host takes the word back once it passed).
     CUstreamBatchMemOpParams done{};
     done.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-    done.writeValue.address = reinterpret_cast<CUdeviceptr>(control_.done());
-    done.writeValue.value64 = r.sequence;
+    done.writeValue.address = reinterpret_cast<CUdeviceptr>(r.done);
+    done.writeValue.value64 = r.ticket;
     ops.push_back(done);
+    CUstreamBatchMemOpParams counter = done;
+    counter.writeValue.address = reinterpret_cast<CUdeviceptr>(control_.lane_done(to.ordinal));
+    counter.writeValue.value64 = to.ended + 1;
+    ops.push_back(counter);
     run_stream_batch(ops, to.stream, "staged transfer", rank_);
-    ipc::check_cuda(cudaEventRecord(to.finished, to.stream), "cudaEventRecord", what);
-    last_lane_ = &to;
+    std::lock_guard<std::mutex> lock(m_);
+    ++to.ended;
+    if (r.word_is_lent) to.lent.emplace_back(to.ended, r.word);
   }
 
   std::unique_ptr<StagingPool> pool_;  // first: destroyed last, after the lanes stopped using it
@@ -392,14 +460,14 @@ class StagingAgent {
   std::map<int, Lane> lanes_;
   std::vector<cudaEvent_t> slot_free_;  // per slot: the event of the copy that last read it
   std::size_t next_slot_ = 0;
-  Lane* last_lane_ = nullptr;  // where the last transfer ended
 
-  std::mutex m_;
+  std::mutex m_;  // the queue, counters, free words, lanes' lent words, spare events, error
   std::condition_variable cv_;
   std::deque<StagedRequest> queue_;
   std::vector<cudaEvent_t> spare_;
+  std::vector<std::size_t> free_words_;
   std::uint64_t submitted_ = 0;
-  std::uint64_t enqueued_ = 0;
+  std::uint64_t handled_ = 0;  // transfers enqueued on the lanes or failed
   bool stop_ = false;
   std::string error_;
   std::thread thread_;
@@ -430,35 +498,39 @@ class StagedAttachment final : public WindowAttachment {
 struct CaptureBoard {
   std::mutex m;
   StagingAgent* agent = nullptr;  // null once the transport stopped
-  std::vector<std::size_t> free;  // captured-transfer words not in use (ControlWords::captured)
 };
 
 namespace {
 
 // One captured transfer: on every replay its host node hands the request to the agent and
-// writes the number it got where the graph's wait kernel reads it.
+// writes the ticket it got where the graph's wait kernel reads it. Its done word and ticket
+// word are the graph's for its life.
 struct CapturedTransfer {
   std::shared_ptr<CaptureBoard> board;
   StagedRequest request;
-  std::size_t word = 0;
-  std::uint64_t* sequence_at = nullptr;
+  std::size_t ticket_word = 0;
+  std::uint64_t* ticket_at = nullptr;
 };
 
 void CUDART_CB submit_captured(void* p) {
   auto* c = static_cast<CapturedTransfer*>(p);
   std::lock_guard<std::mutex> lock(c->board->m);
   // After the transport stopped nothing is written (the pool may be gone): the wait then sees
-  // the last replay's number and lets the stream pass with no data moved (replaying a graph
+  // the last replay's ticket and lets the stream pass with no data moved (replaying a graph
   // whose Comm and windows are gone is the caller's error, as on every route).
   if (c->board->agent == nullptr) return;
-  __atomic_store_n(c->sequence_at, c->board->agent->submit(c->request), __ATOMIC_RELEASE);
+  __atomic_store_n(c->ticket_at, c->board->agent->submit(c->request), __ATOMIC_RELEASE);
 }
 
 void CUDART_CB release_captured(void* p) {
   auto* c = static_cast<CapturedTransfer*>(p);
   {
     std::lock_guard<std::mutex> lock(c->board->m);
-    c->board->free.push_back(c->word);
+    // The graph's launches are complete: its transfers' last writes to these words are done.
+    if (c->board->agent != nullptr) {
+      c->board->agent->release_word(c->request.word);
+      c->board->agent->release_word(c->ticket_word);
+    }
   }
   delete c;
 }
@@ -529,7 +601,6 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
   });
   board_ = std::make_shared<CaptureBoard>();
   board_->agent = agent_.get();
-  for (std::size_t i = agent_->control().captured_count(); i-- > 0;) board_->free.push_back(i);
   const char* loading = std::getenv("CUDA_MODULE_LOADING");
   static bool warned = false;
   if ((loading == nullptr || strcasecmp(loading, "EAGER") != 0) && !std::exchange(warned, true))
@@ -584,44 +655,54 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
     capture_transfer(r, graph, peer, s, name);
     return;
   }
+  r.word = agent_->take_word(what(name, peer));
+  r.done = agent_->control().transfer(r.word);
+  r.word_is_lent = true;
   r.ready = agent_->take_event();
   const cudaError_t rc = cudaEventRecord(r.ready, s);
   if (rc != cudaSuccess) {
     agent_->give_back(r.ready);
+    agent_->release_word(r.word);
     ipc::check_cuda(rc, "cudaEventRecord", what(name, peer));
   }
-  const std::uint64_t sequence = agent_->submit(r);
-  const cudaError_t k = cuda::launch_transfer_wait(agent_->done_word(), sequence, nullptr, peer, device_->wait_limit(), s,
-                                                   device_->early_launch());
+  std::uint64_t* done = r.done;
+  const std::uint64_t ticket = agent_->submit(r);
+  const cudaError_t k =
+      cuda::launch_transfer_wait(done, ticket, nullptr, peer, device_->wait_limit(), s, device_->early_launch());
   if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what(name, peer));
 }
 
 // Under capture the graph gets a host node that hands the request to the agent on every
 // replay (it runs once the caller's earlier work is done, so no ready event is needed), then
-// the wait kernel for the number that node got. The request lives as long as the graph (a
-// CUDA user object).
+// the wait kernel for the ticket that node got. The request and its two words (done and
+// ticket) live as long as the graph (a CUDA user object). Two instantiations of one graph
+// running at once share them (a limit: the waits can then stall until MESHMEM_TIMEOUT).
 void StagedTransport::capture_transfer(const StagedRequest& r, cudaGraph_t graph, int peer, cudaStream_t stream,
                                        const char* name) {
   auto captured = std::make_unique<CapturedTransfer>();
   captured->board = board_;
   captured->request = r;
-  {
-    std::lock_guard<std::mutex> lock(board_->m);
-    if (board_->free.empty())
-      throw Error(ErrorCode::Unsupported, what(name, peer) + ": more than " +
-                                              std::to_string(agent_->control().captured_count()) +
-                                              " staged transfers captured into CUDA graphs that still exist; nothing "
-                                              "was enqueued");
-    captured->word = board_->free.back();
-    board_->free.pop_back();
+  const auto all_in_use = [&] {
+    return Error(ErrorCode::Unsupported, what(name, peer) + ": all " + std::to_string(agent_->control().transfer_count()) +
+                                             " done words of this rank are held by staged transfers waiting, running "
+                                             "or captured into CUDA graphs that still exist; nothing was enqueued");
+  };
+  std::size_t done_word = 0, ticket_word = 0;
+  if (!agent_->try_take_word(&done_word)) throw all_in_use();
+  if (!agent_->try_take_word(&ticket_word)) {
+    agent_->release_word(done_word);
+    throw all_in_use();
   }
-  captured->sequence_at = agent_->control().captured(captured->word);
-  *captured->sequence_at = 0;
+  captured->request.word = done_word;
+  captured->request.done = agent_->control().transfer(done_word);
+  captured->ticket_word = ticket_word;
+  captured->ticket_at = agent_->control().transfer(ticket_word);
+  *captured->ticket_at = 0;
   cudaUserObject_t object = nullptr;
   const cudaError_t rc = cudaUserObjectCreate(&object, captured.get(), release_captured, 1, cudaUserObjectNoDestructorSync);
   if (rc != cudaSuccess) {
-    std::lock_guard<std::mutex> lock(board_->m);
-    board_->free.push_back(captured->word);
+    agent_->release_word(done_word);
+    agent_->release_word(ticket_word);
     ipc::check_cuda(rc, "cudaUserObjectCreate", what(name, peer));
   }
   CapturedTransfer* c = captured.release();  // the user object owns it now
@@ -632,8 +713,8 @@ void StagedTransport::capture_transfer(const StagedRequest& r, cudaGraph_t graph
   }
   ipc::check_cuda(cudaLaunchHostFunc(stream, submit_captured, c), "cudaLaunchHostFunc (captured staged transfer)",
                   what(name, peer));
-  const cudaError_t k = cuda::launch_transfer_wait(agent_->done_word(), 0, c->sequence_at, peer, device_->wait_limit(),
-                                                   stream, device_->early_launch());
+  const cudaError_t k = cuda::launch_transfer_wait(c->request.done, 0, c->ticket_at, peer, device_->wait_limit(), stream,
+                                                   device_->early_launch());
   if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what(name, peer));
 }
 

@@ -7,34 +7,37 @@
 // Who drives it: a staging agent (a thread of this rank) enqueues the chunks on streams of
 // its own, one per GPU, on the source and the target GPU (the target's window is mapped here
 // for the target's GPU: no peer access is needed for that). The caller's thread only records
-// an event, enqueues one wait on its stream and hands the request over, so a put returns in
-// microseconds whatever its size (the chunks of a 1 GiB put are hundreds of driver calls).
-// The caller's stream then waits on the GPU until the agent's last copy (and the signal)
-// landed: a word in the pool that the agent's stream writes, polled by a one-thread kernel
-// that times out like every device wait. Transfers of this rank run one after another.
+// an event, takes a done word, enqueues one wait on its stream and hands the request over, so
+// a put returns in microseconds whatever its size (the chunks of a 1 GiB put are hundreds of
+// driver calls). The caller's stream then waits on the GPU until the transfer's done word
+// (in the pool, written by the agent's stream after the last copy and the signal) reaches
+// its ticket, polled by a one-thread kernel that times out like every device wait.
+//
+// Order: the agent polls each transfer's ready event and enqueues a transfer only once its
+// source is ready, in the order sources become ready; its streams never wait on a caller's
+// stream. So a transfer whose stream waits (for a peer's signal, behind a graph launch that
+// holds a staged transfer) holds no other transfer back, as on the ipc route. Transfers of
+// one stream stay in order because the stream waits for each one's end. Done words are lent
+// per transfer and taken back once a lane's counter shows the transfer ended; with all of
+// them in use (about 130,000 transfers in flight) a call waits for the oldest, bounded by
+// MESHMEM_TIMEOUT. (Until this version transfers were enqueued in call order with a stream
+// wait on the event: such a transfer held every later one until MESHMEM_TIMEOUT.)
 //
 // CUDA graphs: under capture the graph gets a host node that hands the transfer to the agent
-// on every replay, and the wait kernel reads the number it got from pinned memory; the
-// request lives as long as the graph (a CUDA user object). A graph must not be replayed after
-// its Comm is gone (as with every route: its windows are gone too).
+// on every replay, and the wait kernel reads the ticket it got from pinned memory; the
+// request and its words live as long as the graph (a CUDA user object). Replays of one
+// instantiated graph run one after another (CUDA orders them); two instantiations of one
+// captured graph running at the same time share the words and can stall until
+// MESHMEM_TIMEOUT (a limit). A graph must not be replayed after its Comm is gone (as with
+// every route: its windows are gone too).
 //
-// Transfers are handed over in stream order and run one after another per rank. The agent
-// preloads meshmem's kernels on every GPU it drives: under CUDA's lazy loading a first launch
-// may wait for the context to be idle, which a polling transfer wait never is (this hung
-// back-to-back transfers until 6fa5e92). An application kernel launched for the first time
-// while a staged wait is in flight still stalls until MESHMEM_TIMEOUT (seen on 2 x H200 in
-// RealUse.EarlyLaunchedKernelsWaitForThePreviousKernel): the launch waits for an idle GPU
-// and holds the agent's driver calls meanwhile. CUDA_MODULE_LOADING=EAGER avoids it; the
-// transport warns at connect when it is not set.
-//
-// Open defects (found by review, 2026-11-23; not yet fixed): transfers are numbered when the
-// host hands them over and run one after another per rank, so (1) an eager transfer issued
-// on a stream behind a graph launch that holds a staged transfer waits for that graph, whose
-// own transfer then queues behind it: a deadlock until MESHMEM_TIMEOUT; (2) eager transfers
-// on two streams are ordered by call, so one stream waiting on a peer's signal holds the
-// other's transfers (ipc does not); (3) two running copies of one captured graph share one
-// number word. A fix: hand every transfer over in stream order (a host node, as captured ones
-// are) so that the agent only ever queues transfers whose source is ready.
+// The agent preloads meshmem's kernels on every GPU it drives: under CUDA's lazy loading a
+// first launch may wait for the context to be idle, which a polling transfer wait never is
+// (this hung back-to-back transfers until 6fa5e92). An application kernel launched for the
+// first time while a staged wait is in flight still stalls until MESHMEM_TIMEOUT (seen on
+// 2 x H200 in RealUse.EarlyLaunchedKernelsWaitForThePreviousKernel): the launch waits for an
+// idle GPU and holds the agent's driver calls meanwhile. CUDA_MODULE_LOADING=EAGER avoids it;
+// the transport warns at connect when it is not set.
 //
 // Limits (this version): the target's GPU must be visible to this process (under per-rank
 // CUDA_VISIBLE_DEVICES isolation the pair is not reached and says why).
