@@ -120,6 +120,17 @@ static std::vector<std::string> gather_bus_ids(const CommContext& ctx, int devic
   return ids;
 }
 
+CurrentDevice::CurrentDevice(int device) {
+  (void)cudaGetDevice(&previous_);
+  if (previous_ != device) (void)cudaSetDevice(device);
+}
+
+CurrentDevice::~CurrentDevice() {
+  int now = -1;
+  (void)cudaGetDevice(&now);
+  if (previous_ >= 0 && now != previous_) (void)cudaSetDevice(previous_);
+}
+
 OwnedStream::OwnedStream(const std::string& what) {
   ipc::check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", what);
 }

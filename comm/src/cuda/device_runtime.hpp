@@ -42,6 +42,18 @@ T* device_array(DevicePtr& owner, const std::vector<T>& values, const std::strin
 void run_stream_batch(std::vector<CUstreamBatchMemOpParams>& ops, Stream stream, const char* call, int rank);
 
 
+// Sets `device` current for the life of the object (the staged transport drives several GPUs).
+class CurrentDevice {
+ public:
+  explicit CurrentDevice(int device);
+  ~CurrentDevice();
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
 class OwnedStream {
  public:
   explicit OwnedStream(const std::string& what);

@@ -4,14 +4,18 @@
 // chunks: device-to-host on the source GPU's copy engine, host-to-device on the target GPU's,
 // double-buffered over MESHMEM_STAGING_SLOTS slots so that the two run at once.
 //
-// Who drives it: a staging agent (a thread of this rank) enqueues the chunks on streams of
-// its own, one per GPU, on the source and the target GPU (the target's window is mapped here
-// for the target's GPU: no peer access is needed for that). The caller's thread only records
-// an event, takes a done word, enqueues one wait on its stream and hands the request over, so
-// a put returns in microseconds whatever its size (the chunks of a 1 GiB put are hundreds of
-// driver calls). The caller's stream then waits on the GPU until the transfer's done word
-// (in the pool, written by the agent's stream after the last copy and the signal) reaches
-// its ticket, polled by a one-thread kernel that times out like every device wait.
+// Who drives it: a staging agent (a thread of this rank, staging_agent.hpp) enqueues the
+// chunks on streams of its own, one per GPU, on the source and the target GPU (the target's
+// window is mapped here for the target's GPU: no peer access is needed for that). Where the
+// peer's GPU is hidden from this process (per-rank CUDA_VISIBLE_DEVICES isolation) the two
+// ranks' agents share the work through a channel in the pool: this GPU copies chunks into
+// this rank's slots, the peer's agent copies them onto its GPU (and for a get the other way
+// round). The caller's thread only records an event, takes a done word, enqueues one wait on
+// its stream and hands the request over, so a put returns in microseconds whatever its size
+// (the chunks of a 1 GiB put are hundreds of driver calls). The caller's stream then waits on
+// the GPU until the transfer's done word (in the pool, written after the last copy and the
+// signal) reaches its ticket, polled by a one-thread kernel that times out like every device
+// wait.
 //
 // Order: the agent polls each transfer's ready event and enqueues a transfer only once its
 // source is ready, in the order sources become ready; its streams never wait on a caller's
@@ -39,8 +43,10 @@
 // idle GPU and holds the agent's driver calls meanwhile. CUDA_MODULE_LOADING=EAGER avoids it;
 // the transport warns at connect when it is not set.
 //
-// Limits (this version): the target's GPU must be visible to this process (under per-rank
-// CUDA_VISIBLE_DEVICES isolation the pair is not reached and says why).
+// Hidden peers: their agents poll the channels (every 20 us after recent work, every 200 us
+// after 2 ms without), so a transfer after a quiet spell starts up to 0.2 ms late; a chunk
+// for a window the target already freed is dropped there, counted, and reported by this
+// rank's next call.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -50,13 +56,12 @@
 #include <vector>
 
 #include "../transport.hpp"
+#include "staging_agent.hpp"
 
 namespace meshmem::detail {
 
 struct CaptureBoard;
 class CudaDeviceRuntime;
-class StagingAgent;
-struct StagedRequest;
 
 class StagedTransport final : public Transport {
  public:
@@ -97,6 +102,8 @@ class StagedTransport final : public Transport {
   void* mapped_part(const WindowState& win, int rank, const char* op) const;
   StagedRequest request(void* dst, int dst_device, const void* src, int src_device, std::size_t width, std::size_t rows,
                         std::size_t dst_pitch, std::size_t src_pitch) const;
+  StagedRequest hidden_request(StagedRequest::Route route, int target, const WindowState& win, std::size_t offset,
+                               std::size_t width, std::size_t rows, std::size_t dst_pitch, std::size_t src_pitch) const;
   // Hands one transfer to the agent; the caller's stream waits for its end.
   void transfer(StagedRequest r, int peer, Stream stream, const char* name);
   void capture_transfer(const StagedRequest& r, cudaGraph_t graph, int peer, cudaStream_t stream, const char* name);

@@ -1,0 +1,251 @@
+// StagingAgent: the thread of a rank that moves its staged transfers (transport_staged.hpp)
+// through its region of the node's staging pool, and the shared-memory layout it and its node
+// peers' agents use.
+//
+// Two ways through the pool:
+// - Both GPUs visible here: this agent enqueues the device-to-host copy on the source GPU and
+//   the host-to-device copy on the target GPU (one lane, a stream and per-slot events, per
+//   GPU), chunk by chunk through this rank's slots.
+// - The peer's GPU hidden from this process (per-rank CUDA_VISIBLE_DEVICES isolation): the
+//   two agents share the work through a channel in the pool. The writer's GPU copies a chunk
+//   into a slot of the writer's region and then writes a descriptor (what to copy where) and
+//   the channel's posted count; the reader's agent, which polls its incoming channels, copies
+//   the chunk to its own GPU and writes the channel's consumed count (the writer's GPU waits
+//   for it before it reuses the slot), and after the last chunk the signal and the
+//   initiator's done word. A get from a hidden peer is a request on the channel that the
+//   peer's agent answers with chunks of its window.
+//
+// Transfers start in the order their sources become ready (the agent polls each one's ready
+// event), never in call order, so a transfer whose stream waits holds no other back. Each has
+// a done word of its own (lent per transfer and taken back once it ended), which the caller's
+// stream waits for; tickets only grow, so a reused word never moves backwards.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels.hpp"
+#include "meshmem/types.hpp"
+#include "staging_pool.hpp"
+
+namespace meshmem::detail {
+
+// One transfer, as the agent enqueues it: `rows` rows of `width` bytes, `src_pitch` /
+// `dst_pitch` apart (a contiguous transfer is one row).
+struct StagedRequest {
+  static constexpr std::uint64_t kAddress = ~std::uint64_t(0);  // a window id that is none: a raw address
+  enum class Route { Visible, ToHidden, FromHidden };
+  Route route = Route::Visible;
+  int peer = -1;                // the other rank
+  cudaEvent_t ready = nullptr;  // recorded on the caller's stream: the source is ready (null:
+                                // handed over by a captured host node, which runs once it is)
+  void* dst = nullptr;          // Visible, FromHidden: an address here
+  int dst_device = -1;
+  const void* src = nullptr;    // Visible, ToHidden: an address here
+  int src_device = -1;
+  std::size_t width = 0;
+  std::size_t rows = 1;
+  std::size_t src_pitch = 0;
+  std::size_t dst_pitch = 0;
+  std::uint64_t* signal = nullptr;  // Visible: on dst_device, or null
+  std::uint64_t value = 0;
+  SignalOp op = SignalOp::Set;
+  // ToHidden: the target's window and offset (and signal word); FromHidden: the window read.
+  std::uint64_t window = kAddress;
+  std::uint64_t offset = 0;
+  std::uint64_t signal_window = kAddress;
+  std::uint64_t signal_index = 0;
+  // Its done word (ControlWords::transfer(word)) reaches `ticket` at its end; the caller's
+  // stream waits for that.
+  std::size_t word = 0;
+  std::uint64_t* done = nullptr;
+  bool word_is_lent = false;  // an eager transfer's word: back to the free list after its end
+  std::uint64_t ticket = 0;
+  std::size_t bytes() const { return width * rows; }
+};
+
+// The control words after the slots in each rank's region of the pool (1 MiB):
+//   lane counters   one per lane: transfers that ended on it (the host takes words back)
+//   barrier flags   one per rank of the Comm (the stream barrier's, stream_barrier.cpp)
+//   posted          per node rank: descriptors this rank posted to it (written by this GPU)
+//   consumed        per node rank: its descriptors this rank consumed (written by this GPU)
+//   failed          per node rank: its descriptors this rank could not carry out (host)
+//   rings           per node rank: kRing descriptors of kDescriptorWords words to it
+//   transfer words  the rest: one done word per transfer in flight or captured
+// Node ranks are counted by their place in Topology::node_ranks.
+struct ControlWords {
+  static constexpr std::size_t kBytes = std::size_t(1) << 20;
+  static constexpr std::size_t kWords = kBytes / sizeof(std::uint64_t);
+  static constexpr std::size_t kLanes = 64;
+  static constexpr std::size_t kRing = 64;  // descriptors in flight per pair
+  static constexpr std::size_t kDescriptorWords = 16;
+  static constexpr std::size_t kLeastTransferWords = 4096;
+  std::uint64_t* base = nullptr;
+  std::size_t ranks = 0;
+  std::size_t node_ranks = 0;
+  static std::size_t round8(std::size_t n) { return (n + 7) / 8 * 8; }
+  std::uint64_t* lane_done(std::size_t lane) const { return base + lane; }
+  std::uint64_t* barrier_flags() const { return base + kLanes; }
+  std::uint64_t* posted(std::size_t to) const { return barrier_flags() + round8(ranks) + to; }
+  std::uint64_t* consumed(std::size_t from) const { return posted(0) + round8(node_ranks) + from; }
+  std::uint64_t* failed(std::size_t from) const { return consumed(0) + round8(node_ranks) + from; }
+  std::uint64_t* ring(std::size_t to) const { return failed(0) + round8(node_ranks) + to * kRing * kDescriptorWords; }
+  std::uint64_t* transfer(std::size_t i) const { return ring(0) + node_ranks * kRing * kDescriptorWords + i; }
+  std::size_t used_words() const { return static_cast<std::size_t>(transfer(0) - base); }
+  std::size_t transfer_count() const { return used_words() < kWords ? kWords - used_words() : 0; }
+};
+
+class StagingAgent {
+ public:
+  struct Setup {
+    std::unique_ptr<StagingPool> pool;
+    std::vector<int> devices;  // this rank's GPU first, then the visible peers' GPUs it drives
+    std::size_t chunk = 0;
+    int slots = 0;
+    int rank = 0;
+    int ranks = 0;
+    std::vector<int> node_ranks;  // Topology::node_ranks
+    std::vector<bool> hidden;     // by rank: a node peer whose GPU this process cannot see
+    std::chrono::milliseconds timeout{0};
+    cuda::WaitLimit limit{};
+  };
+  explicit StagingAgent(Setup setup);
+  StagingAgent(const StagingAgent&) = delete;
+  StagingAgent& operator=(const StagingAgent&) = delete;
+  ~StagingAgent();
+
+  void stop() noexcept;
+
+  // An event of this rank's device for the caller to record (caller's thread).
+  cudaEvent_t take_event();
+  void give_back(cudaEvent_t e);
+
+  // A done word for one transfer (ControlWords::transfer), or false when every word is in use.
+  bool try_take_word(std::size_t* word);
+  // As try_take_word, but with every word in use (that many transfers waiting or running) the
+  // caller waits for the oldest to end, as a full CUDA launch queue makes it wait; bounded by
+  // MESHMEM_TIMEOUT.
+  std::size_t take_word(const std::string& what);
+  void release_word(std::size_t word);
+
+  // Queues a transfer (its done word set); returns its ticket: the value its done word
+  // reaches at its end.
+  std::uint64_t submit(StagedRequest r);
+
+  // Where hidden peers' transfers land: this rank's device windows by id (attach / release;
+  // after remove_window nothing new is enqueued into it, and drain() waits for what was).
+  void add_window(std::uint64_t id, void* local, std::size_t bytes);
+  void remove_window(std::uint64_t id);
+
+  const ControlWords& control() const { return control_; }
+  // Rank r's control words, in its region of the pool as mapped here (node ranks).
+  ControlWords control_of(int rank) const;
+  const StagingPool& pool() const { return *pool_; }
+
+  // The first error the agent met, or a count of this rank's transfers that hidden peers
+  // could not carry out, once ("" if none).
+  std::string take_error();
+
+  // Waits until every transfer handed over was enqueued (its source ready), the lanes are
+  // idle and transfers to and from hidden peers ended; bounded by MESHMEM_TIMEOUT (0: no
+  // bound, as everywhere); false if not.
+  bool drain() noexcept;
+
+ private:
+  struct Lane {
+    std::size_t ordinal = 0;          // its done counter: ControlWords::lane_done(ordinal)
+    cudaStream_t stream = nullptr;
+    std::vector<cudaEvent_t> copied;  // per slot: the device-to-host copy into it is done
+    std::vector<cudaEvent_t> freed;   // per slot: the host-to-device copy out of it is done
+    std::uint64_t ended = 0;          // transfers enqueued to end on this lane (its counter's goal)
+    std::deque<std::pair<std::uint64_t, std::size_t>> lent;  // (count at its end, word) of eager transfers
+  };
+  // What last used a slot: the copy out of it (an event) or a hidden reader's consumed count.
+  struct SlotUse {
+    cudaEvent_t event = nullptr;
+    int reader = -1;
+    std::uint64_t sequence = 0;
+  };
+  // A transfer to a hidden reader, chunk by chunk (a put, or the answer to its get).
+  struct Outgoing {
+    int reader = -1;
+    const char* src = nullptr;  // on this rank's GPU; null: nothing to copy (a signal alone, or a refused get)
+    std::size_t width = 0, rows = 1, src_pitch = 0, dst_pitch = 0;
+    std::uint64_t window = StagedRequest::kAddress;  // the reader's window, or kAddress
+    std::uint64_t dst = 0;                           // offset in it, or an address of the reader
+    std::uint64_t signal_window = StagedRequest::kAddress, signal_index = 0, value = 0;
+    SignalOp op = SignalOp::Set;
+    int done_rank = -1;  // whose transfer word ends it
+    std::uint64_t done_word = 0, ticket = 0;
+  };
+  struct Descriptor;
+
+  void reclaim_words();  // under m_
+  void run();
+  bool start_ready(std::list<StagedRequest>& waiting);
+  bool poll_incoming();
+  void fail(const StagedRequest& r, const std::string& message);
+  void execute(const StagedRequest& r);
+  void execute_visible(const StagedRequest& r);
+  void send_to_hidden(const Outgoing& o, const std::string& what);
+  std::uint64_t post(int reader, const Descriptor& d, const std::string& what);
+  void wait_consumed(int reader, std::uint64_t count, cudaStream_t stream, const std::string& what);
+  void wait_slot(std::size_t s, Lane& lane, int device, const std::string& what);
+  void carry_out(int writer, std::uint64_t sequence, const Descriptor& d);
+  void* resolve(std::uint64_t window, std::uint64_t offset, std::size_t width, std::size_t rows, std::size_t pitch,
+                std::string* problem);
+  std::size_t local_index(int rank) const { return local_of_[static_cast<std::size_t>(rank)]; }
+
+  std::unique_ptr<StagingPool> pool_;  // first: destroyed last, after the lanes stopped using it
+  char* slots_;
+  std::size_t chunk_;
+  int nslots_;
+  ControlWords control_;
+  int rank_;
+  int device_;  // this rank's GPU
+  std::vector<std::size_t> local_of_;  // by rank: place in node_ranks
+  std::vector<int> hidden_;            // node peers whose GPU this process cannot see
+  std::chrono::milliseconds timeout_;
+  cuda::WaitLimit limit_;
+  std::map<int, Lane> lanes_;
+  cudaStream_t incoming_ = nullptr;    // chunks from hidden peers, onto this rank's GPU
+  std::vector<SlotUse> slot_use_;
+  std::size_t next_slot_ = 0;
+  std::vector<std::uint64_t> next_post_;  // by node index: descriptors posted to that rank
+  std::vector<std::uint64_t> seen_;       // by node index: its descriptors taken here
+  std::vector<std::uint64_t> failed_seen_;
+  std::vector<std::uint64_t> waited_;     // by node index: the consumed count this GPU's lane waits for
+
+  std::mutex windows_m_;
+  std::map<std::uint64_t, std::pair<char*, std::size_t>> windows_;
+
+  std::mutex m_;  // the queue, counters, free words, lent words, spare events, error
+  std::condition_variable cv_;
+  std::deque<StagedRequest> queue_;
+  std::vector<cudaEvent_t> spare_;
+  std::vector<std::size_t> free_words_;
+  struct RemoteEnd {
+    const std::uint64_t* done;
+    std::uint64_t ticket;
+    std::size_t word;
+  };
+  std::vector<RemoteEnd> remote_lent_;  // words of transfers a hidden peer (or the answer to a get) ends
+  std::uint64_t submitted_ = 0;
+  std::uint64_t handled_ = 0;  // transfers enqueued or failed
+  bool stop_ = false;
+  std::string error_;
+  std::thread thread_;
+};
+
+}  // namespace meshmem::detail
