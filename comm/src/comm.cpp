@@ -170,6 +170,9 @@ CommImpl::~CommImpl() {
                           "here without synchronising with the other ranks");
     } else {
       quiet(nullptr, "~Comm");
+      // Staged transfers to hidden peers end only when those peers' agents carried them out:
+      // every rank's own end first, then the meeting, then the agents stop.
+      for (auto& t : transports) t->settle();
       boot.arrive("~Comm");
     }
   } catch (const std::exception& e) {

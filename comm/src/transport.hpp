@@ -112,6 +112,9 @@ class Transport {
   virtual void waiter_ends() {}
   // What it holds that a user may want to see (Comm::device_info, meshmem-info); "" for nothing.
   virtual std::string describe() const { return ""; }
+  // Before the ranks part at ~Comm: lets this rank's transfers in flight end (bounded), so
+  // that no peer stops serving them first.
+  virtual void settle() noexcept {}
   // Stops background activity (threads); called once, after every window was detached.
   virtual void stop() noexcept {}
 };

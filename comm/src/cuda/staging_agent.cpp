@@ -1,6 +1,7 @@
 #include "staging_agent.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "../backoff.hpp"
@@ -34,8 +35,12 @@ cudaError_t copy_rows(void* dst, std::size_t dst_pitch, const void* src, std::si
 // One entry of a channel's ring, ControlWords::kDescriptorWords words, written by the
 // writer's GPU before the posted count that covers it.
 struct StagingAgent::Descriptor {
-  static constexpr std::uint64_t kChunk = 1, kGet = 2;
-  std::uint64_t kind = 0;
+  static constexpr std::uint64_t kChunk = 1, kGet = 2;  // kinds (bits 0..7 of `control`)
+  static constexpr std::uint64_t kLast = 1u << 8;      // the last chunk: the signal and done word follow
+  // Its number on the channel: the reader refuses an entry whose number is not the one it
+  // expects (an entry overwritten after a guard wait timed out, or stale).
+  std::uint64_t sequence = 0;
+  std::uint64_t control = 0;      // kind | kLast | SignalOp << 16
   std::uint64_t slot_offset = 0;  // kChunk: the chunk's place in the writer's region
   std::uint64_t width = 0, rows = 1;
   // kChunk: where it lands (a window of the reader and an offset, or kAddress and an address
@@ -44,15 +49,11 @@ struct StagingAgent::Descriptor {
   std::uint64_t window = StagedRequest::kAddress, dst = 0, dst_pitch = 0;
   std::uint64_t src_offset = 0, src_pitch = 0;
   std::uint64_t signal_window = StagedRequest::kAddress, signal_index = 0, value = 0;
-  std::uint64_t flags = 0;  // bit 0: the last chunk (the signal and done word follow); bits 8..15: SignalOp
   std::uint64_t done_rank = 0, done_word = 0, ticket = 0;
-  static void check_size();
+  std::uint64_t kind() const { return control & 0xff; }
+  bool last() const { return (control & kLast) != 0; }
+  SignalOp op() const { return static_cast<SignalOp>((control >> 16) & 0xff); }
 };
-
-void StagingAgent::Descriptor::check_size() {
-  static_assert(sizeof(Descriptor) == ControlWords::kDescriptorWords * sizeof(std::uint64_t),
-                "a descriptor fills its ring entry");
-}
 
 StagingAgent::StagingAgent(Setup setup)
     : pool_(std::move(setup.pool)),
@@ -81,6 +82,8 @@ StagingAgent::StagingAgent(Setup setup)
   seen_.assign(setup.node_ranks.size(), 0);
   failed_seen_.assign(setup.node_ranks.size(), 0);
   waited_.assign(setup.node_ranks.size(), 0);
+  refused_.assign(setup.node_ranks.size(), false);
+  broken_.assign(setup.node_ranks.size(), false);
   for (int d : setup.devices) {
     if (lanes_.count(d)) continue;
     if (lanes_.size() == ControlWords::kLanes)
@@ -199,10 +202,37 @@ void StagingAgent::add_window(std::uint64_t id, void* local, std::size_t bytes) 
 }
 
 void StagingAgent::remove_window(std::uint64_t id) {
-  // Chunks are carried out under this lock: none is being enqueued into the window now, and
-  // none will be (copies already enqueued: drain).
-  std::lock_guard<std::mutex> lock(windows_m_);
-  windows_.erase(id);
+  cudaEvent_t enqueued = nullptr;
+  {
+    // Chunks are carried out under this lock: none is being enqueued into the window now, and
+    // none will be. What was enqueued before is behind an event on the incoming stream.
+    std::lock_guard<std::mutex> lock(windows_m_);
+    windows_.erase(id);
+    if (incoming_ == nullptr) return;
+    CurrentDevice current(device_);
+    if (cudaEventCreateWithFlags(&enqueued, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventRecord(enqueued, incoming_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      if (enqueued) (void)cudaEventDestroy(enqueued);
+      enqueued = nullptr;
+    }
+  }
+  // Those copies end before the window's memory goes (bounded), whatever else is in flight.
+  Deadline deadline(timeout_);
+  Backoff backoff;
+  bool ended = enqueued != nullptr;
+  while (ended && cudaEventQuery(enqueued) == cudaErrorNotReady) {
+    if (deadline.expired()) {
+      ended = false;
+      break;
+    }
+    backoff.pause();
+  }
+  (void)cudaGetLastError();
+  if (enqueued) (void)cudaEventDestroy(enqueued);
+  if (!ended)
+    log(LogLevel::Error, "staged transport on rank " + std::to_string(rank_) + ": copies from hidden peers into window #" +
+                             std::to_string(id) + " did not end before it was freed");
 }
 
 ControlWords StagingAgent::control_of(int rank) const {
@@ -402,7 +432,7 @@ void StagingAgent::execute(const StagedRequest& r) {
     send_to_hidden(o, what);
   } else {  // FromHidden: the peer's agent answers with chunks of its window
     Descriptor d;
-    d.kind = Descriptor::kGet;
+    d.control = Descriptor::kGet;
     d.width = r.width;
     d.rows = r.rows;
     d.window = r.window;
@@ -496,6 +526,31 @@ void StagingAgent::wait_slot(std::size_t s, Lane& lane, int device, const std::s
   ipc::check_cuda(cudaStreamWaitEvent(lane.stream, own.freed[s], 0), "cudaStreamWaitEvent", what);
 }
 
+// Waits on this thread until slot `s` is free (its copy out ended, or its hidden reader
+// consumed it), taking hidden peers' chunks meanwhile (their gets wait: answering one would
+// reuse slots); bounded by MESHMEM_TIMEOUT.
+void StagingAgent::wait_slot_on_host(std::size_t s, const std::string& what) {
+  const SlotUse use = slot_use_[s];
+  Deadline deadline(timeout_);
+  Backoff backoff(std::chrono::microseconds(20));
+  for (;;) {
+    bool free = true;
+    if (use.event != nullptr) {
+      const cudaError_t rc = cudaEventQuery(use.event);
+      free = rc != cudaErrorNotReady;
+      if (rc != cudaSuccess) (void)cudaGetLastError();
+    } else if (use.reader >= 0) {
+      free = __atomic_load_n(control_of(use.reader).consumed(local_index(rank_)), __ATOMIC_ACQUIRE) >= use.sequence;
+    }
+    if (free) return;
+    if (deadline.expired())
+      throw Error(ErrorCode::Timeout, what + ": staging slot " + std::to_string(s) + " was not free within " +
+                                          describe_timeout(timeout_) +
+                                          (use.reader >= 0 ? " (rank " + std::to_string(use.reader) + " did not take it)" : ""));
+    if (!poll_incoming(false)) backoff.pause();
+  }
+}
+
 // `stream` (of this rank's GPU) waits until `reader` consumed `count` descriptors of this
 // rank: a one-thread kernel polling the count in the reader's region, timing out like every
 // device wait and naming the reader. Nothing is enqueued when the host already sees it.
@@ -517,7 +572,6 @@ void StagingAgent::send_to_hidden(const Outgoing& o, const std::string& what) {
   CurrentDevice current(device_);
   Lane& own = lanes_.at(device_);
   Descriptor d;
-  d.kind = Descriptor::kChunk;
   d.window = o.window;
   d.dst_pitch = o.dst_pitch;
   d.signal_window = o.signal_window;
@@ -526,10 +580,21 @@ void StagingAgent::send_to_hidden(const Outgoing& o, const std::string& what) {
   d.done_rank = static_cast<std::uint64_t>(o.done_rank);
   d.done_word = o.done_word;
   d.ticket = o.ticket;
-  const std::uint64_t op = static_cast<std::uint64_t>(o.op) << 8;
+  const std::uint64_t chunk = Descriptor::kChunk | static_cast<std::uint64_t>(o.op) << 16;
   const std::size_t width = o.src == nullptr ? 0 : o.width;
   const std::size_t rows_per = width == 0 ? 1 : width <= chunk_ ? chunk_ / width : 1;
   const std::size_t cut = width <= chunk_ ? width : chunk_;
+  // A source in pageable host memory: cudaMemcpyAsync from it returns only once the stream's
+  // earlier work is done, and that work may wait for the peer's consumed count, whose agent
+  // may be stuck the same way (two ranks putting to each other from host buffers hung so).
+  // Such chunks are copied by this thread once the host sees the slot free.
+  bool host_source = false;
+  if (width > 0) {
+    cudaPointerAttributes attributes{};
+    host_source = cudaPointerGetAttributes(&attributes, o.src) != cudaSuccess ||
+                  attributes.type == cudaMemoryTypeUnregistered;
+    (void)cudaGetLastError();
+  }
   bool sent = false;
   for (std::size_t row = 0; row < o.rows && width > 0; row += rows_per) {
     const std::size_t rows = std::min(rows_per, o.rows - row);
@@ -537,16 +602,23 @@ void StagingAgent::send_to_hidden(const Outgoing& o, const std::string& what) {
       const std::size_t piece = std::min(cut, width - col);
       const std::size_t s = next_slot_;
       next_slot_ = (next_slot_ + 1) % static_cast<std::size_t>(nslots_);
-      wait_slot(s, own, device_, what);
-      ipc::check_cuda(copy_rows(slots_ + s * chunk_, piece, o.src + row * o.src_pitch + col, o.src_pitch, piece, rows,
-                                own.stream),
-                      "cudaMemcpyAsync (to the staging slot)", what);
+      char* slot = slots_ + s * chunk_;
+      const char* from = o.src + row * o.src_pitch + col;
+      if (host_source) {
+        wait_slot_on_host(s, what);
+        for (std::size_t r = 0; r < rows; ++r) std::memcpy(slot + r * piece, from + r * o.src_pitch, piece);
+        std::atomic_thread_fence(std::memory_order_seq_cst);  // before the post that the reader's copy follows
+      } else {
+        wait_slot(s, own, device_, what);
+        ipc::check_cuda(copy_rows(slot, piece, from, o.src_pitch, piece, rows, own.stream),
+                        "cudaMemcpyAsync (to the staging slot)", what);
+      }
       d.slot_offset = s * chunk_;
       d.width = piece;
       d.rows = rows;
       d.dst = o.dst + row * o.dst_pitch + col;
       sent = row + rows >= o.rows && col + piece >= width;
-      d.flags = (sent ? 1 : 0) | op;
+      d.control = chunk | (sent ? Descriptor::kLast : 0);
       slot_use_[s] = SlotUse{nullptr, o.reader, post(o.reader, d, what)};
     }
   }
@@ -554,7 +626,7 @@ void StagingAgent::send_to_hidden(const Outgoing& o, const std::string& what) {
     d.width = 0;
     d.rows = 1;
     d.dst = o.dst;
-    d.flags = 1 | op;
+    d.control = chunk | Descriptor::kLast;
     post(o.reader, d, what);
   }
 }
@@ -562,37 +634,55 @@ void StagingAgent::send_to_hidden(const Outgoing& o, const std::string& what) {
 // Writes descriptor `d` into the next entry of the channel to `reader` and then the posted
 // count, both from this rank's GPU (after the copies before them on its lane); returns its
 // number. Waits (on the GPU) for the entry to be free.
-std::uint64_t StagingAgent::post(int reader, const Descriptor& d, const std::string& what) {
+std::uint64_t StagingAgent::post(int reader, Descriptor d, const std::string& what) {
+  static_assert(sizeof(Descriptor) == ControlWords::kDescriptorWords * sizeof(std::uint64_t),
+                "a descriptor fills its ring entry");
   Lane& own = lanes_.at(device_);
   const std::size_t to = local_index(reader);
-  const std::uint64_t n = ++next_post_[to];
+  const std::uint64_t n = next_post_[to] + 1;
   if (n > ControlWords::kRing) wait_consumed(reader, n - ControlWords::kRing, own.stream, what);
+  d.sequence = n;
   std::uint64_t* entry = control_.ring(to) + ((n - 1) % ControlWords::kRing) * ControlWords::kDescriptorWords;
   const auto* words = reinterpret_cast<const std::uint64_t*>(&d);
   std::vector<CUstreamBatchMemOpParams> ops;
   for (std::size_t i = 0; i < ControlWords::kDescriptorWords; ++i) ops.push_back(write_op(entry + i, words[i]));
   ops.push_back(write_op(control_.posted(to), n));
   run_stream_batch(ops, own.stream, "staged transfer (channel post)", rank_);
+  next_post_[to] = n;  // only once enqueued: a failed post leaves no gap in the numbers
   return n;
 }
 
 // Takes every descriptor hidden peers posted here since the last look; true if any.
-bool StagingAgent::poll_incoming() {
+bool StagingAgent::poll_incoming(bool answer_gets) {
   bool any = false;
   const std::size_t me = local_index(rank_);
   for (int writer : hidden_) {
     const std::size_t from = local_index(writer);
+    if (broken_[from]) continue;
     const ControlWords theirs = control_of(writer);
     const std::uint64_t posted = __atomic_load_n(theirs.posted(me), __ATOMIC_ACQUIRE);
     while (seen_[from] < posted) {
-      const std::uint64_t n = ++seen_[from];
+      const std::uint64_t n = seen_[from] + 1;
       Descriptor d;
       const volatile std::uint64_t* entry =
           theirs.ring(me) + ((n - 1) % ControlWords::kRing) * ControlWords::kDescriptorWords;
       auto* words = reinterpret_cast<std::uint64_t*>(&d);
       for (std::size_t i = 0; i < ControlWords::kDescriptorWords; ++i) words[i] = entry[i];
-      carry_out(writer, n, d);
+      if (!answer_gets && d.kind() == Descriptor::kGet) break;  // left for later
+      seen_[from] = n;
       any = true;
+      if (d.sequence != n) {
+        // Overwritten or stale (the writer's guard wait timed out): nothing of this channel
+        // can be trusted any more. Its transfers' waits time out on the writer's side.
+        broken_[from] = true;
+        log(LogLevel::Error, "staged transport on rank " + std::to_string(rank_) + ": the channel from rank " +
+                                 std::to_string(writer) + " holds descriptor " + std::to_string(d.sequence) +
+                                 " where " + std::to_string(n) + " was due (a wait for this rank timed out there); "
+                                 "nothing more from that rank is carried out");
+        __atomic_add_fetch(control_.failed(from), 1, __ATOMIC_RELEASE);
+        break;
+      }
+      carry_out(writer, n, d);
     }
   }
   return any;
@@ -601,36 +691,42 @@ bool StagingAgent::poll_incoming() {
 // One descriptor from hidden peer `writer`: a chunk copied onto this GPU (then, for the last
 // one, the signal and the initiator's done word), or a get answered with chunks. The
 // consumed count moves on in either case, also when the descriptor is refused (a window freed
-// here, a range outside it): then nothing is copied, the failure is counted for the writer
-// and its done word still ends the transfer.
+// here, a range outside it): then nothing is copied, no signal is raised for that transfer,
+// the failure is counted once (for the writer, or for this rank's own get) and the done word
+// still ends the transfer.
 void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descriptor& d) {
   const std::string what = "staged transfer from rank " + std::to_string(writer) + " to rank " + std::to_string(rank_);
+  const std::size_t from = local_index(writer);
   std::string problem;
   std::lock_guard<std::mutex> windows(windows_m_);  // the windows resolved stay until the copies are enqueued
+  std::vector<CUstreamBatchMemOpParams> ops;
+  auto end_ops = [&] {  // what moves the channel on and ends the transfer, whatever happened
+    std::vector<CUstreamBatchMemOpParams> end;
+    if (d.kind() == Descriptor::kChunk && d.last())
+      end.push_back(write_op(control_of(static_cast<int>(d.done_rank)).transfer(d.done_word), d.ticket));
+    end.push_back(write_op(control_.consumed(from), sequence));
+    return end;
+  };
   try {
     CurrentDevice current(device_);
-    std::vector<CUstreamBatchMemOpParams> ops;
-    if (d.kind == Descriptor::kChunk) {
+    if (d.kind() == Descriptor::kChunk) {
       void* dst = d.width == 0 ? nullptr : resolve(d.window, d.dst, d.width, d.rows, d.dst_pitch, &problem);
       if (dst != nullptr) {
         const char* slot = static_cast<const char*>(pool_->region(writer)) + d.slot_offset;
         ipc::check_cuda(copy_rows(dst, d.dst_pitch, slot, d.width, d.width, d.rows, incoming_),
                         "cudaMemcpyAsync (from a hidden peer's staging slot)", what);
       }
-      if (d.flags & 1) {
-        if (d.signal_window != StagedRequest::kAddress && problem.empty()) {
-          auto* word = static_cast<std::uint64_t*>(
-              resolve(d.signal_window, d.signal_index * sizeof(std::uint64_t), sizeof(std::uint64_t), 1, 0, &problem));
-          const auto op = static_cast<SignalOp>((d.flags >> 8) & 0xff);
-          if (word != nullptr && op == SignalOp::Add)
-            ipc::check_cuda(cuda::launch_copy(nullptr, nullptr, 0, word, d.value, op, incoming_, false),
-                            "signal kernel launch", what);
-          else if (word != nullptr)
-            ops.push_back(write_op(word, d.value));
-        }
-        ops.push_back(write_op(control_of(static_cast<int>(d.done_rank)).transfer(d.done_word), d.ticket));
+      if (!problem.empty()) refused_[from] = true;
+      if (d.last() && !refused_[from] && d.signal_window != StagedRequest::kAddress) {
+        auto* word = static_cast<std::uint64_t*>(
+            resolve(d.signal_window, d.signal_index * sizeof(std::uint64_t), sizeof(std::uint64_t), 1, 0, &problem));
+        if (word != nullptr && d.op() == SignalOp::Add)
+          ipc::check_cuda(cuda::launch_copy(nullptr, nullptr, 0, word, d.value, d.op(), incoming_, false),
+                          "signal kernel launch", what);
+        else if (word != nullptr)
+          ops.push_back(write_op(word, d.value));
       }
-    } else if (d.kind == Descriptor::kGet) {
+    } else if (d.kind() == Descriptor::kGet) {
       const void* src = resolve(d.window, d.src_offset, d.width, d.rows, d.src_pitch, &problem);
       Outgoing o;
       o.reader = writer;
@@ -644,17 +740,34 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
       o.done_word = d.done_word;
       o.ticket = d.ticket;
       send_to_hidden(o, what);
+      if (!problem.empty()) refused_[from] = true;
     } else {
-      problem = "descriptor " + std::to_string(sequence) + " has an unknown kind " + std::to_string(d.kind);
+      problem = "descriptor " + std::to_string(sequence) + " has an unknown kind " + std::to_string(d.kind());
     }
-    ops.push_back(write_op(control_.consumed(local_index(writer)), sequence));
+    for (auto& op : end_ops()) ops.push_back(op);
     run_stream_batch(ops, incoming_, "staged transfer (from a hidden peer)", rank_);
   } catch (const std::exception& e) {
     problem = e.what();
+    refused_[from] = true;
+    try {  // the channel and the initiator's wait still move on
+      auto end = end_ops();
+      run_stream_batch(end, incoming_, "staged transfer (from a hidden peer, after an error)", rank_);
+    } catch (const std::exception& again) {
+      problem += "; then: " + std::string(again.what()) + " (the initiator's wait will time out)";
+    }
   }
-  if (!problem.empty()) {
-    log(LogLevel::Error, what + ": " + problem);
-    __atomic_add_fetch(control_.failed(local_index(writer)), 1, __ATOMIC_RELEASE);
+  if (!problem.empty()) log(LogLevel::Error, what + ": " + problem);
+  // Counted once per transfer, at its end: for the writer (its put or the request of its get),
+  // or, for an answer to this rank's own get, here.
+  const bool ends = d.kind() == Descriptor::kGet || d.last();
+  if (ends && refused_[from]) {
+    refused_[from] = false;
+    if (d.kind() == Descriptor::kChunk && d.window == StagedRequest::kAddress) {
+      std::lock_guard<std::mutex> lock(m_);
+      if (error_.empty()) error_ = "a staged get from rank " + std::to_string(writer) + " was refused there or here (see the logs)";
+    } else {
+      __atomic_add_fetch(control_.failed(from), 1, __ATOMIC_RELEASE);
+    }
   }
 }
 

@@ -144,7 +144,8 @@ class StagingAgent {
   std::uint64_t submit(StagedRequest r);
 
   // Where hidden peers' transfers land: this rank's device windows by id (attach / release;
-  // after remove_window nothing new is enqueued into it, and drain() waits for what was).
+  // remove_window returns once nothing more is enqueued into it and what was has ended,
+  // bounded by MESHMEM_TIMEOUT).
   void add_window(std::uint64_t id, void* local, std::size_t bytes);
   void remove_window(std::uint64_t id);
 
@@ -194,14 +195,15 @@ class StagingAgent {
   void reclaim_words();  // under m_
   void run();
   bool start_ready(std::list<StagedRequest>& waiting);
-  bool poll_incoming();
+  bool poll_incoming(bool answer_gets = true);
   void fail(const StagedRequest& r, const std::string& message);
   void execute(const StagedRequest& r);
   void execute_visible(const StagedRequest& r);
   void send_to_hidden(const Outgoing& o, const std::string& what);
-  std::uint64_t post(int reader, const Descriptor& d, const std::string& what);
+  std::uint64_t post(int reader, Descriptor d, const std::string& what);
   void wait_consumed(int reader, std::uint64_t count, cudaStream_t stream, const std::string& what);
   void wait_slot(std::size_t s, Lane& lane, int device, const std::string& what);
+  void wait_slot_on_host(std::size_t s, const std::string& what);
   void carry_out(int writer, std::uint64_t sequence, const Descriptor& d);
   void* resolve(std::uint64_t window, std::uint64_t offset, std::size_t width, std::size_t rows, std::size_t pitch,
                 std::string* problem);
@@ -226,6 +228,8 @@ class StagingAgent {
   std::vector<std::uint64_t> seen_;       // by node index: its descriptors taken here
   std::vector<std::uint64_t> failed_seen_;
   std::vector<std::uint64_t> waited_;     // by node index: the consumed count this GPU's lane waits for
+  std::vector<bool> refused_;             // by node index: a chunk of its current transfer was refused here
+  std::vector<bool> broken_;              // by node index: its channel held a wrong entry; no longer read
 
   std::mutex windows_m_;
   std::map<std::uint64_t, std::pair<char*, std::size_t>> windows_;

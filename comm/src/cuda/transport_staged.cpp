@@ -2,16 +2,11 @@
 #include "transport_staged.hpp"
 
 #include <algorithm>
-#include <chrono>
-#include <condition_variable>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <strings.h>
-#include <deque>
-#include <list>
-#include <map>
 #include <mutex>
-#include <thread>
 
 #include "../backoff.hpp"
 #include "../bootstrap.hpp"
@@ -66,9 +61,6 @@ const TuningKnob<Channels> kStagingChannels{
     "isolation); `always`: every pair of different ranks uses the channel (to test the isolation path on machines "
     "where every GPU is visible)"};
 
-}  // namespace
-
-namespace {
 
 // The node peers' parts of one device window, each mapped here for that peer's GPU (peers
 // whose GPU is hidden from this process: none; their agents copy into it), and the window as
@@ -175,6 +167,12 @@ void StagedTransport::stop() noexcept {
   if (agent_) agent_->stop();
 }
 
+void StagedTransport::settle() noexcept {
+  if (agent_ && !agent_->drain())
+    log(LogLevel::Error, "~Comm: staged transfers of rank " + std::to_string(ctx_.topo.rank) +
+                             " did not end within MESHMEM_TIMEOUT; the ranks part anyway");
+}
+
 Reach StagedTransport::reach(int rank, Memory memory) const {
   if (memory != Memory::Device) return Reach::no("device windows only");
   if (device_ == nullptr) return Reach::no("device windows are unavailable");
@@ -232,8 +230,8 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
   board_ = std::make_shared<CaptureBoard>();
   board_->agent = agent_.get();
   const char* loading = std::getenv("CUDA_MODULE_LOADING");
-  static bool warned = false;
-  if ((loading == nullptr || strcasecmp(loading, "EAGER") != 0) && !std::exchange(warned, true))
+  static std::atomic<bool> warned{false};
+  if ((loading == nullptr || strcasecmp(loading, "EAGER") != 0) && !warned.exchange(true))
     log(LogLevel::Warn,
         "staged transport with CUDA lazy module loading (CUDA_MODULE_LOADING is not EAGER): the first launch of an "
         "application kernel while a staged transfer is in flight can wait for the GPU to be idle, which the transfer's "

@@ -86,6 +86,8 @@ class StagedTransport final : public Transport {
   // The caller's stream waits for each transfer's end: nothing to add.
   void quiet(Stream) override {}
   void stop() noexcept override;
+  // Waits (bounded) for this rank's transfers, those to hidden peers included.
+  void settle() noexcept override;
 
   // Waits until every transfer handed to the agent has finished on the GPUs (bounded by
   // MESHMEM_TIMEOUT; false if not). A window's peer mappings go only after this.
