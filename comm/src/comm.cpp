@@ -55,6 +55,17 @@ const char* cmp_text(Cmp cmp) {
   return "?";
 }
 
+// Enum values from the caller are checked: a cast integer (SignalOp(7)) would otherwise be
+// applied as some other operation.
+void check_enum(int value, int count, const char* type, const std::string& at) {
+  if (value < 0 || value >= count)
+    throw Error(ErrorCode::InvalidArgument, at + ": " + type + "(" + std::to_string(value) +
+                                                ") is not one of its " + std::to_string(count) + " values; nothing was done");
+}
+void check_op(SignalOp op, const std::string& at) { check_enum(static_cast<int>(op), 2, "SignalOp", at); }
+void check_cmp(Cmp cmp, const std::string& at) { check_enum(static_cast<int>(cmp), 6, "Cmp", at); }
+void check_memory(Memory memory, const std::string& at) { check_enum(static_cast<int>(memory), 2, "Memory", at); }
+
 std::uint64_t fnv1a(const std::string& s) {
   std::uint64_t h = 1469598103934665603ull;
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
@@ -275,6 +286,7 @@ Transport& CommImpl::route(const WindowState& win, int target, const char* call)
 
 TransportKind CommImpl::transport(int rank, Memory memory, const char* call) const {
   check_rank(rank, call, "peer");
+  check_memory(memory, where(call));
   if (memory == Memory::Device && !device) return TransportKind::None;
   const Transport* t = routes->find(rank, memory);
   return t ? t->kind() : TransportKind::None;
@@ -282,6 +294,7 @@ TransportKind CommImpl::transport(int rank, Memory memory, const char* call) con
 
 std::string CommImpl::unreachable_reason(int rank, Memory memory, const char* call) const {
   check_rank(rank, call, "peer");
+  check_memory(memory, where(call));
   if (memory == Memory::Device && !device) return "device windows are unavailable: " + device_why;
   return routes->find(rank, memory) ? std::string() : routes->why_none(rank, memory);
 }
@@ -315,6 +328,7 @@ std::shared_ptr<WindowState> CommImpl::alloc(std::size_t bytes, Memory memory, b
                       std::to_string(z.id) + ", rank " + std::to_string(r) + " window #" +
                       std::to_string(a.id) + " (every rank must alloc and free in the same order)");
   }
+  check_memory(memory, at);  // the same value on every rank (compared above): refused everywhere
   if (memory == Memory::Device && !device)
     throw Error(ErrorCode::Unsupported, at + ": Memory::Device windows are unavailable: " + device_why);
 
@@ -370,6 +384,17 @@ void CommImpl::retire(WindowState& state, const char* call) {
 
 void CommImpl::free_window(WindowState& state) {
   const char* call = "Window::free";
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) {
+    // The natural end of main(): windows, signals and halo exchanges declared there are
+    // destroyed after MPI_Finalize. No collective is possible any more (MPI aborted the
+    // process here until issue 13): this rank's part is released, as ~Comm does then; peers
+    // that mapped it hold their own references.
+    live_.erase(state.id);
+    retire(state, call);
+    return;
+  }
   quiet(nullptr, call);
   std::uint64_t mine = state.id;
   std::vector<std::uint64_t> all(static_cast<std::size_t>(topo.size));
@@ -419,6 +444,7 @@ void CommImpl::put(const Window& win, int target, std::size_t offset, const void
   const WindowState& w = checked_transfer(win, target, offset, bytes, src, stream, call, "dst_offset", "src");
   SignalUpdate update;
   if (sig != nullptr) {
+    check_op(op, where(call));
     const WindowState& s = checked(sig->words(), call);
     check_index(s, index, call);
     check_stream(s, stream, call);
@@ -449,6 +475,7 @@ void CommImpl::get(void* dst, const Window& win, int target, std::size_t offset,
 void CommImpl::signal(const Signals& sig, int target, std::size_t index, std::uint64_t value,
                       SignalOp op, Stream stream) {
   const char* call = "comm.signal";
+  check_op(op, where(call));
   const WindowState& s = checked(sig.words(), call);
   check_rank(target, call, "target");
   check_index(s, index, call);
@@ -460,6 +487,7 @@ void CommImpl::signal(const Signals& sig, int target, std::size_t index, std::ui
 
 void CommImpl::wait_until(const Signals& sig, std::size_t index, std::size_t count, Cmp cmp, std::uint64_t value,
                           Stream stream, const char* call, std::optional<std::uint64_t> then) {
+  check_cmp(cmp, where(call));
   const WindowState& s = checked(sig.words(), call);
   if (count == 0) return;
   check_index(s, index, call);

@@ -1,5 +1,6 @@
 #include "meshmem/config.hpp"
 
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <sstream>
@@ -37,10 +38,20 @@ std::chrono::milliseconds parse_duration(const char* var, const std::string& raw
   const std::string v = lower_trimmed(raw);
   const char* expected = "seconds such as 30, 2.5s, 500ms or 5min; 0 or inf to wait forever";
   if (v == "inf" || v == "infinite" || v == "forever") return std::chrono::milliseconds(0);
-  char* end = nullptr;
-  const double number = std::strtod(v.c_str(), &end);
-  if (end == v.c_str() || !std::isfinite(number) || number < 0) bad_knob_value(var, raw, expected);
-  const std::string unit = lower_trimmed(end);
+  // Plain decimals only (digits, optionally a point and digits): strtod alone also reads signs,
+  // exponents and hexadecimal, so `-0` and `1e-400` were forever and `0x10` 16 s.
+  std::size_t digits = 0;
+  while (digits < v.size() && std::isdigit(static_cast<unsigned char>(v[digits]))) ++digits;
+  if (digits == 0) bad_knob_value(var, raw, expected);
+  if (digits < v.size() && v[digits] == '.') {
+    std::size_t fraction = digits + 1;
+    while (fraction < v.size() && std::isdigit(static_cast<unsigned char>(v[fraction]))) ++fraction;
+    if (fraction == digits + 1) bad_knob_value(var, raw, expected);
+    digits = fraction;
+  }
+  const double number = std::strtod(v.substr(0, digits).c_str(), nullptr);
+  if (!std::isfinite(number)) bad_knob_value(var, raw, expected);
+  const std::string unit = lower_trimmed(v.substr(digits));
   double ms = 0;
   if (unit.empty() || unit == "s") ms = number * 1e3;
   else if (unit == "ms") ms = number;

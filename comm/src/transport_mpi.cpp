@@ -52,6 +52,14 @@ std::unique_ptr<Transport> make_mpi_transport(const CommContext& ctx) { return s
 
 MpiTransport::MpiTransport(const CommContext& ctx) : ctx_(ctx), timeout_(ctx.options.timeout) {}
 
+namespace {
+// Whether [a, a + bytes) and [b, b + bytes) share a byte.
+bool overlaps(const void* a, const void* b, std::size_t bytes) {
+  const auto x = reinterpret_cast<std::uintptr_t>(a), y = reinterpret_cast<std::uintptr_t>(b);
+  return bytes > 0 && x < y + bytes && y < x + bytes;
+}
+}  // namespace
+
 Reach MpiTransport::reach(int, Memory memory) const {
   if (memory != Memory::Host) return Reach::no("device windows over MPI are not implemented yet");
   return Reach::yes();
@@ -159,6 +167,13 @@ void MpiTransport::put(const WindowState& win, int target, std::size_t offset, c
     req.signal_index = signal.index;
     req.signal_value = signal.value;
   }
+  // A put to this rank's own window from a source that overlaps the destination: MPI's send
+  // and receive buffers must not overlap, so the bytes go from a copy.
+  std::vector<char> copy;
+  if (target == rank_ && overlaps(src, static_cast<const char*>(win.local) + offset, bytes)) {
+    copy.assign(static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
+    src = copy.data();
+  }
   MPI_Request r = MPI_REQUEST_NULL;
   check_mpi(MPI_Isend(&req, sizeof(req), MPI_BYTE, target, kTagRequest, requests_.get(), &r),
             "MPI_Isend", what);
@@ -180,6 +195,14 @@ void MpiTransport::get(void* dst, const WindowState& win, int target, std::size_
                            std::to_string(rank_);
   const int chunks = chunk_count(bytes);
   std::vector<MPI_Request> recvs(static_cast<std::size_t>(chunks), MPI_REQUEST_NULL);
+  // A get from this rank's own window into a buffer that overlaps it: received into a copy
+  // (MPI's buffers must not overlap), moved into dst at the end.
+  std::vector<char> copy;
+  void* const caller_dst = dst;
+  if (target == rank_ && overlaps(dst, static_cast<const char*>(win.local) + offset, bytes)) {
+    copy.resize(bytes);
+    dst = copy.data();
+  }
   // Receives are posted before the request goes out, so the data lands straight in dst.
   for (int c = 0; c < chunks; ++c) {
     char* to = static_cast<char*>(dst) + static_cast<std::size_t>(c) * kMaxMessage;
@@ -196,6 +219,7 @@ void MpiTransport::get(void* dst, const WindowState& win, int target, std::size_
             "MPI_Isend", what);
   wait(&r, "MPI_Isend", target, what);
   for (auto& recv : recvs) wait(&recv, "MPI_Irecv", target, what, true);
+  if (!copy.empty()) std::memcpy(caller_dst, copy.data(), bytes);
 }
 
 void MpiTransport::quiet(Stream) {

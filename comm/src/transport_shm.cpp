@@ -37,7 +37,9 @@ std::unique_ptr<WindowAttachment> ShmTransport::attach(WindowState& win, const s
 
 void ShmTransport::put(const WindowState& win, int target, std::size_t offset, const void* src,
                        std::size_t bytes, const SignalUpdate& signal, Stream) {
-  if (bytes > 0) std::memcpy(static_cast<char*>(win.peer[target]) + offset, src, bytes);
+  // memmove: a put to this rank's own window (or from a buffer inside a mapped window) may
+  // overlap its source.
+  if (bytes > 0) std::memmove(static_cast<char*>(win.peer[target]) + offset, src, bytes);
   if (signal.sig != nullptr) {
     auto* words = static_cast<std::uint64_t*>(signal.sig->peer[target]);
     apply_signal(words + signal.index, signal.value, signal.op);
@@ -46,7 +48,7 @@ void ShmTransport::put(const WindowState& win, int target, std::size_t offset, c
 
 void ShmTransport::get(void* dst, const WindowState& win, int target, std::size_t offset,
                        std::size_t bytes, Stream) {
-  if (bytes > 0) std::memcpy(dst, static_cast<const char*>(win.peer[target]) + offset, bytes);
+  if (bytes > 0) std::memmove(dst, static_cast<const char*>(win.peer[target]) + offset, bytes);
 }
 
 void ShmTransport::quiet(Stream) {

@@ -74,6 +74,35 @@ TEST_F(Errors, BadArgumentsWriteNothing) {
   EXPECT_EQ(sig.read(1), 0u);
 }
 
+// Enum values cast from integers are refused before anything is done (issue 13: SignalOp(7),
+// Cmp(42) and Memory(5) were accepted; 7 was applied as some operation). alloc is collective:
+// every rank refuses it alike.
+TEST_F(Errors, OutOfRangeEnumValuesAreRefused) {
+  const std::size_t size = 64;
+  Window win = comm.alloc(size, Memory::Host);
+  Signals sig = comm.alloc_signals(2, Memory::Host);
+  std::memset(win.local(), kPoison, size);
+  comm.barrier();
+  const int right = (me + 1) % n;
+  std::vector<unsigned char> src(8, 0x11);
+  expect_error([&] { comm.put_signal(win, right, 0, src.data(), 8, sig, 0, 1, static_cast<SignalOp>(7)); },
+               ErrorCode::InvalidArgument, {"comm.put_signal", "SignalOp(7)"});
+  expect_error([&] { comm.signal(sig, right, 0, 5, static_cast<SignalOp>(-1)); }, ErrorCode::InvalidArgument,
+               {"comm.signal", "SignalOp(-1)"});
+  expect_error([&] { comm.wait_until(sig, 0, static_cast<Cmp>(42), 0); }, ErrorCode::InvalidArgument,
+               {"comm.wait_until", "Cmp(42)"});
+  expect_error([&] { comm.wait_until_all(sig, 0, 2, static_cast<Cmp>(6), 0); }, ErrorCode::InvalidArgument, {"Cmp(6)"});
+  expect_error([&] { (void)comm.transport(right, static_cast<Memory>(5)); }, ErrorCode::InvalidArgument, {"Memory(5)"});
+  expect_error([&] { (void)comm.alloc(size, static_cast<Memory>(5)); }, ErrorCode::InvalidArgument,
+               {"alloc", "Memory(5)"});
+  comm.barrier();
+  EXPECT_EQ(first_not(win.local(), kPoison, size), -1) << "a refused put_signal wrote into the window";
+  EXPECT_EQ(sig.read(0), 0u);
+  EXPECT_EQ(sig.read(1), 0u);
+  Window after = comm.alloc(size, Memory::Host);  // the Comm is still usable, collectives in step
+  EXPECT_TRUE(after.valid());
+}
+
 TEST_F(Errors, FreedWindow) {
   Window win = comm.alloc(64, Memory::Host);
   win.free();

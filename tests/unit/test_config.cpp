@@ -50,6 +50,17 @@ TEST(Options, Timeout) {
   EXPECT_EQ(parse({{"MESHMEM_TIMEOUT", "0.0001"}}).timeout, std::chrono::milliseconds(1));
   expect_invalid({{"MESHMEM_TIMEOUT", "soon"}}, "MESHMEM_TIMEOUT");
   expect_invalid({{"MESHMEM_TIMEOUT", "-1"}}, "MESHMEM_TIMEOUT");
+  // Only plain decimals: these were read as forever (1e-400 underflows to 0, -0 is not
+  // negative) or as 16 s (strtod reads hexadecimal) until issue 13.
+  expect_invalid({{"MESHMEM_TIMEOUT", "1e-400"}}, "MESHMEM_TIMEOUT");
+  expect_invalid({{"MESHMEM_TIMEOUT", "-0"}}, "MESHMEM_TIMEOUT");
+  expect_invalid({{"MESHMEM_TIMEOUT", "0x10"}}, "MESHMEM_TIMEOUT");
+  expect_invalid({{"MESHMEM_TIMEOUT", "1e3"}}, "MESHMEM_TIMEOUT");
+  expect_invalid({{"MESHMEM_TIMEOUT", "+5"}}, "MESHMEM_TIMEOUT");
+  expect_invalid({{"MESHMEM_TIMEOUT", "nan"}}, "MESHMEM_TIMEOUT");
+  expect_invalid({{"MESHMEM_TIMEOUT", ".5"}}, "MESHMEM_TIMEOUT");
+  EXPECT_TRUE(parse({{"MESHMEM_TIMEOUT", "0.0"}}).waits_forever());
+  EXPECT_EQ(parse({{"MESHMEM_TIMEOUT", "0.5s"}}).timeout, std::chrono::milliseconds(500));
   expect_invalid({{"MESHMEM_TIMEOUT", "5 hours"}}, "MESHMEM_TIMEOUT");
   expect_invalid({{"MESHMEM_TIMEOUT", "nan"}}, "MESHMEM_TIMEOUT");
 }
