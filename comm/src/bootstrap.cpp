@@ -79,7 +79,7 @@ Bootstrap::Bootstrap(MPI_Comm parent, std::chrono::milliseconds timeout)
     : comm_(MpiComm::dup(parent, "meshmem::Comm")), timeout_(timeout) {
   check_mpi(MPI_Comm_rank(comm_.get(), &rank_), "MPI_Comm_rank", "meshmem::Comm");
   check_mpi(MPI_Comm_size(comm_.get(), &size_), "MPI_Comm_size", "meshmem::Comm");
-  arrivals_.assign(static_cast<std::size_t>(size_), 0);
+  arrivals_.assign(static_cast<std::size_t>(size_), Arrival{});
 }
 
 void Bootstrap::ensure_usable(const std::string& what) const {
@@ -113,27 +113,42 @@ void Bootstrap::arrive(const std::string& what) {
   if (size_ == 1) return;
   const std::string where = what + " on rank " + std::to_string(rank_);
   const std::int64_t epoch = ++epoch_;
+  Arrival mine;
+  mine.epoch = epoch;
+  std::strncpy(mine.call, what.c_str(), kNameBytes - 1);
+  constexpr int kArrivalBytes = static_cast<int>(sizeof(Arrival));
+  constexpr std::size_t kNameWords = kNameBytes / sizeof(std::int64_t);
+  static_assert(2 + 1 + 2 * kNameWords <= 2 + kMaxNamed, "the release holds both names");
+  auto out_of_order = [&](int other, const char* theirs, const char* rank0s) {
+    return Error(ErrorCode::InvalidArgument,
+                 where + ": collective calls out of order: rank 0 is in " + rank0s + ", rank " + std::to_string(other) +
+                     " in " + theirs + " (every rank must make the Comm's collective calls in the same order); "
+                     "nothing was done, on every rank");
+  };
   if (rank_ == 0) {
     // Gather arrivals, then release everyone; on timeout, release the ranks that did arrive
     // with the list of those that did not, so every rank reports the same culprits.
     std::vector<MPI_Request> reqs(static_cast<std::size_t>(size_), MPI_REQUEST_NULL);
     for (int r = 1; r < size_; ++r)
-      check_mpi(MPI_Irecv(&arrivals_[r], 1, MPI_INT64_T, r, kTagArrive, comm_.get(), &reqs[r]),
+      check_mpi(MPI_Irecv(&arrivals_[r], kArrivalBytes, MPI_BYTE, r, kTagArrive, comm_.get(), &reqs[r]),
                 "MPI_Irecv", where);
     Deadline deadline(timeout_);
     Backoff backoff;
     int pending = size_ - 1;
+    int differs = -1;  // the first rank that arrived from another call
     while (pending > 0 && !deadline.expired()) {
       int done = 0;
       int index = MPI_UNDEFINED;
       check_mpi(MPI_Testany(size_, reqs.data(), &index, &done, MPI_STATUS_IGNORE), "MPI_Testany",
                 where);
       if (done && index != MPI_UNDEFINED) {
-        if (arrivals_[index] != epoch)
+        if (arrivals_[index].epoch != epoch)
           throw Error(ErrorCode::Internal, where + ": rank " + std::to_string(index) +
                                                " arrived at barrier epoch " +
-                                               std::to_string(arrivals_[index]) + ", expected " +
+                                               std::to_string(arrivals_[index].epoch) + ", expected " +
                                                std::to_string(epoch));
+        arrivals_[index].call[kNameBytes - 1] = '\0';
+        if (differs < 0 && std::strncmp(arrivals_[index].call, mine.call, kNameBytes) != 0) differs = index;
         --pending;
         backoff.reset();
       } else {
@@ -147,6 +162,12 @@ void Bootstrap::arrive(const std::string& what) {
     release_[0] = epoch;
     release_[1] = static_cast<std::int64_t>(missing.size());
     for (std::size_t i = 0; i < missing.size() && i < kMaxNamed; ++i) release_[2 + i] = missing[i];
+    if (missing.empty() && differs >= 0) {
+      release_[1] = -1;
+      release_[2] = differs;
+      std::memcpy(&release_[3], arrivals_[differs].call, kNameBytes);
+      std::memcpy(&release_[3 + kNameWords], mine.call, kNameBytes);
+    }
     for (int r = 1; r < size_; ++r) {
       if (std::find(missing.begin(), missing.end(), r) != missing.end()) continue;
       check_mpi(MPI_Send(release_.data(), static_cast<int>(release_.size()), MPI_INT64_T, r,
@@ -160,15 +181,16 @@ void Bootstrap::arrive(const std::string& what) {
       fail_timeout(where + ": rank(s) " + rank_list(missing) + " did not arrive within " +
                    describe_timeout(timeout_));
     }
+    if (differs >= 0) throw out_of_order(differs, arrivals_[differs].call, mine.call);
     return;
   }
-  my_arrival_ = epoch;
+  my_arrival_ = mine;
   MPI_Request send_req = MPI_REQUEST_NULL;
   MPI_Request recv_req = MPI_REQUEST_NULL;
   check_mpi(MPI_Irecv(release_.data(), static_cast<int>(release_.size()), MPI_INT64_T, 0,
                       kTagRelease, comm_.get(), &recv_req),
             "MPI_Irecv", where);
-  check_mpi(MPI_Isend(&my_arrival_, 1, MPI_INT64_T, 0, kTagArrive, comm_.get(), &send_req),
+  check_mpi(MPI_Isend(&my_arrival_, kArrivalBytes, MPI_BYTE, 0, kTagArrive, comm_.get(), &send_req),
             "MPI_Isend", where);
   // Rank 0 decides who is missing; give its verdict time to arrive before deciding alone.
   const auto grace = std::chrono::milliseconds(timeout_.count() == 0 ? 0 : 2000 + timeout_.count() / 10);
@@ -190,6 +212,13 @@ void Bootstrap::arrive(const std::string& what) {
   if (release_[0] != epoch)
     throw Error(ErrorCode::Internal, where + ": release for epoch " + std::to_string(release_[0]) +
                                          ", expected " + std::to_string(epoch));
+  if (release_[1] < 0) {
+    char theirs[kNameBytes] = {}, rank0s[kNameBytes] = {};
+    std::memcpy(theirs, &release_[3], kNameBytes);
+    std::memcpy(rank0s, &release_[3 + kNameWords], kNameBytes);
+    theirs[kNameBytes - 1] = rank0s[kNameBytes - 1] = '\0';
+    throw out_of_order(static_cast<int>(release_[2]), theirs, rank0s);
+  }
   if (release_[1] > 0) {
     std::vector<int> missing;
     for (std::int64_t i = 0; i < release_[1] && i < kMaxNamed; ++i)

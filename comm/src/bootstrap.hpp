@@ -47,7 +47,10 @@ class Bootstrap {
   std::chrono::milliseconds timeout() const { return timeout_; }
 
   // Waits until every rank has called arrive(); raises Error(Timeout) on every rank that
-  // gets an answer, naming the ranks that did not arrive. `what` names the calling API.
+  // gets an answer, naming the ranks that did not arrive. `what` names the calling API: where
+  // ranks arrive from different calls (collectives out of order: one rank in barrier(),
+  // another in alloc), every rank raises Error(InvalidArgument) naming both, and the Comm
+  // stays usable.
   void arrive(const std::string& what);
 
   // Collectives with the same timeout (they follow an arrive(), so a rank that is absent
@@ -80,9 +83,16 @@ class Bootstrap {
   // Buffers of requests that may still be in flight after a timeout; they live as long as
   // the Bootstrap so that MPI never writes into freed memory.
   static constexpr int kMaxNamed = 64;
-  std::vector<std::int64_t> arrivals_;
+  static constexpr std::size_t kNameBytes = 48;  // of the call's name, compared
+  struct Arrival {
+    std::int64_t epoch = 0;
+    char call[kNameBytes] = {};
+  };
+  std::vector<Arrival> arrivals_;
+  // [0] epoch; [1] missing ranks (then their numbers from [2]), or -1 for calls out of
+  // order: [2] the first rank that differs from rank 0, then its call's name and rank 0's.
   std::array<std::int64_t, 2 + kMaxNamed> release_{};
-  std::int64_t my_arrival_ = 0;
+  Arrival my_arrival_;
 };
 
 // Runs one local step of a collective, then agrees on its outcome, so that a failure on

@@ -1,6 +1,7 @@
 // Bad input: each case raises meshmem::Error with the documented code, on the documented
 // ranks (local checks: the calling rank; collective checks: every rank), and writes nothing.
 #include <chrono>
+#include <functional>
 #include <climits>
 #include <cstdlib>
 #include <meshmem/meshmem.hpp>
@@ -101,6 +102,39 @@ TEST_F(Errors, OutOfRangeEnumValuesAreRefused) {
   EXPECT_EQ(sig.read(1), 0u);
   Window after = comm.alloc(size, Memory::Host);  // the Comm is still usable, collectives in step
   EXPECT_TRUE(after.valid());
+}
+
+// Collective calls out of order, every pair of barrier, alloc, alloc_signals, make_halo and
+// Window::free: rank 0 makes one call, the others another. Every rank raises the same
+// InvalidArgument naming both calls, and the Comm stays usable (issue 13: barrier against
+// alloc returned on one side and timed out on the other; alloc against make_halo aborted the
+// job with MPI_ERR_TRUNCATE).
+TEST_F(Errors, CollectivesOutOfOrderFailOnEveryRank) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  Window halo_win = comm.alloc(64, Memory::Host);
+  struct Call {
+    const char* name;
+    std::function<void(Window&)> run;
+  };
+  const std::vector<Call> calls = {
+      {"comm.barrier", [&](Window&) { comm.barrier(); }},
+      {"comm.alloc", [&](Window&) { (void)comm.alloc(64, Memory::Host); }},
+      {"comm.alloc_signals", [&](Window&) { (void)comm.alloc_signals(2, Memory::Host); }},
+      {"comm.make_halo", [&](Window&) { (void)comm.make_halo(halo_win, {}); }},
+      {"Window::free", [&](Window& w) { w.free(); }},
+  };
+  int pairs = 0;
+  for (const Call& a : calls)
+    for (const Call& b : calls) {
+      if (std::string(a.name) == b.name) continue;
+      Window w = comm.alloc(64, Memory::Host);  // what Window::free frees (still valid after a refusal)
+      const Call& mine = me == 0 ? a : b;
+      expect_error([&] { mine.run(w); }, ErrorCode::InvalidArgument,
+                   {"out of order", std::string("rank 0 is in ") + a.name, std::string("in ") + b.name});
+      comm.barrier();  // still usable, in step
+      ++pairs;
+    }
+  EXPECT_EQ(pairs, 20);
 }
 
 TEST_F(Errors, FreedWindow) {
