@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
 
 #include "backoff.hpp"
 #include "log.hpp"
@@ -43,9 +46,36 @@ std::string rank_list(const std::vector<int>& ranks) {
   return s;
 }
 
-MpiComm MpiComm::dup(MPI_Comm parent, const std::string& context) {
-  MPI_Comm c = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_dup(parent, &c), "MPI_Comm_dup", context);
+MpiComm MpiComm::dup(MPI_Comm parent, const std::string& context, std::chrono::milliseconds timeout) {
+  // Where MPI writes the new communicator: heap, so that an abandoned duplication (a rank
+  // never joined) can be left to MPI; a nonblocking collective's request may not be freed.
+  struct Pending {
+    MPI_Comm comm = MPI_COMM_NULL;
+    MPI_Request request = MPI_REQUEST_NULL;
+  };
+  auto pending = std::make_unique<Pending>();
+  check_mpi(MPI_Comm_idup(parent, &pending->comm, &pending->request), "MPI_Comm_idup", context);
+  Deadline deadline(timeout);
+  Backoff backoff;
+  for (;;) {
+    int done = 0;
+    check_mpi(MPI_Test(&pending->request, &done, MPI_STATUS_IGNORE), "MPI_Test (MPI_Comm_idup)", context);
+    if (done) break;
+    if (deadline.expired()) {
+      static std::mutex m;
+      static std::vector<std::unique_ptr<Pending>> abandoned;
+      {
+        std::lock_guard<std::mutex> lock(m);
+        abandoned.push_back(std::move(pending));
+      }
+      throw Error(ErrorCode::Timeout,
+                  context + ": not every rank of the communicator entered it within " + describe_timeout(timeout) +
+                      " (a rank is missing, late or dead, or failed before it: its own error says why); this rank "
+                      "gives up, and ranks that come later time out likewise");
+    }
+    backoff.pause();
+  }
+  MPI_Comm c = pending->comm;
   MpiComm owner(c);
   check_mpi(MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler", context);
   return owner;
@@ -76,7 +106,7 @@ MpiComm::~MpiComm() {
 }
 
 Bootstrap::Bootstrap(MPI_Comm parent, std::chrono::milliseconds timeout)
-    : comm_(MpiComm::dup(parent, "meshmem::Comm")), timeout_(timeout) {
+    : comm_(MpiComm::dup(parent, "meshmem::Comm", timeout)), timeout_(timeout) {
   check_mpi(MPI_Comm_rank(comm_.get(), &rank_), "MPI_Comm_rank", "meshmem::Comm");
   check_mpi(MPI_Comm_size(comm_.get(), &size_), "MPI_Comm_size", "meshmem::Comm");
   arrivals_.assign(static_cast<std::size_t>(size_), Arrival{});

@@ -23,7 +23,11 @@ void check_mpi(int rc, const char* call, const std::string& context);
 class MpiComm {
  public:
   MpiComm() = default;
-  static MpiComm dup(MPI_Comm parent, const std::string& context);
+  // MPI_Comm_idup, waited for at most `timeout` (0: no bound): a rank that never joins (missing,
+  // late, dead, or failed before) raises Error(Timeout) instead of a hang. The abandoned
+  // request is kept for the life of the process (MPI may still complete it).
+  static MpiComm dup(MPI_Comm parent, const std::string& context,
+                     std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   static MpiComm split(MPI_Comm parent, int color, int key, const std::string& context);
   MpiComm(MpiComm&& other) noexcept : comm_(other.comm_) { other.comm_ = MPI_COMM_NULL; }
   MpiComm& operator=(MpiComm&& other) noexcept;

@@ -93,6 +93,26 @@ Bootstrap make_bootstrap(MPI_Comm comm, const Options& options) {
 
 // Every rank must run with the same MESHMEM_* settings, or they would pick different
 // transports for one pair of ranks.
+// Comm(MPI_Comm) reads MESHMEM_* itself: a value that one rank cannot parse (a typo in that
+// rank's environment) fails every rank with that rank's error, instead of leaving the others
+// waiting in the constructor.
+Options agreed_environment_options(MPI_Comm comm) {
+  Options options;
+  bool ok = true;
+  ErrorCode code = ErrorCode::InvalidArgument;
+  std::string problem;
+  try {
+    options = Options::from_environment();
+  } catch (const Error& e) {
+    ok = false;
+    code = e.code();
+    problem = e.what();
+  }
+  Bootstrap boot = make_bootstrap(comm, ok ? options : Options{});
+  boot.agree(ok, code, problem, "meshmem::Comm (reading MESHMEM_*)");
+  return options;
+}
+
 void agree_on_options(Bootstrap& boot, const Options& options) {
   const std::string mine = options.fingerprint();
   const std::uint64_t hash = fnv1a(mine);
@@ -647,7 +667,7 @@ std::uint64_t Signals::read(std::size_t index) const {
   return s.owner->read_signal(s, index);
 }
 
-Comm::Comm(MPI_Comm comm) : Comm(comm, Options::from_environment()) {}
+Comm::Comm(MPI_Comm comm) : Comm(comm, detail::agreed_environment_options(comm)) {}
 Comm::Comm(MPI_Comm comm, const Options& options)
     : impl_(std::make_unique<detail::CommImpl>(comm, options)) {}
 Comm::~Comm() = default;

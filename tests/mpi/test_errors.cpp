@@ -137,6 +137,35 @@ TEST_F(Errors, CollectivesOutOfOrderFailOnEveryRank) {
   EXPECT_EQ(pairs, 20);
 }
 
+// A MESHMEM_* value that only one rank cannot parse (a typo in that rank's environment) fails
+// the constructor on every rank with that rank's error (issue 13: the others waited in the
+// constructor for good).
+TEST_F(Errors, ATyposEnvironmentOnOneRankFailsEveryRank) {
+  const char* saved = std::getenv("MESHMEM_TIMEOUT");
+  const std::string keep = saved ? saved : "";
+  if (me == n - 1) setenv("MESHMEM_TIMEOUT", "30 secs", 1);
+  expect_error([&] { Comm c(MPI_COMM_WORLD); }, ErrorCode::InvalidArgument,
+               {"MESHMEM_TIMEOUT", "rank " + std::to_string(n - 1)});
+  if (saved) setenv("MESHMEM_TIMEOUT", keep.c_str(), 1);
+  else unsetenv("MESHMEM_TIMEOUT");
+  comm.barrier();
+}
+
+// A rank that comes to the constructor after MESHMEM_TIMEOUT: the ranks that wait for it
+// raise Timeout instead of hanging (issue 13), and so does the late rank, whose partners have
+// gone. Both then go on with their other Comm.
+TEST_F(Errors, ALateRankAtConstructionTimesOutEverywhere) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  const Options quick = options_with_timeout(std::chrono::milliseconds(1000));
+  if (me == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  const auto t0 = std::chrono::steady_clock::now();
+  expect_error([&] { Comm c(MPI_COMM_WORLD, quick); }, ErrorCode::Timeout, {"meshmem::Comm"});
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(s, 10.0) << "the constructor took " << s << " s to give up";
+  MPI_Barrier(MPI_COMM_WORLD);
+  comm.barrier();  // the fixture's Comm is unaffected
+}
+
 TEST_F(Errors, FreedWindow) {
   Window win = comm.alloc(64, Memory::Host);
   win.free();
