@@ -93,26 +93,6 @@ Bootstrap make_bootstrap(MPI_Comm comm, const Options& options) {
 
 // Every rank must run with the same MESHMEM_* settings, or they would pick different
 // transports for one pair of ranks.
-// Comm(MPI_Comm) reads MESHMEM_* itself: a value that one rank cannot parse (a typo in that
-// rank's environment) fails every rank with that rank's error, instead of leaving the others
-// waiting in the constructor.
-Options agreed_environment_options(MPI_Comm comm) {
-  Options options;
-  bool ok = true;
-  ErrorCode code = ErrorCode::InvalidArgument;
-  std::string problem;
-  try {
-    options = Options::from_environment();
-  } catch (const Error& e) {
-    ok = false;
-    code = e.code();
-    problem = e.what();
-  }
-  Bootstrap boot = make_bootstrap(comm, ok ? options : Options{});
-  boot.agree(ok, code, problem, "meshmem::Comm (reading MESHMEM_*)");
-  return options;
-}
-
 void agree_on_options(Bootstrap& boot, const Options& options) {
   const std::string mine = options.fingerprint();
   const std::uint64_t hash = fnv1a(mine);
@@ -139,9 +119,31 @@ void agree_on_options(Bootstrap& boot, const Options& options) {
 
 }  // namespace
 
-CommImpl::CommImpl(MPI_Comm comm, const Options& opts)
+CommImpl::CommImpl(MPI_Comm comm, const Options& opts) : CommImpl(make_bootstrap(comm, opts), opts) {}
+
+// Comm(MPI_Comm) reads MESHMEM_* itself: a value that one rank cannot parse (a typo in that
+// rank's environment) fails every rank with that rank's error, instead of leaving the others
+// waiting in the constructor. The agreement runs on the Bootstrap the Comm then keeps.
+std::unique_ptr<CommImpl> CommImpl::from_environment(MPI_Comm comm) {
+  Options options;
+  bool ok = true;
+  ErrorCode code = ErrorCode::InvalidArgument;
+  std::string problem;
+  try {
+    options = Options::from_environment();
+  } catch (const Error& e) {
+    ok = false;
+    code = e.code();
+    problem = e.what();
+  }
+  Bootstrap boot = make_bootstrap(comm, ok ? options : Options{});
+  boot.agree(ok, code, problem, "meshmem::Comm (reading MESHMEM_*)");
+  return std::make_unique<CommImpl>(std::move(boot), options);
+}
+
+CommImpl::CommImpl(Bootstrap b, const Options& opts)
     : options(opts),
-      boot(make_bootstrap(comm, opts)),
+      boot(std::move(b)),
       topo((agree_on_options(boot, opts), Topology::discover(boot, opts.simulate_nodes))),
       uid(g_next_comm_uid++) {
   fds = std::make_unique<FdExchange>(boot, topo, options.fd_passing);
@@ -667,7 +669,7 @@ std::uint64_t Signals::read(std::size_t index) const {
   return s.owner->read_signal(s, index);
 }
 
-Comm::Comm(MPI_Comm comm) : Comm(comm, detail::agreed_environment_options(comm)) {}
+Comm::Comm(MPI_Comm comm) : impl_(detail::CommImpl::from_environment(comm)) {}
 Comm::Comm(MPI_Comm comm, const Options& options)
     : impl_(std::make_unique<detail::CommImpl>(comm, options)) {}
 Comm::~Comm() = default;

@@ -25,6 +25,10 @@ struct HaloState;
 class CommImpl {
  public:
   CommImpl(MPI_Comm comm, const Options& options);
+  // On a Bootstrap already made (and agreed on) for this Comm.
+  CommImpl(Bootstrap boot, const Options& options);
+  // Comm(MPI_Comm): reads MESHMEM_* and agrees on the outcome on the Comm's own Bootstrap.
+  static std::unique_ptr<CommImpl> from_environment(MPI_Comm comm);
   ~CommImpl();  // collective teardown; never throws
 
   std::shared_ptr<WindowState> alloc(std::size_t bytes, Memory memory, bool signals,
