@@ -40,3 +40,30 @@ function(meshmem_add_mpi_test)
       ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1;${T_ENV}")
   endforeach()
 endfunction()
+
+# meshmem_add_hosts_test(NAME <name> TARGET <exe> HOSTS <h> RANKS_PER_HOST <r> [ENV ...] [LABELS ...])
+# One CTest test <name>.np<h*r> run across <h> hosts made on this machine with network and UTS
+# namespaces (launch/meshmem-hosts), <r> ranks on each: MPI and meshmem see separate nodes.
+# Skipped (exit 77, with the reason) where namespaces cannot be made (not root); needs Open MPI.
+function(meshmem_add_hosts_test)
+  cmake_parse_arguments(T "" "NAME;TARGET;TIMEOUT;HOSTS;RANKS_PER_HOST" "ENV;LABELS;ARGS" ${ARGN})
+  if(NOT MESHMEM_MPIEXEC_IS_OPEN_MPI)
+    return()
+  endif()
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 300)
+  endif()
+  math(EXPR n "${T_HOSTS} * ${T_RANKS_PER_HOST}")
+  math(EXPR harness_timeout "${T_TIMEOUT} - 20")  # so that the harness, not CTest, kills a hung job and cleans up
+  set(test_name ${T_NAME}.np${n})
+  add_test(NAME ${test_name}
+    COMMAND ${PROJECT_SOURCE_DIR}/launch/meshmem-hosts --hosts ${T_HOSTS} --ranks-per-host ${T_RANKS_PER_HOST}
+            --timeout ${harness_timeout} --unavailable-exit 77 --
+            --oversubscribe --bind-to none $<TARGET_FILE:${T_TARGET}> ${T_ARGS})
+  set_tests_properties(${test_name} PROPERTIES
+    TIMEOUT ${T_TIMEOUT}
+    SKIP_RETURN_CODE 77
+    PROCESSORS ${n}
+    LABELS "${T_LABELS}"
+    ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;${T_ENV}")
+endfunction()

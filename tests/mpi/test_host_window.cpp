@@ -1,8 +1,12 @@
 // Host-memory windows between ranks: every op with fresh random data, poisoned
 // destinations, every byte checked, sizes 1 B .. 64 MiB with unaligned offsets. CTest runs
 // this binary under several placements (one node, simulated nodes, MPI only) and both
-// descriptor-passing mechanisms; the expectations below follow the environment.
+// descriptor-passing mechanisms, and across hosts made by launch/meshmem-hosts; the
+// expectations below follow the environment and the hostnames.
 #include <dirent.h>
+#include <unistd.h>
+
+#include <algorithm>
 
 #include <cstdlib>
 #include <fstream>
@@ -84,16 +88,40 @@ void put_and_check(Comm& comm, std::uint64_t seed, std::size_t size, bool every_
 
 }  // namespace
 
-TEST_F(HostWindow, TopologyTransportsAndMappings) {
+// The node every rank should be on, from the hostnames (one node per host, as launched by
+// mpirun or launch/meshmem-hosts), each split into MESHMEM_SIMULATE_NODES contiguous groups of
+// (nearly) equal size; nodes numbered in rank order.
+static std::vector<int> expected_nodes(int n) {
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  std::vector<char> all(static_cast<std::size_t>(n) * sizeof(name));
+  MPI_Allgather(name, sizeof(name), MPI_CHAR, all.data(), sizeof(name), MPI_CHAR, MPI_COMM_WORLD);
+  std::vector<std::string> host_of;
+  for (int r = 0; r < n; ++r) host_of.emplace_back(all.data() + static_cast<std::size_t>(r) * sizeof(name));
   const std::string sim = env("MESHMEM_SIMULATE_NODES");
-  const int nodes = sim.empty() ? 1 : std::min(std::atoi(sim.c_str()), n);
-  EXPECT_EQ(comm.node_count(), nodes);
+  const int split = sim.empty() ? 1 : std::atoi(sim.c_str());
+  std::vector<std::pair<std::string, int>> seen;  // (host, group) in order of first rank
+  std::vector<int> node(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    const int on_host = static_cast<int>(std::count(host_of.begin(), host_of.end(), host_of[r]));
+    const int before = static_cast<int>(std::count(host_of.begin(), host_of.begin() + r, host_of[r]));
+    const int groups = std::min(split, on_host);
+    const std::pair<std::string, int> key{host_of[r], before * groups / on_host};
+    auto it = std::find(seen.begin(), seen.end(), key);
+    if (it == seen.end()) it = seen.insert(seen.end(), key);
+    node[static_cast<std::size_t>(r)] = static_cast<int>(it - seen.begin());
+  }
+  return node;
+}
+
+TEST_F(HostWindow, TopologyTransportsAndMappings) {
+  const std::vector<int> nodes = expected_nodes(n);
+  EXPECT_EQ(comm.node_count(), 1 + *std::max_element(nodes.begin(), nodes.end()));
   const bool mpi_only = env("MESHMEM_TRANSPORTS") == "mpi";
   Window win = comm.alloc(64, Memory::Host);
   for (int r = 0; r < n; ++r) {
     const bool same = comm.node_of(r) == comm.node();
-    // A contiguous block split: rank r's simulated node.
-    EXPECT_EQ(comm.node_of(r), r * nodes / n);
+    EXPECT_EQ(comm.node_of(r), nodes[static_cast<std::size_t>(r)]) << "rank " << r;
     const TransportKind want = (!mpi_only && same) ? TransportKind::Shm : TransportKind::Mpi;
     EXPECT_EQ(comm.transport(r, Memory::Host), want) << "rank " << me << " -> " << r;
     EXPECT_EQ(win.peer(r) != nullptr, want == TransportKind::Shm || r == me) << "rank " << me << " -> " << r;
