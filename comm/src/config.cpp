@@ -131,9 +131,11 @@ const OptionKnob<std::vector<TransportKind>> kTransports{
     "MESHMEM_TRANSPORTS", &Options::transports, parse_transports, print_transports,
     "the transports allowed, in the order tried for each peer and memory kind: `ipc` (device windows, same "
     "node, VMM mappings), `staged` (device windows, same node, GPUs without peer access: through the node's "
-    "pinned staging pool; `staged,shm,mpi` forces it where peer access works), `shm` (host windows, same node, mapped memfd), `mpi` (host windows, any node, "
-    "progress thread). `mpi` alone sends even same-node host traffic through MPI; without `ipc` and "
-    "`staged` device windows reach no peer"};
+    "pinned staging pool; `staged,shm,mpi` forces it where peer access works), `nccl` (device windows, other "
+    "nodes: NCCL send/receive driven by each rank's proxy thread; libnccl loaded at run time), `shm` (host windows, "
+    "same node, mapped memfd), `mpi` (host windows, any node, progress thread). `mpi` alone sends even same-node "
+    "host traffic through MPI; without `ipc` and `staged` device windows reach no node peer, without `nccl` no "
+    "rank of another node"};
 
 const OptionKnob<LogLevel> kLogLevel{
     "MESHMEM_LOG_LEVEL", &Options::log_level, parse_log_level, print_log_level,

@@ -34,6 +34,7 @@ MESHMEM_GPU_PART std::unique_ptr<DeviceRuntime> gpu_start_device_runtime(const C
 // The GPU part's transports (entries of the transport table).
 MESHMEM_GPU_PART std::unique_ptr<Transport> make_ipc_transport(const CommContext& ctx);
 MESHMEM_GPU_PART std::unique_ptr<Transport> make_staged_transport(const CommContext& ctx);
+MESHMEM_GPU_PART std::unique_ptr<Transport> make_nccl_transport(const CommContext& ctx);
 
 #undef MESHMEM_GPU_PART
 

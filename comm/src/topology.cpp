@@ -52,6 +52,7 @@ Topology Topology::discover(Bootstrap& boot, int simulate_nodes) {
   std::vector<RealPlacement> placement;
   for (const Record& rec : all) {
     placement.push_back(rec.placement);
+    t.host_of.push_back(rec.placement.host);
     t.pid_of.push_back(static_cast<pid_t>(rec.pid));
     t.uid_of.push_back(static_cast<int>(rec.uid));
   }

@@ -26,6 +26,7 @@ struct Topology {
   int rank = 0;
   int size = 1;
   std::vector<int> node_of;    // node index of every rank
+  std::vector<int> host_of;    // real node of every rank (its lowest rank), whatever MESHMEM_SIMULATE_NODES says
   int node_count = 1;
   std::vector<int> node_ranks; // ranks on this rank's node, ascending (this rank included)
   std::vector<pid_t> pid_of;   // process id of every rank (meaningful for node peers)

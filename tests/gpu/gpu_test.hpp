@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cuda_runtime_api.h>
+#include <unistd.h>
 #include <gtest/gtest.h>
 
 #include <cstddef>
@@ -65,6 +66,20 @@ inline std::vector<std::string> gpu_bus_ids() {
   std::vector<std::string> ids;
   for (int r = 0; r < n; ++r) ids.emplace_back(&all[sizeof(bus) * static_cast<std::size_t>(r)]);
   return ids;
+}
+
+// Every rank's hostname, by rank (collective over MPI_COMM_WORLD): ranks of different hosts
+// (launch/meshmem-hosts, or real nodes) never share a GPU.
+inline std::vector<std::string> host_names() {
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  std::vector<char> all(sizeof(name) * static_cast<std::size_t>(n));
+  MPI_Allgather(name, sizeof(name), MPI_CHAR, all.data(), sizeof(name), MPI_CHAR, MPI_COMM_WORLD);
+  std::vector<std::string> names;
+  for (int r = 0; r < n; ++r) names.emplace_back(&all[sizeof(name) * static_cast<std::size_t>(r)]);
+  return names;
 }
 
 // The device API (Window::view(), Window::peer) reaches only peers mapped here (ipc): a

@@ -42,6 +42,17 @@ class DeviceWindow : public meshmem::test::MpiTest {
     comm = std::make_unique<Comm>(MPI_COMM_WORLD, options());
     me = comm->rank();
     n = comm->size();
+    // Placements where some pair may have no device route (nodes simulated on too few GPUs):
+    // skipped on every rank together, with the first pair that has none.
+    if (std::getenv("MESHMEM_TEST_EVERY_PAIR_ROUTED") != nullptr) {
+      int missing = -1;
+      for (int r = 0; r < n && missing < 0; ++r)
+        if (comm->transport(r, Memory::Device) == TransportKind::None) missing = r;
+      int any = missing >= 0 ? 1 : 0;
+      MPI_Allreduce(MPI_IN_PLACE, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+      if (any) GTEST_SKIP() << "some pair has no device route here (rank " << me << " -> " << missing << ": "
+                            << (missing >= 0 ? comm->unreachable_reason(missing, Memory::Device) : "another rank's") << ")";
+    }
     seed = meshmem::test::shared_seed();
     ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   }
@@ -112,15 +123,22 @@ void put_every_pair(Comm& comm, cudaStream_t stream, std::uint64_t seed, bool pa
 
 }  // namespace
 
-// The route the settings ask for: `staged` where MESHMEM_TRANSPORTS puts it first, or for a
-// pair of different GPUs under MESHMEM_PEER_ACCESS=off; else ipc (every GPU machine here has
-// peer access).
-TransportKind expected_route(int me, int r) {
+// The route the settings ask for. Another (real or simulated) node: `nccl` where allowed,
+// unless the two ranks use one GPU of one machine (NCCL refuses that), else none. This
+// node: `staged` where MESHMEM_TRANSPORTS puts it first, or for a pair of different GPUs
+// under MESHMEM_PEER_ACCESS=off; else ipc (every GPU machine here has peer access).
+// Collective (every rank calls it for the same r).
+TransportKind expected_route(const Comm& comm, int me, int r) {
   const char* order = std::getenv("MESHMEM_TRANSPORTS");
+  const std::vector<std::string> hosts = meshmem::test::host_names();
+  const std::vector<std::string> bus = meshmem::test::gpu_bus_ids();
+  if (comm.node_of(r) != comm.node()) {
+    if (order != nullptr && std::strstr(order, "nccl") == nullptr) return TransportKind::None;
+    return hosts[me] != hosts[r] || bus[me] != bus[r] ? TransportKind::Nccl : TransportKind::None;
+  }
   if (order != nullptr && std::strncmp(order, "staged", 6) == 0) return TransportKind::Staged;
   const char* access = std::getenv("MESHMEM_PEER_ACCESS");
   if (access == nullptr || std::strcmp(access, "off") != 0) return TransportKind::Ipc;
-  const std::vector<std::string> bus = meshmem::test::gpu_bus_ids();
   if (bus[me].empty()) return TransportKind::None;
   return bus[me] == bus[r] ? TransportKind::Ipc : TransportKind::Staged;
 }
@@ -129,12 +147,12 @@ TEST_F(DeviceWindow, RoutesAndMappings) {
   Window win = comm->alloc(4096);
   EXPECT_EQ(win.memory(), Memory::Device);
   for (int r = 0; r < n; ++r) {
-    const TransportKind want = expected_route(me, r);
+    const TransportKind want = expected_route(*comm, me, r);
     EXPECT_EQ(comm->transport(r, Memory::Device), want) << "rank " << me << " -> " << r;
     if (want == TransportKind::Ipc || r == me)  // this rank's own part is always mapped
       EXPECT_NE(win.peer(r), nullptr) << "rank " << me << " -> " << r;
     else
-      EXPECT_EQ(win.peer(r), nullptr) << "rank " << me << " -> " << r << ": a staged peer is not mapped";
+      EXPECT_EQ(win.peer(r), nullptr) << "rank " << me << " -> " << r << ": a staged or nccl peer is not mapped";
   }
   EXPECT_EQ(default_memory(), Memory::Device);
   int device = -1;
@@ -521,6 +539,9 @@ TEST_F(DeviceWindow, HaloAcrossNodesRefusesUnreachableNeighbour) {
   // Rank 0, the lowest rank that fails, reports its first region whose peer is on another
   // node: its right neighbour where that is on another node, else its left one (rank n-1).
   const int unreached = comm->node_of(1) != comm->node_of(0) ? 1 : n - 1;
+  if (comm->transport(unreached, Memory::Device) != TransportKind::None)
+    GTEST_SKIP() << "rank " << unreached << " is reached through "
+                 << to_string(comm->transport(unreached, Memory::Device)) << " (no unreachable neighbour here)";
   try {
     HaloExchange halo = comm->make_halo(win, {{right, 0, 2048, 8}, {left, 8, 3072, 8}});
     ADD_FAILURE() << "make_halo accepted a neighbour that no transport reaches";
@@ -541,11 +562,13 @@ TEST_F(DeviceWindow, RoutesAcrossNodesNameEveryReason) {
   if (comm->node_count() == 1) GTEST_SKIP() << "needs ranks on several (real or simulated) nodes";
   for (int r = 0; r < n; ++r) {
     const std::string why = comm->unreachable_reason(r, Memory::Device);
-    if (comm->node_of(r) == comm->node()) {
-      EXPECT_EQ(comm->transport(r, Memory::Device), TransportKind::Ipc);
+    const TransportKind want = expected_route(*comm, me, r);
+    if (comm->node_of(r) == comm->node() || want == TransportKind::Nccl) {
+      EXPECT_EQ(comm->transport(r, Memory::Device), want) << "rank " << me << " -> " << r;
       EXPECT_TRUE(why.empty()) << why;
     } else {
       EXPECT_EQ(comm->transport(r, Memory::Device), TransportKind::None);
+      EXPECT_NE(why.find("nccl: "), std::string::npos) << why;
       EXPECT_NE(why.find("ipc: rank " + std::to_string(r) + " is on node"), std::string::npos) << why;
       EXPECT_NE(why.find("shm: host windows only"), std::string::npos) << why;
       EXPECT_NE(why.find("mpi: device windows over MPI are not implemented"), std::string::npos) << why;

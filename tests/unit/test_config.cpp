@@ -34,7 +34,8 @@ TEST(Options, Defaults) {
   EXPECT_EQ(o.timeout, std::chrono::minutes(5));
   EXPECT_EQ(o.simulate_nodes, 1);
   EXPECT_EQ(o.fd_passing, FdPassing::Auto);
-  EXPECT_EQ(o.transports, (std::vector<TransportKind>{TransportKind::Ipc, TransportKind::Staged, TransportKind::Shm, TransportKind::Mpi}));
+  EXPECT_EQ(o.transports, (std::vector<TransportKind>{TransportKind::Ipc, TransportKind::Staged, TransportKind::Nccl,
+                                                      TransportKind::Shm, TransportKind::Mpi}));
   EXPECT_EQ(o.log_level, LogLevel::Warn);
   EXPECT_TRUE(o.tuning().empty());
   EXPECT_EQ(parse({{"MESHMEM_TIMEOUT", ""}}).timeout, std::chrono::minutes(5));  // empty = unset

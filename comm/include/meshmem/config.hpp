@@ -17,6 +17,7 @@ enum class TransportKind {
   Staged,  // same node, device memory without peer access: staged through pinned host memory
   Shm,   // same node, host memory: the peer's memfd is mapped here
   Mpi,   // any node: requests served by the target's progress thread over MPI
+  Nccl,  // other nodes, device memory: NCCL transfers driven by each rank's proxy thread
 };
 const char* to_string(TransportKind kind) noexcept;
 
@@ -46,7 +47,8 @@ struct Options {
   // MESHMEM_FD_PASSING
   FdPassing fd_passing = FdPassing::Auto;
   // MESHMEM_TRANSPORTS: the transports allowed, in the order tried.
-  std::vector<TransportKind> transports{TransportKind::Ipc, TransportKind::Staged, TransportKind::Shm, TransportKind::Mpi};
+  std::vector<TransportKind> transports{TransportKind::Ipc, TransportKind::Staged, TransportKind::Nccl, TransportKind::Shm,
+                                       TransportKind::Mpi};
   // MESHMEM_LOG_LEVEL
   LogLevel log_level = LogLevel::Warn;
 

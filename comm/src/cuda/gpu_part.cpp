@@ -14,5 +14,6 @@ const void* const meshmem_gpu_part[] = {
     reinterpret_cast<const void*>(&meshmem::detail::gpu_start_device_runtime),
     reinterpret_cast<const void*>(&meshmem::detail::make_ipc_transport),
     reinterpret_cast<const void*>(&meshmem::detail::make_staged_transport),
+    reinterpret_cast<const void*>(&meshmem::detail::make_nccl_transport),
 };
 }

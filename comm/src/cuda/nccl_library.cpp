@@ -1,0 +1,104 @@
+#define MESHMEM_DEFINING_GPU_PART
+#include "nccl_library.hpp"
+
+#include <dlfcn.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "meshmem/error.hpp"
+
+namespace meshmem::detail {
+
+namespace {
+
+template <class F>
+bool bind(void* handle, const char* name, F* out, std::string* why) {
+  *out = reinterpret_cast<F>(dlsym(handle, name));
+  if (*out == nullptr) *why = "it has no " + std::string(name) + " (NCCL older than 2.7?)";
+  return *out != nullptr;
+}
+
+std::unique_ptr<NcclLibrary> load(const std::string& path, std::string* why) {
+  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    const char* e = dlerror();
+    *why = "cannot load " + path + " (" + (e ? e : "dlopen failed") +
+           "); install NCCL or name it with MESHMEM_NCCL_LIBRARY";
+    return nullptr;
+  }
+  auto lib = std::make_unique<NcclLibrary>();
+  lib->path = path;
+  int (*get_version)(int*) = nullptr;
+  std::string missing;
+  const bool ok = bind(handle, "ncclGetVersion", &get_version, &missing) &&
+                  bind(handle, "ncclGetUniqueId", &lib->get_unique_id, &missing) &&
+                  bind(handle, "ncclCommInitRank", &lib->comm_init_rank, &missing) &&
+                  bind(handle, "ncclCommDestroy", &lib->comm_destroy, &missing) &&
+                  bind(handle, "ncclCommAbort", &lib->comm_abort, &missing) &&
+                  bind(handle, "ncclCommGetAsyncError", &lib->comm_get_async_error, &missing) &&
+                  bind(handle, "ncclSend", &lib->send, &missing) && bind(handle, "ncclRecv", &lib->recv, &missing) &&
+                  bind(handle, "ncclGroupStart", &lib->group_start, &missing) &&
+                  bind(handle, "ncclGroupEnd", &lib->group_end, &missing) &&
+                  bind(handle, "ncclGetErrorString", &lib->error_string, &missing);
+  if (!ok) {
+    *why = path + ": " + missing;
+    return nullptr;  // the handle stays loaded: harmless, and dlclose of NCCL is not safe
+  }
+  if (get_version(&lib->version) != 0) {
+    *why = path + ": ncclGetVersion failed";
+    return nullptr;
+  }
+  return lib;
+}
+
+}  // namespace
+
+const NcclLibrary* NcclLibrary::get(const std::string& path, std::string* why) {
+  // Per path, once per process; the libraries stay loaded until exit (NCCL's own threads).
+  static std::mutex m;
+  static std::map<std::string, std::pair<std::unique_ptr<NcclLibrary>, std::string>> loaded;
+  std::lock_guard<std::mutex> lock(m);
+  auto it = loaded.find(path);
+  if (it == loaded.end()) {
+    std::string reason;
+    auto lib = load(path, &reason);
+    it = loaded.emplace(path, std::make_pair(std::move(lib), reason)).first;
+  }
+  if (!it->second.first) *why = it->second.second;
+  return it->second.first.get();
+}
+
+std::string NcclLibrary::version_text() const {
+  // NCCL_VERSION(X,Y,Z): X*10000 + Y*100 + Z from 2.9 on.
+  return std::to_string(version / 10000) + "." + std::to_string(version / 100 % 100) + "." +
+         std::to_string(version % 100);
+}
+
+void NcclLibrary::check(int rc, const char* call, const std::string& what) const {
+  if (rc == 0) return;
+  throw Error(ErrorCode::Cuda, what + ": " + call + " failed: " + error_string(rc) + " (ncclResult_t " +
+                                   std::to_string(rc) + ")");
+}
+
+NcclComm& NcclComm::operator=(NcclComm&& o) noexcept {
+  if (this != &o) {
+    reset(false);
+    lib_ = o.lib_;
+    comm_ = o.comm_;
+    o.comm_ = nullptr;
+  }
+  return *this;
+}
+
+void NcclComm::reset(bool abort) noexcept {
+  if (comm_ == nullptr) return;
+  if (abort)
+    (void)lib_->comm_abort(comm_);
+  else
+    (void)lib_->comm_destroy(comm_);
+  comm_ = nullptr;
+}
+
+}  // namespace meshmem::detail
