@@ -98,10 +98,6 @@ class NcclProxy {
     words_ = static_cast<std::uint64_t*>(p);
     std::memset(words_, 0, kDoneWords * sizeof(std::uint64_t));
     for (std::size_t i = kDoneWords; i-- > 0;) free_words_.push_back(i);
-    for (auto& [peer, pair] : pairs_) {
-      next_id_[peer] = 0;
-      (void)pair;
-    }
     thread_ = std::thread([this] { run(); });
   }
   NcclProxy(const NcclProxy&) = delete;
