@@ -40,6 +40,18 @@ Options options_with_timeout(std::chrono::milliseconds t) {
   return o;
 }
 
+// The short timeout a test wants to see expire bounds the Comm's construction too, so it
+// must leave room for a loaded machine (CI: 4 ranks and their progress threads on 2 cores;
+// 300 ms was once not enough and the construction, not the wait under test, timed out).
+// Ranks start the construction together; what the test makes late comes after it.
+constexpr std::chrono::milliseconds kShortTimeout{1000};
+constexpr std::chrono::milliseconds kLateBy{3000};  // well past kShortTimeout
+
+Comm comm_with_short_timeout() {
+  MPI_Barrier(MPI_COMM_WORLD);
+  return Comm(MPI_COMM_WORLD, options_with_timeout(kShortTimeout));
+}
+
 }  // namespace
 
 TEST_F(Errors, BadArgumentsWriteNothing) {
@@ -218,26 +230,26 @@ TEST_F(Errors, MismatchedSettingsFailOnEveryRank) {
 }
 
 TEST_F(Errors, WaitUntilTimesOut) {
-  Comm quick(MPI_COMM_WORLD, options_with_timeout(std::chrono::milliseconds(200)));
+  Comm quick = comm_with_short_timeout();
   Signals sig = quick.alloc_signals(4, Memory::Host);
   const auto t0 = std::chrono::steady_clock::now();
   expect_error([&] { quick.wait_until(sig, 3, Cmp::GE, 7); }, ErrorCode::Timeout,
-               {"comm.wait_until", "signal 3 is 0", ">= 7", "200 ms"});
-  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(200));
+               {"comm.wait_until", "signal 3 is 0", ">= 7", "after 1 s"});
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, kShortTimeout);
   quick.barrier();
 }
 
 // The last rank arrives late: every other rank's barrier times out naming it, and the
 // late rank's times out too (rank 0 has given up on it).
 TEST_F(Errors, BarrierTimeoutNamesMissingRank) {
-  Comm quick(MPI_COMM_WORLD, options_with_timeout(std::chrono::milliseconds(300)));
+  Comm quick = comm_with_short_timeout();
   const int late = n - 1;
-  if (me == late) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  if (me == late) std::this_thread::sleep_for(kLateBy);
   if (me == late)
     expect_error([&] { quick.barrier(); }, ErrorCode::Timeout, {"comm.barrier", "rank 0"});
   else
     expect_error([&] { quick.barrier(); }, ErrorCode::Timeout,
-                 {"comm.barrier", "rank(s) " + std::to_string(late) + " did not arrive within 300 ms"});
+                 {"comm.barrier", "rank(s) " + std::to_string(late) + " did not arrive within 1 s"});
   // The Comm refuses further collectives instead of hanging.
   expect_error([&] { quick.barrier(); }, ErrorCode::Timeout, {"earlier wait"});
   MPI_Barrier(MPI_COMM_WORLD);
@@ -247,10 +259,10 @@ TEST_F(Errors, BarrierTimeoutNamesMissingRank) {
 // freed on this rank all the same (local parts released, as ~Comm does), so that neither a
 // second free nor the destructor waits for the peer again.
 TEST_F(Errors, FreeThatTimesOutLeavesTheWindowFreed) {
-  Comm quick(MPI_COMM_WORLD, options_with_timeout(std::chrono::milliseconds(300)));
+  Comm quick = comm_with_short_timeout();
   Window win = quick.alloc(4096, Memory::Host);
   const int late = n - 1;
-  if (me == late) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  if (me == late) std::this_thread::sleep_for(kLateBy);
   const auto t0 = std::chrono::steady_clock::now();
   expect_error([&] { win.free(); }, ErrorCode::Timeout, {"Window::free"});
   EXPECT_FALSE(win.valid());

@@ -6,9 +6,13 @@
 
 #include <dirent.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <string>
+#include <thread>
 
 namespace {
 
@@ -24,6 +28,67 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
 
  private:
   int rank_;
+};
+
+// A test that fails on one rank can leave the others in a different MPI collective (the
+// failing rank has gone on to TearDown's Allgather); the job then hangs until the launcher's
+// timeout, minutes later, with no word of where. The watchdog ends such a job early and names
+// the test: MPI_Abort after MESHMEM_TEST_WATCHDOG_S seconds (default 150) in one test.
+class TestWatchdog : public ::testing::EmptyTestEventListener {
+ public:
+  explicit TestWatchdog(int rank) : rank_(rank), limit_(limit_from_environment()) {
+    if (limit_.count() > 0) thread_ = std::thread([this] { watch(); });
+  }
+  ~TestWatchdog() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    changed_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  void OnTestStart(const ::testing::TestInfo& info) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    current_ = std::string(info.test_suite_name()) + "." + info.name();
+    ++generation_;
+    changed_.notify_all();
+  }
+  void OnTestEnd(const ::testing::TestInfo&) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    current_.clear();
+    ++generation_;
+    changed_.notify_all();
+  }
+
+ private:
+  static std::chrono::seconds limit_from_environment() {
+    const char* v = std::getenv("MESHMEM_TEST_WATCHDOG_S");
+    return std::chrono::seconds(v != nullptr ? std::atoi(v) : 150);
+  }
+  void watch() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!stopping_) {
+      const unsigned long seen = generation_;
+      const bool running = !current_.empty();
+      const bool moved = running ? changed_.wait_for(lock, limit_, [&] { return stopping_ || generation_ != seen; })
+                                 : (changed_.wait(lock, [&] { return stopping_ || generation_ != seen; }), true);
+      if (!moved) {
+        std::fprintf(stderr, "[rank %d] test watchdog: %s still running after %lld s; aborting the job\n", rank_,
+                     current_.c_str(), static_cast<long long>(limit_.count()));
+        std::fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, 3);
+      }
+    }
+  }
+
+  int rank_;
+  std::chrono::seconds limit_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::string current_;
+  unsigned long generation_ = 0;
+  bool stopping_ = false;
+  std::thread thread_;
 };
 
 // MESHMEM_TEST_ISOLATE=1: give each rank only its own GPU through CUDA_VISIBLE_DEVICES,
@@ -62,6 +127,7 @@ int main(int argc, char** argv) {
     delete listeners.Release(listeners.default_result_printer());
     listeners.Append(new RankFailurePrinter(rank));
   }
+  listeners.Append(new TestWatchdog(rank));  // gtest owns and deletes it
   int failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
   int any_failed = 0;
   MPI_Allreduce(&failed, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
