@@ -1,9 +1,8 @@
-// meshmem-info: run under mpirun to see what meshmem would do in this job: the settings,
-// the placement of the ranks, how descriptors are passed, the transport of every pair and,
-// where none reaches a pair, every transport's reason.
-//   meshmem-info                   (under mpirun) the job as meshmem sees it
-//   meshmem-info --knobs-markdown  the MESHMEM_* table of README.md, from the knob table
+// meshmem-info: what meshmem finds on this machine, and what it would do in this job.
+// See usage() below. One process per node (the lowest rank of each) checks its node; rank 0
+// prints every node's report, and with --job the transport of every pair of ranks and why.
 #include <mpi.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
@@ -11,7 +10,30 @@
 #include <string>
 #include <vector>
 
+#include "info/json_writer.hpp"
+#include "info/node_report.hpp"
+
 namespace {
+
+using meshmem::info::JsonWriter;
+using meshmem::info::NodeReport;
+
+void usage(std::FILE* to) {
+  std::fprintf(to,
+               "usage: meshmem-info [--json] [--bandwidth]          this machine: GPUs (PCI, NUMA, CPUs), peer access\n"
+               "                                                     with write-and-verify and the reason for every\n"
+               "                                                     missing or broken pair, VMM / POSIX-fd / host-NUMA\n"
+               "                                                     support, descriptor passing, MPI, NCCL\n"
+               "       mpirun -np N meshmem-info --job [--json]      the same for every node of the job, then the\n"
+               "                                                     transport of every pair of ranks, and why\n"
+               "       meshmem-info --knobs-markdown                 the MESHMEM_* settings as a Markdown table\n"
+               "options:\n"
+               "  --json       one JSON document on stdout, for scripts\n"
+               "  --bandwidth  also time peer copies between every pair of GPUs and pinned host copies\n"
+               "  --job        build a meshmem Comm over MPI_COMM_WORLD and report its routes\n"
+               "exit code: 0 fine; 1 an error (the message says which); 2 bad arguments; 3 the job cannot run\n"
+               "as asked (a pair of ranks with no transport, or a GPU pair whose peer access is granted but broken)\n");
+}
 
 // The README's table ("## Configuration"), generated from the knob table through
 // Options::describe(), so that the docs cannot drift from the code (tests/docs check it).
@@ -28,77 +50,210 @@ void print_knob_markdown() {
   }
 }
 
-// "host: shm mpi mpi ..." for one rank's row, the reasons of unreachable pairs after it.
-std::string row_of(const meshmem::Comm& comm, meshmem::Memory memory, std::string* reasons) {
-  std::string row;
-  for (int r = 0; r < comm.size(); ++r) {
-    const meshmem::TransportKind k = comm.transport(r, memory);
-    row += std::string(r ? " " : "") + meshmem::to_string(k);
-    if (k == meshmem::TransportKind::None)
-      *reasons += "    to rank " + std::to_string(r) + " (" + meshmem::to_string(memory) +
-                  "): " + comm.unreachable_reason(r, memory) + "\n";
+// Every rank's string, in rank order, on rank 0 (empty elsewhere).
+std::vector<std::string> gather_strings(const std::string& mine, MPI_Comm comm) {
+  int me = 0, n = 0;
+  MPI_Comm_rank(comm, &me);
+  MPI_Comm_size(comm, &n);
+  int len = static_cast<int>(mine.size());
+  std::vector<int> lens(static_cast<std::size_t>(n)), displs(static_cast<std::size_t>(n));
+  MPI_Gather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, 0, comm);
+  int total = 0;
+  for (int r = 0; r < n; ++r) {
+    displs[static_cast<std::size_t>(r)] = total;
+    total += lens[static_cast<std::size_t>(r)];
   }
+  std::vector<char> all(static_cast<std::size_t>(me == 0 ? total + 1 : 1));
+  MPI_Gatherv(mine.data(), len, MPI_CHAR, all.data(), lens.data(), displs.data(), MPI_CHAR, 0, comm);
+  std::vector<std::string> out;
+  if (me == 0)
+    for (int r = 0; r < n; ++r)
+      out.emplace_back(all.data() + displs[static_cast<std::size_t>(r)], static_cast<std::size_t>(lens[static_cast<std::size_t>(r)]));
+  return out;
+}
+
+// Why a pair uses the transport it does, in words, for the --job table.
+std::string why_this_transport(meshmem::TransportKind k) {
+  switch (k) {
+    case meshmem::TransportKind::Ipc: return "same node; each GPU maps the other's memory";
+    case meshmem::TransportKind::Staged: return "same node; staged through the node's pinned host memory";
+    case meshmem::TransportKind::Shm: return "same node; the window's shared memory is mapped here";
+    case meshmem::TransportKind::Mpi: return "requests served by the target's progress thread over MPI";
+    case meshmem::TransportKind::Nccl: return "other node; NCCL transfers driven by each rank's proxy thread";
+    case meshmem::TransportKind::None: return "no transport reaches it";
+  }
+  return "";
+}
+
+struct JobRow {
+  std::string text;
+  std::string json;
+  bool unreachable = false;
+};
+
+// This rank's routes to every rank, both memory kinds: in text a row of transports per
+// kind, then the reasons (transports passed over, or why none reaches a rank).
+JobRow job_row(const meshmem::Comm& comm, const std::string& host) {
+  JobRow row;
+  const bool device = comm.device_info().rfind("none", 0) != 0;
+  JsonWriter w;
+  w.begin_object().field("rank", comm.rank()).field("host", host).field("node", comm.node());
+  w.field("device", comm.device_info());
+  std::string text = "rank " + std::to_string(comm.rank()) + " (" + host + ", node " + std::to_string(comm.node()) +
+                     "): " + comm.device_info() + "\n";
+  std::string reasons;
+  for (meshmem::Memory memory : {meshmem::Memory::Host, meshmem::Memory::Device}) {
+    const std::string mem = meshmem::to_string(memory);
+    w.key(mem).begin_array();
+    text += "  " + std::string(memory == meshmem::Memory::Host ? "host windows:  " : "device windows:");
+    if (memory == meshmem::Memory::Device && !device) {
+      text += " unavailable on this rank\n";
+      w.end_array();
+      continue;
+    }
+    for (int r = 0; r < comm.size(); ++r) {
+      const meshmem::TransportKind k = comm.transport(r, memory);
+      const std::string skipped = comm.skipped_reason(r, memory);
+      const bool none = k == meshmem::TransportKind::None;
+      row.unreachable = row.unreachable || none;
+      char cell[16];
+      std::snprintf(cell, sizeof cell, " %-6s", meshmem::to_string(k));
+      text += cell;
+      if (!skipped.empty())
+        reasons += "    " + mem + " -> rank " + std::to_string(r) + (none ? ": no transport: " : " (" + std::string(meshmem::to_string(k)) + "), passed over: ") + skipped + "\n";
+      w.begin_object().field("to", r).field("transport", meshmem::to_string(k)).field("why", why_this_transport(k));
+      if (!skipped.empty()) w.field(none ? "reasons" : "passed_over", skipped);
+      w.end_object();
+    }
+    text += "\n";
+    w.end_array();
+  }
+  w.end_object();
+  row.text = text + reasons;
+  row.json = w.str();
   return row;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  bool json = false, job = false, bandwidth = false;
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--knobs-markdown") == 0) {
+    const std::string a = argv[i];
+    if (a == "--knobs-markdown") {
       print_knob_markdown();
       return 0;
     }
-    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
-      std::printf("usage: mpirun -np N meshmem-info      the job as meshmem sees it\n"
-                  "       meshmem-info --knobs-markdown  the MESHMEM_* settings as a Markdown table\n");
+    if (a == "--help" || a == "-h") {
+      usage(stdout);
       return 0;
     }
-    std::fprintf(stderr, "meshmem-info: unknown argument %s (try --help)\n", argv[i]);
-    return 2;
+    if (a == "--json") {
+      json = true;
+    } else if (a == "--job") {
+      job = true;
+    } else if (a == "--bandwidth") {
+      bandwidth = true;
+    } else {
+      std::fprintf(stderr, "meshmem-info: unknown argument %s\n", argv[i]);
+      usage(stderr);
+      return 2;
+    }
   }
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  int me = 0, n = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &me);
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
   int rc = 0;
   try {
-    meshmem::select_local_device(MPI_COMM_WORLD);  // one GPU per rank, as applications do
-    meshmem::Comm comm(MPI_COMM_WORLD);
-    const int me = comm.rank();
-    const int n = comm.size();
-    // Each rank's row of the transport table, gathered to rank 0.
-    std::string reasons;
-    const std::string row = row_of(comm, meshmem::Memory::Host, &reasons);
-    // Without device windows, device_info() says why once; no reasons per pair.
-    std::string no_device_reasons;
-    const bool device = comm.device_info().rfind("none", 0) != 0;
-    const std::string drow = row_of(comm, meshmem::Memory::Device, device ? &reasons : &no_device_reasons);
-    std::string text = "rank " + std::to_string(me) + " (node " + std::to_string(comm.node()) +
-                       "): host windows -> " + row + "; device windows -> " + drow + "; " + comm.device_info() + "\n" +
-                       reasons;
-    int len = static_cast<int>(text.size());
-    std::vector<int> lens(static_cast<std::size_t>(n)), displs(static_cast<std::size_t>(n));
-    MPI_Gather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
-    int total = 0;
-    for (int r = 0; r < n; ++r) {
-      displs[r] = total;
-      total += lens[r];
+    const meshmem::Options options = meshmem::Options::from_environment();  // a bad MESHMEM_* value: exit 1
+
+    // One report per node, made by its lowest rank before anything else touches the GPUs.
+    MPI_Comm node_comm = MPI_COMM_NULL;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, me, MPI_INFO_NULL, &node_comm);
+    int node_rank = 0;
+    MPI_Comm_rank(node_comm, &node_rank);
+    MPI_Comm_free(&node_comm);
+    std::string node_text, node_json;
+    int problems = 0;
+    if (node_rank == 0) {
+      NodeReport report;
+      meshmem::info::collect_system_facts(&report);
+      meshmem::info::collect_gpu_facts(&report, bandwidth);
+      node_text = report.text();
+      JsonWriter w;
+      report.json(w);
+      node_json = w.str();
+      problems = static_cast<int>(report.problems().size());
     }
-    std::vector<char> all(static_cast<std::size_t>(me == 0 ? total + 1 : 1), '\0');
-    MPI_Gatherv(text.data(), len, MPI_CHAR, all.data(), lens.data(), displs.data(), MPI_CHAR, 0, MPI_COMM_WORLD);
+    const std::vector<std::string> nodes = gather_strings(json ? node_json : node_text, MPI_COMM_WORLD);
+    int all_problems = 0;
+    MPI_Allreduce(&problems, &all_problems, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+
+    std::vector<std::string> rows;
+    int unreachable = 0;
+    int node_count = 0;
+    if (job) {
+      meshmem::select_local_device(MPI_COMM_WORLD);  // one GPU per rank, as applications do
+      meshmem::Comm comm(MPI_COMM_WORLD, options);
+      node_count = comm.node_count();
+      char host[256] = {};
+      gethostname(host, sizeof host - 1);
+      const JobRow row = job_row(comm, host);
+      rows = gather_strings(json ? row.json : row.text, MPI_COMM_WORLD);
+      int mine = row.unreachable ? 1 : 0;
+      MPI_Allreduce(&mine, &unreachable, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+      if (me == 0 && !json) {
+        std::printf("meshmem %s\n", "0.1.0");
+        std::printf("settings (README.md, Configuration, says what each means):\n ");
+        for (const auto& line : comm.options().describe()) std::printf(" %s", line.substr(0, line.find(" (")).c_str());
+        std::printf("\n");
+        std::printf("job: %d rank(s) on %d node(s)%s; MPI thread level %s; fd passing %s\n", n, comm.node_count(),
+                    comm.options().simulate_nodes > 1 ? " (simulated split)" : "",
+                    provided >= MPI_THREAD_MULTIPLE ? "MPI_THREAD_MULTIPLE" : "below MPI_THREAD_MULTIPLE",
+                    meshmem::to_string(comm.fd_passing()));
+      }
+    }
     if (me == 0) {
-      std::printf("meshmem %s\n", "0.1.0");
-      std::printf("settings:\n");
-      for (const auto& line : comm.options().describe()) std::printf("  %s\n", line.c_str());
-      std::printf("ranks: %d on %d node(s)%s\n", n, comm.node_count(),
-                  comm.options().simulate_nodes > 1 ? " (simulated split)" : "");
-      std::printf("MPI thread level: %s\n", provided >= MPI_THREAD_MULTIPLE ? "MPI_THREAD_MULTIPLE" : "below MPI_THREAD_MULTIPLE");
-      std::printf("fd passing: %s\n", meshmem::to_string(comm.fd_passing()));
-      std::printf("default window memory: %s\n", meshmem::to_string(meshmem::default_memory()));
-      std::printf("transports (row: from rank, column: to rank; where none reaches, each transport's reason):\n");
-      std::printf("%s", all.data());
+      if (json) {
+        JsonWriter w;
+        w.begin_object().field("meshmem", "0.1.0").field("ranks", n);
+        w.key("settings").begin_array();
+        for (const auto& line : options.describe()) w.value(line);
+        w.end_array();
+        w.key("nodes").begin_array();
+        for (const std::string& s : nodes)
+          if (!s.empty()) w.raw(s);
+        w.end_array();
+        if (job) {
+          w.field("node_count", node_count);
+          w.key("pairs").begin_array();
+          for (const std::string& s : rows) w.raw(s);
+          w.end_array();
+        }
+        w.field("unreachable_pairs", unreachable > 0).field("broken_gpu_pairs", all_problems);
+        w.end_object();
+        std::printf("%s\n", w.str().c_str());
+      } else {
+        for (const std::string& s : nodes) std::printf("%s", s.c_str());
+        if (job) {
+          std::printf("transports (row: from rank; column: to rank 0..%d; then the transports passed over and why)\n", n - 1);
+          for (auto k : {meshmem::TransportKind::Ipc, meshmem::TransportKind::Staged, meshmem::TransportKind::Nccl,
+                         meshmem::TransportKind::Shm, meshmem::TransportKind::Mpi, meshmem::TransportKind::None})
+            std::printf("  %-6s %s\n", meshmem::to_string(k), why_this_transport(k).c_str());
+          for (const std::string& s : rows) std::printf("%s", s.c_str());
+        } else if (n == 1) {
+          std::printf("run `mpirun -np N meshmem-info --job` to see the transport of every pair of ranks\n");
+        }
+        if (unreachable > 0) std::printf("some pairs of ranks have no transport (see above): the job cannot run as asked\n");
+        if (all_problems > 0) std::printf("%d GPU pair(s) grant peer access that does not work (see above)\n", all_problems);
+      }
+      std::fflush(stdout);
     }
+    if (unreachable > 0 || all_problems > 0) rc = 3;
   } catch (const meshmem::Error& e) {
-    std::fprintf(stderr, "meshmem-info: %s\n", e.what());
+    std::fprintf(stderr, "meshmem-info: rank %d: %s\n", me, e.what());
     rc = 1;
   }
   MPI_Finalize();

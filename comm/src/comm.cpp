@@ -321,6 +321,13 @@ std::string CommImpl::unreachable_reason(int rank, Memory memory, const char* ca
   return routes->find(rank, memory) ? std::string() : routes->why_none(rank, memory);
 }
 
+std::string CommImpl::skipped_reason(int rank, Memory memory, const char* call) const {
+  check_rank(rank, call, "peer");
+  check_memory(memory, where(call));
+  if (memory == Memory::Device && !device) return "device windows are unavailable: " + device_why;
+  return routes->why_not_earlier(rank, memory);
+}
+
 std::shared_ptr<WindowState> CommImpl::alloc(std::size_t bytes, Memory memory, bool signals,
                                              const std::string& call) {
   const std::string at = where(call.c_str());
@@ -751,6 +758,10 @@ TransportKind Comm::transport(int rank, Memory memory) const {
 
 std::string Comm::unreachable_reason(int rank, Memory memory) const {
   return live(impl_).unreachable_reason(rank, memory, "comm.unreachable_reason");
+}
+
+std::string Comm::skipped_reason(int rank, Memory memory) const {
+  return live(impl_).skipped_reason(rank, memory, "comm.skipped_reason");
 }
 
 }  // namespace meshmem

@@ -52,6 +52,7 @@ class CommImpl {
 
   TransportKind transport(int rank, Memory memory, const char* call) const;
   std::string unreachable_reason(int rank, Memory memory, const char* call) const;
+  std::string skipped_reason(int rank, Memory memory, const char* call) const;
   // This rank's device and barrier(stream) variant, or why device windows are unavailable.
   std::string device_info() const;
 

@@ -45,18 +45,23 @@ RouteTable::RouteTable(const std::vector<Transport*>& tried, const std::vector<s
     routes.assign(static_cast<std::size_t>(size), Route{});
     for (int r = 0; r < size; ++r) {
       Route& route = routes[static_cast<std::size_t>(r)];
-      std::string why;
+      std::string why, why_serving;  // every transport's reason; those serving `memory`
       for (Transport* t : tried) {
         Reach reach = t->reach(r, memory);
         if (reach.ok) {
           route.transport = t;
           break;
         }
-        why += (why.empty() ? "" : "; ") + std::string(to_string(t->kind())) + ": " + reach.why;
+        const std::string one = std::string(to_string(t->kind())) + ": " + reach.why;
+        why += (why.empty() ? "" : "; ") + one;
+        if (t->serves(memory)) why_serving += (why_serving.empty() ? "" : "; ") + one;
       }
-      if (route.transport != nullptr) continue;
+      if (route.transport != nullptr) {
+        route.why = why_serving;  // "device windows only" explains nothing about a host route
+        continue;
+      }
       for (const std::string& l : left_out) why += (why.empty() ? "" : "; ") + l;
-      route.why_none = why.empty() ? "no transport is allowed" : why;
+      route.why = why.empty() ? "no transport is allowed" : why;
     }
   }
 }

@@ -41,7 +41,14 @@ class RouteTable {
 
   Transport* find(int rank, Memory memory) const { return at(rank, memory).transport; }
   // "ipc: ...; shm: ...; mpi: ..." where find() is null.
-  const std::string& why_none(int rank, Memory memory) const { return at(rank, memory).why_none; }
+  const std::string& why_none(int rank, Memory memory) const {
+    static const std::string reached;
+    const Route& r = at(rank, memory);
+    return r.transport == nullptr ? r.why : reached;
+  }
+  // Why each transport serving `memory` tried before find()'s did not reach `rank` (where
+  // none did: every transport's reason, and those left out); empty where none was skipped.
+  const std::string& why_not_earlier(int rank, Memory memory) const { return at(rank, memory).why; }
   // Whether this rank routes anything to `rank` through `t`.
   bool routes_through(const Transport* t, int rank) const;
   bool routes_through(const Transport* t, int rank, Memory memory) const { return find(rank, memory) == t; }
@@ -52,7 +59,7 @@ class RouteTable {
  private:
   struct Route {
     Transport* transport = nullptr;
-    std::string why_none;
+    std::string why;  // the reasons of the transports tried before `transport`, or of all
   };
   const Route& at(int rank, Memory memory) const {
     return routes_[memory == Memory::Device ? 0 : 1][static_cast<std::size_t>(rank)];

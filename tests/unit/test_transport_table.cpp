@@ -19,11 +19,11 @@ namespace {
 // that names the fake.
 class FakeTransport final : public Transport {
  public:
-  FakeTransport(TransportKind kind, std::set<int> device, std::set<int> host)
-      : kind_(kind), device_(std::move(device)), host_(std::move(host)) {}
+  FakeTransport(TransportKind kind, std::set<int> device, std::set<int> host, bool serves_host = true)
+      : kind_(kind), device_(std::move(device)), host_(std::move(host)), serves_host_(serves_host) {}
   TransportKind kind() const override { return kind_; }
   Capabilities capabilities() const override { return {}; }
-  bool serves(Memory) const override { return true; }
+  bool serves(Memory memory) const override { return memory == Memory::Device || serves_host_; }
   Reach reach(int rank, Memory memory) const override {
     const auto& set = memory == Memory::Device ? device_ : host_;
     if (set.count(rank)) return Reach::yes();
@@ -39,6 +39,7 @@ class FakeTransport final : public Transport {
  private:
   TransportKind kind_;
   std::set<int> device_, host_;
+  bool serves_host_;
 };
 
 std::unique_ptr<Transport> no_factory(const CommContext&) { return nullptr; }
@@ -113,6 +114,12 @@ TEST(TransportTable, FirstTransportThatReachesWins) {
   EXPECT_EQ(routes.find(1, Memory::Host), &shm);
   EXPECT_EQ(routes.find(3, Memory::Host), &mpi);
   EXPECT_TRUE(routes.why_none(3, Memory::Host).empty());
+  // Where a later transport reaches a rank, the earlier ones' reasons are kept (meshmem-info
+  // --job prints them); none where the first one reaches it. (The fakes serve both kinds;
+  // a real ipc's "device windows only" is left out of a host route's reasons.)
+  EXPECT_EQ(routes.why_not_earlier(3, Memory::Host), "ipc: fake ipc skips rank 3; shm: fake shm skips rank 3");
+  EXPECT_TRUE(routes.why_not_earlier(1, Memory::Device).empty());
+  EXPECT_EQ(routes.why_not_earlier(1, Memory::Host), "ipc: fake ipc skips rank 1");
   EXPECT_TRUE(routes.routes_through(&shm, 0));
   EXPECT_FALSE(routes.routes_through(&shm, 2));
   EXPECT_TRUE(routes.routes_through(&ipc, 1, Memory::Device));
@@ -122,6 +129,18 @@ TEST(TransportTable, FirstTransportThatReachesWins) {
   EXPECT_EQ(reordered.find(1, Memory::Host), &mpi);
   EXPECT_FALSE(reordered.routes_through(&shm, 1));
   EXPECT_EQ(reordered.find(1, Memory::Device), &ipc);
+}
+
+TEST(TransportTable, SkippedReasonsOnlyOfTransportsServingTheMemoryKind) {
+  FakeTransport ipc(TransportKind::Ipc, {0}, {}, /*serves_host=*/false);
+  FakeTransport shm(TransportKind::Shm, {}, {0});
+  FakeTransport mpi(TransportKind::Mpi, {}, {0, 1});
+  const RouteTable routes({&ipc, &shm, &mpi}, {}, 2);
+  EXPECT_EQ(routes.why_not_earlier(1, Memory::Host), "shm: fake shm skips rank 1");  // not ipc's
+  EXPECT_TRUE(routes.why_not_earlier(0, Memory::Host).empty());
+  // Where none reaches, every transport says why (ipc included).
+  EXPECT_EQ(routes.why_none(1, Memory::Device),
+            "ipc: fake ipc skips rank 1; shm: fake shm skips rank 1; mpi: fake mpi skips rank 1");
 }
 
 TEST(TransportTable, NoRouteListsEveryReason) {

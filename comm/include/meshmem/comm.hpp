@@ -167,6 +167,10 @@ class Comm {
   // Why no transport reaches `rank` for windows of kind `memory`, each transport's reason
   // ("ipc: ...; shm: ...; mpi: ..."); empty where one does.
   std::string unreachable_reason(int rank, Memory memory) const;
+  // Why the transports for windows of `memory` tried before the one that reaches `rank` did
+  // not ("ipc: ...; staged: ..."): empty where none was passed over; unreachable_reason()
+  // where none reaches it. meshmem-info --job prints it beside every pair's transport.
+  std::string skipped_reason(int rank, Memory memory) const;
   // How descriptors are passed between ranks of this node.
   FdPassing fd_passing() const;
   // This rank's device and the barrier / stream-wait variants chosen for it, and what the
