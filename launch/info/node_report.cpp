@@ -236,9 +236,9 @@ std::string NodeReport::text() const {
     }
     if (gpus_on_machine > static_cast<int>(gpus.size()))
       o << "  " << gpus_on_machine - static_cast<int>(gpus.size())
-        << " GPU(s) of this machine are hidden from this process by isolation (CUDA_VISIBLE_DEVICES or the "
-           "container): ranks on them are reached through staged (where the driver lets a rank map the other's "
-           "memory) or not at all from here; run meshmem-info --job to see each pair\n";
+        << " GPU(s) of this machine are hidden from this process (CUDA_VISIBLE_DEVICES or the container), so "
+           "their pairs are not checked here; a rank on one of them is still reached through ipc or staged where "
+           "the driver lets this process map its memory (meshmem-info --job shows each pair)\n";
     if (gpus.size() > 1) {
       o << "  peer access (row: from, column: to; P2P = works, verified by write and read back; A = native atomics; "
            "- = none):\n       ";

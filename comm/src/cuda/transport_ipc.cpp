@@ -71,7 +71,7 @@ IpcTransport::IpcTransport(const CommContext& ctx)
     if (!topo.same_node(r))
       no_route_[r] = "rank " + std::to_string(r) + " is on node " + std::to_string(topo.node_of[r]) +
                      ", this rank on node " + std::to_string(topo.node()) +
-                     " (device windows across nodes need the NCCL/MPI transport, not implemented yet)";
+                     " (device windows across nodes go through the nccl transport)";
   if (device_ != nullptr) probe_peers();
 }
 
