@@ -40,6 +40,10 @@ struct DeviceHaloSpec {
 class DeviceHaloPlan {
  public:
   virtual ~DeviceHaloPlan() = default;
+  // Orders this exchange on `stream` after the previous one, whichever stream that ran on.
+  // Called before anything of the exchange is issued: its transfers through transports too,
+  // or an exchange on one stream could deliver (and count) ahead of one on another.
+  virtual void begin(Stream stream, bool capturing, const char* call) = 0;
   // Runs the exchange's copies (or none: `copy` false), signals and waits on `stream`.
   virtual void run(Stream stream, bool copy, bool capturing, const char* call) = 0;
 };

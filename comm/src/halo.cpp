@@ -217,6 +217,7 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
   const std::uint64_t epoch = ++halo.epoch;
   if (w.memory == Memory::Device) {
     DeviceScope scope(*device, stream, true, call);
+    halo.device_plan->begin(stream, scope.capturing(), call);
     // Unmapped neighbours first: each transfer ends before the stream moves on, so their
     // data and signals are out before this rank's kernel waits for its own halos.
     for (const HaloRegion& r : halo.transport_sends) {

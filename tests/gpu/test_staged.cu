@@ -471,6 +471,61 @@ int open_fds() {
 // 1,000 window alloc/free cycles (each attaches the peers' parts for the staged route; every
 // tenth moves data) and 20 Comm lifetimes (each makes and drops the node's pool): open
 // descriptors and free GPU memory come back to where they were.
+// Every rank puts to both neighbours at once and then gets from one, with chunks of 16 KiB:
+// thousands of chunks per transfer in both directions of every pair. Through the channel
+// (MESHMEM_STAGING_CHANNELS=always, or isolation) the agents carry each other's chunks while
+// they wait for their own slots; nothing may stall, and every byte arrives.
+TEST_F(Staged, BothWaysWithThousandsOfChunksEachNothingStalls) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  comm.reset();
+  Options o = Options::from_environment();
+  o.set("MESHMEM_TRANSPORTS", "staged,shm,mpi");
+  o.set("MESHMEM_STAGING_CHUNK", "16384");
+  Comm c(MPI_COMM_WORLD, o);
+  const std::size_t bytes = (std::size_t(64) << 20) + 4099;  // 4,097 chunks
+  Window win = c.alloc(2 * bytes);
+  Signals sig = c.alloc_signals(2);
+  cudaStream_t s2 = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  void *to_right = nullptr, *to_left = nullptr, *back = nullptr;
+  CUDA_OK(cudaMalloc(&to_right, bytes));
+  CUDA_OK(cudaMalloc(&to_left, bytes));
+  CUDA_OK(cudaMalloc(&back, bytes));
+  const auto mine_right = pattern(seed, key(bytes, me, 3), bytes);
+  const auto mine_left = pattern(seed, key(bytes, me, 4), bytes);
+  CUDA_OK(cudaMemcpy(to_right, mine_right.data(), bytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(to_left, mine_left.data(), bytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(win.local(), kPoison, 2 * bytes));
+  CUDA_OK(cudaMemset(back, kPoison, bytes));
+  CUDA_OK(cudaDeviceSynchronize());
+  c.barrier();
+  // Into the right neighbour's first half (signal 0), the left neighbour's second half (signal 1).
+  c.put_signal(win, right, 0, to_right, bytes, sig, 0, 1, SignalOp::Set, s);
+  c.put_signal(win, left, bytes, to_left, bytes, sig, 1, 1, SignalOp::Set, s2);
+  c.wait_until(sig, 0, Cmp::GE, 1, s);
+  c.wait_until(sig, 1, Cmp::GE, 1, s);
+  CUDA_OK(cudaStreamSynchronize(s));
+  CUDA_OK(cudaStreamSynchronize(s2));
+  std::vector<unsigned char> got(2 * bytes);
+  CUDA_OK(cudaMemcpy(got.data(), win.local(), got.size(), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(first_difference(got.data(), pattern(seed, key(bytes, left, 3), bytes).data(), bytes), -1)
+      << "the first half, from rank " << left;
+  EXPECT_EQ(first_difference(got.data() + bytes, pattern(seed, key(bytes, right, 4), bytes).data(), bytes), -1)
+      << "the second half, from rank " << right;
+  c.barrier();
+  // Both directions again, as gets: this rank's put to the right comes back from there.
+  c.get(back, win, right, 0, bytes, s);
+  CUDA_OK(cudaStreamSynchronize(s));
+  std::vector<unsigned char> fetched(bytes);
+  CUDA_OK(cudaMemcpy(fetched.data(), back, bytes, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(first_difference(fetched.data(), mine_right.data(), bytes), -1) << "get from rank " << right;
+  c.barrier();
+  cudaFree(to_right);
+  cudaFree(to_left);
+  cudaFree(back);
+  cudaStreamDestroy(s2);
+}
+
 TEST_F(Staged, AllocFreeAndCommCyclesReturnToBaseline) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   void* src = nullptr;

@@ -74,8 +74,8 @@ class KernelHaloPlan final : public DeviceHaloPlan {
     sync_.epoch = static_cast<std::uint64_t*>(p);
     sync_.arrived = reinterpret_cast<unsigned*>(static_cast<std::uint64_t*>(p) + 1);
   }
+  void begin(Stream stream, bool capturing, const char* call) override { sequence_.before(stream, capturing, call, rank_); }
   void run(Stream stream, bool copy, bool capturing, const char* call) override {
-    sequence_.before(stream, capturing, call, rank_);
     const cudaError_t rc = cuda::launch_halo(copy ? table_ : nullptr, copy ? count_ : 0, largest_, sync_, limit_, stream,
                                              early_);
     if (rc != cudaSuccess) ipc::check_cuda(rc, "halo exchange kernel launch", std::string(call) + " on rank " + std::to_string(rank_));

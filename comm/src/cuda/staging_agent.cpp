@@ -81,7 +81,7 @@ StagingAgent::StagingAgent(Setup setup)
   next_post_.assign(setup.node_ranks.size(), 0);
   seen_.assign(setup.node_ranks.size(), 0);
   failed_seen_.assign(setup.node_ranks.size(), 0);
-  waited_.assign(setup.node_ranks.size(), 0);
+  outgoing_.resize(setup.node_ranks.size());
   refused_.assign(setup.node_ranks.size(), false);
   broken_.assign(setup.node_ranks.size(), false);
   for (int d : setup.devices) {
@@ -202,36 +202,44 @@ void StagingAgent::add_window(std::uint64_t id, void* local, std::size_t bytes) 
 }
 
 void StagingAgent::remove_window(std::uint64_t id) {
-  cudaEvent_t enqueued = nullptr;
+  // Chunks from hidden peers (incoming stream) and answers to their gets (this GPU's lane) are
+  // enqueued under this lock: none is being enqueued into or from the window now, and none
+  // will be. What was enqueued before is behind an event on each of those streams.
+  std::vector<cudaEvent_t> enqueued;
   {
-    // Chunks are carried out under this lock: none is being enqueued into the window now, and
-    // none will be. What was enqueued before is behind an event on the incoming stream.
     std::lock_guard<std::mutex> lock(windows_m_);
     windows_.erase(id);
     if (incoming_ == nullptr) return;
     CurrentDevice current(device_);
-    if (cudaEventCreateWithFlags(&enqueued, cudaEventDisableTiming) != cudaSuccess ||
-        cudaEventRecord(enqueued, incoming_) != cudaSuccess) {
-      (void)cudaGetLastError();
-      if (enqueued) (void)cudaEventDestroy(enqueued);
-      enqueued = nullptr;
+    for (cudaStream_t stream : {incoming_, lanes_.at(device_).stream}) {
+      cudaEvent_t e = nullptr;
+      if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess || cudaEventRecord(e, stream) != cudaSuccess) {
+        (void)cudaGetLastError();
+        if (e) (void)cudaEventDestroy(e);
+        e = nullptr;
+      }
+      enqueued.push_back(e);
     }
   }
   // Those copies end before the window's memory goes (bounded), whatever else is in flight.
   Deadline deadline(timeout_);
   Backoff backoff;
-  bool ended = enqueued != nullptr;
-  while (ended && cudaEventQuery(enqueued) == cudaErrorNotReady) {
-    if (deadline.expired()) {
-      ended = false;
-      break;
+  bool ended = true;
+  for (cudaEvent_t e : enqueued) {
+    if (e == nullptr) ended = false;
+    while (ended && e != nullptr && cudaEventQuery(e) == cudaErrorNotReady) {
+      if (deadline.expired()) {
+        ended = false;
+        break;
+      }
+      backoff.pause();
     }
-    backoff.pause();
   }
   (void)cudaGetLastError();
-  if (enqueued) (void)cudaEventDestroy(enqueued);
+  for (cudaEvent_t e : enqueued)
+    if (e) (void)cudaEventDestroy(e);
   if (!ended)
-    log(LogLevel::Error, "staged transport on rank " + std::to_string(rank_) + ": copies from hidden peers into window #" +
+    log(LogLevel::Error, "staged transport on rank " + std::to_string(rank_) + ": copies between hidden peers and window #" +
                              std::to_string(id) + " did not end before it was freed");
 }
 
@@ -261,7 +269,7 @@ bool StagingAgent::drain() noexcept {
   const auto deadline = std::chrono::steady_clock::now() + (timeout_.count() == 0 ? std::chrono::hours(24 * 365) : timeout_);
   {
     std::unique_lock<std::mutex> lock(m_);
-    if (!cv_.wait_until(lock, deadline, [&] { return handled_ == submitted_ || stop_; })) return false;
+    if (!cv_.wait_until(lock, deadline, [&] { return (handled_ == submitted_ && answers_ == 0) || stop_; })) return false;
   }
   Backoff backoff;
   auto idle = [&](cudaStream_t stream, int device) {
@@ -311,21 +319,28 @@ void StagingAgent::run() {
   (void)cudaThreadExchangeStreamCaptureMode(&mode);
   tighten_timer_slack();
   std::list<StagedRequest> waiting;  // handed over; sources not known to be ready yet
-  // While some source is not ready: at most 20 us between polls, so a transfer starts at most
-  // that late after the kernel before it.
+  // While some source is not ready or some transfer waits for a slot: at most 20 us between
+  // polls, so a transfer starts (or goes on) at most that late.
   Backoff backoff(std::chrono::microseconds(20));
-  auto last_work = std::chrono::steady_clock::now();
+  auto last_work = Clock::now();
+  auto busy = [&] {
+    if (!waiting.empty() || !visible_.empty()) return true;
+    for (const auto& q : outgoing_)
+      if (!q.empty()) return true;
+    return false;
+  };
   for (;;) {
+    const bool working = busy();
     {
       std::unique_lock<std::mutex> lock(m_);
       auto woken = [&] { return stop_ || !queue_.empty(); };
-      if (waiting.empty() && hidden_.empty()) {
+      if (!working && hidden_.empty()) {
         cv_.wait(lock, woken);
-      } else if (waiting.empty()) {
+      } else if (!working) {
         // Hidden peers may post chunks at any time: poll, yielding for 100 us after recent work
         // (the next chunk of a transfer is near), then every 20 us, and every 200 us after 2 ms
         // without work (a first chunk after a quiet spell starts up to that late).
-        const auto quiet = std::chrono::steady_clock::now() - last_work;
+        const auto quiet = Clock::now() - last_work;
         if (quiet < std::chrono::microseconds(100)) {
           lock.unlock();
           std::this_thread::yield();
@@ -340,22 +355,24 @@ void StagingAgent::run() {
         waiting.push_back(queue_.front());
         queue_.pop_front();
       }
-      // Stopping: after drain (bounded) gave up on sources that never became ready, their
-      // callers' waits time out; chunks hidden peers still post are not carried out.
+      // Stopping: after drain (bounded) gave up on sources that never became ready (or on
+      // transfers that found no slot), their callers' waits time out; chunks hidden peers
+      // still post are not carried out.
       if (stop_ && waiting.empty()) return;
     }
     const bool started = start_ready(waiting);
     const bool carried = poll_incoming();
-    if (started || carried) {
+    const bool pumped = pump();
+    if (started || carried || pumped) {
       backoff.reset();
-      last_work = std::chrono::steady_clock::now();
+      last_work = Clock::now();
       continue;
     }
     {
       std::lock_guard<std::mutex> lock(m_);
       if (stop_) return;
     }
-    if (!waiting.empty()) backoff.pause();
+    if (busy()) backoff.pause();
   }
 }
 
@@ -375,21 +392,24 @@ bool StagingAgent::start_ready(std::list<StagedRequest>& waiting) {
       (void)cudaGetLastError();
       fail(r, "staged transfer of rank " + std::to_string(rank_) + ": cudaEventQuery on the caller's stream failed: " +
                   cudaGetErrorString(rc));
+      ended(false);
     } else {
-      try {
-        execute(r);
-      } catch (const std::exception& e) {
-        fail(r, e.what());
-      }
+      execute(r);
     }
-    {
-      std::lock_guard<std::mutex> lock(m_);
-      ++handled_;
-    }
-    cv_.notify_all();
     any = true;
   }
   return any;
+}
+
+void StagingAgent::ended(bool answer) {
+  {
+    std::lock_guard<std::mutex> lock(m_);
+    if (answer)
+      --answers_;
+    else
+      ++handled_;
+  }
+  cv_.notify_all();
 }
 
 // A transfer that could not be enqueued: the error goes to the caller's next call, and its
@@ -405,97 +425,157 @@ void StagingAgent::fail(const StagedRequest& r, const std::string& message) {
   if (r.word_is_lent) release_word(r.word);
 }
 
+// Its source is ready: the transfer joins the visible transfers or its hidden peer's channel
+// queue, and pump() cuts it into pieces as slots free up.
 void StagingAgent::execute(const StagedRequest& r) {
-  const std::string what = "staged transfer " + std::to_string(r.ticket) + " of rank " + std::to_string(rank_) +
-                           " with rank " + std::to_string(r.peer);
   if (r.route == StagedRequest::Route::Visible) {
-    execute_visible(r);
+    visible_.push_back(VisibleTransfer{r, PieceCursor(r.width, r.rows, chunk_), Clock::now()});
     return;
   }
+  Outgoing o;
+  o.reader = r.peer;
+  o.width = r.width;
+  o.rows = r.rows;
+  o.src_pitch = r.src_pitch;
+  o.dst_pitch = r.dst_pitch;
+  o.window = r.window;
+  o.done_rank = rank_;
+  o.done_word = r.word;
+  o.ticket = r.ticket;
+  o.moved = Clock::now();
+  o.what = "staged transfer " + std::to_string(r.ticket) + " of rank " + std::to_string(rank_) + " with rank " +
+           std::to_string(r.peer);
   if (r.route == StagedRequest::Route::ToHidden) {
-    Outgoing o;
-    o.reader = r.peer;
-    o.src = static_cast<const char*>(r.src);
-    o.width = r.width;
-    o.rows = r.rows;
-    o.src_pitch = r.src_pitch;
-    o.dst_pitch = r.dst_pitch;
-    o.window = r.window;
+    o.src = reinterpret_cast<std::uint64_t>(r.src);
     o.dst = r.offset;
     o.signal_window = r.signal_window;
     o.signal_index = r.signal_index;
     o.value = r.value;
     o.op = r.op;
-    o.done_rank = rank_;
-    o.done_word = r.word;
-    o.ticket = r.ticket;
-    send_to_hidden(o, what);
+    // A source in pageable host memory: cudaMemcpyAsync from it returns only once the lane's
+    // earlier work is done, holding this thread; such chunks are copied by this thread into
+    // slots the host sees free.
+    if (r.width > 0) {
+      cudaPointerAttributes attributes{};
+      o.host_source = cudaPointerGetAttributes(&attributes, r.src) != cudaSuccess ||
+                      attributes.type == cudaMemoryTypeUnregistered;
+      (void)cudaGetLastError();
+    }
+    o.pieces = PieceCursor(o.width, o.rows, chunk_);
   } else {  // FromHidden: the peer's agent answers with chunks of its window
-    Descriptor d;
-    d.control = Descriptor::kGet;
-    d.width = r.width;
-    d.rows = r.rows;
-    d.window = r.window;
-    d.src_offset = r.offset;
-    d.src_pitch = r.src_pitch;
-    d.dst = reinterpret_cast<std::uint64_t>(r.dst);
-    d.dst_pitch = r.dst_pitch;
-    d.done_rank = static_cast<std::uint64_t>(rank_);
-    d.done_word = r.word;
-    d.ticket = r.ticket;
-    CurrentDevice current(device_);
-    post(r.peer, d, what);
+    o.get_request = true;
+    o.src = r.offset;  // in the peer's window `window`
+    o.dst = reinterpret_cast<std::uint64_t>(r.dst);
   }
   if (r.word_is_lent) {
     std::lock_guard<std::mutex> lock(m_);
     remote_lent_.push_back(RemoteEnd{r.done, r.ticket, r.word});
   }
+  outgoing_[local_index(r.peer)].push_back(std::move(o));
 }
 
-// Both GPUs visible here: chunks through this rank's slots, device-to-host on the source
-// GPU's lane, host-to-device on the target's.
-void StagingAgent::execute_visible(const StagedRequest& r) {
-  const std::string what = "staged transfer " + std::to_string(r.ticket) + " of rank " + std::to_string(rank_);
-  Lane& from = lanes_.at(r.src_device);
-  Lane& to = lanes_.at(r.dst_device);
-  // Pieces of at most a chunk: whole rows where a row fits (packed in the slot), otherwise
-  // a chunk of one row.
-  const std::size_t rows_per = r.width == 0 ? 1 : r.width <= chunk_ ? chunk_ / r.width : 1;
-  const std::size_t cut = r.width <= chunk_ ? r.width : chunk_;
-  for (std::size_t row = 0; row < r.rows && r.width > 0; row += rows_per) {
-    const std::size_t rows = std::min(rows_per, r.rows - row);
-    for (std::size_t col = 0; col < r.width; col += cut) {
-      const std::size_t width = std::min(cut, r.width - col);
-      const char* src = static_cast<const char*>(r.src) + row * r.src_pitch + col;
-      char* dst = static_cast<char*>(r.dst) + row * r.dst_pitch + col;
-      const std::size_t s = next_slot_;
-      next_slot_ = (next_slot_ + 1) % static_cast<std::size_t>(nslots_);
-      char* slot = slots_ + s * chunk_;
-      {
-        CurrentDevice current(r.src_device);
-        wait_slot(s, from, r.src_device, what);
-        ipc::check_cuda(copy_rows(slot, width, src, r.src_pitch, width, rows, from.stream),
-                        "cudaMemcpyAsync (to the staging slot)", what);
-        ipc::check_cuda(cudaEventRecord(from.copied[s], from.stream), "cudaEventRecord", what);
+// Enqueues what it can: pieces of the oldest visible transfer, and of the oldest outgoing
+// transfer of each hidden reader, while slots (and ring entries) are free; true if anything
+// moved. A transfer that finds none stays, and fails once nothing moved for MESHMEM_TIMEOUT.
+bool StagingAgent::pump() {
+  bool any = false;
+  while (!visible_.empty()) {
+    VisibleTransfer& t = visible_.front();
+    const StagedRequest& r = t.request;
+    const std::string what = "staged transfer " + std::to_string(r.ticket) + " of rank " + std::to_string(rank_);
+    bool moved = false;
+    bool left = false;
+    try {
+      std::size_t s = 0;
+      while (!t.pieces.done() && take_slot(false, &s)) {
+        enqueue_visible_piece(r, t.pieces.current(), s, what);
+        t.pieces.advance();
+        moved = true;
       }
-      CurrentDevice current(r.dst_device);
-      ipc::check_cuda(cudaStreamWaitEvent(to.stream, from.copied[s], 0), "cudaStreamWaitEvent", what);
-      ipc::check_cuda(copy_rows(dst, r.dst_pitch, slot, width, width, rows, to.stream),
-                      "cudaMemcpyAsync (from the staging slot)", what);
-      ipc::check_cuda(cudaEventRecord(to.freed[s], to.stream), "cudaEventRecord", what);
-      slot_use_[s] = SlotUse{to.freed[s], -1, 0};
+      if (t.pieces.done()) {
+        end_visible(r, true, what);
+        left = true;
+      }
+    } catch (const std::exception& e) {
+      abandon_visible(r, e.what());
+      left = true;
+    }
+    if (moved) t.moved = Clock::now();
+    if (!left && stalled(t.moved)) {
+      abandon_visible(r, what + ": no staging slot came free within " + describe_timeout(timeout_) + " (" +
+                             slot_holders() + ")");
+      left = true;
+    }
+    any = any || moved || left;
+    if (!left) break;
+    visible_.pop_front();
+    ended(false);
+  }
+  for (auto& queue : outgoing_) {
+    while (!queue.empty()) {
+      Outgoing& o = queue.front();
+      bool moved = false;
+      bool left = false;
+      try {
+        left = advance_outgoing(o, &moved);
+      } catch (const std::exception& e) {
+        abandon_outgoing(o, e.what());
+        left = true;
+      }
+      if (moved) o.moved = Clock::now();
+      if (!left && stalled(o.moved)) {
+        abandon_outgoing(o, o.what + ": rank " + std::to_string(o.reader) + " took nothing from this rank's channel within " +
+                                describe_timeout(timeout_) + " (" + slot_holders() + ")");
+        left = true;
+      }
+      any = any || moved || left;
+      if (!left) break;
+      const bool answer = o.answer;
+      queue.pop_front();
+      ended(answer);
     }
   }
+  return any;
+}
+
+// One piece of a visible transfer through slot `s`: device-to-host on the source GPU's lane,
+// host-to-device on the target's.
+void StagingAgent::enqueue_visible_piece(const StagedRequest& r, const PieceCursor::Piece& p, std::size_t s,
+                                         const std::string& what) {
+  Lane& from = lanes_.at(r.src_device);
+  Lane& to = lanes_.at(r.dst_device);
+  const char* src = static_cast<const char*>(r.src) + p.row * r.src_pitch + p.col;
+  char* dst = static_cast<char*>(r.dst) + p.row * r.dst_pitch + p.col;
+  char* slot = slots_ + s * chunk_;
+  {
+    CurrentDevice current(r.src_device);
+    if (slot_use_[s].event != nullptr)
+      ipc::check_cuda(cudaStreamWaitEvent(from.stream, slot_use_[s].event, 0), "cudaStreamWaitEvent", what);
+    ipc::check_cuda(copy_rows(slot, p.width, src, r.src_pitch, p.width, p.rows, from.stream),
+                    "cudaMemcpyAsync (to the staging slot)", what);
+    ipc::check_cuda(cudaEventRecord(from.copied[s], from.stream), "cudaEventRecord", what);
+  }
+  CurrentDevice current(r.dst_device);
+  ipc::check_cuda(cudaStreamWaitEvent(to.stream, from.copied[s], 0), "cudaStreamWaitEvent", what);
+  ipc::check_cuda(copy_rows(dst, r.dst_pitch, slot, p.width, p.width, p.rows, to.stream),
+                  "cudaMemcpyAsync (from the staging slot)", what);
+  ipc::check_cuda(cudaEventRecord(to.freed[s], to.stream), "cudaEventRecord", what);
+  slot_use_[s] = SlotUse{to.freed[s], -1, 0};
+}
+
+// After a visible transfer's last piece (on the target's lane): its signal (unless it is
+// abandoned), its done word, which the caller's stream waits for, then the lane's counter
+// (the host takes the word back once it passed).
+void StagingAgent::end_visible(const StagedRequest& r, bool signal, const std::string& what) {
+  Lane& to = lanes_.at(r.dst_device);
   CurrentDevice current(r.dst_device);
   std::vector<CUstreamBatchMemOpParams> ops;
-  if (r.signal != nullptr && r.op == SignalOp::Add) {
+  if (signal && r.signal != nullptr && r.op == SignalOp::Add) {
     ipc::check_cuda(cuda::launch_copy(nullptr, nullptr, 0, r.signal, r.value, r.op, to.stream, false),
                     "signal kernel launch", what);
-  } else if (r.signal != nullptr) {
+  } else if (signal && r.signal != nullptr) {
     ops.push_back(write_op(r.signal, r.value));  // fenced: the data lands first
   }
-  // The transfer's done word (the caller's stream waits for it), then the lane's counter
-  // (the host takes the word back once it passed).
   ops.push_back(write_op(r.done, r.ticket));
   ops.push_back(write_op(control_.lane_done(to.ordinal), to.ended + 1));
   run_stream_batch(ops, to.stream, "staged transfer", rank_);
@@ -504,147 +584,167 @@ void StagingAgent::execute_visible(const StagedRequest& r) {
   if (r.word_is_lent) to.lent.emplace_back(to.ended, r.word);
 }
 
-// Before slot `s` is written again on `lane` (of `device`): the copy out of it is done (an
-// event), or its hidden reader consumed it (a count, waited for on this rank's GPU).
-void StagingAgent::wait_slot(std::size_t s, Lane& lane, int device, const std::string& what) {
-  const SlotUse& use = slot_use_[s];
-  if (use.event != nullptr) {
-    ipc::check_cuda(cudaStreamWaitEvent(lane.stream, use.event, 0), "cudaStreamWaitEvent", what);
-    return;
+// A visible transfer that cannot go on: no signal; its done word ends it after the pieces
+// already enqueued (or at once, from the host, if even that fails); the error goes to the
+// caller's next call.
+void StagingAgent::abandon_visible(const StagedRequest& r, const std::string& message) {
+  log(LogLevel::Error, message);
+  {
+    std::lock_guard<std::mutex> lock(m_);
+    if (error_.empty()) error_ = message;
   }
-  if (use.reader < 0) return;
-  Lane& own = lanes_.at(device_);
-  if (device == device_) {
-    wait_consumed(use.reader, use.sequence, lane.stream, what);
-    return;
+  try {
+    end_visible(r, false, message);
+  } catch (const std::exception& e) {
+    fail(r, e.what());
   }
-  // Another GPU's lane: the wait runs on this rank's GPU and hands over through an event.
+}
+
+// Posts what it can of `o` on its channel; true once all of it is posted (the last
+// descriptor carries the signal and the done word).
+bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
   CurrentDevice current(device_);
-  wait_consumed(use.reader, use.sequence, own.stream, what);
-  ipc::check_cuda(cudaEventRecord(own.freed[s], own.stream), "cudaEventRecord", what);
-  CurrentDevice back(device);
-  ipc::check_cuda(cudaStreamWaitEvent(lane.stream, own.freed[s], 0), "cudaStreamWaitEvent", what);
-}
-
-// Waits on this thread until slot `s` is free (its copy out ended, or its hidden reader
-// consumed it), taking hidden peers' chunks meanwhile (their gets wait: answering one would
-// reuse slots); bounded by MESHMEM_TIMEOUT.
-void StagingAgent::wait_slot_on_host(std::size_t s, const std::string& what) {
-  const SlotUse use = slot_use_[s];
-  Deadline deadline(timeout_);
-  Backoff backoff(std::chrono::microseconds(20));
-  for (;;) {
-    bool free = true;
-    if (use.event != nullptr) {
-      const cudaError_t rc = cudaEventQuery(use.event);
-      free = rc != cudaErrorNotReady;
-      if (rc != cudaSuccess) (void)cudaGetLastError();
-    } else if (use.reader >= 0) {
-      free = __atomic_load_n(control_of(use.reader).consumed(local_index(rank_)), __ATOMIC_ACQUIRE) >= use.sequence;
-    }
-    if (free) return;
-    if (deadline.expired())
-      throw Error(ErrorCode::Timeout, what + ": staging slot " + std::to_string(s) + " was not free within " +
-                                          describe_timeout(timeout_) +
-                                          (use.reader >= 0 ? " (rank " + std::to_string(use.reader) + " did not take it)" : ""));
-    if (!poll_incoming(false)) backoff.pause();
-  }
-}
-
-// `stream` (of this rank's GPU) waits until `reader` consumed `count` descriptors of this
-// rank: a one-thread kernel polling the count in the reader's region, timing out like every
-// device wait and naming the reader. Nothing is enqueued when the host already sees it.
-void StagingAgent::wait_consumed(int reader, std::uint64_t count, cudaStream_t stream, const std::string& what) {
-  const std::uint64_t* consumed = control_of(reader).consumed(local_index(rank_));
-  if (__atomic_load_n(consumed, __ATOMIC_ACQUIRE) >= count) return;
-  // This GPU's lane already waits for as much or more: everything after that wait sees it.
-  const bool own = stream == lanes_.at(device_).stream;
-  std::uint64_t& waited = waited_[local_index(reader)];
-  if (own && waited >= count) return;
-  ipc::check_cuda(cuda::launch_transfer_wait(consumed, count, nullptr, reader, limit_, stream, false),
-                  "transfer wait kernel launch (a hidden peer's consumed count)", what);
-  if (own) waited = count;
-}
-
-// Chunks of `o` to its hidden reader: each copied into a slot on this rank's GPU, then
-// described on the channel; the last one carries the signal and the done word.
-void StagingAgent::send_to_hidden(const Outgoing& o, const std::string& what) {
-  CurrentDevice current(device_);
-  Lane& own = lanes_.at(device_);
   Descriptor d;
   d.window = o.window;
+  d.dst = o.dst;
   d.dst_pitch = o.dst_pitch;
-  d.signal_window = o.signal_window;
-  d.signal_index = o.signal_index;
-  d.value = o.value;
   d.done_rank = static_cast<std::uint64_t>(o.done_rank);
   d.done_word = o.done_word;
   d.ticket = o.ticket;
+  if (o.get_request) {
+    if (!ring_has_room(o.reader)) return false;
+    d.control = Descriptor::kGet;
+    d.width = o.width;
+    d.rows = o.rows;
+    d.src_offset = o.src;
+    d.src_pitch = o.src_pitch;
+    post(o.reader, d);
+    *moved = true;
+    return true;
+  }
+  d.signal_window = o.signal_window;
+  d.signal_index = o.signal_index;
+  d.value = o.value;
   const std::uint64_t chunk = Descriptor::kChunk | static_cast<std::uint64_t>(o.op) << 16;
-  const std::size_t width = o.src == nullptr ? 0 : o.width;
-  const std::size_t rows_per = width == 0 ? 1 : width <= chunk_ ? chunk_ / width : 1;
-  const std::size_t cut = width <= chunk_ ? width : chunk_;
-  // A source in pageable host memory: cudaMemcpyAsync from it returns only once the stream's
-  // earlier work is done, and that work may wait for the peer's consumed count, whose agent
-  // may be stuck the same way (two ranks putting to each other from host buffers hung so).
-  // Such chunks are copied by this thread once the host sees the slot free.
-  bool host_source = false;
-  if (width > 0) {
-    cudaPointerAttributes attributes{};
-    host_source = cudaPointerGetAttributes(&attributes, o.src) != cudaSuccess ||
-                  attributes.type == cudaMemoryTypeUnregistered;
-    (void)cudaGetLastError();
-  }
-  bool sent = false;
-  for (std::size_t row = 0; row < o.rows && width > 0; row += rows_per) {
-    const std::size_t rows = std::min(rows_per, o.rows - row);
-    for (std::size_t col = 0; col < width; col += cut) {
-      const std::size_t piece = std::min(cut, width - col);
-      const std::size_t s = next_slot_;
-      next_slot_ = (next_slot_ + 1) % static_cast<std::size_t>(nslots_);
-      char* slot = slots_ + s * chunk_;
-      const char* from = o.src + row * o.src_pitch + col;
-      if (host_source) {
-        wait_slot_on_host(s, what);
-        for (std::size_t r = 0; r < rows; ++r) std::memcpy(slot + r * piece, from + r * o.src_pitch, piece);
-        std::atomic_thread_fence(std::memory_order_seq_cst);  // before the post that the reader's copy follows
-      } else {
-        wait_slot(s, own, device_, what);
-        ipc::check_cuda(copy_rows(slot, piece, from, o.src_pitch, piece, rows, own.stream),
-                        "cudaMemcpyAsync (to the staging slot)", what);
-      }
-      d.slot_offset = s * chunk_;
-      d.width = piece;
-      d.rows = rows;
-      d.dst = o.dst + row * o.dst_pitch + col;
-      sent = row + rows >= o.rows && col + piece >= width;
-      d.control = chunk | (sent ? Descriptor::kLast : 0);
-      slot_use_[s] = SlotUse{nullptr, o.reader, post(o.reader, d, what)};
-    }
-  }
-  if (!sent) {  // nothing to copy: a descriptor with the signal and the done word alone
+  Lane& own = lanes_.at(device_);
+  if (o.width == 0 || o.rows == 0) {  // nothing to copy: a descriptor with the signal and the done word alone
+    if (!ring_has_room(o.reader)) return false;
     d.width = 0;
     d.rows = 1;
-    d.dst = o.dst;
     d.control = chunk | Descriptor::kLast;
-    post(o.reader, d, what);
+    post(o.reader, d);
+    *moved = true;
+    return true;
   }
+  std::size_t s = 0;
+  while (!o.pieces.done() && ring_has_room(o.reader) && take_slot(o.host_source, &s)) {
+    const PieceCursor::Piece p = o.pieces.current();
+    char* slot = slots_ + s * chunk_;
+    {
+      // A window of this rank (an answer) stays allocated while its copy is enqueued;
+      // remove_window waits for what was enqueued from it.
+      std::lock_guard<std::mutex> windows(windows_m_);
+      std::string problem;
+      const auto* from = static_cast<const char*>(resolve(o.src_window, o.src + p.row * o.src_pitch + p.col, p.width,
+                                                          p.rows, o.src_pitch, &problem));
+      if (from == nullptr) throw Error(ErrorCode::InvalidArgument, o.what + ": " + problem);
+      if (o.host_source) {
+        for (std::size_t r = 0; r < p.rows; ++r) std::memcpy(slot + r * p.width, from + r * o.src_pitch, p.width);
+        std::atomic_thread_fence(std::memory_order_seq_cst);  // before the post that the reader's copy follows
+      } else {
+        if (slot_use_[s].event != nullptr)
+          ipc::check_cuda(cudaStreamWaitEvent(own.stream, slot_use_[s].event, 0), "cudaStreamWaitEvent", o.what);
+        ipc::check_cuda(copy_rows(slot, p.width, from, o.src_pitch, p.width, p.rows, own.stream),
+                        "cudaMemcpyAsync (to the staging slot)", o.what);
+      }
+    }
+    d.slot_offset = s * chunk_;
+    d.width = p.width;
+    d.rows = p.rows;
+    d.dst = o.dst + p.row * o.dst_pitch + p.col;
+    d.control = chunk | (p.last ? Descriptor::kLast : 0);
+    slot_use_[s] = SlotUse{nullptr, o.reader, post(o.reader, d)};
+    o.pieces.advance();
+    *moved = true;
+  }
+  return o.pieces.done();
+}
+
+// An outgoing transfer that cannot go on: nothing more of it is posted, its done word is set
+// from the host (the reader never sees its last descriptor), and the error goes to whoever
+// initiated it: this rank's next call, or (an answer) the reader's, through the failed count.
+void StagingAgent::abandon_outgoing(const Outgoing& o, const std::string& message) {
+  log(LogLevel::Error, message);
+  if (o.answer) {
+    __atomic_add_fetch(control_.failed(local_index(o.reader)), 1, __ATOMIC_RELEASE);
+  } else {
+    std::lock_guard<std::mutex> lock(m_);
+    if (error_.empty()) error_ = message;
+  }
+  __atomic_store_n(control_of(o.done_rank).transfer(o.done_word), o.ticket, __ATOMIC_RELEASE);
+}
+
+// A slot that may be written now, the next in turn first: one a hidden reader consumed (as
+// the host sees), or one whose last copy out was a visible transfer's (its event: waited for
+// on the GPU, or, `on_host`, seen done). False if none.
+bool StagingAgent::take_slot(bool on_host, std::size_t* s) {
+  const auto n = static_cast<std::size_t>(nslots_);
+  for (std::size_t k = 0; k < n; ++k) {
+    const std::size_t i = (next_slot_ + k) % n;
+    const SlotUse& use = slot_use_[i];
+    bool usable = true;
+    if (use.reader >= 0) {
+      usable = consumed_by(use.reader) >= use.sequence;
+    } else if (use.event != nullptr && on_host) {
+      const cudaError_t rc = cudaEventQuery(use.event);
+      usable = rc != cudaErrorNotReady;
+      if (rc != cudaSuccess && rc != cudaErrorNotReady) (void)cudaGetLastError();
+    }
+    if (usable) {
+      *s = i;
+      next_slot_ = (i + 1) % n;
+      return true;
+    }
+  }
+  return false;
+}
+
+// Which hidden readers hold this rank's slots, for a timeout's message.
+std::string StagingAgent::slot_holders() const {
+  std::map<int, int> held;
+  for (const SlotUse& use : slot_use_)
+    if (use.reader >= 0 && consumed_by(use.reader) < use.sequence) ++held[use.reader];
+  if (held.empty()) return "no hidden peer holds a slot of this rank";
+  std::string s;
+  for (const auto& [reader, count] : held)
+    s += (s.empty() ? "" : ", ") + std::to_string(count) + " slot(s) not yet taken by rank " + std::to_string(reader);
+  return s;
+}
+
+std::uint64_t StagingAgent::consumed_by(int reader) const {
+  return __atomic_load_n(control_of(reader).consumed(local_index(rank_)), __ATOMIC_ACQUIRE);
+}
+
+// The channel to `reader` has an entry free: the one posted kRing entries ago was consumed.
+bool StagingAgent::ring_has_room(int reader) const {
+  const std::uint64_t n = next_post_[local_index(reader)] + 1;
+  return n <= ControlWords::kRing || consumed_by(reader) >= n - ControlWords::kRing;
 }
 
 // Writes descriptor `d` into the next entry of the channel to `reader` and then the posted
 // count, both from this rank's GPU (after the copies before them on its lane); returns its
-// number. Waits (on the GPU) for the entry to be free.
-std::uint64_t StagingAgent::post(int reader, Descriptor d, const std::string& what) {
+// number. The caller saw the entry free (ring_has_room).
+std::uint64_t StagingAgent::post(int reader, Descriptor d) {
   static_assert(sizeof(Descriptor) == ControlWords::kDescriptorWords * sizeof(std::uint64_t),
                 "a descriptor fills its ring entry");
   Lane& own = lanes_.at(device_);
   const std::size_t to = local_index(reader);
   const std::uint64_t n = next_post_[to] + 1;
-  if (n > ControlWords::kRing) wait_consumed(reader, n - ControlWords::kRing, own.stream, what);
   d.sequence = n;
   std::uint64_t* entry = control_.ring(to) + ((n - 1) % ControlWords::kRing) * ControlWords::kDescriptorWords;
   const auto* words = reinterpret_cast<const std::uint64_t*>(&d);
   std::vector<CUstreamBatchMemOpParams> ops;
+  ops.reserve(ControlWords::kDescriptorWords + 1);
   for (std::size_t i = 0; i < ControlWords::kDescriptorWords; ++i) ops.push_back(write_op(entry + i, words[i]));
   ops.push_back(write_op(control_.posted(to), n));
   run_stream_batch(ops, own.stream, "staged transfer (channel post)", rank_);
@@ -653,7 +753,7 @@ std::uint64_t StagingAgent::post(int reader, Descriptor d, const std::string& wh
 }
 
 // Takes every descriptor hidden peers posted here since the last look; true if any.
-bool StagingAgent::poll_incoming(bool answer_gets) {
+bool StagingAgent::poll_incoming() {
   bool any = false;
   const std::size_t me = local_index(rank_);
   for (int writer : hidden_) {
@@ -668,17 +768,15 @@ bool StagingAgent::poll_incoming(bool answer_gets) {
           theirs.ring(me) + ((n - 1) % ControlWords::kRing) * ControlWords::kDescriptorWords;
       auto* words = reinterpret_cast<std::uint64_t*>(&d);
       for (std::size_t i = 0; i < ControlWords::kDescriptorWords; ++i) words[i] = entry[i];
-      if (!answer_gets && d.kind() == Descriptor::kGet) break;  // left for later
       seen_[from] = n;
       any = true;
       if (d.sequence != n) {
-        // Overwritten or stale (the writer's guard wait timed out): nothing of this channel
-        // can be trusted any more. Its transfers' waits time out on the writer's side.
+        // Stale or overwritten: nothing of this channel can be trusted any more. Its
+        // transfers' waits time out on the writer's side.
         broken_[from] = true;
         log(LogLevel::Error, "staged transport on rank " + std::to_string(rank_) + ": the channel from rank " +
                                  std::to_string(writer) + " holds descriptor " + std::to_string(d.sequence) +
-                                 " where " + std::to_string(n) + " was due (a wait for this rank timed out there); "
-                                 "nothing more from that rank is carried out");
+                                 " where " + std::to_string(n) + " was due; nothing more from that rank is carried out");
         __atomic_add_fetch(control_.failed(from), 1, __ATOMIC_RELEASE);
         break;
       }
@@ -727,11 +825,15 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
           ops.push_back(write_op(word, d.value));
       }
     } else if (d.kind() == Descriptor::kGet) {
-      const void* src = resolve(d.window, d.src_offset, d.width, d.rows, d.src_pitch, &problem);
+      // Checked now (a refused get is answered with its done word alone), resolved again
+      // piece by piece: the window may be freed meanwhile.
+      const bool readable = resolve(d.window, d.src_offset, d.width, d.rows, d.src_pitch, &problem) != nullptr;
       Outgoing o;
       o.reader = writer;
-      o.src = static_cast<const char*>(src);  // null when refused: the answer carries the done word alone
-      o.width = d.width;
+      o.answer = true;
+      o.src_window = d.window;
+      o.src = d.src_offset;
+      o.width = readable ? d.width : 0;
       o.rows = d.rows;
       o.src_pitch = d.src_pitch;
       o.dst_pitch = d.dst_pitch;
@@ -739,7 +841,15 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
       o.done_rank = static_cast<int>(d.done_rank);
       o.done_word = d.done_word;
       o.ticket = d.ticket;
-      send_to_hidden(o, what);
+      o.pieces = PieceCursor(o.width, o.rows, chunk_);
+      o.moved = Clock::now();
+      o.what = "answer to rank " + std::to_string(writer) + "'s staged get (its transfer " + std::to_string(d.ticket) +
+               ") on rank " + std::to_string(rank_);
+      {
+        std::lock_guard<std::mutex> lock(m_);
+        ++answers_;
+      }
+      outgoing_[from].push_back(std::move(o));
       if (!problem.empty()) refused_[from] = true;
     } else {
       problem = "descriptor " + std::to_string(sequence) + " has an unknown kind " + std::to_string(d.kind());

@@ -10,10 +10,16 @@
 //   two agents share the work through a channel in the pool. The writer's GPU copies a chunk
 //   into a slot of the writer's region and then writes a descriptor (what to copy where) and
 //   the channel's posted count; the reader's agent, which polls its incoming channels, copies
-//   the chunk to its own GPU and writes the channel's consumed count (the writer's GPU waits
-//   for it before it reuses the slot), and after the last chunk the signal and the
-//   initiator's done word. A get from a hidden peer is a request on the channel that the
-//   peer's agent answers with chunks of its window.
+//   the chunk to its own GPU and writes the channel's consumed count, and after the last
+//   chunk the signal and the initiator's done word. A get from a hidden peer is a request on
+//   the channel that the peer's agent answers with chunks of its window.
+//
+// Nothing this agent enqueues waits for another rank: a slot (or a ring entry) that a hidden
+// reader still holds is reused only once the host sees its consumed count pass it. So a
+// transfer is cut into pieces as slots free up (PieceCursor), across several turns of the
+// agent's loop, and the agent's lanes only ever wait for its own copies (events). A slow or
+// stalled reader delays transfers that need the slots it holds, for at most MESHMEM_TIMEOUT,
+// and never holds the agent itself: it keeps taking its peers' chunks meanwhile.
 //
 // Transfers start in the order their sources become ready (the agent polls each one's ready
 // event), never in call order, so a transfer whose stream waits holds no other back. Each has
@@ -35,6 +41,7 @@
 #include <thread>
 #include <vector>
 
+#include "../piece_cursor.hpp"
 #include "kernels.hpp"
 #include "meshmem/types.hpp"
 #include "staging_pool.hpp"
@@ -178,35 +185,60 @@ class StagingAgent {
     int reader = -1;
     std::uint64_t sequence = 0;
   };
-  // A transfer to a hidden reader, chunk by chunk (a put, or the answer to its get).
+  using Clock = std::chrono::steady_clock;
+  // A transfer between two GPUs visible here, as far as its pieces are enqueued.
+  struct VisibleTransfer {
+    StagedRequest request;
+    PieceCursor pieces;
+    Clock::time_point moved;  // when a piece was last enqueued (or it started)
+  };
+  // A transfer to a hidden reader (a put, or the answer to its get), or this rank's request
+  // for a get from it, as far as it is posted on the channel.
   struct Outgoing {
     int reader = -1;
-    const char* src = nullptr;  // on this rank's GPU; null: nothing to copy (a signal alone, or a refused get)
+    bool get_request = false;  // a get's request: one descriptor, no data
+    bool answer = false;       // answers the reader's get (not one of this rank's transfers)
+    bool host_source = false;  // the source is pageable host memory: copied by this thread
+    // The source: this rank's window (answers) or kAddress and an address; no data when
+    // `width` is 0 (a signal alone, or a refused get).
+    std::uint64_t src_window = StagedRequest::kAddress, src = 0;
     std::size_t width = 0, rows = 1, src_pitch = 0, dst_pitch = 0;
-    std::uint64_t window = StagedRequest::kAddress;  // the reader's window, or kAddress
-    std::uint64_t dst = 0;                           // offset in it, or an address of the reader
+    std::uint64_t window = StagedRequest::kAddress;  // the reader's window (the one read, for a request), or kAddress
+    std::uint64_t dst = 0;                           // offset in it, or an address of the reader (of this rank, for a request)
     std::uint64_t signal_window = StagedRequest::kAddress, signal_index = 0, value = 0;
     SignalOp op = SignalOp::Set;
     int done_rank = -1;  // whose transfer word ends it
     std::uint64_t done_word = 0, ticket = 0;
+    PieceCursor pieces;
+    Clock::time_point moved;
+    std::string what;  // for messages
   };
   struct Descriptor;
 
   void reclaim_words();  // under m_
   void run();
   bool start_ready(std::list<StagedRequest>& waiting);
-  bool poll_incoming(bool answer_gets = true);
+  bool poll_incoming();
+  bool pump();
   void fail(const StagedRequest& r, const std::string& message);
   void execute(const StagedRequest& r);
-  void execute_visible(const StagedRequest& r);
-  void send_to_hidden(const Outgoing& o, const std::string& what);
-  std::uint64_t post(int reader, Descriptor d, const std::string& what);
-  void wait_consumed(int reader, std::uint64_t count, cudaStream_t stream, const std::string& what);
-  void wait_slot(std::size_t s, Lane& lane, int device, const std::string& what);
-  void wait_slot_on_host(std::size_t s, const std::string& what);
+  void enqueue_visible_piece(const StagedRequest& r, const PieceCursor::Piece& p, std::size_t s, const std::string& what);
+  void end_visible(const StagedRequest& r, bool signal, const std::string& what);
+  void abandon_visible(const StagedRequest& r, const std::string& message);
+  bool advance_outgoing(Outgoing& o, bool* moved);
+  void abandon_outgoing(const Outgoing& o, const std::string& message);
+  bool take_slot(bool on_host, std::size_t* s);
+  std::string slot_holders() const;
+  std::uint64_t consumed_by(int reader) const;
+  bool ring_has_room(int reader) const;
+  std::uint64_t post(int reader, Descriptor d);
   void carry_out(int writer, std::uint64_t sequence, const Descriptor& d);
   void* resolve(std::uint64_t window, std::uint64_t offset, std::size_t width, std::size_t rows, std::size_t pitch,
                 std::string* problem);
+  bool stalled(Clock::time_point moved) const {
+    return timeout_.count() != 0 && Clock::now() - moved >= timeout_;
+  }
+  void ended(bool answer);  // a transfer left the agent's hands (enqueued to its end, or failed)
   std::size_t local_index(int rank) const { return local_of_[static_cast<std::size_t>(rank)]; }
 
   std::unique_ptr<StagingPool> pool_;  // first: destroyed last, after the lanes stopped using it
@@ -227,9 +259,10 @@ class StagingAgent {
   std::vector<std::uint64_t> next_post_;  // by node index: descriptors posted to that rank
   std::vector<std::uint64_t> seen_;       // by node index: its descriptors taken here
   std::vector<std::uint64_t> failed_seen_;
-  std::vector<std::uint64_t> waited_;     // by node index: the consumed count this GPU's lane waits for
   std::vector<bool> refused_;             // by node index: a chunk of its current transfer was refused here
   std::vector<bool> broken_;              // by node index: its channel held a wrong entry; no longer read
+  std::deque<VisibleTransfer> visible_;          // oldest first; only the oldest takes slots
+  std::vector<std::deque<Outgoing>> outgoing_;   // by node index of the reader: oldest first, one at a time on a channel
 
   std::mutex windows_m_;
   std::map<std::uint64_t, std::pair<char*, std::size_t>> windows_;
@@ -246,7 +279,8 @@ class StagingAgent {
   };
   std::vector<RemoteEnd> remote_lent_;  // words of transfers a hidden peer (or the answer to a get) ends
   std::uint64_t submitted_ = 0;
-  std::uint64_t handled_ = 0;  // transfers enqueued or failed
+  std::uint64_t handled_ = 0;  // transfers enqueued to their end, or failed
+  std::uint64_t answers_ = 0;  // answers to hidden peers' gets not yet posted to their end
   bool stop_ = false;
   std::string error_;
   std::thread thread_;
