@@ -220,14 +220,28 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
     halo.device_plan->begin(stream, scope.capturing(), call);
     // Unmapped neighbours first: each transfer ends before the stream moves on, so their
     // data and signals are out before this rank's kernel waits for its own halos.
-    for (const HaloRegion& r : halo.transport_sends) {
-      const char* src = static_cast<const char*>(w.local) + r.src_offset;
-      route(w, r.peer, call).put_strided(w, r.peer, r.dst_offset, r.dst_pitch, src, r.src_pitch, r.width, r.height, stream);
+    // A neighbour's last region, where it is contiguous, carries the signal in the same
+    // transfer (one round trip through the transport instead of two).
+    for (int peer : halo.transport_send_to) {
+      const SignalUpdate signal{halo.sig.get(), static_cast<std::size_t>(topo.rank), 1, SignalOp::Add};
+      const HaloRegion* last = nullptr;
+      for (const HaloRegion& r : halo.transport_sends)
+        if (r.peer == peer) last = &r;
+      bool signalled = false;
+      for (const HaloRegion& r : halo.transport_sends) {
+        if (r.peer != peer) continue;
+        Transport& t = route(w, peer, call);
+        const char* src = static_cast<const char*>(w.local) + r.src_offset;
+        const bool contiguous = r.height == 1 || (r.src_pitch == r.width && r.dst_pitch == r.width);
+        if (&r == last && contiguous && halo.sig->memory == w.memory && &route(*halo.sig, peer, call) == &t) {
+          t.put(w, peer, r.dst_offset, src, r.width * r.height, signal, stream);
+          signalled = true;
+        } else {
+          t.put_strided(w, peer, r.dst_offset, r.dst_pitch, src, r.src_pitch, r.width, r.height, stream);
+        }
+      }
+      if (!signalled) route(*halo.sig, peer, call).put(*halo.sig, peer, 0, nullptr, 0, signal, stream);
     }
-    for (int r : halo.transport_send_to)
-      route(*halo.sig, r, call)
-          .put(*halo.sig, r, 0, nullptr, 0, SignalUpdate{halo.sig.get(), static_cast<std::size_t>(topo.rank), 1, SignalOp::Add},
-               stream);
     halo.device_plan->run(stream, copy, scope.capturing(), call);
     return;
   }

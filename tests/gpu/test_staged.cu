@@ -473,7 +473,7 @@ int open_fds() {
 // descriptors and free GPU memory come back to where they were.
 // Every rank puts to both neighbours at once and then gets from one, with chunks of 16 KiB:
 // thousands of chunks per transfer in both directions of every pair. Through the channel
-// (MESHMEM_STAGING_CHANNELS=always, or isolation) the agents carry each other's chunks while
+// (the default, MESHMEM_STAGING_CHANNELS=always, or isolation) the agents carry each other's chunks while
 // they wait for their own slots; nothing may stall, and every byte arrives.
 TEST_F(Staged, BothWaysWithThousandsOfChunksEachNothingStalls) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";

@@ -57,6 +57,7 @@ struct StagedRequest {
   int peer = -1;                // the other rank
   cudaEvent_t ready = nullptr;  // recorded on the caller's stream: the source is ready (null:
                                 // handed over by a captured host node, which runs once it is)
+  cudaStream_t stream = nullptr;  // the caller's stream (with `ready`): its transfers become ready in order
   void* dst = nullptr;          // Visible, FromHidden: an address here
   int dst_device = -1;
   const void* src = nullptr;    // Visible, ToHidden: an address here
