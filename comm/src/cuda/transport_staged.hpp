@@ -4,18 +4,18 @@
 // chunks: device-to-host on the source GPU's copy engine, host-to-device on the target GPU's,
 // double-buffered over MESHMEM_STAGING_SLOTS slots so that the two run at once.
 //
-// Who drives it: a staging agent (a thread of this rank, staging_agent.hpp) enqueues the
-// chunks on streams of its own, one per GPU, on the source and the target GPU (the target's
-// window is mapped here for the target's GPU: no peer access is needed for that). Where the
-// peer's GPU is hidden from this process (per-rank CUDA_VISIBLE_DEVICES isolation) the two
-// ranks' agents share the work through a channel in the pool: this GPU copies chunks into
-// this rank's slots, the peer's agent copies them onto its GPU (and for a get the other way
-// round). The caller's thread only records an event, takes a done word, enqueues one wait on
-// its stream and hands the request over, so a put returns in microseconds whatever its size
-// (the chunks of a 1 GiB put are hundreds of driver calls). The caller's stream then waits on
-// the GPU until the transfer's done word (in the pool, written after the last copy and the
-// signal) reaches its ticket, polled by a one-thread kernel that times out like every device
-// wait.
+// Who drives it: each rank's staging agent (a thread, staging_agent.hpp) drives only its own
+// GPU. The two ranks' agents share every transfer through a channel in the pool: this GPU
+// copies chunks into this rank's slots and posts them, the peer's agent copies them onto its
+// GPU, raises the signal and writes the done word (for a get the other way round). Measured
+// why (MESHMEM_STAGING_CHANNELS, transport_staged.cpp): a process driving a GPU that another
+// process keeps busy waits for the driver's time slice. `when-hidden` keeps the one-agent
+// path, where this agent drives both GPUs where it sees both (the target's window is then
+// mapped here for the target's GPU). The caller's thread only records an event, takes a done
+// word, enqueues one wait on its stream and hands the request over, so a put returns in
+// microseconds whatever its size. The caller's stream then waits on the GPU until the
+// transfer's done word (in the pool, written after the last copy and the signal) reaches its
+// ticket, polled by a one-thread kernel that times out like every device wait.
 //
 // Order: the agent polls each transfer's ready event and enqueues a transfer only once its
 // source is ready, in the order sources become ready; its streams never wait on a caller's
@@ -43,10 +43,12 @@
 // idle GPU and holds the agent's driver calls meanwhile. CUDA_MODULE_LOADING=EAGER avoids it;
 // the transport warns at connect when it is not set.
 //
-// Hidden peers: their agents poll the channels (every 20 us after recent work, every 200 us
-// after 2 ms without), so a transfer after a quiet spell starts up to 0.2 ms late; a chunk
-// for a window the target already freed is dropped there, counted, and reported by this
-// rank's next call.
+// Channels: agents poll them (yielding for 1 ms after recent work, then every 20 us, every
+// 200 us after 20 ms without), so a transfer after a quiet spell starts up to 0.2 ms late; a
+// chunk for a window the target already freed is dropped there, counted, and reported by this
+// rank's next call. Nothing an agent enqueues waits for another rank (slots are reused once
+// the host sees them taken), so a stalled peer delays only the transfers that need its slots,
+// for at most MESHMEM_TIMEOUT.
 #pragma once
 
 #include <cuda_runtime_api.h>
