@@ -526,6 +526,49 @@ TEST_F(Staged, BothWaysWithThousandsOfChunksEachNothingStalls) {
   cudaStreamDestroy(s2);
 }
 
+// Peer access that the driver grants but that drops or corrupts writes: the write-and-verify
+// check at Comm creation (MESHMEM_PEER_VERIFY=corrupt makes every rank's check writes wrong,
+// as such a path would) leaves ipc out for every peer, says why, and staged carries the data.
+// With the check on, peers are reached by ipc wherever the mapping works (one GPU per rank
+// with peer access: the GPU machines).
+TEST_F(Staged, PeerAccessThatFailsWriteAndVerifyGoesThroughStaged) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  comm.reset();
+  {
+    Options o = Options::from_environment();
+    o.set("MESHMEM_TRANSPORTS", "ipc,staged,shm,mpi");
+    o.set("MESHMEM_PEER_VERIFY", "on");
+    Comm c(MPI_COMM_WORLD, o);
+    EXPECT_EQ(c.transport(right, Memory::Device), TransportKind::Ipc) << "with the check passing";
+  }
+  Options o = Options::from_environment();
+  o.set("MESHMEM_TRANSPORTS", "ipc,staged,shm,mpi");
+  o.set("MESHMEM_PEER_VERIFY", "corrupt");
+  Comm c(MPI_COMM_WORLD, o);
+  ASSERT_EQ(c.transport(right, Memory::Device), TransportKind::Staged);
+  const std::string why = c.skipped_reason(right, Memory::Device);
+  EXPECT_NE(why.find("granted but broken"), std::string::npos) << why;
+  const std::size_t bytes = (std::size_t(3) << 20) + 11;
+  Window win = c.alloc(bytes);
+  void* src = nullptr;
+  CUDA_OK(cudaMalloc(&src, bytes));
+  const auto mine = pattern(seed, key(bytes, me, 5), bytes);
+  CUDA_OK(cudaMemcpy(src, mine.data(), bytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(win.local(), kPoison, bytes));
+  CUDA_OK(cudaDeviceSynchronize());
+  c.barrier();
+  c.put(win, right, 0, src, bytes, s);
+  c.quiet(s);
+  CUDA_OK(cudaStreamSynchronize(s));
+  c.barrier();
+  std::vector<unsigned char> got(bytes);
+  CUDA_OK(cudaMemcpy(got.data(), win.local(), bytes, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(first_difference(got.data(), pattern(seed, key(bytes, left, 5), bytes).data(), bytes), -1)
+      << "from rank " << left;
+  c.barrier();
+  cudaFree(src);
+}
+
 TEST_F(Staged, AllocFreeAndCommCyclesReturnToBaseline) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   void* src = nullptr;

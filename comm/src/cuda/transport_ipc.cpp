@@ -49,6 +49,20 @@ const TuningKnob<AutoOff> kPeerAccess{
     "of different GPUs go through `staged` as on a node without peer access (for peer access that the driver "
     "grants but that does not work, and to test the staged route beside ipc in one job)"};
 
+// The write-and-verify check of every mapped pair: `on`, `off`, or `corrupt` (a test: this
+// rank's writes carry a wrong byte, as a broken peer path would).
+enum class PeerVerify { On, Off, Corrupt };
+constexpr std::pair<const char*, PeerVerify> kPeerVerifyChoices[] = {
+    {"on", PeerVerify::On}, {"off", PeerVerify::Off}, {"corrupt", PeerVerify::Corrupt}};
+PeerVerify parse_peer_verify(const char* n, const std::string& raw) { return parse_choice(n, raw, kPeerVerifyChoices); }
+std::string print_peer_verify(const PeerVerify& c) { return choice_name(c, kPeerVerifyChoices); }
+const TuningKnob<PeerVerify> kPeerVerify{
+    "ipc", "MESHMEM_PEER_VERIFY", PeerVerify::On, parse_peer_verify, print_peer_verify,
+    "`on`: when a Comm is made, every rank writes a pattern through each peer mapping and reads it back, and the "
+    "peer checks in its own memory that it arrived; a pair where it did not (peer access granted but broken: some "
+    "IOMMU/ACS and virtualised setups) is not reached by ipc and goes through `staged`; `off`: no check; `corrupt`: "
+    "this rank's writes carry a wrong byte (to test the fallback)"};
+
 // The node peers' parts of one device window, mapped here.
 // Released by the device runtime's WindowReleaser once the GPU's earlier work is done.
 class IpcAttachment final : public WindowAttachment {
@@ -111,15 +125,93 @@ void IpcTransport::probe_peers() {
     }
   }
   });
+  std::vector<ipc::PeerMapping> mapped(static_cast<std::size_t>(topo.size));
   for (int r : topo.node_ranks) {
     if (r == topo.rank || !no_route_[r].empty()) continue;
     try {
-      ipc::PeerMapping m = ipc::PeerMapping::import(received[r].get(), granule, device_->device());
+      mapped[r] = ipc::PeerMapping::import(received[r].get(), granule, device_->device());
     } catch (const Error& e) {
       no_route_[r] = "the GPU memory of rank " + std::to_string(r) + " cannot be mapped for " + device_->describe() +
                      " (no peer access between the GPUs?): " + e.what() + staged_hint;
       log(LogLevel::Warn, "ipc transport: no route to rank " + std::to_string(r) + ": " + no_route_[r]);
     }
+  }
+  const PeerVerify verify = kPeerVerify.get(ctx_.options);
+  if (verify != PeerVerify::Off) verify_peers(probe, mapped, verify == PeerVerify::Corrupt, staged_hint);
+}
+
+namespace {
+// Where writer w's pattern goes in a probe granule, and what it is (differs per writer and
+// target, so that a write landing in the wrong place is caught too).
+constexpr std::size_t kVerifyBytes = 4096;
+std::vector<std::uint64_t> verify_pattern(int writer, int target) {
+  std::vector<std::uint64_t> p(kVerifyBytes / sizeof(std::uint64_t));
+  std::uint64_t x = 0x9e3779b97f4a7c15ull * (static_cast<std::uint64_t>(writer) + 1) ^
+                    (static_cast<std::uint64_t>(target) + 1) * 0xbf58476d1ce4e5b9ull;
+  for (auto& w : p) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    w = x;
+  }
+  return p;
+}
+}  // namespace
+
+// Write-and-verify: each rank copies a pattern into its slot of every mapped peer's probe
+// granule and reads it back through the mapping; then each rank checks in its own memory
+// which writers' patterns arrived. A pair is reached only where both held (a driver can grant
+// peer access that drops or corrupts writes). Collective over the Comm.
+void IpcTransport::verify_peers(const ipc::VmmAllocation& probe, const std::vector<ipc::PeerMapping>& mapped,
+                                bool corrupt, const std::string& staged_hint) {
+  const std::string what = "meshmem::Comm (ipc write-and-verify)";
+  const Topology& topo = ctx_.topo;
+  const auto ranks = static_cast<std::size_t>(topo.size);
+  const std::size_t slots = device_->granularity() / kVerifyBytes;
+  std::vector<char> wrote(ranks, 0), arrived(ranks, 0);
+  std::string problem;
+  agreed_step(ctx_.boot, what, [&] {
+    CurrentDevice current(device_->device());
+    for (int r : topo.node_ranks) {
+      if (mapped[r].data() == nullptr || static_cast<std::size_t>(topo.rank) >= slots) continue;
+      auto pattern = verify_pattern(topo.rank, r);
+      if (corrupt) pattern[pattern.size() / 2] ^= 1;
+      char* at = static_cast<char*>(mapped[r].data()) + static_cast<std::size_t>(topo.rank) * kVerifyBytes;
+      std::vector<std::uint64_t> back(pattern.size(), 0);
+      ipc::check_cuda(cudaMemcpy(at, pattern.data(), kVerifyBytes, cudaMemcpyHostToDevice), "cudaMemcpy (to a peer)", what);
+      ipc::check_cuda(cudaMemcpy(back.data(), at, kVerifyBytes, cudaMemcpyDeviceToHost), "cudaMemcpy (from a peer)", what);
+      wrote[r] = back == pattern ? 1 : 2;
+    }
+  });
+  ctx_.boot.arrive(what);  // every write is done (synchronous copies) before anyone looks
+  agreed_step(ctx_.boot, what, [&] {
+    CurrentDevice current(device_->device());
+    std::vector<std::uint64_t> mine(std::min(slots, ranks) * kVerifyBytes / sizeof(std::uint64_t));
+    ipc::check_cuda(cudaMemcpy(mine.data(), probe.data(), mine.size() * sizeof(std::uint64_t),
+                               cudaMemcpyDeviceToHost),
+                    "cudaMemcpy (this rank's probe)", what);
+    const std::size_t words = kVerifyBytes / sizeof(std::uint64_t);
+    for (int w : topo.node_ranks) {
+      if (static_cast<std::size_t>(w) >= slots) continue;
+      const auto want = verify_pattern(w, topo.rank);
+      arrived[w] = std::equal(want.begin(), want.end(), mine.begin() + static_cast<std::ptrdiff_t>(w * words)) ? 1 : 0;
+    }
+  });
+  std::vector<char> all_arrived(ranks * ranks);
+  ctx_.boot.allgather(arrived.data(), all_arrived.data(), ranks, what);
+  for (int r : topo.node_ranks) {
+    if (mapped[r].data() == nullptr) continue;
+    if (static_cast<std::size_t>(topo.rank) >= slots) {
+      log(LogLevel::Info, "ipc transport: more node ranks than write-and-verify slots; rank " +
+                              std::to_string(topo.rank) + " does not check its peers");
+      continue;
+    }
+    const bool landed = all_arrived[static_cast<std::size_t>(r) * ranks + static_cast<std::size_t>(topo.rank)] == 1;
+    if (wrote[r] == 1 && landed) continue;
+    no_route_[r] = "peer access to rank " + std::to_string(r) + "'s GPU is granted but broken: a pattern " +
+                   (wrote[r] != 1 ? "written through the mapping read back different" : "written through the mapping did not arrive there") +
+                   " (write-and-verify when the Comm was made; MESHMEM_PEER_VERIFY)" + staged_hint;
+    log(LogLevel::Warn, "ipc transport: no route to rank " + std::to_string(r) + ": " + no_route_[r]);
   }
 }
 

@@ -9,8 +9,10 @@
 #include <cuda_runtime_api.h>
 
 #include <string>
+#include <vector>
 
 #include "../transport.hpp"
+#include "meshmem/ipc/vmm.hpp"
 
 namespace meshmem::detail {
 
@@ -39,6 +41,8 @@ class IpcTransport final : public Transport {
 
  private:
   void probe_peers();
+  void verify_peers(const ipc::VmmAllocation& probe, const std::vector<ipc::PeerMapping>& mapped, bool corrupt,
+                    const std::string& staged_hint);
   void probe_atomics(const std::vector<std::string>& bus);  // bus ids by rank
   bool use_sm(const void* local, std::size_t bytes, std::size_t max) const;
   // Error context, built only when a call failed (puts are a hot path).
