@@ -11,10 +11,12 @@ namespace meshmem::detail {
 
 namespace {
 
-constexpr int kTagRequest = 1;   // a Request header, on requests_
-constexpr int kTagPayload = 2;   // put data following a header, on requests_
-constexpr int kTagGetData = 3;   // get data, on replies_
-constexpr int kTagFlushAck = 4;  // flush answer, on replies_
+constexpr int kTagRequest = 1;  // a Request header, on requests_
+constexpr int kTagRevoke = 2;   // an int: the tag of a put whose origin gave up, on requests_
+// Put payloads (on requests_), get data and flush answers (on replies_) carry the tag their
+// header names, unique per call from here up to MPI_TAG_UB (wrapping after about 10^9 calls).
+constexpr int kFirstCallTag = 16;
+constexpr std::chrono::milliseconds kCancelGrace{200};  // for a cancelled request to end
 
 // MPI counts are ints: large transfers go as several messages of at most this many bytes.
 constexpr std::size_t kMaxMessage = std::size_t{1} << 30;
@@ -39,7 +41,7 @@ struct MpiTransport::Request {
   RequestType type;
   std::uint32_t signal_op;  // SignalOp, when has_signal
   std::uint32_t has_signal;
-  std::uint32_t reserved;
+  std::int32_t tag;  // of the payload (put) or the answer (get, flush)
   std::uint64_t window;
   std::uint64_t offset;
   std::uint64_t bytes;
@@ -80,6 +82,11 @@ void MpiTransport::connect(const std::vector<bool>&) {
   check_mpi(MPI_Comm_rank(requests_.get(), &rank_), "MPI_Comm_rank", what);
   check_mpi(MPI_Comm_size(requests_.get(), &size), "MPI_Comm_size", what);
   unflushed_.assign(static_cast<std::size_t>(size), 0);
+  failed_.assign(static_cast<std::size_t>(size), std::string());
+  void* ub = nullptr;
+  int has_ub = 0;
+  check_mpi(MPI_Comm_get_attr(requests_.get(), MPI_TAG_UB, &ub, &has_ub), "MPI_Comm_get_attr(MPI_TAG_UB)", what);
+  if (has_ub && ub != nullptr) tag_limit_ = std::min(*static_cast<int*>(ub), 1 << 30);
   check_mpi(MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, stop_on_finalize, &finalize_keyval_, nullptr),
             "MPI_Comm_create_keyval", what);
   check_mpi(MPI_Comm_set_attr(MPI_COMM_SELF, finalize_keyval_, this), "MPI_Comm_set_attr", what);
@@ -107,6 +114,17 @@ MpiTransport::~MpiTransport() {
   stop();
   int finalized = 0;
   MPI_Finalized(&finalized);
+  if (!finalized) sweep();
+  // Requests MPI may still complete keep their memory for the life of the process.
+  std::lock_guard<std::mutex> lock(abandoned_mutex_);
+  if (!abandoned_.empty()) {
+    static auto* kept = new std::vector<Abandoned>();
+    static std::mutex m;
+    std::lock_guard<std::mutex> keep_lock(m);
+    for (auto& a : abandoned_) kept->push_back(std::move(a));
+    log(LogLevel::Warn, "mpi transport on rank " + std::to_string(rank_) + ": " + std::to_string(abandoned_.size()) +
+                            " request(s) given up on after a timeout still pending at teardown; their memory is kept");
+  }
   if (!finalized && finalize_keyval_ != MPI_KEYVAL_INVALID) {
     MPI_Comm_delete_attr(MPI_COMM_SELF, finalize_keyval_);
     MPI_Comm_free_keyval(&finalize_keyval_);
@@ -145,21 +163,35 @@ void MpiTransport::wait(MPI_Request* req, const char* call, int peer, const std:
                               " did not complete within " + describe_timeout(timeout_) +
                               " (is rank " + std::to_string(peer) + " alive?)";
       log(LogLevel::Error, msg);
+      {
+        std::lock_guard<std::mutex> lock(failed_mutex_);
+        if (failed_[static_cast<std::size_t>(peer)].empty()) failed_[static_cast<std::size_t>(peer)] = msg;
+      }
       throw Error(ErrorCode::Timeout, msg);
     }
     backoff.pause();
   }
 }
 
+namespace {
+// The error of a call that gave up, with what it means for the caller's memory.
+[[noreturn]] void rethrow_with(const Error& e, const std::string& memory) {
+  throw Error(e.code(), std::string(e.what()) + "; " + memory);
+}
+}  // namespace
+
 void MpiTransport::put(const WindowState& win, int target, std::size_t offset, const void* src,
                        std::size_t bytes, const SignalUpdate& signal, Stream) {
   const std::string what = "mpi transport put to rank " + std::to_string(target) + " on rank " +
                            std::to_string(rank_);
-  Request req{};
+  check_peer(target, what);
+  auto header = std::make_shared<Request>();
+  Request& req = *header;
   req.type = RequestType::Put;
   req.window = win.id;
   req.offset = offset;
   req.bytes = bytes;
+  req.tag = next_tag();
   if (signal.sig != nullptr) {
     req.has_signal = 1;
     req.signal_op = static_cast<std::uint32_t>(signal.op);
@@ -169,22 +201,43 @@ void MpiTransport::put(const WindowState& win, int target, std::size_t offset, c
   }
   // A put to this rank's own window from a source that overlaps the destination: MPI's send
   // and receive buffers must not overlap, so the bytes go from a copy.
-  std::vector<char> copy;
+  std::shared_ptr<std::vector<char>> copy;
   if (target == rank_ && overlaps(src, static_cast<const char*>(win.local) + offset, bytes)) {
-    copy.assign(static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
-    src = copy.data();
+    copy = std::make_shared<std::vector<char>>(static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
+    src = copy->data();
   }
-  MPI_Request r = MPI_REQUEST_NULL;
-  check_mpi(MPI_Isend(&req, sizeof(req), MPI_BYTE, target, kTagRequest, requests_.get(), &r),
-            "MPI_Isend", what);
-  wait(&r, "MPI_Isend", target, what);
+  std::vector<MPI_Request> r(1, MPI_REQUEST_NULL);
+  try {
+    check_mpi(MPI_Isend(header.get(), sizeof(req), MPI_BYTE, target, kTagRequest, requests_.get(), &r[0]),
+              "MPI_Isend", what);
+    wait(&r[0], "MPI_Isend", target, what);
+  } catch (const Error& e) {
+    abandon(r, header);
+    rethrow_with(e, "nothing of this put was applied");
+  }
   // MPI keeps messages between one pair on one communicator in order, so the payload
   // follows its header; the target's progress thread receives it straight into the window.
   for (int c = 0; c < chunk_count(bytes); ++c) {
     const char* from = static_cast<const char*>(src) + static_cast<std::size_t>(c) * kMaxMessage;
-    check_mpi(MPI_Isend(from, chunk_bytes(bytes, c), MPI_BYTE, target, kTagPayload, requests_.get(), &r),
-              "MPI_Isend", what);
-    wait(&r, "MPI_Isend", target, what);
+    try {
+      check_mpi(MPI_Isend(from, chunk_bytes(bytes, c), MPI_BYTE, target, req.tag, requests_.get(), &r[0]),
+                "MPI_Isend", what);
+      wait(&r[0], "MPI_Isend", target, what);
+    } catch (const Error& e) {
+      const int kept = abandon(r, copy);
+      // The target drops a put its origin revoked, whether it sees the revocation before its
+      // header (it was stopped meanwhile: the usual case) or while it waits for the data.
+      auto revoked = std::make_shared<std::int32_t>(req.tag);
+      std::vector<MPI_Request> revoke(1, MPI_REQUEST_NULL);
+      if (MPI_Isend(revoked.get(), 1, MPI_INT32_T, target, kTagRevoke, requests_.get(), &revoke[0]) == MPI_SUCCESS) {
+        std::lock_guard<std::mutex> lock(abandoned_mutex_);
+        abandoned_.push_back(Abandoned{revoke[0], revoked});  // swept once sent
+        sweep_.store(true, std::memory_order_release);
+      }
+      rethrow_with(e, kept == 0 ? "the rest of its data was not sent: the target drops this put (bytes it received "
+                                  "before may be written); the source is no longer read"
+                                : "MPI could not cancel the send: the source may still be read, do not reuse it");
+    }
   }
   unflushed_[target] = 1;
 }
@@ -193,33 +246,45 @@ void MpiTransport::get(void* dst, const WindowState& win, int target, std::size_
                        std::size_t bytes, Stream) {
   const std::string what = "mpi transport get from rank " + std::to_string(target) + " on rank " +
                            std::to_string(rank_);
+  check_peer(target, what);
   const int chunks = chunk_count(bytes);
   std::vector<MPI_Request> recvs(static_cast<std::size_t>(chunks), MPI_REQUEST_NULL);
   // A get from this rank's own window into a buffer that overlaps it: received into a copy
   // (MPI's buffers must not overlap), moved into dst at the end.
-  std::vector<char> copy;
+  std::shared_ptr<std::vector<char>> copy;
   void* const caller_dst = dst;
   if (target == rank_ && overlaps(dst, static_cast<const char*>(win.local) + offset, bytes)) {
-    copy.resize(bytes);
-    dst = copy.data();
+    copy = std::make_shared<std::vector<char>>(bytes);
+    dst = copy->data();
   }
-  // Receives are posted before the request goes out, so the data lands straight in dst.
-  for (int c = 0; c < chunks; ++c) {
-    char* to = static_cast<char*>(dst) + static_cast<std::size_t>(c) * kMaxMessage;
-    check_mpi(MPI_Irecv(to, chunk_bytes(bytes, c), MPI_BYTE, target, kTagGetData, replies_.get(), &recvs[c]),
-              "MPI_Irecv", what);
-  }
-  Request req{};
+  auto header = std::make_shared<Request>();
+  Request& req = *header;
   req.type = RequestType::Get;
   req.window = win.id;
   req.offset = offset;
   req.bytes = bytes;
-  MPI_Request r = MPI_REQUEST_NULL;
-  check_mpi(MPI_Isend(&req, sizeof(req), MPI_BYTE, target, kTagRequest, requests_.get(), &r),
-            "MPI_Isend", what);
-  wait(&r, "MPI_Isend", target, what);
-  for (auto& recv : recvs) wait(&recv, "MPI_Irecv", target, what, true);
-  if (!copy.empty()) std::memcpy(caller_dst, copy.data(), bytes);
+  req.tag = next_tag();
+  std::vector<MPI_Request> send(1, MPI_REQUEST_NULL);
+  try {
+    // Receives are posted before the request goes out, so the data lands straight in dst.
+    for (int c = 0; c < chunks; ++c) {
+      char* to = static_cast<char*>(dst) + static_cast<std::size_t>(c) * kMaxMessage;
+      check_mpi(MPI_Irecv(to, chunk_bytes(bytes, c), MPI_BYTE, target, req.tag, replies_.get(), &recvs[c]),
+                "MPI_Irecv", what);
+    }
+    check_mpi(MPI_Isend(header.get(), sizeof(req), MPI_BYTE, target, kTagRequest, requests_.get(), &send[0]),
+              "MPI_Isend", what);
+    wait(&send[0], "MPI_Isend", target, what);
+    for (auto& recv : recvs) wait(&recv, "MPI_Irecv", target, what, true);
+  } catch (const Error& e) {
+    abandon(send, header);
+    const int kept = abandon(recvs, copy);
+    drop_later(replies_.get(), target, req.tag);
+    rethrow_with(e, kept == 0 ? "nothing will be written into the destination after this error"
+                              : std::to_string(kept) + " receive(s) into the destination could not be cancelled: "
+                                "MPI may still write those bytes of it");
+  }
+  if (copy) std::memcpy(caller_dst, copy->data(), bytes);
 }
 
 void MpiTransport::quiet(Stream) {
@@ -230,22 +295,104 @@ void MpiTransport::quiet(Stream) {
     if (unflushed_[t]) targets.push_back(static_cast<int>(t));
   if (targets.empty()) return;  // the usual case on one node: nothing allocated, nothing built
   const std::string what = "mpi transport quiet on rank " + std::to_string(rank_);
+  for (int t : targets) check_peer(t, what);
+  // Answers and headers live as long as their requests may (a call that gives up keeps them).
+  struct Flush {
+    std::vector<std::uint64_t> answers;
+    std::vector<Request> headers;
+  };
+  auto flush = std::make_shared<Flush>();
+  flush->answers.resize(targets.size());
+  flush->headers.resize(targets.size());
   std::vector<MPI_Request> acks(targets.size(), MPI_REQUEST_NULL);
-  std::vector<std::uint64_t> ack_values(targets.size());
   std::vector<MPI_Request> sends(targets.size(), MPI_REQUEST_NULL);
-  Request req{};
-  req.type = RequestType::Flush;
-  for (std::size_t i = 0; i < targets.size(); ++i) {
-    check_mpi(MPI_Irecv(&ack_values[i], 1, MPI_UINT64_T, targets[i], kTagFlushAck, replies_.get(), &acks[i]),
-              "MPI_Irecv", what);
-    check_mpi(MPI_Isend(&req, sizeof(req), MPI_BYTE, targets[i], kTagRequest, requests_.get(), &sends[i]),
-              "MPI_Isend", what);
+  std::size_t i = 0;
+  try {
+    for (i = 0; i < targets.size(); ++i) {
+      Request& req = flush->headers[i];
+      req.type = RequestType::Flush;
+      req.tag = next_tag();
+      check_mpi(MPI_Irecv(&flush->answers[i], 1, MPI_UINT64_T, targets[i], req.tag, replies_.get(), &acks[i]),
+                "MPI_Irecv", what);
+      check_mpi(MPI_Isend(&req, sizeof(req), MPI_BYTE, targets[i], kTagRequest, requests_.get(), &sends[i]),
+                "MPI_Isend", what);
+    }
+    for (i = 0; i < targets.size(); ++i) {
+      wait(&sends[i], "MPI_Isend (flush)", targets[i], what);
+      wait(&acks[i], "MPI_Irecv (flush answer)", targets[i], what, true);
+      unflushed_[targets[i]] = 0;
+    }
+  } catch (const Error&) {
+    abandon(sends, flush);
+    abandon(acks, flush);
+    for (std::size_t k = 0; k < targets.size(); ++k) drop_later(replies_.get(), targets[k], flush->headers[k].tag);
+    throw;
   }
-  for (std::size_t i = 0; i < targets.size(); ++i) {
-    wait(&sends[i], "MPI_Isend (flush)", targets[i], what);
-    wait(&acks[i], "MPI_Irecv (flush answer)", targets[i], what, true);
-    unflushed_[targets[i]] = 0;
+}
+
+int MpiTransport::next_tag() {
+  const auto span = static_cast<std::uint64_t>(tag_limit_ - kFirstCallTag + 1);
+  return kFirstCallTag + static_cast<int>(next_tag_.fetch_add(1, std::memory_order_relaxed) % span);
+}
+
+void MpiTransport::check_peer(int peer, const std::string& what) const {
+  std::lock_guard<std::mutex> lock(failed_mutex_);
+  const std::string& first = failed_[static_cast<std::size_t>(peer)];
+  if (!first.empty())
+    throw Error(ErrorCode::Timeout, what + ": an earlier call with rank " + std::to_string(peer) +
+                                        " timed out, so this Comm no longer waits for it (first error: " + first + ")");
+}
+
+int MpiTransport::abandon(std::vector<MPI_Request>& reqs, const std::shared_ptr<void>& keep) {
+  int kept = 0;
+  for (MPI_Request& r : reqs) {
+    if (r == MPI_REQUEST_NULL) continue;
+    (void)MPI_Cancel(&r);
+    // A cancelled request ends locally (cancelled, or complete if it had been matched and its
+    // data was here): give it a moment, then keep it.
+    Deadline grace(kCancelGrace);
+    Backoff backoff;
+    int done = 0;
+    while (MPI_Test(&r, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done && !grace.expired()) backoff.pause();
+    if (done) continue;
+    std::lock_guard<std::mutex> lock(abandoned_mutex_);
+    abandoned_.push_back(Abandoned{r, keep});
+    r = MPI_REQUEST_NULL;
+    sweep_.store(true, std::memory_order_release);
+    ++kept;
   }
+  return kept;
+}
+
+void MpiTransport::drop_later(MPI_Comm comm, int source, int tag) {
+  std::lock_guard<std::mutex> lock(abandoned_mutex_);
+  stale_.push_back(Stale{comm, source, tag});
+  sweep_.store(true, std::memory_order_release);
+}
+
+void MpiTransport::sweep() {
+  std::lock_guard<std::mutex> lock(abandoned_mutex_);
+  abandoned_.erase(std::remove_if(abandoned_.begin(), abandoned_.end(),
+                                  [](Abandoned& a) {
+                                    int done = 0;
+                                    return MPI_Test(&a.request, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done;
+                                  }),
+                   abandoned_.end());
+  for (const Stale& s : stale_) {
+    for (;;) {  // a payload may come in several messages
+      int found = 0;
+      MPI_Message message = MPI_MESSAGE_NULL;
+      MPI_Status status;
+      if (MPI_Improbe(s.source, s.tag, s.comm, &found, &message, &status) != MPI_SUCCESS || !found) break;
+      int count = 0;
+      MPI_Get_count(&status, MPI_BYTE, &count);
+      std::vector<char> sink(static_cast<std::size_t>(std::max(count, 1)));
+      (void)MPI_Mrecv(sink.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+      log(LogLevel::Warn, "mpi transport on rank " + std::to_string(rank_) + ": dropped " + std::to_string(count) +
+                              " late byte(s) from rank " + std::to_string(s.source) + " for a call that had given up");
+    }
+  }
+  sweep_.store(!abandoned_.empty() || !stale_.empty(), std::memory_order_release);
 }
 
 MpiTransport::Region MpiTransport::find(std::uint64_t id, std::size_t offset, std::size_t bytes,
@@ -263,18 +410,53 @@ MpiTransport::Region MpiTransport::find(std::uint64_t id, std::size_t offset, st
   return Region{it->second.base + offset, bytes};
 }
 
+// Revocations of puts whose origin gave up, received so far (the progress thread).
+void MpiTransport::take_revocations() {
+  for (;;) {
+    int found = 0;
+    MPI_Message message = MPI_MESSAGE_NULL;
+    MPI_Status status;
+    if (MPI_Improbe(MPI_ANY_SOURCE, kTagRevoke, requests_.get(), &found, &message, &status) != MPI_SUCCESS || !found)
+      return;
+    std::int32_t tag = 0;
+    if (MPI_Mrecv(&tag, 1, MPI_INT32_T, &message, MPI_STATUS_IGNORE) == MPI_SUCCESS)
+      revoked_.insert({status.MPI_SOURCE, tag});
+  }
+}
+
+// Serves one request. Its payload or answer goes with the tag the header names; a wait for
+// the origin is bounded like every wait (an origin stopped or dead in the middle of a put must
+// not hold this thread: the put is dropped, and anything it still sends with that tag too).
 void MpiTransport::handle(const Request& req, int source) {
   const std::string what = "progress thread of rank " + std::to_string(rank_);
+  std::vector<MPI_Request> r(1, MPI_REQUEST_NULL);
   switch (req.type) {
     case RequestType::Put: {
+      take_revocations();
+      if (revoked_.erase({source, req.tag}) > 0) {
+        drop_later(requests_.get(), source, req.tag);  // its data, if any was sent, is dropped
+        log(LogLevel::Warn, what + ": a put from rank " + std::to_string(source) +
+                                " was revoked by its origin (it timed out there); dropped");
+        return;
+      }
       const Region dst = find(req.window, req.offset, req.bytes, source);
-      std::vector<char> sink;  // drains the payload of a request that matches no window
-      if (dst.base == nullptr && req.bytes > 0) sink.resize(std::min<std::size_t>(req.bytes, kMaxMessage));
+      // Drains the payload of a request that matches no window.
+      std::shared_ptr<std::vector<char>> sink;
+      if (dst.base == nullptr && req.bytes > 0)
+        sink = std::make_shared<std::vector<char>>(std::min<std::size_t>(req.bytes, kMaxMessage));
       for (int c = 0; c < chunk_count(req.bytes); ++c) {
-        char* to = dst.base ? dst.base + static_cast<std::size_t>(c) * kMaxMessage : sink.data();
-        check_mpi(MPI_Recv(to, chunk_bytes(req.bytes, c), MPI_BYTE, source, kTagPayload,
-                           requests_.get(), MPI_STATUS_IGNORE),
-                  "MPI_Recv", what);
+        char* to = dst.base ? dst.base + static_cast<std::size_t>(c) * kMaxMessage : sink->data();
+        try {
+          check_mpi(MPI_Irecv(to, chunk_bytes(req.bytes, c), MPI_BYTE, source, req.tag, requests_.get(), &r[0]),
+                    "MPI_Irecv", what);
+          wait(&r[0], "MPI_Irecv (put data)", source, what);
+        } catch (const Error& e) {
+          const int kept = abandon(r, sink);
+          drop_later(requests_.get(), source, req.tag);
+          log(LogLevel::Error, std::string(e.what()) + "; the put is dropped (its signal is not raised" +
+                                   (kept ? "; MPI may still write its bytes into the window)" : ")"));
+          return;
+        }
       }
       if (req.has_signal) {
         const Region word = find(req.signal_window, req.signal_index * sizeof(std::uint64_t),
@@ -287,20 +469,32 @@ void MpiTransport::handle(const Request& req, int source) {
     }
     case RequestType::Get: {
       const Region src = find(req.window, req.offset, req.bytes, source);
-      std::vector<char> zeros;
-      if (src.base == nullptr && req.bytes > 0) zeros.resize(std::min<std::size_t>(req.bytes, kMaxMessage));
+      std::shared_ptr<std::vector<char>> zeros;
+      if (src.base == nullptr && req.bytes > 0)
+        zeros = std::make_shared<std::vector<char>>(std::min<std::size_t>(req.bytes, kMaxMessage));
       for (int c = 0; c < chunk_count(req.bytes); ++c) {
-        const char* from = src.base ? src.base + static_cast<std::size_t>(c) * kMaxMessage : zeros.data();
-        check_mpi(MPI_Send(from, chunk_bytes(req.bytes, c), MPI_BYTE, source, kTagGetData,
-                           replies_.get()),
-                  "MPI_Send", what);
+        const char* from = src.base ? src.base + static_cast<std::size_t>(c) * kMaxMessage : zeros->data();
+        try {
+          check_mpi(MPI_Isend(from, chunk_bytes(req.bytes, c), MPI_BYTE, source, req.tag, replies_.get(), &r[0]),
+                    "MPI_Isend", what);
+          wait(&r[0], "MPI_Isend (get data)", source, what);
+        } catch (const Error& e) {
+          abandon(r, zeros);
+          log(LogLevel::Error, std::string(e.what()) + "; the rest of this get's answer is not sent");
+          return;
+        }
       }
       break;
     }
     case RequestType::Flush: {
-      const std::uint64_t ack = 1;
-      check_mpi(MPI_Send(&ack, 1, MPI_UINT64_T, source, kTagFlushAck, replies_.get()), "MPI_Send",
-                what);
+      static const std::uint64_t kAck = 1;  // lives as long as any send of it may
+      try {
+        check_mpi(MPI_Isend(&kAck, 1, MPI_UINT64_T, source, req.tag, replies_.get(), &r[0]), "MPI_Isend", what);
+        wait(&r[0], "MPI_Isend (flush answer)", source, what);
+      } catch (const Error& e) {
+        abandon(r, nullptr);
+        log(LogLevel::Error, e.what());
+      }
       break;
     }
     default:
@@ -313,6 +507,7 @@ void MpiTransport::handle(const Request& req, int source) {
 bool MpiTransport::serve_one() {
   std::unique_lock<std::mutex> lock(serving_, std::try_to_lock);
   if (!lock.owns_lock() || stop_.load(std::memory_order_acquire)) return false;
+  if (sweep_.load(std::memory_order_acquire)) sweep();
   const std::string what = "serving requests on rank " + std::to_string(rank_);
   int found = 0;
   MPI_Message message = MPI_MESSAGE_NULL;

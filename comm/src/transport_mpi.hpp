@@ -2,12 +2,25 @@
 // that serves one-sided requests (put, get, signal, flush) over two-sided MPI on a
 // communicator of its own, so a put completes without the target making any call. Needs
 // MPI_THREAD_MULTIPLE. The thread polls with backoff: it never spins without yielding.
+//
+// After a timeout (a peer stalled, stopped or dead): every MPI request the timed-out call
+// posted is cancelled, and one that cannot be (already matched) is kept with its memory until
+// it ends, so nothing lands in freed memory; a receive into the caller's memory that was
+// cancelled writes nothing later (the error says whether every one was). Payloads and answers
+// carry a tag of their own (from the header), so a late answer to a call that gave up never
+// matches a later call: the progress thread receives and drops it. The peer is then failed
+// for this transport: later calls involving it raise at once, naming the first error,
+// instead of waiting a whole timeout each (teardown after a dead peer).
 #pragma once
 
 #include <mpi.h>
 
 #include <atomic>
+#include <memory>
+#include <string>
 #include <mutex>
+#include <set>
+#include <utility>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -86,6 +99,18 @@ class MpiTransport final : public Transport {
   // Waits for `req`. With `serve`, serves incoming requests meanwhile (waits for a peer's
   // answer); waits for this rank's own sends do not, so as not to slow them down with probes.
   void wait(MPI_Request* req, const char* call, int peer, const std::string& what, bool serve = false);
+  // Gives up on the requests of `reqs` not yet complete: each is cancelled; one that has not
+  // ended after a short grace is kept, with `keep` (the memory it uses), until it does.
+  // Returns how many were kept (MPI may still use their memory).
+  int abandon(std::vector<MPI_Request>& reqs, const std::shared_ptr<void>& keep);
+  // A message that may still come (tag `tag` from `source` on `comm`) for a call that gave
+  // up: the progress thread receives and drops it (its sender then completes).
+  void drop_later(MPI_Comm comm, int source, int tag);
+  void sweep();  // the progress thread: abandoned requests that ended, stale messages
+  void take_revocations();  // the progress thread
+  int next_tag();
+  // Raises at once if an earlier call with `peer` timed out.
+  void check_peer(int peer, const std::string& what) const;
 
   CommContext ctx_;
   MpiComm requests_;  // origin -> target's progress thread
@@ -93,6 +118,25 @@ class MpiTransport final : public Transport {
   int rank_ = 0;
   std::chrono::milliseconds timeout_;
   std::vector<char> unflushed_;  // per target: puts or signals sent since the last quiet
+
+  int tag_limit_ = 32767;                  // MPI_TAG_UB
+  std::atomic<std::uint64_t> next_tag_{0};  // unique tags of payloads and answers
+  mutable std::mutex failed_mutex_;
+  std::vector<std::string> failed_;       // per peer: the first timeout with it ("" none)
+  struct Abandoned {
+    MPI_Request request;
+    std::shared_ptr<void> keep;
+  };
+  struct Stale {
+    MPI_Comm comm;
+    int source;
+    int tag;
+  };
+  std::mutex abandoned_mutex_;
+  std::vector<Abandoned> abandoned_;
+  std::vector<Stale> stale_;
+  std::atomic<bool> sweep_{false};  // something to sweep
+  std::set<std::pair<int, int>> revoked_;  // (origin, tag) of puts revoked (progress thread, under serving_)
 
   mutable std::mutex regions_mutex_;
   std::unordered_map<std::uint64_t, Region> regions_;
