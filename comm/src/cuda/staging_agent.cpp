@@ -33,12 +33,13 @@ cudaError_t copy_rows(void* dst, std::size_t dst_pitch, const void* src, std::si
 }  // namespace
 
 // One entry of a channel's ring, ControlWords::kDescriptorWords words, written by the
-// writer's GPU before the posted count that covers it.
+// writer's agent (host stores) before its GPU writes the posted count that covers it.
 struct StagingAgent::Descriptor {
   static constexpr std::uint64_t kChunk = 1, kGet = 2;  // kinds (bits 0..7 of `control`)
   static constexpr std::uint64_t kLast = 1u << 8;      // the last chunk: the signal and done word follow
   // Its number on the channel: the reader refuses an entry whose number is not the one it
-  // expects (an entry overwritten after a guard wait timed out, or stale).
+  // expects (stale, or overwritten: nothing should do that, as entries are reused only once
+  // consumed; a mismatch breaks the channel).
   std::uint64_t sequence = 0;
   std::uint64_t control = 0;      // kind | kLast | SignalOp << 16
   std::uint64_t slot_offset = 0;  // kChunk: the chunk's place in the writer's region
@@ -82,6 +83,7 @@ StagingAgent::StagingAgent(Setup setup)
   seen_.assign(setup.node_ranks.size(), 0);
   failed_seen_.assign(setup.node_ranks.size(), 0);
   outgoing_.resize(setup.node_ranks.size());
+  current_.assign(setup.node_ranks.size(), {~std::uint64_t(0), 0});
   refused_.assign(setup.node_ranks.size(), false);
   broken_.assign(setup.node_ranks.size(), false);
   for (int d : setup.devices) {
@@ -358,9 +360,14 @@ void StagingAgent::run() {
         queue_.pop_front();
       }
       // Stopping: after drain (bounded) gave up on sources that never became ready (or on
-      // transfers that found no slot), their callers' waits time out; chunks hidden peers
-      // still post are not carried out.
-      if (stop_ && waiting.empty()) return;
+      // transfers that found no slot), their done words are set from here so that no
+      // caller's stream waits for ever (MESHMEM_TIMEOUT=0); chunks hidden peers still post
+      // are not carried out.
+      if (stop_) {
+        lock.unlock();
+        give_up_all(waiting);
+        return;
+      }
     }
     const bool started = start_ready(waiting);
     const bool carried = poll_incoming();
@@ -370,12 +377,34 @@ void StagingAgent::run() {
       last_work = Clock::now();
       continue;
     }
-    {
-      std::lock_guard<std::mutex> lock(m_);
-      if (stop_) return;
-    }
     if (busy()) backoff.pause();
   }
+}
+
+// At stop, what is still waiting or half enqueued ends here: its done word is set from the
+// host (the caller's stream goes on), and the log says so.
+void StagingAgent::give_up_all(std::list<StagedRequest>& waiting) {
+  std::size_t n = 0;
+  for (const StagedRequest& r : waiting) {
+    __atomic_store_n(r.done, r.ticket, __ATOMIC_RELEASE);
+    ++n;
+  }
+  waiting.clear();
+  for (const VisibleTransfer& t : visible_) {
+    __atomic_store_n(t.request.done, t.request.ticket, __ATOMIC_RELEASE);
+    ++n;
+  }
+  visible_.clear();
+  for (auto& queue : outgoing_) {
+    for (const Outgoing& o : queue) {
+      __atomic_store_n(control_of(o.done_rank).transfer(o.done_word), o.ticket, __ATOMIC_RELEASE);
+      ++n;
+    }
+    queue.clear();
+  }
+  if (n > 0)
+    log(LogLevel::Error, "staged transport on rank " + std::to_string(rank_) + ": " + std::to_string(n) +
+                             " transfer(s) still waiting or running when the agent stopped were ended unfinished");
 }
 
 // Starts every waiting transfer whose source is ready, oldest first; true if any. A caller
@@ -521,6 +550,7 @@ bool StagingAgent::pump() {
     any = any || moved || left;
     if (!left) break;
     visible_.pop_front();
+    if (!visible_.empty()) visible_.front().moved = Clock::now();  // its turn starts now
     ended(false);
   }
   for (auto& queue : outgoing_) {
@@ -544,6 +574,7 @@ bool StagingAgent::pump() {
       if (!left) break;
       const bool answer = o.answer;
       queue.pop_front();
+      if (!queue.empty()) queue.front().moved = Clock::now();  // its turn starts now
       ended(answer);
     }
   }
@@ -668,6 +699,10 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
           ipc::check_cuda(cudaStreamWaitEvent(own.stream, slot_use_[s].event, 0), "cudaStreamWaitEvent", o.what);
         ipc::check_cuda(copy_rows(slot, p.width, from, o.src_pitch, p.width, p.rows, own.stream),
                         "cudaMemcpyAsync (to the staging slot)", o.what);
+        // Until the post below succeeds, the slot is held by this copy (a failed post must not
+        // leave it free while the copy into it is pending).
+        ipc::check_cuda(cudaEventRecord(own.copied[s], own.stream), "cudaEventRecord", o.what);
+        slot_use_[s] = SlotUse{own.copied[s], -1, 0};
       }
     }
     d.slot_offset = s * chunk_;
@@ -758,7 +793,10 @@ std::uint64_t StagingAgent::post(int reader, Descriptor d) {
   std::uint64_t* entry = control_.ring(to) + ((n - 1) % ControlWords::kRing) * ControlWords::kDescriptorWords;
   const auto* words = reinterpret_cast<const std::uint64_t*>(&d);
   for (std::size_t i = 0; i < ControlWords::kDescriptorWords; ++i) __atomic_store_n(entry + i, words[i], __ATOMIC_RELAXED);
-  std::atomic_thread_fence(std::memory_order_release);  // the entry is out before the count is enqueued
+  // The entry is out before the count is enqueued. On x86 stores are seen in order and the
+  // GPU's write of the count follows the driver's doorbell write; a host with a weaker order
+  // (ARM) needs a store fence here that makes the entry visible to another CPU first.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
   std::vector<CUstreamBatchMemOpParams> ops{write_op(control_.posted(to), n)};
   run_stream_batch(ops, own.stream, "staged transfer (channel post)", rank_);
   next_post_[to] = n;  // only once enqueued: a failed post leaves no gap in the numbers
@@ -810,17 +848,31 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
   const std::size_t from = local_index(writer);
   std::string problem;
   std::lock_guard<std::mutex> windows(windows_m_);  // the windows resolved stay until the copies are enqueued
+  std::uint64_t* done = control_of(static_cast<int>(d.done_rank)).transfer(d.done_word);
+  // A transfer's refusal is its own: the first descriptor of another one starts clean (one the
+  // writer abandoned midway never sent its last).
+  const std::pair<std::uint64_t, std::uint64_t> transfer{d.done_rank, d.ticket};
+  if (d.kind() == Descriptor::kChunk && current_[from] != transfer) {
+    refused_[from] = false;
+    current_[from] = transfer;
+  }
+  // Its done word already reached its ticket: the writer abandoned it (a timeout), and its
+  // caller went on. Nothing of it lands any more, and the word (maybe lent to a later
+  // transfer by now) is not written.
+  const bool abandoned = d.kind() == Descriptor::kChunk && __atomic_load_n(done, __ATOMIC_ACQUIRE) >= d.ticket;
+  bool answered = false;  // a get's answer is queued
   std::vector<CUstreamBatchMemOpParams> ops;
   auto end_ops = [&] {  // what moves the channel on and ends the transfer, whatever happened
     std::vector<CUstreamBatchMemOpParams> end;
-    if (d.kind() == Descriptor::kChunk && d.last())
-      end.push_back(write_op(control_of(static_cast<int>(d.done_rank)).transfer(d.done_word), d.ticket));
+    if (d.kind() == Descriptor::kChunk && d.last() && !abandoned) end.push_back(write_op(done, d.ticket));
     end.push_back(write_op(control_.consumed(from), sequence));
     return end;
   };
   try {
     CurrentDevice current(device_);
-    if (d.kind() == Descriptor::kChunk) {
+    if (d.kind() == Descriptor::kChunk && abandoned) {
+      // only the channel moves on
+    } else if (d.kind() == Descriptor::kChunk) {
       void* dst = d.width == 0 ? nullptr : resolve(d.window, d.dst, d.width, d.rows, d.dst_pitch, &problem);
       if (dst != nullptr) {
         const char* slot = static_cast<const char*>(pool_->region(writer)) + d.slot_offset;
@@ -863,6 +915,7 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
         ++answers_;
       }
       outgoing_[from].push_back(std::move(o));
+      answered = true;
       if (!problem.empty()) refused_[from] = true;
     } else {
       problem = "descriptor " + std::to_string(sequence) + " has an unknown kind " + std::to_string(d.kind());
@@ -872,6 +925,7 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
   } catch (const std::exception& e) {
     problem = e.what();
     refused_[from] = true;
+    if (d.kind() == Descriptor::kGet && !answered) __atomic_store_n(done, d.ticket, __ATOMIC_RELEASE);  // no answer comes
     try {  // the channel and the initiator's wait still move on
       auto end = end_ops();
       run_stream_batch(end, incoming_, "staged transfer (from a hidden peer, after an error)", rank_);

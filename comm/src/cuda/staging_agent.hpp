@@ -3,16 +3,19 @@
 // peers' agents use.
 //
 // Two ways through the pool:
-// - Both GPUs visible here: this agent enqueues the device-to-host copy on the source GPU and
-//   the host-to-device copy on the target GPU (one lane, a stream and per-slot events, per
-//   GPU), chunk by chunk through this rank's slots.
-// - The peer's GPU hidden from this process (per-rank CUDA_VISIBLE_DEVICES isolation): the
-//   two agents share the work through a channel in the pool. The writer's GPU copies a chunk
-//   into a slot of the writer's region and then writes a descriptor (what to copy where) and
-//   the channel's posted count; the reader's agent, which polls its incoming channels, copies
-//   the chunk to its own GPU and writes the channel's consumed count, and after the last
-//   chunk the signal and the initiator's done word. A get from a hidden peer is a request on
-//   the channel that the peer's agent answers with chunks of its window.
+// - One agent (MESHMEM_STAGING_CHANNELS=when-hidden, both GPUs visible here): this agent
+//   enqueues the device-to-host copy on the source GPU and the host-to-device copy on the
+//   target GPU (one lane, a stream and per-slot events, per GPU), chunk by chunk through this
+//   rank's slots.
+// - The channel (the default, MESHMEM_STAGING_CHANNELS=always, and the only way where the
+//   peer's GPU is hidden from this process): the two agents share the work through a channel
+//   in the pool. The writer's GPU copies a chunk into a slot of the writer's region, the
+//   writer's agent writes a descriptor (what to copy where) into the ring, and the writer's
+//   GPU then writes the channel's posted count after the copy; the reader's agent, which
+//   polls its incoming channels, copies the chunk to its own GPU and writes the channel's
+//   consumed count, and after the last chunk the signal and the initiator's done word. A get
+//   from a hidden peer is a request on the channel that the peer's agent answers with chunks
+//   of its window.
 //
 // Nothing this agent enqueues waits for another rank: a slot (or a ring entry) that a hidden
 // reader still holds is reused only once the host sees its consumed count pass it. So a
@@ -39,6 +42,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "../piece_cursor.hpp"
@@ -218,6 +222,7 @@ class StagingAgent {
 
   void reclaim_words();  // under m_
   void run();
+  void give_up_all(std::list<StagedRequest>& waiting);
   bool start_ready(std::list<StagedRequest>& waiting);
   bool poll_incoming();
   bool pump();
@@ -261,6 +266,7 @@ class StagingAgent {
   std::vector<std::uint64_t> seen_;       // by node index: its descriptors taken here
   std::vector<std::uint64_t> failed_seen_;
   std::vector<bool> refused_;             // by node index: a chunk of its current transfer was refused here
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> current_;  // by node index: (done rank, ticket) of that transfer
   std::vector<bool> broken_;              // by node index: its channel held a wrong entry; no longer read
   std::deque<VisibleTransfer> visible_;          // oldest first; only the oldest takes slots
   std::vector<std::deque<Outgoing>> outgoing_;   // by node index of the reader: oldest first, one at a time on a channel

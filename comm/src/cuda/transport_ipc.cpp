@@ -1,6 +1,7 @@
 #define MESHMEM_DEFINING_GPU_PART
 #include "transport_ipc.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -100,6 +101,11 @@ void IpcTransport::probe_peers() {
   agreed_step(ctx_.boot, what, [&] {
     probe = ipc::VmmAllocation::create(granule, device_->device());
     fd = probe.export_fd();
+    // Zeroed, so that a write-and-verify pattern that never arrives is not found in memory
+    // an earlier probe of this process left behind.
+    CurrentDevice current(device_->device());
+    ipc::check_cuda(cudaMemset(probe.data(), 0, granule), "cudaMemset (ipc probe)", what);
+    ipc::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (ipc probe)", what);
   });
   std::vector<ipc::UniqueFd> received = ctx_.fds.exchange(fd.get(), what);
   const std::vector<std::string>& bus = device_->bus_ids();
@@ -158,58 +164,78 @@ std::vector<std::uint64_t> verify_pattern(int writer, int target) {
 }
 }  // namespace
 
-// Write-and-verify: each rank copies a pattern into its slot of every mapped peer's probe
-// granule and reads it back through the mapping; then each rank checks in its own memory
-// which writers' patterns arrived. A pair is reached only where both held (a driver can grant
-// peer access that drops or corrupts writes). Collective over the Comm.
+// Write-and-verify: each rank copies a pattern into its slot (its place among the node's
+// ranks) of every mapped peer's probe granule and reads it back through the mapping; then
+// each rank checks in its own memory which writers' patterns arrived. A pair is reached in
+// either direction only where all four held (a driver can grant peer access that drops or
+// corrupts writes); the two ranks of a pair decide alike. Collective over the Comm: each
+// rank contributes what it saw of its node (at most one granule's worth of slots).
 void IpcTransport::verify_peers(const ipc::VmmAllocation& probe, const std::vector<ipc::PeerMapping>& mapped,
                                 bool corrupt, const std::string& staged_hint) {
   const std::string what = "meshmem::Comm (ipc write-and-verify)";
   const Topology& topo = ctx_.topo;
-  const auto ranks = static_cast<std::size_t>(topo.size);
   const std::size_t slots = device_->granularity() / kVerifyBytes;
-  std::vector<char> wrote(ranks, 0), arrived(ranks, 0);
-  std::string problem;
+  const std::size_t local = static_cast<std::size_t>(
+      std::find(topo.node_ranks.begin(), topo.node_ranks.end(), topo.rank) - topo.node_ranks.begin());
+  auto index_of = [&](int r) {
+    return static_cast<std::size_t>(std::find(topo.node_ranks.begin(), topo.node_ranks.end(), r) -
+                                    topo.node_ranks.begin());
+  };
+  // [0, slots): written through the mapping to that node rank and read back intact; [slots,
+  // 2 slots): that node rank's pattern arrived here.
+  std::vector<char> seen(2 * slots, 0);
+  std::vector<std::string> failure(static_cast<std::size_t>(topo.size));
   agreed_step(ctx_.boot, what, [&] {
     CurrentDevice current(device_->device());
+    if (local >= slots) return;
     for (int r : topo.node_ranks) {
-      if (mapped[r].data() == nullptr || static_cast<std::size_t>(topo.rank) >= slots) continue;
+      if (mapped[r].data() == nullptr || index_of(r) >= slots) continue;
       auto pattern = verify_pattern(topo.rank, r);
       if (corrupt) pattern[pattern.size() / 2] ^= 1;
-      char* at = static_cast<char*>(mapped[r].data()) + static_cast<std::size_t>(topo.rank) * kVerifyBytes;
+      char* at = static_cast<char*>(mapped[r].data()) + local * kVerifyBytes;
       std::vector<std::uint64_t> back(pattern.size(), 0);
-      ipc::check_cuda(cudaMemcpy(at, pattern.data(), kVerifyBytes, cudaMemcpyHostToDevice), "cudaMemcpy (to a peer)", what);
-      ipc::check_cuda(cudaMemcpy(back.data(), at, kVerifyBytes, cudaMemcpyDeviceToHost), "cudaMemcpy (from a peer)", what);
-      wrote[r] = back == pattern ? 1 : 2;
+      cudaError_t rc = cudaMemcpy(at, pattern.data(), kVerifyBytes, cudaMemcpyHostToDevice);
+      if (rc == cudaSuccess) rc = cudaMemcpy(back.data(), at, kVerifyBytes, cudaMemcpyDeviceToHost);
+      if (rc != cudaSuccess) {
+        (void)cudaGetLastError();
+        failure[r] = std::string("a copy through the mapping failed: ") + cudaGetErrorString(rc);
+        continue;
+      }
+      seen[index_of(r)] = back == pattern ? 1 : 0;
     }
   });
   ctx_.boot.arrive(what);  // every write is done (synchronous copies) before anyone looks
   agreed_step(ctx_.boot, what, [&] {
     CurrentDevice current(device_->device());
-    std::vector<std::uint64_t> mine(std::min(slots, ranks) * kVerifyBytes / sizeof(std::uint64_t));
-    ipc::check_cuda(cudaMemcpy(mine.data(), probe.data(), mine.size() * sizeof(std::uint64_t),
-                               cudaMemcpyDeviceToHost),
+    const std::size_t n = std::min(slots, topo.node_ranks.size());
+    std::vector<std::uint64_t> mine(n * kVerifyBytes / sizeof(std::uint64_t));
+    ipc::check_cuda(cudaMemcpy(mine.data(), probe.data(), mine.size() * sizeof(std::uint64_t), cudaMemcpyDeviceToHost),
                     "cudaMemcpy (this rank's probe)", what);
     const std::size_t words = kVerifyBytes / sizeof(std::uint64_t);
     for (int w : topo.node_ranks) {
-      if (static_cast<std::size_t>(w) >= slots) continue;
+      const std::size_t i = index_of(w);
+      if (i >= n) continue;
       const auto want = verify_pattern(w, topo.rank);
-      arrived[w] = std::equal(want.begin(), want.end(), mine.begin() + static_cast<std::ptrdiff_t>(w * words)) ? 1 : 0;
+      seen[slots + i] = std::equal(want.begin(), want.end(), mine.begin() + static_cast<std::ptrdiff_t>(i * words)) ? 1 : 0;
     }
   });
-  std::vector<char> all_arrived(ranks * ranks);
-  ctx_.boot.allgather(arrived.data(), all_arrived.data(), ranks, what);
+  std::vector<char> all(static_cast<std::size_t>(topo.size) * seen.size());
+  ctx_.boot.allgather(seen.data(), all.data(), seen.size(), what);
+  auto at = [&](int rank, std::size_t i) { return all[static_cast<std::size_t>(rank) * seen.size() + i] == 1; };
   for (int r : topo.node_ranks) {
-    if (mapped[r].data() == nullptr) continue;
-    if (static_cast<std::size_t>(topo.rank) >= slots) {
-      log(LogLevel::Info, "ipc transport: more node ranks than write-and-verify slots; rank " +
-                              std::to_string(topo.rank) + " does not check its peers");
+    if (r == topo.rank || mapped[r].data() == nullptr) continue;
+    const std::size_t them = index_of(r);
+    if (local >= slots || them >= slots) {
+      log(LogLevel::Info, "ipc transport: more node ranks than write-and-verify slots; the pair with rank " +
+                              std::to_string(r) + " is not checked");
       continue;
     }
-    const bool landed = all_arrived[static_cast<std::size_t>(r) * ranks + static_cast<std::size_t>(topo.rank)] == 1;
-    if (wrote[r] == 1 && landed) continue;
-    no_route_[r] = "peer access to rank " + std::to_string(r) + "'s GPU is granted but broken: a pattern " +
-                   (wrote[r] != 1 ? "written through the mapping read back different" : "written through the mapping did not arrive there") +
+    const bool to_them = at(topo.rank, them) && at(r, slots + local);
+    const bool to_me = at(r, local) && at(topo.rank, slots + them);
+    if (to_them && to_me) continue;
+    no_route_[r] = "peer access between this rank's GPU and rank " + std::to_string(r) +
+                   "'s is granted but broken: a pattern written " + (to_them ? "by rank " + std::to_string(r) + " into this rank" : "by this rank into rank " + std::to_string(r)) +
+                   " through the mapping " + (failure[r].empty() ? "did not arrive intact" : failure[r]) +
                    " (write-and-verify when the Comm was made; MESHMEM_PEER_VERIFY)" + staged_hint;
     log(LogLevel::Warn, "ipc transport: no route to rank " + std::to_string(r) + ": " + no_route_[r]);
   }
