@@ -86,122 +86,6 @@ void take_fds(msghdr& mh, std::vector<UniqueFd>& fds) noexcept {
   }
 }
 
-enum class ReadStatus { Ok, Closed, ControlTruncated, Failed };
-
-// Reads exactly `n` bytes into `buf`, collecting descriptors on the way.
-// `*got` counts the bytes read; `*err` is errno for Failed (EAGAIN: SO_RCVTIMEO expired).
-ReadStatus read_exact(int conn, std::uint8_t* buf, std::size_t n, std::vector<UniqueFd>& fds,
-                      std::size_t* got, int* err) {
-  *got = 0;
-  while (*got < n) {
-    iovec iov{buf + *got, n - *got};
-    alignas(cmsghdr) unsigned char control[kControlBytes];
-    msghdr mh{};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = control;
-    mh.msg_controllen = sizeof(control);
-    // The control buffer holds at most kMaxFdsPerMessage descriptors; reserving that
-    // much first keeps take_fds from allocating (and so from throwing) midway.
-    fds.reserve(fds.size() + kMaxFdsPerMessage);
-    // MSG_CMSG_CLOEXEC: received descriptors must not leak into programs we exec.
-    const ssize_t r = ::recvmsg(conn, &mh, MSG_CMSG_CLOEXEC);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      *err = errno;
-      return ReadStatus::Failed;
-    }
-    take_fds(mh, fds);
-    if ((mh.msg_flags & MSG_CTRUNC) != 0) return ReadStatus::ControlTruncated;
-    if (r == 0) return ReadStatus::Closed;
-    *got += static_cast<std::size_t>(r);
-  }
-  return ReadStatus::Ok;
-}
-
-// Reads one message from an accepted connection. On refusal returns nullopt and sets
-// `*reason`; every descriptor received is closed by then.
-std::optional<FdMessage> read_message(int conn, milliseconds stall, std::string* reason) {
-  ucred cred{};
-  socklen_t cred_len = sizeof(cred);
-  // SO_PEERCRED holds the sender's credentials as of its connect(), set by the kernel;
-  // the sender cannot forge them.
-  if (::getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0) {
-    *reason = std::string("refused a connection: SO_PEERCRED failed: ") + std::strerror(errno);
-    return std::nullopt;
-  }
-  FdMessage msg;
-  msg.sender = PeerCredentials{cred.pid, cred.uid, cred.gid};
-  const std::string who =
-      "pid " + std::to_string(cred.pid) + " uid " + std::to_string(cred.uid);
-
-  // Another user's descriptors are never even read: closing the connection unread makes
-  // the kernel drop whatever it carried.
-  const uid_t our_uid = ::geteuid();
-  if (cred.uid != our_uid) {
-    *reason = "refused a connection from " + who + ": uid differs from ours (" +
-              std::to_string(our_uid) + ")";
-    return std::nullopt;
-  }
-
-  const timeval tv = to_timeval(stall);
-  if (::setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) != 0) {
-    *reason = "refused a message from " + who + ": setsockopt(SO_RCVTIMEO): " +
-              std::strerror(errno);
-    return std::nullopt;
-  }
-
-  const std::string refused = "refused a message from " + who + ": ";
-  auto describe_failure = [&](ReadStatus status, std::size_t got, std::size_t expected,
-                              int err) -> std::string {
-    const std::string progress =
-        std::to_string(got) + " of " + std::to_string(expected) + " bytes";
-    switch (status) {
-      case ReadStatus::Closed:
-        return refused + "truncated message (connection closed after " + progress + ")";
-      case ReadStatus::ControlTruncated:
-        return refused + "control data truncated (MSG_CTRUNC; more than " +
-               std::to_string(kMaxFdsPerMessage) + " descriptors?)";
-      case ReadStatus::Failed:
-        if (err == EAGAIN || err == EWOULDBLOCK) {
-          return refused + "sender stalled: no complete message within " +
-                 std::to_string(stall.count()) + " ms (" + progress + ")";
-        }
-        return refused + "recvmsg: " + std::strerror(err) + " (after " + progress + ")";
-      case ReadStatus::Ok: break;
-    }
-    return refused + "internal error";
-  };
-
-  std::uint8_t header[kHeaderBytes];
-  std::size_t got = 0;
-  int err = 0;
-  ReadStatus status = read_exact(conn, header, kHeaderBytes, msg.fds, &got, &err);
-  if (status != ReadStatus::Ok) {
-    *reason = describe_failure(status, got, kHeaderBytes, err);
-    return std::nullopt;
-  }
-  std::uint32_t length = 0;
-  std::memcpy(&length, header, sizeof(length));
-  if (length > kMaxFdPayload) {
-    *reason = refused + "payload length " + std::to_string(length) + " exceeds " +
-              std::to_string(kMaxFdPayload) + " bytes";
-    return std::nullopt;
-  }
-  msg.payload.resize(length);
-  status = read_exact(conn, msg.payload.data(), length, msg.fds, &got, &err);
-  if (status != ReadStatus::Ok) {
-    *reason = describe_failure(status, kHeaderBytes + got, kHeaderBytes + length, err);
-    return std::nullopt;
-  }
-  // Only a sender that split its descriptors over several sendmsg calls can exceed this.
-  if (msg.fds.size() > kMaxFdsPerMessage) {
-    *reason = refused + std::to_string(msg.fds.size()) + " descriptors, more than " +
-              std::to_string(kMaxFdsPerMessage);
-    return std::nullopt;
-  }
-  return msg;
-}
 
 }  // namespace
 
@@ -236,63 +120,209 @@ FdListener::FdListener(const std::string& name) : name_(name) {
   if (::bind(fd, reinterpret_cast<const sockaddr*>(&address.addr), address.length) != 0) {
     throw_system("bind to socket " + display(name), errno);
   }
-  if (::listen(fd, 128) != 0) throw_system("listen on socket " + display(name), errno);
+  if (::listen(fd, SOMAXCONN) != 0) throw_system("listen on socket " + display(name), errno);
 }
+
+namespace {
+
+}  // namespace
+
+// A connection being read, side by side with the others: a sender that stalls (or a
+// connection held open without a word) holds up no one else.
+struct FdListener::Incoming {
+  UniqueFd conn;
+  PeerCredentials sender;
+  std::string who;
+  std::uint8_t header[kHeaderBytes] = {};
+  std::vector<std::uint8_t> payload;
+  std::size_t got = 0;  // bytes of header + payload read
+  std::vector<UniqueFd> fds;
+  Clock::time_point since;
+};
+
+FdListener::FdListener(FdListener&&) noexcept = default;
+FdListener& FdListener::operator=(FdListener&&) noexcept = default;
+FdListener::~FdListener() = default;
+
+namespace {
+
+enum class Step { More, Done, Refused };
+
+// Reads what `in` has now (non-blocking). Done: the whole message is in; Refused: `*reason`.
+Step read_available(FdListener::Incoming& in, std::string* reason) {
+  const std::string refused = "refused a message from " + in.who + ": ";
+  for (;;) {
+    const std::size_t total = kHeaderBytes + in.payload.size();
+    if (in.got >= kHeaderBytes && in.got == total) {
+      if (in.fds.size() > kMaxFdsPerMessage) {
+        *reason = refused + std::to_string(in.fds.size()) + " descriptors, more than " +
+                  std::to_string(kMaxFdsPerMessage);
+        return Step::Refused;
+      }
+      return Step::Done;
+    }
+    std::uint8_t* to = in.got < kHeaderBytes ? in.header + in.got : in.payload.data() + (in.got - kHeaderBytes);
+    const std::size_t want = in.got < kHeaderBytes ? kHeaderBytes - in.got : total - in.got;
+    iovec iov{to, want};
+    alignas(cmsghdr) unsigned char control[kControlBytes];
+    msghdr mh{};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = control;
+    mh.msg_controllen = sizeof(control);
+    in.fds.reserve(in.fds.size() + kMaxFdsPerMessage);  // take_fds must not allocate midway
+    const ssize_t r = ::recvmsg(in.conn.get(), &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return Step::More;
+      *reason = refused + "recvmsg: " + std::strerror(errno) + " (after " + std::to_string(in.got) + " bytes)";
+      return Step::Refused;
+    }
+    take_fds(mh, in.fds);
+    if ((mh.msg_flags & MSG_CTRUNC) != 0) {
+      *reason = refused + "control data truncated (MSG_CTRUNC; more than " + std::to_string(kMaxFdsPerMessage) +
+                " descriptors?)";
+      return Step::Refused;
+    }
+    if (r == 0) {
+      *reason = refused + "truncated message (connection closed after " + std::to_string(in.got) + " of " +
+                std::to_string(in.got < kHeaderBytes ? kHeaderBytes : total) + " bytes)";
+      return Step::Refused;
+    }
+    const bool had_header = in.got >= kHeaderBytes;
+    in.got += static_cast<std::size_t>(r);
+    if (!had_header && in.got >= kHeaderBytes) {
+      std::uint32_t length = 0;
+      std::memcpy(&length, in.header, sizeof(length));
+      if (length > kMaxFdPayload) {
+        *reason = refused + "payload length " + std::to_string(length) + " exceeds " + std::to_string(kMaxFdPayload) +
+                  " bytes";
+        return Step::Refused;
+      }
+      in.payload.resize(length);
+    }
+  }
+}
+
+// Connections of the same user read at once, at most; more wait in the kernel's backlog.
+constexpr std::size_t kMaxIncoming = 64;
+constexpr int kAcceptsPerRound = 256;
+
+}  // namespace
 
 std::optional<FdMessage> FdListener::receive(milliseconds timeout, const Check& accept,
                                              std::vector<std::string>* refused) {
   const bool forever = timeout == milliseconds::zero();
   const Clock::time_point deadline = Clock::now() + timeout;
+  std::vector<Incoming>& incoming = incoming_;
+  // Connections of other users are closed unread at once; a flood of them is told in one line.
+  std::size_t other_users = 0;
+  std::string first_other;
+  auto report = [&](std::string reason) {
+    if (refused != nullptr) refused->push_back(std::move(reason));
+  };
+  auto finish = [&] {
+    if (other_users > 1)
+      report("refused " + std::to_string(other_users - 1) + " more connection(s) of other users after: " + first_other);
+  };
   for (;;) {
+    // Wait for the listener or a connection, until the deadline or the oldest stall.
+    Clock::time_point until = forever ? Clock::time_point::max() : deadline;
+    for (const Incoming& in : incoming) until = std::min(until, in.since + kMaxStall);
     int poll_ms = -1;
-    if (!forever) {
-      const Clock::duration left = deadline - Clock::now();
+    if (until != Clock::time_point::max()) {
+      const Clock::duration left = until - Clock::now();
       // Rounded up: rounding down would spin on poll(0) through the last millisecond.
       poll_ms = left <= Clock::duration::zero()
                     ? 0
                     : static_cast<int>(std::min<milliseconds::rep>(ceil_ms(left).count(), INT_MAX));
     }
-    pollfd p{socket_.get(), POLLIN, 0};
-    const int ready = ::poll(&p, 1, poll_ms);
+    std::vector<pollfd> polls{{socket_.get(), POLLIN, 0}};
+    for (const Incoming& in : incoming) polls.push_back({in.conn.get(), POLLIN, 0});
+    const int ready = ::poll(polls.data(), polls.size(), poll_ms);
     if (ready < 0) {
       if (errno == EINTR) continue;
       throw_system("poll on socket " + display(name_), errno);
     }
-    if (ready == 0) {
-      if (!forever && Clock::now() >= deadline) return std::nullopt;
-      continue;
-    }
-    if ((p.revents & POLLNVAL) != 0) {
+    if ((polls[0].revents & POLLNVAL) != 0) {
       throw Error(ErrorCode::Internal, "poll on socket " + display(name_) + ": descriptor closed");
     }
-
-    const int c = ::accept4(socket_.get(), nullptr, nullptr, SOCK_CLOEXEC);
-    if (c < 0) {
-      // The connection went away before we took it, or a signal came: wait again.
-      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ECONNABORTED || errno == EINTR) {
+    // Everything waiting in the backlog: other users' connections closed at once.
+    // At most kAcceptsPerRound a round: a flood must not keep the reads below from running.
+    for (int accepted = 0; (polls[0].revents & POLLIN) != 0 && incoming.size() < kMaxIncoming &&
+                           accepted < kAcceptsPerRound;
+         ++accepted) {
+      const int c = ::accept4(socket_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (c < 0) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+        throw_system("accept4 on socket " + display(name_), errno);
+      }
+      UniqueFd conn(c);
+      ucred cred{};
+      socklen_t cred_len = sizeof(cred);
+      // SO_PEERCRED holds the sender's credentials as of its connect(), set by the kernel;
+      // the sender cannot forge them.
+      if (::getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0) {
+        report(std::string("refused a connection: SO_PEERCRED failed: ") + std::strerror(errno));
         continue;
       }
-      throw_system("accept4 on socket " + display(name_), errno);
+      const std::string who = "pid " + std::to_string(cred.pid) + " uid " + std::to_string(cred.uid);
+      // Another user's descriptors are never even read: closing the connection unread makes
+      // the kernel drop whatever it carried.
+      const uid_t our_uid = ::geteuid();
+      if (cred.uid != our_uid) {
+        if (other_users++ == 0) {
+          first_other = "refused a connection from " + who + ": uid differs from ours (" + std::to_string(our_uid) + ")";
+          report(first_other);
+        }
+        continue;
+      }
+      Incoming in;
+      in.conn = std::move(conn);
+      in.sender = PeerCredentials{cred.pid, cred.uid, cred.gid};
+      in.who = who;
+      in.since = Clock::now();
+      incoming.push_back(std::move(in));
     }
-    UniqueFd conn(c);  // blocking (accept4 does not pass O_NONBLOCK on), bounded by SO_RCVTIMEO
-
-    milliseconds stall = kMaxStall;
-    if (!forever) {
-      // At least 1 ms: an SO_RCVTIMEO of zero would mean "no timeout".
-      stall = std::clamp(ceil_ms(deadline - Clock::now()), milliseconds(1), kMaxStall);
+    // Every connection with something to read, oldest first; the first complete message
+    // that passes the caller's check is returned.
+    const auto now = Clock::now();
+    for (std::size_t i = 0; i < incoming.size();) {
+      Incoming& in = incoming[i];
+      std::string reason;
+      const Step step = read_available(in, &reason);
+      if (step == Step::More) {
+        if (now - in.since < kMaxStall) {
+          ++i;
+          continue;
+        }
+        reason = "refused a message from " + in.who + ": sender stalled: no complete message within " +
+                 std::to_string(kMaxStall.count()) + " ms (" + std::to_string(in.got) + " bytes)";
+      }
+      if (step == Step::Done) {
+        FdMessage msg;
+        msg.sender = in.sender;
+        msg.payload = std::move(in.payload);
+        msg.fds = std::move(in.fds);
+        incoming.erase(incoming.begin() + static_cast<std::ptrdiff_t>(i));
+        if (!accept || accept(msg)) {
+          finish();
+          return msg;
+        }
+        report("refused a message from pid " + std::to_string(msg.sender.pid) + " uid " +
+               std::to_string(msg.sender.uid) + ": rejected by the caller's check (" +
+               std::to_string(msg.payload.size()) + " payload bytes, " + std::to_string(msg.fds.size()) +
+               " descriptors)");
+        continue;  // msg goes out of scope: its descriptors are closed now
+      }
+      report(std::move(reason));
+      incoming.erase(incoming.begin() + static_cast<std::ptrdiff_t>(i));  // closes it and its descriptors
     }
-    std::string reason;
-    std::optional<FdMessage> msg = read_message(conn.get(), stall, &reason);
-    conn.reset();
-    if (msg) {
-      if (!accept || accept(*msg)) return msg;
-      reason = "refused a message from pid " + std::to_string(msg->sender.pid) + " uid " +
-               std::to_string(msg->sender.uid) + ": rejected by the caller's check (" +
-               std::to_string(msg->payload.size()) + " payload bytes, " +
-               std::to_string(msg->fds.size()) + " descriptors)";
-      msg.reset();  // closes its descriptors now, not at the next message
+    if (!forever && Clock::now() >= deadline) {
+      finish();
+      return std::nullopt;
     }
-    if (refused != nullptr) refused->push_back(std::move(reason));
   }
 }
 

@@ -798,14 +798,87 @@ TEST(FdChannel, StalledSenderIsRefusedAtTheTimeout) {
   const auto wire = wire_message(100, 10);  // and then nothing more, connection kept open
   send_raw(s.get(), wire.data(), wire.size(), {});
   std::vector<std::string> refused;
-  const auto start = Clock::now();
+  auto start = Clock::now();
   auto msg = listener.receive(300ms, accept_all, &refused);
-  const auto elapsed = Clock::now() - start;
+  auto elapsed = Clock::now() - start;
   EXPECT_FALSE(msg);
   EXPECT_GE(elapsed, 300ms);
   EXPECT_LT(elapsed, 3000ms);
+  EXPECT_TRUE(refused.empty()) << "a partly read message is kept for the next call";
+  // Refused once it has stalled for 5 s, counted from its connection.
+  msg = listener.receive(6000ms, accept_all, &refused);
+  elapsed = Clock::now() - start;
+  EXPECT_FALSE(msg);
+  EXPECT_GE(elapsed, 4900ms);
   ASSERT_EQ(refused.size(), 1u);
   EXPECT_NE(refused[0].find("stalled"), std::string::npos) << refused[0];
+}
+
+// A connection of the same user held open without a word (or one that stalls) holds no
+// other sender up: they are read side by side (before, each such connection stalled a
+// receive by 5 s, and a few of them made a Comm's alloc time out).
+TEST(FdChannel, AnIdleConnectionDoesNotHoldUpAnotherSender) {
+  const std::string name = socket_name();
+  FdListener listener(name);
+  std::vector<UniqueFd> idle;
+  for (int i = 0; i < 3; ++i) idle.push_back(connect_raw(name));
+  meshmem::ipc::send_fds(name, "real", 4, nullptr, 0, 1000ms);
+  std::vector<std::string> refused;
+  const auto start = Clock::now();
+  auto msg = listener.receive(8000ms, accept_all, &refused);
+  ASSERT_TRUE(msg);
+  EXPECT_EQ(std::string(msg->payload.begin(), msg->payload.end()), "real");
+  EXPECT_LT(Clock::now() - start, 1000ms) << "an idle connection held the receive up";
+  EXPECT_TRUE(refused.empty());  // the idle ones are still given their 5 s
+}
+
+// Another user floods the listener with connections (the socket name is visible to everyone
+// in /proc/net/unix): they are closed unread, the real sender still gets through in time,
+// and the flood is told in two lines, not one per connection.
+TEST(FdChannel, AConnectFloodOfAnotherUserNeitherBlocksNorFloodsTheLog) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a flooder under another uid";
+  const std::string name = socket_name();
+  FdListener listener(name);
+  constexpr uid_t kNobody = 65534;
+  Pipe go = make_pipe();
+  Child flooder([&]() {
+    if (::setresgid(kNobody, kNobody, kNobody) != 0 || ::setresuid(kNobody, kNobody, kNobody) != 0)
+      return child_fail(2, std::string("setresuid: ") + strerror(errno));
+    go.write.reset();  // the parent may start
+    const auto until = Clock::now() + 3000ms;
+    std::vector<UniqueFd> held;
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path + 1, name.data(), name.size());
+    const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+    while (Clock::now() < until) {
+      // Non-blocking: with the backlog full, connect says EAGAIN instead of waiting.
+      UniqueFd s(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+      if (s && ::connect(s.get(), reinterpret_cast<const sockaddr*>(&addr), len) == 0)
+        held.push_back(std::move(s));
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(200));  // the listener is behind
+      if (held.size() > 200) held.clear();  // keep connecting, within the fd limit
+    }
+    return 0;
+  });
+  go.write.reset();
+  char byte;
+  (void)::read(go.read.get(), &byte, 1);  // returns when the flooder dropped privileges
+  std::this_thread::sleep_for(200ms);     // the flood is on
+  std::thread sender([&] { meshmem::ipc::send_fds(name, "real", 4, nullptr, 0, 5000ms); });
+  std::vector<std::string> refused;
+  const auto start = Clock::now();
+  auto msg = listener.receive(5000ms, accept_all, &refused);
+  sender.join();
+  const auto elapsed = Clock::now() - start;
+  EXPECT_EQ(flooder.wait(), 0);
+  ASSERT_TRUE(msg) << "the real sender did not get through the flood";
+  EXPECT_EQ(std::string(msg->payload.begin(), msg->payload.end()), "real");
+  EXPECT_LT(elapsed, 2000ms);
+  ASSERT_GE(refused.size(), 1u);
+  EXPECT_LE(refused.size(), 2u) << "one line per refused connection";
+  EXPECT_NE(refused[0].find("uid 65534"), std::string::npos) << refused[0];
 }
 
 TEST(FdChannel, ReceiveTimesOutWithoutASender) {

@@ -42,8 +42,9 @@ class FdListener {
  public:
   // Binds and listens on the abstract name "\0<name>". Raises Error(System) if taken.
   explicit FdListener(const std::string& name);
-  FdListener(FdListener&&) noexcept = default;
-  FdListener& operator=(FdListener&&) noexcept = default;
+  FdListener(FdListener&&) noexcept;
+  FdListener& operator=(FdListener&&) noexcept;
+  ~FdListener();
 
   const std::string& name() const { return name_; }
   int fd() const { return socket_.get(); }
@@ -54,14 +55,19 @@ class FdListener {
   // Waits up to `timeout` (zero: forever) for one message from a sender that passes the
   // uid check and `accept`. Refused senders are described in `*refused` (if given) and
   // their descriptors closed; the wait goes on. Returns nullopt on timeout. A negative
-  // timeout takes only a message already waiting. One stalled sender holds the wait up
-  // for at most 5 s (or what is left of `timeout`) and is then refused.
+  // timeout takes only a message already waiting. Connections are read side by side, so a
+  // stalled or idle one holds no other sender up; it is refused once it has sent no complete
+  // message for 5 s (a partly read message is kept from one call to the next). Other users' connections are closed unread at once, and a flood of them is told
+  // in two lines (the first, and how many more).
   std::optional<FdMessage> receive(std::chrono::milliseconds timeout, const Check& accept,
                                    std::vector<std::string>* refused = nullptr);
+
+  struct Incoming;  // a connection of this user being read (fd_channel.cpp)
 
  private:
   std::string name_;
   UniqueFd socket_;
+  std::vector<Incoming> incoming_;  // in the order accepted; kept from one receive to the next
 };
 
 // Connects to the listener `name` and sends one message. Retries a refused or missing
