@@ -5,6 +5,8 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <algorithm>
+#include <cstddef>
 #include <vector>
 
 namespace meshmem::detail {
@@ -34,6 +36,11 @@ struct Topology {
 
   bool same_node(int r) const { return node_of[r] == node_of[rank]; }
   int node() const { return node_of[rank]; }
+  // Place of rank `r` in node_ranks (node_ranks.size() if it is on another node): the index
+  // that per-node tables (channels, slots, bit sets) use.
+  std::size_t node_index(int r) const {
+    return static_cast<std::size_t>(std::find(node_ranks.begin(), node_ranks.end(), r) - node_ranks.begin());
+  }
 
   static Topology discover(Bootstrap& boot, int simulate_nodes);
 };

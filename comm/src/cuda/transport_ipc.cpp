@@ -175,12 +175,7 @@ void IpcTransport::verify_peers(const ipc::VmmAllocation& probe, const std::vect
   const std::string what = "meshmem::Comm (ipc write-and-verify)";
   const Topology& topo = ctx_.topo;
   const std::size_t slots = device_->granularity() / kVerifyBytes;
-  const std::size_t local = static_cast<std::size_t>(
-      std::find(topo.node_ranks.begin(), topo.node_ranks.end(), topo.rank) - topo.node_ranks.begin());
-  auto index_of = [&](int r) {
-    return static_cast<std::size_t>(std::find(topo.node_ranks.begin(), topo.node_ranks.end(), r) -
-                                    topo.node_ranks.begin());
-  };
+  const std::size_t local = topo.node_index(topo.rank);
   // [0, slots): written through the mapping to that node rank and read back intact; [slots,
   // 2 slots): that node rank's pattern arrived here.
   std::vector<char> seen(2 * slots, 0);
@@ -189,7 +184,7 @@ void IpcTransport::verify_peers(const ipc::VmmAllocation& probe, const std::vect
     CurrentDevice current(device_->device());
     if (local >= slots) return;
     for (int r : topo.node_ranks) {
-      if (mapped[r].data() == nullptr || index_of(r) >= slots) continue;
+      if (mapped[r].data() == nullptr || topo.node_index(r) >= slots) continue;
       auto pattern = verify_pattern(topo.rank, r);
       if (corrupt) pattern[pattern.size() / 2] ^= 1;
       char* at = static_cast<char*>(mapped[r].data()) + local * kVerifyBytes;
@@ -201,7 +196,7 @@ void IpcTransport::verify_peers(const ipc::VmmAllocation& probe, const std::vect
         failure[r] = std::string("a copy through the mapping failed: ") + cudaGetErrorString(rc);
         continue;
       }
-      seen[index_of(r)] = back == pattern ? 1 : 0;
+      seen[topo.node_index(r)] = back == pattern ? 1 : 0;
     }
   });
   ctx_.boot.arrive(what);  // every write is done (synchronous copies) before anyone looks
@@ -213,7 +208,7 @@ void IpcTransport::verify_peers(const ipc::VmmAllocation& probe, const std::vect
                     "cudaMemcpy (this rank's probe)", what);
     const std::size_t words = kVerifyBytes / sizeof(std::uint64_t);
     for (int w : topo.node_ranks) {
-      const std::size_t i = index_of(w);
+      const std::size_t i = topo.node_index(w);
       if (i >= n) continue;
       const auto want = verify_pattern(w, topo.rank);
       seen[slots + i] = std::equal(want.begin(), want.end(), mine.begin() + static_cast<std::ptrdiff_t>(i * words)) ? 1 : 0;
@@ -224,7 +219,7 @@ void IpcTransport::verify_peers(const ipc::VmmAllocation& probe, const std::vect
   auto at = [&](int rank, std::size_t i) { return all[static_cast<std::size_t>(rank) * seen.size() + i] == 1; };
   for (int r : topo.node_ranks) {
     if (r == topo.rank || mapped[r].data() == nullptr) continue;
-    const std::size_t them = index_of(r);
+    const std::size_t them = topo.node_index(r);
     if (local >= slots || them >= slots) {
       log(LogLevel::Info, "ipc transport: more node ranks than write-and-verify slots; the pair with rank " +
                               std::to_string(r) + " is not checked");

@@ -200,8 +200,7 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
     if (peer_device_[topo.node_ranks[i]] < 0) mine.bits[i / 8] |= static_cast<std::uint8_t>(1u << (i % 8));
   std::vector<HiddenBits> all(static_cast<std::size_t>(topo.size));
   ctx_.boot.allgather(&mine, all.data(), sizeof(HiddenBits), what);
-  const std::size_t me = static_cast<std::size_t>(
-      std::find(topo.node_ranks.begin(), topo.node_ranks.end(), topo.rank) - topo.node_ranks.begin());
+  const std::size_t me = topo.node_index(topo.rank);
   for (int r : topo.node_ranks)
     if (all[r].bits[me / 8] & (1u << (me % 8))) peer_device_[r] = -1;
   std::vector<int> devices{device_->device()};
