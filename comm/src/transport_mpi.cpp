@@ -229,11 +229,8 @@ void MpiTransport::put(const WindowState& win, int target, std::size_t offset, c
       // header (it was stopped meanwhile: the usual case) or while it waits for the data.
       auto revoked = std::make_shared<std::int32_t>(req.tag);
       std::vector<MPI_Request> revoke(1, MPI_REQUEST_NULL);
-      if (MPI_Isend(revoked.get(), 1, MPI_INT32_T, target, kTagRevoke, requests_.get(), &revoke[0]) == MPI_SUCCESS) {
-        std::lock_guard<std::mutex> lock(abandoned_mutex_);
-        abandoned_.push_back(Abandoned{revoke[0], revoked});  // swept once sent
-        sweep_.store(true, std::memory_order_release);
-      }
+      if (MPI_Isend(revoked.get(), 1, MPI_INT32_T, target, kTagRevoke, requests_.get(), &revoke[0]) == MPI_SUCCESS)
+        keep_until_done(revoke[0], revoked);
       rethrow_with(e, kept == 0 ? "the rest of its data was not sent: the target drops this put (bytes it received "
                                   "before may be written); the source is no longer read"
                                 : "MPI could not cancel the send: the source may still be read, do not reuse it");
@@ -355,13 +352,17 @@ int MpiTransport::abandon(std::vector<MPI_Request>& reqs, const std::shared_ptr<
     int done = 0;
     while (MPI_Test(&r, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done && !grace.expired()) backoff.pause();
     if (done) continue;
-    std::lock_guard<std::mutex> lock(abandoned_mutex_);
-    abandoned_.push_back(Abandoned{r, keep});
+    keep_until_done(r, keep);
     r = MPI_REQUEST_NULL;
-    sweep_.store(true, std::memory_order_release);
     ++kept;
   }
   return kept;
+}
+
+void MpiTransport::keep_until_done(MPI_Request r, const std::shared_ptr<void>& keep) {
+  std::lock_guard<std::mutex> lock(abandoned_mutex_);
+  abandoned_.push_back(Abandoned{r, keep});
+  sweep_.store(true, std::memory_order_release);
 }
 
 void MpiTransport::drop_later(MPI_Comm comm, int source, int tag) {

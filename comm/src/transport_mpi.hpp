@@ -103,6 +103,8 @@ class MpiTransport final : public Transport {
   // ended after a short grace is kept, with `keep` (the memory it uses), until it does.
   // Returns how many were kept (MPI may still use their memory).
   int abandon(std::vector<MPI_Request>& reqs, const std::shared_ptr<void>& keep);
+  // `r` and the memory it uses (`keep`) stay until it ends; the progress thread sweeps it.
+  void keep_until_done(MPI_Request r, const std::shared_ptr<void>& keep);
   // A message that may still come (tag `tag` from `source` on `comm`) for a call that gave
   // up: the progress thread receives and drops it (its sender then completes).
   void drop_later(MPI_Comm comm, int source, int tag);
