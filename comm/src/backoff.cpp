@@ -33,16 +33,16 @@ void Backoff::pause() {
 void tighten_timer_slack() { (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); }
 
 Deadline::Deadline(std::chrono::milliseconds timeout)
-    : timeout_(timeout), end_(std::chrono::steady_clock::now() + timeout) {}
+    : timeout_(timeout), end_(ipc::AwakeClock::now() + timeout) {}
 
 bool Deadline::expired() const {
-  return timeout_.count() != 0 && std::chrono::steady_clock::now() >= end_;
+  return timeout_.count() != 0 && ipc::AwakeClock::now() >= end_;
 }
 
 std::chrono::milliseconds Deadline::remaining() const {
   if (timeout_.count() == 0) return std::chrono::milliseconds(0);
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-      end_ - std::chrono::steady_clock::now());
+      end_ - ipc::AwakeClock::now());
   return left.count() > 0 ? left : std::chrono::milliseconds(1);
 }
 

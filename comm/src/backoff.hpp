@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <string>
 
+#include "meshmem/ipc/awake_clock.hpp"
+
 namespace meshmem::detail {
 
 class Backoff {
@@ -29,7 +31,8 @@ class Backoff {
 // stretched to the default 50 us.
 void tighten_timer_slack();
 
-// A deadline from a timeout; zero means none.
+// A deadline from a timeout; zero means none. Measured on the AwakeClock: time in which this
+// whole process was stopped (a suspended job) does not count.
 class Deadline {
  public:
   explicit Deadline(std::chrono::milliseconds timeout);
@@ -39,7 +42,7 @@ class Deadline {
 
  private:
   std::chrono::milliseconds timeout_;
-  std::chrono::steady_clock::time_point end_;
+  ipc::AwakeClock::time_point end_;
 };
 
 // "2.5 s" etc. for messages.

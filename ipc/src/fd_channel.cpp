@@ -20,11 +20,14 @@
 #include <thread>
 
 #include "meshmem/error.hpp"
+#include "meshmem/ipc/awake_clock.hpp"
 
 namespace meshmem::ipc {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+// Suspending the whole job (every rank stopped, then resumed) is neither a stalled sender nor
+// a missed deadline.
+using Clock = AwakeClock;
 using std::chrono::microseconds;
 using std::chrono::milliseconds;
 

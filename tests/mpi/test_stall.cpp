@@ -3,12 +3,17 @@
 // afterwards (a get's destination stays as it was, a put is not applied later with whatever
 // its source then holds), later calls with that peer fail at once instead of waiting a whole
 // timeout each, and both ranks tear down. Two ranks on one machine (rank 0 stops and resumes
-// rank 1 by pid). Run under ASan+UBSan in CI as well.
+// rank 1 by pid). And the opposite case: the whole job stopped past the timeout and resumed
+// is not a stalled peer. Run under ASan+UBSan in CI as well.
 #include <signal.h>
 #include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -131,5 +136,74 @@ TEST_F(Stall, PutThatTimedOutIsNotAppliedLater) {
   MPI_Barrier(MPI_COMM_WORLD);
   if (me == 1) EXPECT_EQ(first_not(w.local(), kPoison, bytes), -1) << "the put that timed out was applied later";
 }
+
+// The whole job suspended (both ranks stopped, as a scheduler's suspend or a debugger's
+// all-stop does) for longer than the timeout, while rank 0 waits in a barrier that rank 1 has
+// not reached yet, then resumed: no Timeout, and the Comm goes on working. Before the timeouts
+// were measured on the AwakeClock, the barrier failed with a Timeout blaming rank 1.
+class WholeJobSuspend : public Stall, public ::testing::WithParamInterface<const char*> {
+ protected:
+  static constexpr std::chrono::milliseconds kTimeout{2000};
+  static constexpr std::chrono::milliseconds kStopped{5000};
+  Options suspend_options() const {
+    Options o = Options::from_environment();
+    o.timeout = kTimeout;
+    if (std::string(GetParam()) != "default") o.set("MESHMEM_TRANSPORTS", GetParam());
+    return o;
+  }
+  // Rank 0 only: a child that, after `after`, stops both ranks for kStopped, then continues
+  // them. Only async-signal-safe calls in the child (the parent has threads).
+  pid_t suspend_job_after(std::chrono::milliseconds after) {
+    const pid_t child = fork();
+    if (child != 0) return child;
+    auto nap = [](std::chrono::milliseconds d) {
+      timespec t{static_cast<time_t>(d.count() / 1000), static_cast<long>(d.count() % 1000) * 1000000L};
+      while (nanosleep(&t, &t) != 0) {
+      }
+    };
+    nap(after);
+    kill(pids[1], SIGSTOP);
+    kill(pids[0], SIGSTOP);
+    nap(kStopped);
+    kill(pids[0], SIGCONT);
+    kill(pids[1], SIGCONT);
+    _exit(0);
+  }
+};
+
+TEST_P(WholeJobSuspend, ABarrierWaitingAcrossTheSuspendDoesNotTimeOut) {
+  Comm c(MPI_COMM_WORLD, suspend_options());
+  const std::size_t bytes = (std::size_t(1) << 20) + 7;
+  Window w = c.alloc(bytes, Memory::Host);
+  std::memset(w.local(), kPoison, bytes);
+  c.barrier();
+  pid_t suspender = -1;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (me == 0) {
+    suspender = suspend_job_after(std::chrono::milliseconds(200));
+    ASSERT_GT(suspender, 0) << "fork: " << std::strerror(errno);
+  } else {
+    // Still asleep when the job is stopped; arrives once it is continued.
+    std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  }
+  EXPECT_NO_THROW(c.barrier()) << "rank " << me << ": a suspend of the whole job was taken for a stalled peer";
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  if (me == 0) {
+    int status = 0;
+    ASSERT_EQ(waitpid(suspender, &status, 0), suspender);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    // The barrier did span the suspend: otherwise this test proves nothing.
+    EXPECT_GE(waited, kStopped) << "rank 0 left the barrier before the job was suspended";
+  }
+  // The Comm still works: a put from each rank into the other, checked byte by byte.
+  const auto data = pattern(seed, 10 + static_cast<unsigned>(me), bytes);
+  c.put(w, 1 - me, 0, data.data(), bytes);
+  c.quiet();
+  c.barrier();
+  const auto expect = pattern(seed, 10 + static_cast<unsigned>(1 - me), bytes);
+  EXPECT_EQ(std::memcmp(w.local(), expect.data(), bytes), 0) << "rank " << me << ": the put after the resume";
+}
+
+INSTANTIATE_TEST_SUITE_P(Routes, WholeJobSuspend, ::testing::Values("default", "mpi"));
 
 }  // namespace

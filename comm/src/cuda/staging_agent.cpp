@@ -268,7 +268,7 @@ std::string StagingAgent::take_error() {
 }
 
 bool StagingAgent::drain() noexcept {
-  const auto deadline = std::chrono::steady_clock::now() + (timeout_.count() == 0 ? std::chrono::hours(24 * 365) : timeout_);
+  const auto deadline = Clock::now() + (timeout_.count() == 0 ? std::chrono::hours(24 * 365) : timeout_);
   {
     std::unique_lock<std::mutex> lock(m_);
     if (!cv_.wait_until(lock, deadline, [&] { return (handled_ == submitted_ && answers_ == 0) || stop_; })) return false;
@@ -277,7 +277,7 @@ bool StagingAgent::drain() noexcept {
   auto idle = [&](cudaStream_t stream, int device) {
     CurrentDevice current(device);
     while (cudaStreamQuery(stream) == cudaErrorNotReady) {
-      if (std::chrono::steady_clock::now() > deadline) return false;
+      if (Clock::now() > deadline) return false;
       backoff.pause();
     }
     (void)cudaGetLastError();
@@ -291,7 +291,7 @@ bool StagingAgent::drain() noexcept {
       reclaim_words();
       if (remote_lent_.empty()) break;
     }
-    if (std::chrono::steady_clock::now() > deadline) return false;
+    if (Clock::now() > deadline) return false;
     backoff.pause();
   }
   return incoming_ == nullptr || idle(incoming_, device_);

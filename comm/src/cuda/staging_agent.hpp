@@ -47,6 +47,7 @@
 
 #include "../piece_cursor.hpp"
 #include "kernels.hpp"
+#include "meshmem/ipc/awake_clock.hpp"
 #include "meshmem/types.hpp"
 #include "staging_pool.hpp"
 
@@ -190,7 +191,7 @@ class StagingAgent {
     int reader = -1;
     std::uint64_t sequence = 0;
   };
-  using Clock = std::chrono::steady_clock;
+  using Clock = ipc::AwakeClock;  // a whole job suspended and resumed stalls no transfer
   // A transfer between two GPUs visible here, as far as its pieces are enqueued.
   struct VisibleTransfer {
     StagedRequest request;
