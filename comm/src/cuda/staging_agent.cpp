@@ -120,7 +120,6 @@ StagingAgent::~StagingAgent() {
   // pending work may be destroyed; CUDA releases them once that work is done.
   if (!drain()) log(LogLevel::Error, "staged transport: transfers still waiting or running at teardown");
   stop();
-  for (cudaEvent_t e : spare_) (void)cudaEventDestroy(e);
   for (auto& [d, lane] : lanes_) {
     CurrentDevice current(d);
     for (cudaEvent_t e : lane.copied) (void)cudaEventDestroy(e);
@@ -140,26 +139,6 @@ void StagingAgent::stop() noexcept {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
-}
-
-cudaEvent_t StagingAgent::take_event() {
-  {
-    std::lock_guard<std::mutex> lock(m_);
-    if (!spare_.empty()) {
-      cudaEvent_t e = spare_.back();
-      spare_.pop_back();
-      return e;
-    }
-  }
-  cudaEvent_t e = nullptr;
-  ipc::check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags",
-                  "staged transport on rank " + std::to_string(rank_));
-  return e;
-}
-
-void StagingAgent::give_back(cudaEvent_t e) {
-  std::lock_guard<std::mutex> lock(m_);
-  spare_.push_back(e);
 }
 
 bool StagingAgent::try_take_word(std::size_t* word) {
@@ -413,22 +392,21 @@ void StagingAgent::give_up_all(std::list<StagedRequest>& waiting) {
 // stream order), so a poll costs one query per stream, not one per transfer.
 bool StagingAgent::start_ready(std::list<StagedRequest>& waiting) {
   bool any = false;
-  std::vector<cudaStream_t> behind;  // streams whose oldest waiting transfer is not ready
+  StreamsBehind behind;
   for (auto it = waiting.begin(); it != waiting.end();) {
-    if (it->ready != nullptr && std::find(behind.begin(), behind.end(), it->stream) != behind.end()) {
+    if (it->ready != nullptr && behind.contains(it->stream)) {
       ++it;
       continue;
     }
     const cudaError_t rc = it->ready == nullptr ? cudaSuccess : cudaEventQuery(it->ready);
     if (rc == cudaErrorNotReady) {
-      // The per-thread default stream is one handle for as many streams as there are threads.
-      if (it->stream != cudaStreamPerThread) behind.push_back(it->stream);
+      behind.add(it->stream);
       ++it;
       continue;
     }
     const StagedRequest r = *it;
     it = waiting.erase(it);
-    if (r.ready != nullptr) give_back(r.ready);
+    if (r.ready != nullptr) events_.give_back(r.ready);
     if (rc != cudaSuccess) {
       (void)cudaGetLastError();
       fail(r, "staged transfer of rank " + std::to_string(rank_) + ": cudaEventQuery on the caller's stream failed: " +

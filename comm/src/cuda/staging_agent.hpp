@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "../piece_cursor.hpp"
+#include "event_pool.hpp"
 #include "kernels.hpp"
 #include "meshmem/ipc/awake_clock.hpp"
 #include "meshmem/types.hpp"
@@ -140,9 +141,8 @@ class StagingAgent {
 
   void stop() noexcept;
 
-  // An event of this rank's device for the caller to record (caller's thread).
-  cudaEvent_t take_event();
-  void give_back(cudaEvent_t e);
+  // Events of this rank's device for the caller to record (caller's thread).
+  EventPool& events() { return events_; }
 
   // A done word for one transfer (ControlWords::transfer), or false when every word is in use.
   bool try_take_word(std::size_t* word);
@@ -275,10 +275,10 @@ class StagingAgent {
   std::mutex windows_m_;
   std::map<std::uint64_t, std::pair<char*, std::size_t>> windows_;
 
-  std::mutex m_;  // the queue, counters, free words, lent words, spare events, error
+  EventPool events_;
+  std::mutex m_;  // the queue, counters, free words, lent words, error
   std::condition_variable cv_;
   std::deque<StagedRequest> queue_;
-  std::vector<cudaEvent_t> spare_;
   std::vector<std::size_t> free_words_;
   struct RemoteEnd {
     const std::uint64_t* done;

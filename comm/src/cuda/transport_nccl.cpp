@@ -20,6 +20,7 @@
 #include "../log.hpp"
 #include "../topology.hpp"
 #include "device_runtime.hpp"
+#include "event_pool.hpp"
 #include "kernels.hpp"
 #include "meshmem/error.hpp"
 #include "nccl_library.hpp"
@@ -68,6 +69,7 @@ struct NcclRequest {
   bool is_get = false;
   int peer = -1;
   cudaEvent_t ready = nullptr;  // recorded on the caller's stream: the source (or dst) is ready
+  cudaStream_t stream = nullptr;  // that stream: its transfers become ready in order
   const void* src = nullptr;    // put: here
   void* dst = nullptr;          // get: here
   std::size_t bytes = 0;
@@ -104,7 +106,6 @@ class NcclProxy {
   NcclProxy& operator=(const NcclProxy&) = delete;
   ~NcclProxy() {
     stop(false);
-    for (cudaEvent_t e : spare_) (void)cudaEventDestroy(e);
     if (words_ != nullptr) (void)cudaFreeHost(words_);
   }
 
@@ -124,23 +125,8 @@ class NcclProxy {
 
   std::uint64_t* word(std::size_t i) const { return words_ + i; }
 
-  cudaEvent_t take_event(const std::string& what) {
-    {
-      std::lock_guard<std::mutex> lock(m_);
-      if (!spare_.empty()) {
-        cudaEvent_t e = spare_.back();
-        spare_.pop_back();
-        return e;
-      }
-    }
-    cudaEvent_t e = nullptr;
-    ipc::check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags", what);
-    return e;
-  }
-  void give_back(cudaEvent_t e) {
-    std::lock_guard<std::mutex> lock(m_);
-    spare_.push_back(e);
-  }
+  // Events for the callers to record (callers' threads).
+  EventPool& events() { return events_; }
 
   // A done word; with all in use (that many transfers in flight) waits for one, bounded.
   std::size_t take_word(const std::string& what) {
@@ -347,7 +333,7 @@ class NcclProxy {
         in.is_put = true;
         in.id = m.id;
         in.refused = refused;
-        in.done = take_event(from);
+        in.done = events_.take(from);
         ipc::check_cuda(cudaEventRecord(in.done, s), "cudaEventRecord", from);
         incoming_[peer].push_back(in);
         return;
@@ -382,7 +368,7 @@ class NcclProxy {
         in.is_put = false;
         in.word = r.word;
         in.ticket = r.ticket;
-        in.done = take_event(from);
+        in.done = events_.take(from);
         ipc::check_cuda(cudaEventRecord(in.done, s), "cudaEventRecord", from);
         incoming_[peer].push_back(in);
         return;
@@ -422,7 +408,7 @@ class NcclProxy {
         if (rc == cudaErrorNotReady) break;
         Incoming in = list.front();
         list.pop_front();
-        give_back(in.done);
+        events_.give_back(in.done);
         any = true;
         if (rc != cudaSuccess)
           note_error(where() + ": a transfer with rank " + std::to_string(peer) + " failed on the GPU: " +
@@ -465,16 +451,23 @@ class NcclProxy {
         }
       }
       try {
-        // Transfers whose source is ready, in the order they became so.
+        // Transfers whose source is ready, in the order they became so; only the oldest
+        // waiting transfer of each stream is asked.
+        StreamsBehind behind;
         for (auto it = waiting.begin(); it != waiting.end();) {
+          if (it->ready && behind.contains(it->stream)) {
+            ++it;
+            continue;
+          }
           const cudaError_t rc = it->ready ? cudaEventQuery(it->ready) : cudaSuccess;
           if (rc == cudaErrorNotReady) {
+            behind.add(it->stream);
             ++it;
             continue;
           }
           const NcclRequest r = *it;
           it = waiting.erase(it);
-          if (r.ready) give_back(r.ready);
+          if (r.ready) events_.give_back(r.ready);
           busy = true;
           if (rc != cudaSuccess) {
             note_error(where() + ": the stream of a transfer to rank " + std::to_string(r.peer) + " failed: " +
@@ -526,7 +519,7 @@ class NcclProxy {
       if (!flag) MPI_Request_free(&o.request);  // completes (or not) without us
     }
     for (NcclRequest& r : waiting)
-      if (r.ready) give_back(r.ready);
+      if (r.ready) events_.give_back(r.ready);
   }
 
   const NcclLibrary* lib_;
@@ -547,11 +540,11 @@ class NcclProxy {
   std::mutex windows_m_;
   std::map<std::uint64_t, std::pair<char*, std::size_t>> windows_;
 
-  std::mutex m_;  // queue, counters, words, events, error, stop
+  EventPool events_;
+  std::mutex m_;  // queue, counters, words, error, stop
   std::condition_variable cv_;
   std::deque<NcclRequest> queue_;
   std::vector<std::size_t> free_words_;
-  std::vector<cudaEvent_t> spare_;
   std::uint64_t submitted_ = 0;
   std::uint64_t ended_ = 0;
   std::string error_;
@@ -816,10 +809,11 @@ void NcclTransport::transfer(NcclRequest r, Stream stream, const char* name) {
     if (bounce != nullptr) (void)cudaFreeAsync(bounce, s);
     throw;
   }
-  r.ready = proxy_->take_event(what(name, r.peer));
+  r.ready = proxy_->events().take(what(name, r.peer));
+  r.stream = s;
   const cudaError_t rc = cudaEventRecord(r.ready, s);
   if (rc != cudaSuccess) {
-    proxy_->give_back(r.ready);
+    proxy_->events().give_back(r.ready);
     proxy_->release_word(r.word);
     ipc::check_cuda(rc, "cudaEventRecord", what(name, r.peer));
   }

@@ -292,11 +292,11 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
   r.word = agent_->take_word(what(name, peer));
   r.done = agent_->control().transfer(r.word);
   r.word_is_lent = true;
-  r.ready = agent_->take_event();
+  r.ready = agent_->events().take(what(name, peer));
   r.stream = s;
   const cudaError_t rc = cudaEventRecord(r.ready, s);
   if (rc != cudaSuccess) {
-    agent_->give_back(r.ready);
+    agent_->events().give_back(r.ready);
     agent_->release_word(r.word);
     ipc::check_cuda(rc, "cudaEventRecord", what(name, peer));
   }
