@@ -536,19 +536,24 @@ TEST_F(DeviceWindow, HaloAcrossNodesRefusesUnreachableNeighbour) {
   if (comm->node_count() == 1) GTEST_SKIP() << "needs ranks on several (real or simulated) nodes";
   Window win = comm->alloc(4096);
   const int right = (me + 1) % n, left = (me + n - 1) % n;
-  // Rank 0, the lowest rank that fails, reports its first region whose peer is on another
-  // node: its right neighbour where that is on another node, else its left one (rank n-1).
-  const int unreached = comm->node_of(1) != comm->node_of(0) ? 1 : n - 1;
-  if (comm->transport(unreached, Memory::Device) != TransportKind::None)
-    GTEST_SKIP() << "rank " << unreached << " is reached through "
-                 << to_string(comm->transport(unreached, Memory::Device)) << " (no unreachable neighbour here)";
+  // Whether to skip is decided alike on every rank (make_halo is collective): the lowest rank
+  // with an unreachable neighbour reports its first such region (its right neighbour where
+  // that is unreachable, else its left one). Only a rank's own routes are known to it.
+  const bool right_none = comm->transport(right, Memory::Device) == TransportKind::None;
+  const bool left_none = comm->transport(left, Memory::Device) == TransportKind::None;
+  const int mine = right_none || left_none ? me : n;
+  int reporter = n;
+  MPI_Allreduce(&mine, &reporter, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (reporter == n) GTEST_SKIP() << "every halo neighbour is reached (nccl between the nodes' GPUs)";
+  int unreached = right_none ? right : left;
+  MPI_Bcast(&unreached, 1, MPI_INT, reporter, MPI_COMM_WORLD);
   try {
     HaloExchange halo = comm->make_halo(win, {{right, 0, 2048, 8}, {left, 8, 3072, 8}});
     ADD_FAILURE() << "make_halo accepted a neighbour that no transport reaches";
     return;  // complete() would store through a null peer pointer
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::Unsupported) << e.what();
-    for (const std::string& p : std::vector<std::string>{"comm.make_halo on rank 0", "no transport reaches device window",
+    for (const std::string& p : std::vector<std::string>{"comm.make_halo on rank " + std::to_string(reporter), "no transport reaches device window",
                                 "of rank " + std::to_string(unreached), "ipc: rank " + std::to_string(unreached)})
       EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << "'" << p << "' not in: " << e.what();
   }
