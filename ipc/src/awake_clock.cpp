@@ -4,8 +4,11 @@
 #include <signal.h>
 #include <time.h>
 
+#include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 namespace meshmem::ipc {
 namespace {
@@ -28,6 +31,8 @@ struct Watch {
   std::atomic<std::uint64_t> seq{0};
   std::atomic<std::int64_t> last_wake_ns{0};
   std::atomic<std::int64_t> not_counted_ns{0};
+  std::mutex published_m;  // held around fork, so that a child finds it free
+  std::vector<std::int64_t*> published;
 };
 
 Watch& watch() {
@@ -51,6 +56,12 @@ void record_wake(Watch& w, std::int64_t now, bool count_gap = true) {
   w.seq.store(s + 2, std::memory_order_release);
 }
 
+void write_published(Watch& w) {
+  const std::int64_t now = std::chrono::duration_cast<nanoseconds>(AwakeClock::now().time_since_epoch()).count();
+  std::lock_guard<std::mutex> lock(w.published_m);
+  for (std::int64_t* word : w.published) __atomic_store_n(word, now, __ATOMIC_RELAXED);
+}
+
 void watcher_loop() {
   Watch& w = watch();
   const timespec tick{0, static_cast<long>(kTick.count())};
@@ -59,13 +70,19 @@ void watcher_loop() {
     while (clock_nanosleep(CLOCK_MONOTONIC, 0, &left, &left) != 0) {
     }
     record_wake(w, steady_ns());
+    write_published(w);
   }
 }
+
+void before_fork() { watch().published_m.lock(); }
+void after_fork_in_parent() { watch().published_m.unlock(); }
 
 // In a child after fork the watcher is gone (only the forking thread survives): the child
 // starts its own on its first now(). What was not counted before the fork stays not counted.
 void after_fork_in_child() {
   Watch& w = watch();
+  w.published_m.unlock();
+  w.published.clear();  // pinned memory is not inherited (CUDA maps it MADV_DONTFORK)
   const std::uint64_t s = w.seq.load(std::memory_order_relaxed);
   w.seq.store((s | 1) + 1, std::memory_order_relaxed);  // even: a write cut by the fork is over
   w.last_wake_ns.store(steady_ns(), std::memory_order_relaxed);
@@ -75,7 +92,7 @@ void after_fork_in_child() {
 void start_watcher(Watch& w) {
   int expected = kNotStarted;
   if (!w.state.compare_exchange_strong(expected, kStarting, std::memory_order_acq_rel)) return;
-  static const bool fork_handler = pthread_atfork(nullptr, nullptr, after_fork_in_child) == 0;
+  static const bool fork_handler = pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child) == 0;
   record_wake(w, steady_ns(), false);
   // The watcher takes no signals meant for the application's threads.
   sigset_t all, old;
@@ -127,5 +144,23 @@ AwakeClock::time_point AwakeClock::now() noexcept {
 }
 
 std::chrono::nanoseconds AwakeClock::not_counted() noexcept { return nanoseconds(read().not_counted); }
+
+bool AwakeClock::publish(std::int64_t* word) noexcept {
+  (void)read();  // starts the watcher
+  Watch& w = watch();
+  while (w.state.load(std::memory_order_acquire) == kStarting) std::this_thread::yield();  // another thread starts it
+  if (w.state.load(std::memory_order_acquire) != kRunning) return false;
+  const std::int64_t now = std::chrono::duration_cast<nanoseconds>(AwakeClock::now().time_since_epoch()).count();
+  __atomic_store_n(word, now, __ATOMIC_RELAXED);
+  std::lock_guard<std::mutex> lock(w.published_m);
+  w.published.push_back(word);
+  return true;
+}
+
+void AwakeClock::unpublish(std::int64_t* word) noexcept {
+  Watch& w = watch();
+  std::lock_guard<std::mutex> lock(w.published_m);
+  w.published.erase(std::remove(w.published.begin(), w.published.end(), word), w.published.end());
+}
 
 }  // namespace meshmem::ipc

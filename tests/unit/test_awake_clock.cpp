@@ -96,3 +96,21 @@ TEST(AwakeClock, DoesNotCountAStopOfTheWholeProcess) {
   EXPECT_LT(awake, 0.9) << "the stop was counted (steady " << steady << " s)";
   EXPECT_GE(awake, 0.1);
 }
+
+// A published word follows now() (for GPU waits, which read it from pinned memory) until it
+// is unpublished.
+TEST(AwakeClock, APublishedWordFollowsTheClockUntilUnpublished) {
+  std::int64_t word = 0;
+  ASSERT_TRUE(AwakeClock::publish(&word)) << "no watcher runs";
+  const std::int64_t first = __atomic_load_n(&word, __ATOMIC_RELAXED);
+  EXPECT_GT(first, 0);
+  std::this_thread::sleep_for(milliseconds(300));
+  const std::int64_t later = __atomic_load_n(&word, __ATOMIC_RELAXED);
+  const std::int64_t now = duration_cast<nanoseconds>(AwakeClock::now().time_since_epoch()).count();
+  EXPECT_GE(later - first, duration_cast<nanoseconds>(milliseconds(200)).count());
+  EXPECT_LE(now - later, duration_cast<nanoseconds>(milliseconds(150)).count()) << "written every 50 ms";
+  AwakeClock::unpublish(&word);
+  const std::int64_t stopped = __atomic_load_n(&word, __ATOMIC_RELAXED);
+  std::this_thread::sleep_for(milliseconds(200));
+  EXPECT_EQ(__atomic_load_n(&word, __ATOMIC_RELAXED), stopped) << "written after unpublish";
+}

@@ -3,6 +3,7 @@
 #include "../backoff.hpp"
 #include "../log.hpp"
 #include "meshmem/error.hpp"
+#include "meshmem/ipc/awake_clock.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
 
 namespace meshmem::detail {
@@ -14,11 +15,16 @@ const char* cmp_text(unsigned cmp) {
 }
 }  // namespace
 
+namespace {
+// The fault record, then (on its own cache line) the AwakeClock word of the device waits.
+constexpr std::size_t kAwakeOffset = (sizeof(cuda::DeviceFault) + 63) / 64 * 64;
+}  // namespace
+
 DeviceFaultRecord::DeviceFaultRecord(std::chrono::milliseconds timeout, const std::string& what)
     : timeout_(timeout),
       timeout_ns_(static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(timeout).count())) {
   void* p = nullptr;
-  ipc::check_cuda(cudaHostAlloc(&p, sizeof(cuda::DeviceFault), cudaHostAllocMapped | cudaHostAllocPortable),
+  ipc::check_cuda(cudaHostAlloc(&p, kAwakeOffset + sizeof(std::int64_t), cudaHostAllocMapped | cudaHostAllocPortable),
                   "cudaHostAlloc", what);
   host_ = static_cast<cuda::DeviceFault*>(p);
   *host_ = cuda::DeviceFault{};
@@ -29,9 +35,16 @@ DeviceFaultRecord::DeviceFaultRecord(std::chrono::milliseconds timeout, const st
     ipc::check_cuda(rc, "cudaHostGetDevicePointer", what);
   }
   device_ = static_cast<cuda::DeviceFault*>(d);
+  // Without a watcher (it could not start) the waits keep the GPU's clock.
+  auto* awake = reinterpret_cast<std::int64_t*>(static_cast<char*>(p) + kAwakeOffset);
+  if (ipc::AwakeClock::publish(awake)) {
+    awake_host_ = awake;
+    awake_device_ = reinterpret_cast<const std::int64_t*>(static_cast<char*>(d) + kAwakeOffset);
+  }
 }
 
 DeviceFaultRecord::~DeviceFaultRecord() {
+  if (awake_host_ != nullptr) ipc::AwakeClock::unpublish(awake_host_);  // before the memory goes
   if (host_ != nullptr) (void)cudaFreeHost(host_);
 }
 

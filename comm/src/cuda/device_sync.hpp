@@ -29,7 +29,7 @@ class DeviceFaultRecord {
   DeviceFaultRecord(const DeviceFaultRecord&) = delete;
   DeviceFaultRecord& operator=(const DeviceFaultRecord&) = delete;
 
-  cuda::WaitLimit limit() const { return cuda::WaitLimit{device_, timeout_ns_}; }
+  cuda::WaitLimit limit() const { return cuda::WaitLimit{device_, timeout_ns_, awake_device_}; }
   // Raises Error(Timeout) for a device wait that timed out since the last check (and clears
   // it). One read of pinned memory when there is none: every stream call checks.
   // `where()` makes the message's prefix, only when there is a fault (this runs on every call).
@@ -42,6 +42,8 @@ class DeviceFaultRecord {
   [[noreturn]] void raise(const std::string& where);
   cuda::DeviceFault* host_ = nullptr;
   cuda::DeviceFault* device_ = nullptr;
+  std::int64_t* awake_host_ = nullptr;  // the AwakeClock word, published while this lives
+  const std::int64_t* awake_device_ = nullptr;
   std::chrono::milliseconds timeout_;
   std::uint64_t timeout_ns_;
 };

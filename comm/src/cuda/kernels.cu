@@ -79,6 +79,12 @@ __device__ inline std::uint64_t global_ns() {
   return t;
 }
 
+// The clock of a wait's timeout (see WaitLimit).
+__device__ inline std::uint64_t limit_ns(const WaitLimit& limit) {
+  if (limit.awake_ns == nullptr) return global_ns();
+  return static_cast<std::uint64_t>(*reinterpret_cast<const volatile std::int64_t*>(limit.awake_ns));
+}
+
 // Polls `word` until it compares true; false once the limit passed (the fault is written).
 __device__ bool wait_word(const std::uint64_t* word, Cmp cmp, std::uint64_t value, const WaitLimit& limit,
                           FaultKind kind, int peer, std::uint64_t window, std::uint64_t index) {
@@ -91,8 +97,8 @@ __device__ bool wait_word(const std::uint64_t* word, Cmp cmp, std::uint64_t valu
     if (device::compare(v, cmp, value)) return true;
     if (spins >= 64) __nanosleep(100);  // a first burst without sleeping: most waits are short
     if (limit.timeout_ns == 0 || (spins & 255) != 255) continue;
-    if (start == 0) start = global_ns();
-    if (global_ns() - start > limit.timeout_ns) {
+    if (start == 0) start = limit_ns(limit);
+    if (limit_ns(limit) - start > limit.timeout_ns) {
       DeviceFault* f = limit.fault;
       if (atomicCAS(&f->claimed, 0u, 1u) == 0u) {
         f->peer = peer;

@@ -25,10 +25,14 @@ struct DeviceFault {
   std::uint64_t expected;  // what it waited for
 };
 
-// Where a device wait reports its timeout, and after how long (0: waits forever).
+// Where a device wait reports its timeout, and after how long (0: waits forever). The time is
+// this process's AwakeClock where `awake_ns` is set (pinned host memory its watcher keeps at
+// now(), every 50 ms): a wait on the GPU does not time out while the whole job is suspended
+// (the GPU's own clock, used where it is null, goes on meanwhile).
 struct WaitLimit {
   DeviceFault* fault;
   std::uint64_t timeout_ns;
+  const std::int64_t* awake_ns;
 };
 
 // Every launcher takes `early`: a programmatic dependent launch (compute capability 9.0+):

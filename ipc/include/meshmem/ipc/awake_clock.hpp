@@ -28,6 +28,13 @@ struct AwakeClock {
   static time_point now() noexcept;
   // Time not counted so far in this process (for reports and tests).
   static std::chrono::nanoseconds not_counted() noexcept;
+
+  // Keeps *word at now() in nanoseconds, written by the watcher at each wake (every 50 ms)
+  // with an 8-byte store: for readers that cannot call now(), such as GPU kernels reading
+  // pinned host memory. False (nothing written) where no watcher runs: such a word would
+  // never move. unpublish() returns once the watcher no longer writes to `word`.
+  static bool publish(std::int64_t* word) noexcept;
+  static void unpublish(std::int64_t* word) noexcept;
 };
 
 }  // namespace meshmem::ipc
