@@ -1,5 +1,7 @@
-# meshmem_add_mpi_test(NAME <name> TARGET <exe> RANKS <n>... [ENV <VAR=value>...] [LABELS ...])
-# Registers one CTest test per rank count, launched with mpirun. Several ranks share the
+# meshmem_add_mpi_test(NAME <name> TARGET <exe> RANKS <n>... [ENV <VAR=value>...] [LABELS ...]
+#                      [WRAPPER <command>...])
+# Registers one CTest test per rank count, launched with mpirun (after WRAPPER's words where
+# given: a command that runs the mpirun command line it is handed). Several ranks share the
 # cores of a small machine (--oversubscribe), so tests must never spin without yielding.
 set(MESHMEM_MPIEXEC_EXTRA_FLAGS "" CACHE STRING "Extra mpirun flags for the multi-rank tests")
 # Which launcher: FindMPI leaves MPI_C_LIBRARY_VERSION_STRING empty unless asked to try_run,
@@ -14,7 +16,7 @@ if(MPIEXEC_EXECUTABLE)
 endif()
 function(meshmem_add_mpi_test)
   # MPIEXEC_FLAGS: extra flags for this test's launcher (after the common ones).
-  cmake_parse_arguments(T "" "NAME;TARGET;TIMEOUT" "RANKS;ENV;LABELS;ARGS;MPIEXEC_FLAGS" ${ARGN})
+  cmake_parse_arguments(T "" "NAME;TARGET;TIMEOUT" "RANKS;ENV;LABELS;ARGS;MPIEXEC_FLAGS;WRAPPER" ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 300)
   endif()
@@ -29,7 +31,7 @@ function(meshmem_add_mpi_test)
   foreach(n IN LISTS T_RANKS)
     set(test_name ${T_NAME}.np${n})
     add_test(NAME ${test_name}
-      COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${n} ${flags}
+      COMMAND ${T_WRAPPER} ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${n} ${flags}
               $<TARGET_FILE:${T_TARGET}> ${T_ARGS})
     # Root may run the tests (containers, CI): Open MPI refuses root unless told.
     set_tests_properties(${test_name} PROPERTIES

@@ -8,6 +8,7 @@
 #include "gpu_part.hpp"
 #include "host_window.hpp"
 #include "log.hpp"
+#include "memory_limits.hpp"
 #include "meshmem/comm.hpp"
 
 namespace meshmem {
@@ -360,6 +361,18 @@ std::shared_ptr<WindowState> CommImpl::alloc(std::size_t bytes, Memory memory, b
   check_memory(memory, at);  // the same value on every rank (compared above): refused everywhere
   if (memory == Memory::Device && !device)
     throw Error(ErrorCode::Unsupported, at + ": Memory::Device windows are unavailable: " + device_why);
+  if (memory == Memory::Host) {
+    // Refused on every rank before any rank allocates, where the window would not fit under a
+    // rank's memory limits: past them the kernel kills a process instead of failing the
+    // allocation. This rank's address space also holds the node peers' parts that shm maps.
+    int mapped = 0;
+    for (const auto& t : transports) {
+      if (t->kind() != TransportKind::Shm) continue;
+      const std::vector<bool> routed = routes->ranks_through(t.get(), Memory::Host);
+      for (int r = 0; r < topo.size; ++r) mapped += (r != topo.rank && routed[r]) ? 1 : 0;
+    }
+    check_host_window_fits(boot, bytes, mapped, at, call);
+  }
 
   auto state = std::make_shared<WindowState>();
   state->owner = this;
