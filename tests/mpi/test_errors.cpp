@@ -192,6 +192,9 @@ TEST_F(Errors, ATyposEnvironmentOnOneRankFailsEveryRank) {
 TEST_F(Errors, ALateRankAtConstructionTimesOutEverywhere) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   const Options quick = options_with_timeout(std::chrono::milliseconds(1000));
+  // Late relative to a common start: the fixture's Comm lets ranks go at different times (on
+  // a loaded machine once 1.5 s apart, and rank 1 was then not late enough to time out).
+  MPI_Barrier(MPI_COMM_WORLD);
   if (me == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
   const auto t0 = std::chrono::steady_clock::now();
   expect_error([&] { Comm c(MPI_COMM_WORLD, quick); }, ErrorCode::Timeout, {"meshmem::Comm"});
