@@ -402,11 +402,13 @@ struct Stats {
   }
   std::string text() const {
     std::ostringstream s;
-    s << total() << " ops: " << ops[0] << " put, " << ops[1] << " put_signal (" << from_window
-      << " of them from the issuer's window), " << ops[2] << " signal, " << ops[3]
-      << " get, " << ops[4] << " wait (" << implying << " implying, " << then_set << " then-set, " << host_waits
-      << " on the host), " << ops[5] << " checks after waits, " << ops[6] << " quiet, " << ops[7] << " barrier, " << ops[8]
-      << " stream joins; " << bytes_written << " bytes written, " << bytes_read << " bytes read back";
+    s << total() << " ops: " << ops[0] << " put, " << ops[1] << " put_signal, " << ops[2] << " signal, " << ops[3]
+      << " get, " << ops[4] << " wait (" << implying << " implying, " << then_set << " then-set";
+    if (host_waits) s << ", " << host_waits << " on the host";
+    s << "), " << ops[5] << " checks after waits, " << ops[6] << " quiet, " << ops[7] << " barrier";
+    if (ops[8]) s << ", " << ops[8] << " stream joins";
+    s << "; " << bytes_written << " bytes written (" << from_window << " writes from the issuer's own window), "
+      << bytes_read << " bytes read back";
     return s.str();
   }
 };
