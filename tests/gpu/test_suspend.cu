@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "gpu_test.hpp"
+#include "job_suspend.hpp"
 #include "mpi_test.hpp"
 
 using namespace meshmem;
@@ -37,24 +38,6 @@ class Suspend : public meshmem::test::MpiTest {
     const pid_t mine = getpid();
     MPI_Allgather(&mine, 1, MPI_INT, pids, 1, MPI_INT, MPI_COMM_WORLD);
   }
-  // Rank 0: a child that, after `after`, stops both ranks for kStopped, then continues them
-  // (async-signal-safe calls only: the parent has threads).
-  pid_t suspend_job_after(std::chrono::milliseconds after) {
-    const pid_t child = fork();
-    if (child != 0) return child;
-    auto nap = [](std::chrono::milliseconds d) {
-      timespec t{static_cast<time_t>(d.count() / 1000), static_cast<long>(d.count() % 1000) * 1000000L};
-      while (nanosleep(&t, &t) != 0) {
-      }
-    };
-    nap(after);
-    kill(pids[1], SIGSTOP);
-    kill(pids[0], SIGSTOP);
-    nap(kStopped);
-    kill(pids[0], SIGCONT);
-    kill(pids[1], SIGCONT);
-    _exit(0);
-  }
   pid_t pids[2] = {0, 0};
   int me = 0;
 };
@@ -73,7 +56,7 @@ TEST_F(Suspend, AWaitUntilSpinningOnTheGpuDoesNotTimeOutWhileTheJobIsStopped) {
   pid_t suspender = -1;
   if (me == 0) {
     c.wait_until(sig, 0, Cmp::GE, 7, stream);  // spins on the GPU from now on
-    suspender = suspend_job_after(std::chrono::milliseconds(200));
+    suspender = meshmem::test::suspend_job_after({pids[1], pids[0]}, std::chrono::milliseconds(200), kStopped);
     ASSERT_GT(suspender, 0) << "fork: " << std::strerror(errno);
   } else {
     std::this_thread::sleep_for(std::chrono::milliseconds(800));  // still asleep at the stop

@@ -21,6 +21,7 @@
 
 #include <meshmem/meshmem.hpp>
 
+#include "job_suspend.hpp"
 #include "mpi_test.hpp"
 
 using namespace meshmem;
@@ -151,24 +152,6 @@ class WholeJobSuspend : public Stall, public ::testing::WithParamInterface<const
     if (std::string(GetParam()) != "default") o.set("MESHMEM_TRANSPORTS", GetParam());
     return o;
   }
-  // Rank 0 only: a child that, after `after`, stops both ranks for kStopped, then continues
-  // them. Only async-signal-safe calls in the child (the parent has threads).
-  pid_t suspend_job_after(std::chrono::milliseconds after) {
-    const pid_t child = fork();
-    if (child != 0) return child;
-    auto nap = [](std::chrono::milliseconds d) {
-      timespec t{static_cast<time_t>(d.count() / 1000), static_cast<long>(d.count() % 1000) * 1000000L};
-      while (nanosleep(&t, &t) != 0) {
-      }
-    };
-    nap(after);
-    kill(pids[1], SIGSTOP);
-    kill(pids[0], SIGSTOP);
-    nap(kStopped);
-    kill(pids[0], SIGCONT);
-    kill(pids[1], SIGCONT);
-    _exit(0);
-  }
 };
 
 TEST_P(WholeJobSuspend, ABarrierWaitingAcrossTheSuspendDoesNotTimeOut) {
@@ -180,7 +163,7 @@ TEST_P(WholeJobSuspend, ABarrierWaitingAcrossTheSuspendDoesNotTimeOut) {
   pid_t suspender = -1;
   const auto t0 = std::chrono::steady_clock::now();
   if (me == 0) {
-    suspender = suspend_job_after(std::chrono::milliseconds(200));
+    suspender = meshmem::test::suspend_job_after({pids[1], pids[0]}, std::chrono::milliseconds(200), kStopped);
     ASSERT_GT(suspender, 0) << "fork: " << std::strerror(errno);
   } else {
     // Still asleep when the job is stopped; arrives once it is continued.
