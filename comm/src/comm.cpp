@@ -79,7 +79,7 @@ int world_rank() {
   return r;
 }
 
-Bootstrap make_bootstrap(MPI_Comm comm, const Options& options) {
+void require_mpi() {
   int initialized = 0;
   MPI_Initialized(&initialized);
   int finalized = 0;
@@ -87,9 +87,25 @@ Bootstrap make_bootstrap(MPI_Comm comm, const Options& options) {
   if (!initialized || finalized)
     throw Error(ErrorCode::InvalidArgument,
                 "meshmem::Comm: MPI must be initialised (and not finalised) before a Comm is made");
+}
+
+// MESHMEM_FAULT's entries for this rank of `comm` (ranks are the same in the Comm's own
+// communicator, a duplicate).
+FaultPlan fault_plan(MPI_Comm comm, const Options& options) {
+  int rank = 0, size = 0;
+  check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank", "meshmem::Comm");
+  check_mpi(MPI_Comm_size(comm, &size), "MPI_Comm_size", "meshmem::Comm");
+  return FaultPlan(options, rank, size);
+}
+
+// The first step of every Comm: its own communicator.
+CommImpl::Start start_comm(MPI_Comm comm, const Options& options, FaultPlan faults) {
   set_log_level(options.log_level);
   set_log_rank(world_rank());
-  return Bootstrap(comm, options.timeout);
+  faults.hit(FaultPoint::CommStart);
+  Bootstrap boot(comm, options.timeout);
+  faults.hit(FaultPoint::CommJoined);
+  return CommImpl::Start{std::move(faults), std::move(boot)};
 }
 
 // Every rank must run with the same MESHMEM_* settings, or they would pick different
@@ -120,34 +136,40 @@ void agree_on_options(Bootstrap& boot, const Options& options) {
 
 }  // namespace
 
-CommImpl::CommImpl(MPI_Comm comm, const Options& opts) : CommImpl(make_bootstrap(comm, opts), opts) {}
+CommImpl::CommImpl(MPI_Comm comm, const Options& opts)
+    : CommImpl((require_mpi(), start_comm(comm, opts, fault_plan(comm, opts))), opts) {}
 
 // Comm(MPI_Comm) reads MESHMEM_* itself: a value that one rank cannot parse (a typo in that
-// rank's environment) fails every rank with that rank's error, instead of leaving the others
-// waiting in the constructor. The agreement runs on the Bootstrap the Comm then keeps.
+// rank's environment, MESHMEM_FAULT naming a rank the Comm does not have) fails every rank
+// with that rank's error, instead of leaving the others waiting in the constructor. The
+// agreement runs on the Bootstrap the Comm then keeps.
 std::unique_ptr<CommImpl> CommImpl::from_environment(MPI_Comm comm) {
+  require_mpi();
   Options options;
+  FaultPlan faults;
   bool ok = true;
   ErrorCode code = ErrorCode::InvalidArgument;
   std::string problem;
   try {
     options = Options::from_environment();
+    faults = fault_plan(comm, options);
   } catch (const Error& e) {
     ok = false;
     code = e.code();
     problem = e.what();
   }
-  Bootstrap boot = make_bootstrap(comm, ok ? options : Options{});
-  boot.agree(ok, code, problem, "meshmem::Comm (reading MESHMEM_*)");
-  return std::make_unique<CommImpl>(std::move(boot), options);
+  Start start = start_comm(comm, ok ? options : Options{}, ok ? faults : FaultPlan{});
+  start.boot.agree(ok, code, problem, "meshmem::Comm (reading MESHMEM_*)");
+  return std::make_unique<CommImpl>(std::move(start), options);
 }
 
-CommImpl::CommImpl(Bootstrap b, const Options& opts)
+CommImpl::CommImpl(Start start, const Options& opts)
     : options(opts),
-      boot(std::move(b)),
+      faults(std::move(start.faults)),
+      boot(std::move(start.boot)),
       topo((agree_on_options(boot, opts), Topology::discover(boot, opts.simulate_nodes))),
       uid(g_next_comm_uid++) {
-  fds = std::make_unique<FdExchange>(boot, topo, options.fd_passing);
+  fds = std::make_unique<FdExchange>(boot, topo, options.fd_passing, faults);
   if (gpu_start_device_runtime != nullptr)
     device = gpu_start_device_runtime(context(), &device_why);
   else

@@ -9,6 +9,7 @@
 #include "backoff.hpp"
 #include "bootstrap.hpp"
 #include "device_runtime.hpp"
+#include "fault.hpp"
 #include "fd_exchange.hpp"
 #include "log.hpp"
 #include "meshmem/comm.hpp"
@@ -24,9 +25,14 @@ struct HaloState;
 
 class CommImpl {
  public:
+  // What a Comm makes first (start_comm in comm.cpp): this rank's injected faults, and the
+  // Comm's Bootstrap.
+  struct Start {
+    FaultPlan faults;
+    Bootstrap boot;
+  };
   CommImpl(MPI_Comm comm, const Options& options);
-  // On a Bootstrap already made (and agreed on) for this Comm.
-  CommImpl(Bootstrap boot, const Options& options);
+  CommImpl(Start start, const Options& options);
   // Comm(MPI_Comm): reads MESHMEM_* and agrees on the outcome on the Comm's own Bootstrap.
   static std::unique_ptr<CommImpl> from_environment(MPI_Comm comm);
   ~CommImpl();  // collective teardown; never throws
@@ -89,9 +95,10 @@ class CommImpl {
   // The transport that reaches `target` for `win`, or Error(Unsupported) naming the pair and
   // every transport's reason.
   Transport& route(const WindowState& win, int target, const char* call) const;
-  CommContext context() { return CommContext{boot, topo, *fds, options, device.get()}; }
+  CommContext context() { return CommContext{boot, topo, *fds, options, device.get(), faults}; }
 
   Options options;
+  FaultPlan faults;  // MESHMEM_FAULT's entries for this rank (tests)
   Bootstrap boot;
   Topology topo;
   std::unique_ptr<FdExchange> fds;

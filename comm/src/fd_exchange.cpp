@@ -39,8 +39,12 @@ std::string FdExchange::socket_name(int rank) const {
   return "meshmem-" + token_ + "-" + std::to_string(rank);
 }
 
-FdExchange::FdExchange(Bootstrap& boot, const Topology& topo, FdPassing requested)
-    : boot_(boot), topo_(topo), token_(make_token(boot)), listener_(socket_name(boot.rank())) {
+FdExchange::FdExchange(Bootstrap& boot, const Topology& topo, FdPassing requested, FaultPlan faults)
+    : boot_(boot),
+      topo_(topo),
+      faults_(std::move(faults)),
+      token_(make_token(boot)),
+      listener_(socket_name(boot.rank())) {
   const std::string what = "meshmem::Comm (fd passing)";
   // Probe pidfd_getfd: each rank takes the listener descriptor of the next rank of its node.
   std::vector<std::int32_t> listener_fds(static_cast<std::size_t>(topo.size));
@@ -86,6 +90,7 @@ FdExchange::FdExchange(Bootstrap& boot, const Topology& topo, FdPassing requeste
 
 std::vector<ipc::UniqueFd> FdExchange::exchange(int my_fd, const std::string& what) {
   boot_.ensure_usable(what);
+  faults_.hit(FaultPoint::FdExchange);
   const std::uint64_t seq = ++seq_;
   std::string error;
   std::vector<ipc::UniqueFd> result;

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "fault.hpp"
 #include "meshmem/config.hpp"
 #include "meshmem/ipc/fd_channel.hpp"
 #include "meshmem/ipc/unique_fd.hpp"
@@ -21,8 +22,8 @@ struct Topology;
 
 class FdExchange {
  public:
-  // Collective over the Comm.
-  FdExchange(Bootstrap& boot, const Topology& topo, FdPassing requested);
+  // Collective over the Comm. `faults`: the Comm's injected faults (tests).
+  FdExchange(Bootstrap& boot, const Topology& topo, FdPassing requested, FaultPlan faults = FaultPlan());
 
   FdPassing mode() const { return mode_; }  // Pidfd or Socket
   const std::string& reason() const { return reason_; }  // why this mode, for diagnostics
@@ -40,6 +41,7 @@ class FdExchange {
 
   Bootstrap& boot_;
   const Topology& topo_;
+  FaultPlan faults_;
   std::string token_;
   ipc::FdListener listener_;
   FdPassing mode_ = FdPassing::Socket;

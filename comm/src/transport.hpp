@@ -22,6 +22,7 @@ namespace meshmem::detail {
 
 class Bootstrap;
 class DeviceRuntime;
+class FaultPlan;
 class FdExchange;
 struct Topology;
 
@@ -32,6 +33,7 @@ struct CommContext {
   FdExchange& fds;
   const Options& options;
   DeviceRuntime* device;  // null where device windows are unavailable
+  const FaultPlan& faults;  // MESHMEM_FAULT: this rank's injected faults (tests)
 };
 
 // Whether a transport reaches a rank: yes, or why not (the Comm lists every transport's

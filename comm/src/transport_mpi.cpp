@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "backoff.hpp"
+#include "fault.hpp"
 #include "log.hpp"
 
 namespace meshmem::detail {
@@ -215,6 +216,7 @@ void MpiTransport::put(const WindowState& win, int target, std::size_t offset, c
     abandon(r, header);
     rethrow_with(e, "nothing of this put was applied");
   }
+  ctx_.faults.hit(FaultPoint::MpiPutAfterHeader);
   // MPI keeps messages between one pair on one communicator in order, so the payload
   // follows its header; the target's progress thread receives it straight into the window.
   for (int c = 0; c < chunk_count(bytes); ++c) {
@@ -433,6 +435,7 @@ void MpiTransport::handle(const Request& req, int source) {
   std::vector<MPI_Request> r(1, MPI_REQUEST_NULL);
   switch (req.type) {
     case RequestType::Put: {
+      ctx_.faults.hit(FaultPoint::MpiServePut);
       take_revocations();
       if (revoked_.erase({source, req.tag}) > 0) {
         drop_later(requests_.get(), source, req.tag);  // its data, if any was sent, is dropped
@@ -469,6 +472,7 @@ void MpiTransport::handle(const Request& req, int source) {
       break;
     }
     case RequestType::Get: {
+      ctx_.faults.hit(FaultPoint::MpiServeGet);
       const Region src = find(req.window, req.offset, req.bytes, source);
       std::shared_ptr<std::vector<char>> zeros;
       if (src.base == nullptr && req.bytes > 0)
@@ -488,6 +492,7 @@ void MpiTransport::handle(const Request& req, int source) {
       break;
     }
     case RequestType::Flush: {
+      ctx_.faults.hit(FaultPoint::MpiServeFlush);
       static const std::uint64_t kAck = 1;  // lives as long as any send of it may
       try {
         check_mpi(MPI_Isend(&kAck, 1, MPI_UINT64_T, source, req.tag, replies_.get(), &r[0]), "MPI_Isend", what);

@@ -1,0 +1,262 @@
+#include "fault.hpp"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <cctype>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "knobs.hpp"
+#include "log.hpp"
+#include "meshmem/error.hpp"
+
+namespace meshmem::detail {
+
+namespace {
+
+struct PointInfo {
+  FaultPoint point;
+  const char* name;
+  const char* where;  // for the knob's documentation
+};
+// The one list of points: names for the parser, the printer and the documentation.
+constexpr PointInfo kPoints[kFaultPointCount] = {
+    {FaultPoint::CommStart, "comm.start", "a Comm's constructor, before the Comm's communicator exists"},
+    {FaultPoint::CommJoined, "comm.joined", "the Comm's communicator is made, before its ranks first meet"},
+    {FaultPoint::FdExchange, "fd.exchange",
+     "a descriptor exchange between node peers, as when a window shared on the node is made, before this rank offers "
+     "its descriptor"},
+    {FaultPoint::MpiPutAfterHeader, "mpi.put.after_header", "an mpi transport put, its header sent, its data not yet"},
+    {FaultPoint::MpiServePut, "mpi.serve.put", "the target's progress thread has a put's header, before its data"},
+    {FaultPoint::MpiServeGet, "mpi.serve.get", "the target's progress thread has a get's header, before the answer"},
+    {FaultPoint::MpiServeFlush, "mpi.serve.flush", "the target's progress thread has a flush, sent by quiet, before the answer"},
+};
+
+constexpr int kMaxRank = 1 << 20;
+constexpr long long kMaxMilliseconds = 3600 * 1000;  // an hour
+constexpr long long kMaxHit = 1000000000;
+
+std::size_t index_of(FaultPoint point) { return static_cast<std::size_t>(point); }
+
+std::string point_names() {
+  std::string names;
+  for (const PointInfo& p : kPoints) names += (names.empty() ? "" : ", ") + std::string(p.name);
+  return names;
+}
+
+[[noreturn]] void refuse(const char* var, const std::string& raw, const std::string& problem) {
+  throw Error(ErrorCode::InvalidArgument,
+              std::string(var) + "='" + raw + "' is not valid: " + problem +
+                  "; expected comma-separated <rank>:<point>:<action>[:hit=<n>] with <action> kill, delay=<ms> or "
+                  "stop=<ms>, and <point> one of: " +
+                  point_names());
+}
+
+// A decimal number from `min` to `max`, nothing else (no sign, no unit).
+bool parse_number(const std::string& text, long long min, long long max, long long* out) {
+  if (text.empty() || text.size() > 12) return false;
+  for (char c : text)
+    if (!std::isdigit(static_cast<unsigned char>(c))) return false;
+  const long long n = std::stoll(text);
+  if (n < min || n > max) return false;
+  *out = n;
+  return true;
+}
+
+std::vector<std::string> split(const std::string& s, char separator) {
+  std::vector<std::string> parts;
+  std::stringstream in(s);
+  std::string part;
+  while (std::getline(in, part, separator)) parts.push_back(part);
+  if (!s.empty() && s.back() == separator) parts.emplace_back();  // getline drops a trailing empty field
+  return parts;
+}
+
+FaultEntry parse_entry(const char* var, const std::string& raw, const std::string& entry) {
+  const std::vector<std::string> fields = split(entry, ':');
+  const std::string quoted = "entry '" + entry + "'";
+  if (fields.size() < 3 || fields.size() > 4) refuse(var, raw, quoted + " does not have 3 or 4 fields");
+  FaultEntry e;
+  long long n = 0;
+  if (!parse_number(fields[0], 0, kMaxRank, &n)) refuse(var, raw, quoted + ": '" + fields[0] + "' is not a rank");
+  e.rank = static_cast<int>(n);
+  const PointInfo* found = nullptr;
+  for (const PointInfo& p : kPoints)
+    if (fields[1] == p.name) found = &p;
+  if (found == nullptr) refuse(var, raw, quoted + ": '" + fields[1] + "' is not a fault point");
+  e.point = found->point;
+  const std::string& action = fields[2];
+  const auto eq = action.find('=');
+  const std::string verb = action.substr(0, eq);
+  const std::string value = eq == std::string::npos ? std::string() : action.substr(eq + 1);
+  if (action == "kill") {
+    e.action = FaultAction::Kill;
+  } else if ((verb == "delay" || verb == "stop") && eq != std::string::npos) {
+    e.action = verb == "delay" ? FaultAction::Delay : FaultAction::Stop;
+    if (!parse_number(value, e.action == FaultAction::Stop ? 1 : 0, kMaxMilliseconds, &n))
+      refuse(var, raw, quoted + ": '" + value + "' is not a number of milliseconds up to an hour");
+    e.duration = std::chrono::milliseconds(n);
+  } else {
+    refuse(var, raw, quoted + ": '" + action + "' is not an action");
+  }
+  if (fields.size() == 4) {
+    const std::string prefix = "hit=";
+    if (fields[3].compare(0, prefix.size(), prefix) != 0 ||
+        !parse_number(fields[3].substr(prefix.size()), 1, kMaxHit, &n))
+      refuse(var, raw, quoted + ": '" + fields[3] + "' is not hit=<n> with n from 1");
+    e.hit = static_cast<unsigned>(n);
+  }
+  return e;
+}
+
+std::string entry_text(const FaultEntry& e) {
+  std::string s = std::to_string(e.rank) + ":" + to_string(e.point) + ":";
+  switch (e.action) {
+    case FaultAction::Kill: s += "kill"; break;
+    case FaultAction::Delay: s += "delay=" + std::to_string(e.duration.count()); break;
+    case FaultAction::Stop: s += "stop=" + std::to_string(e.duration.count()); break;
+  }
+  if (e.hit != 1) s += ":hit=" + std::to_string(e.hit);
+  return s;
+}
+
+std::string knob_doc() {
+  std::string doc =
+      "**test only**: fault injection, to test dead and stalled peers (issue 13). Comma-separated "
+      "`<rank>:<point>:<action>[:hit=<n>]`: when a thread of that rank of the Comm reaches the point (the n-th "
+      "time; default the first) it takes the action once: `kill` (the process dies at once, as in a crash), "
+      "`delay=<ms>` (the thread sleeps, then goes on) or `stop=<ms>` (the thread stops until the test resumes it, "
+      "at most that long). Points: ";
+  for (std::size_t i = 0; i < kFaultPointCount; ++i)
+    doc += std::string(i ? "; " : "") + "`" + kPoints[i].name + "` (" + kPoints[i].where + ")";
+  doc += ". An unknown point, a rank outside the Comm or a malformed action fails the Comm's construction; "
+         "may differ between ranks";
+  return doc;
+}
+
+// Built before the knob that points at it (one translation unit: declaration order).
+const std::string kFaultDoc = knob_doc();
+// Group "testing": last in the table (README, meshmem-info), after the knobs users tune.
+const TuningKnob<std::vector<FaultEntry>> kFault{
+    "testing", "MESHMEM_FAULT", {}, parse_faults, print_faults, kFaultDoc.c_str(), /*must_agree=*/false};
+
+// What this process did at each point, and the stops under way (process-wide: tests observe
+// and resume them without reaching into a Comm).
+struct ProcessFaults {
+  std::array<std::atomic<std::uint64_t>, kFaultPointCount> taken{};
+  std::mutex mutex;
+  std::condition_variable resumed;
+  std::uint64_t resumes = 0;  // under mutex
+};
+ProcessFaults& process_faults() {
+  static ProcessFaults state;
+  return state;
+}
+
+}  // namespace
+
+const char* to_string(FaultPoint point) noexcept {
+  for (const PointInfo& p : kPoints)
+    if (p.point == point) return p.name;
+  return "?";
+}
+
+std::vector<FaultEntry> parse_faults(const char* var, const std::string& raw) {
+  std::string text;
+  for (char c : raw)
+    if (c != ' ' && c != '\t') text += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  std::vector<FaultEntry> entries;
+  if (text == "none") return entries;
+  if (text.empty()) refuse(var, raw, "it is empty");
+  for (const std::string& entry : split(text, ',')) {
+    if (entry.empty()) refuse(var, raw, "an entry is empty");
+    entries.push_back(parse_entry(var, raw, entry));
+  }
+  return entries;
+}
+
+std::string print_faults(const std::vector<FaultEntry>& entries) {
+  if (entries.empty()) return "none";
+  std::string s;
+  for (const FaultEntry& e : entries) s += (s.empty() ? "" : ",") + entry_text(e);
+  return s;
+}
+
+struct FaultPlan::Armed {
+  int rank = 0;
+  std::vector<FaultEntry> entries;  // this rank's
+  std::array<std::atomic<unsigned>, kFaultPointCount> hits{};
+};
+
+FaultPlan::FaultPlan(const Options& options, int rank, int size) {
+  const std::vector<FaultEntry> all = kFault.get(options);
+  std::vector<FaultEntry> mine;
+  for (const FaultEntry& e : all) {
+    if (e.rank >= size)
+      throw Error(ErrorCode::InvalidArgument,
+                  std::string(kFault.name()) + "='" + print_faults(all) + "' is not valid for this Comm: entry '" +
+                      entry_text(e) + "' names rank " + std::to_string(e.rank) + ", but the Comm has " +
+                      std::to_string(size) + " rank(s)");
+    if (e.rank == rank) mine.push_back(e);
+  }
+  if (mine.empty()) return;
+  armed_ = std::make_shared<Armed>();
+  armed_->rank = rank;
+  armed_->entries = std::move(mine);
+}
+
+void FaultPlan::take(FaultPoint point) const {
+  const unsigned hit = armed_->hits[index_of(point)].fetch_add(1, std::memory_order_relaxed) + 1;
+  for (const FaultEntry& e : armed_->entries) {
+    if (e.point != point || e.hit != hit) continue;
+    const std::string what = "fault injected (MESHMEM_FAULT) at " + std::string(to_string(point)) + " on rank " +
+                             std::to_string(armed_->rank) + " (hit " + std::to_string(hit) + ")";
+    ProcessFaults& process = process_faults();
+    switch (e.action) {
+      case FaultAction::Kill:
+        log(LogLevel::Error, what + ": the process dies now, as in a crash");
+        ::kill(::getpid(), SIGKILL);
+        std::_Exit(128 + SIGKILL);  // not reached: SIGKILL cannot be caught
+      case FaultAction::Delay:
+        log(LogLevel::Warn, what + ": this thread sleeps " + std::to_string(e.duration.count()) + " ms");
+        process.taken[index_of(point)].fetch_add(1, std::memory_order_release);
+        std::this_thread::sleep_for(e.duration);
+        log(LogLevel::Warn, what + ": the thread goes on");
+        break;
+      case FaultAction::Stop: {
+        std::unique_lock<std::mutex> lock(process.mutex);
+        // Counted under the lock after reading the resume count: a test that sees the stop
+        // counted and then resumes it is never missed.
+        const std::uint64_t resumes = process.resumes;
+        process.taken[index_of(point)].fetch_add(1, std::memory_order_release);
+        log(LogLevel::Warn, what + ": this thread stops until resumed, at most " +
+                                std::to_string(e.duration.count()) + " ms");
+        const bool resumed =
+            process.resumed.wait_for(lock, e.duration, [&] { return process.resumes != resumes; });
+        log(LogLevel::Warn, what + (resumed ? ": resumed" : ": not resumed in time; the thread goes on"));
+        break;
+      }
+    }
+  }
+}
+
+std::uint64_t faults_taken(FaultPoint point) {
+  return process_faults().taken[index_of(point)].load(std::memory_order_acquire);
+}
+
+void resume_stopped_faults() {
+  ProcessFaults& process = process_faults();
+  {
+    std::lock_guard<std::mutex> lock(process.mutex);
+    ++process.resumes;
+  }
+  process.resumed.notify_all();
+}
+
+}  // namespace meshmem::detail

@@ -1,0 +1,89 @@
+// Fault injection for tests (issue 13): hooks compiled into every build, so that CI drives the
+// dead-peer and stall paths of the very code users run, deterministically, instead of timing
+// signals from outside. MESHMEM_FAULT names, for a rank of the Comm, a point of the code and
+// what happens when a thread of that rank reaches it:
+//
+//   MESHMEM_FAULT=<rank>:<point>:<action>[:hit=<n>][,...]
+//     kill        the process dies at once, as in a crash (SIGKILL to itself: no unwinding,
+//                 no MPI_Finalize, nothing flushed)
+//     delay=<ms>  the thread sleeps that long, then goes on
+//     stop=<ms>   the thread stops until the program resumes it (resume_stopped_faults(): tests
+//                 that link the library's internals) or <ms> have passed
+//     hit=<n>     on the n-th time that rank reaches the point (default: the first); each entry
+//                 acts once
+//
+// The points are a fixed list (FaultPoint): an unknown name, a rank outside the Comm or a
+// malformed action is refused with Error(InvalidArgument) when the Comm is made, so a typo
+// cannot quietly disable the fault a test relies on. Unset, a point costs one predictable
+// branch (FaultPlan::hit). CUDA-free and MPI-free.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "meshmem/config.hpp"
+
+namespace meshmem::detail {
+
+enum class FaultPoint : unsigned {
+  CommStart,          // "comm.start": a Comm's constructor, before the Comm's communicator
+                      // exists (late or dead there: the others cannot tell which rank is missing)
+  CommJoined,         // "comm.joined": the communicator is made, before the ranks meet
+                      // (late or dead there: the others name the rank)
+  FdExchange,         // "fd.exchange": a descriptor exchange between node peers (alloc of a
+                      // window shared on the node), before this rank offers its descriptor
+  MpiPutAfterHeader,  // "mpi.put.after_header": an mpi transport put, its header sent and its
+                      // data not yet
+  MpiServePut,        // "mpi.serve.put": the target's progress thread (or a thread of it that
+                      // waits and serves meanwhile) has a put's header, before its data
+  MpiServeGet,        // "mpi.serve.get": ... has a get's header, before sending the data
+  MpiServeFlush,      // "mpi.serve.flush": ... has a flush (quiet), before answering it
+};
+constexpr unsigned kFaultPointCount = 7;
+
+const char* to_string(FaultPoint point) noexcept;
+
+enum class FaultAction { Kill, Delay, Stop };
+
+struct FaultEntry {
+  int rank = 0;
+  FaultPoint point = FaultPoint::CommStart;
+  FaultAction action = FaultAction::Kill;
+  std::chrono::milliseconds duration{0};  // delay, or the longest stop
+  unsigned hit = 1;                       // acts on this hit of the point
+};
+
+// MESHMEM_FAULT's parser and printer (the knob's; canonical text "none" when empty).
+std::vector<FaultEntry> parse_faults(const char* var, const std::string& raw);
+std::string print_faults(const std::vector<FaultEntry>& entries);
+
+// One Comm's faults for this rank. Copies share their hit counts.
+class FaultPlan {
+ public:
+  FaultPlan() = default;  // nothing armed
+  // The entries of `options`' MESHMEM_FAULT for `rank`; raises Error(InvalidArgument) naming
+  // the variable where an entry names a rank outside [0, size).
+  FaultPlan(const Options& options, int rank, int size);
+
+  // A thread of this rank reached `point`.
+  void hit(FaultPoint point) const {
+    if (armed_) take(point);
+  }
+  bool armed() const { return armed_ != nullptr; }
+
+ private:
+  struct Armed;
+  void take(FaultPoint point) const;
+  std::shared_ptr<Armed> armed_;
+};
+
+// For tests. Actions taken at `point` in this process so far, by any Comm (a delay or stop
+// counts when it begins).
+std::uint64_t faults_taken(FaultPoint point);
+// Ends every stop under way in this process (stops that begin later wait for the next call).
+void resume_stopped_faults();
+
+}  // namespace meshmem::detail

@@ -1,0 +1,416 @@
+// Dead, late and stalled peers, made deterministic with MESHMEM_FAULT (comm/src/fault.hpp):
+// a rank is made late at a named point of the Comm's construction, a target's progress thread
+// is stopped while it serves a get, a put or a flush and resumed only once the origin has
+// timed out, and a rank is killed in the middle of a put or in an alloc's descriptor exchange. No sleep stands in for synchronisation: the test
+// waits for the hook to have fired, and a rank learns that its own progress thread has
+// finished what it was serving by asking it for something (it serves one request at a time).
+//
+// The Killed* tests kill a rank: each runs alone in a job of its own under
+// `mpirun --enable-recovery` (host.faults_killed_*, MESHMEM_TEST_FAULT_KILLS=1), and the
+// survivors, which cannot meet the dead rank in MPI_COMM_WORLD any more, agree on a verdict
+// among themselves and print it for CTest. Elsewhere they skip themselves.
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <meshmem/meshmem.hpp>
+
+#include "fault.hpp"
+#include "mpi_test.hpp"
+
+using namespace meshmem;
+using meshmem::detail::FaultPoint;
+using meshmem::detail::faults_taken;
+using meshmem::test::first_difference;
+using meshmem::test::first_not;
+using meshmem::test::kPoison;
+using meshmem::test::pattern;
+
+namespace {
+
+// The timeout of waits the tests expect to expire. It bounds the construction too, which a
+// loaded CI machine (4 ranks on 2 cores, under ASan) must finish within it: see
+// comm_everywhere.
+constexpr std::chrono::milliseconds kTimeout{3000};
+// How late a "late" rank is: well past kTimeout. The others must give up before it comes.
+constexpr std::chrono::milliseconds kLateBy = kTimeout + std::chrono::milliseconds(3000);
+constexpr double kGaveUpWithin = (kTimeout.count() + 2500) / 1000.0;  // seconds; less than kLateBy
+constexpr int kResumeTag = 7301;  // MPI_COMM_WORLD: "your stopped thread may go on"
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+Options options_with(const std::string& faults, std::chrono::milliseconds timeout = kTimeout) {
+  Options o = Options::from_environment();
+  o.timeout = timeout;
+  o.set("MESHMEM_FAULT", faults);
+  return o;
+}
+
+std::string entry(int rank, const char* point, const std::string& action) {
+  return std::to_string(rank) + ":" + point + ":" + action;
+}
+
+// Runs `f`, expects an Error with one of `codes` whose message has every one of `parts`;
+// returns the message.
+template <class F>
+std::string expect_error(F&& f, std::initializer_list<ErrorCode> codes, std::initializer_list<std::string> parts) {
+  try {
+    f();
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    bool code_ok = false;
+    for (ErrorCode c : codes) code_ok = code_ok || e.code() == c;
+    EXPECT_TRUE(code_ok) << to_string(e.code()) << ": " << what;
+    for (const std::string& p : parts) EXPECT_NE(what.find(p), std::string::npos) << "'" << p << "' not in: " << what;
+    return what;
+  }
+  ADD_FAILURE() << "no error raised";
+  return "";
+}
+
+// A Comm on every rank of `among`, or every rank tries again: a construction bounded by a short
+// timeout can expire on a loaded machine, and ranks that parted ways there would hang in
+// different collectives. Only for Comms whose faults lie after the construction.
+std::unique_ptr<Comm> comm_everywhere(const Options& o) {
+  for (int attempt = 1;; ++attempt) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    std::unique_ptr<Comm> made;
+    std::string why;
+    try {
+      made = std::make_unique<Comm>(MPI_COMM_WORLD, o);
+    } catch (const Error& e) {
+      why = e.what();
+    }
+    int ok = made ? 1 : 0, all = 0;
+    MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    if (all) return made;
+    made.reset();  // its teardown times out where a peer has none; bounded
+    if (attempt == 3) {
+      ADD_FAILURE() << "a Comm with a " << kTimeout.count() << " ms timeout could not be made on every rank in 3 tries"
+                    << (why.empty() ? "" : ": " + why);
+      return nullptr;
+    }
+  }
+}
+
+// Waits until this process has taken `count` actions at `point` (bounded); false if it has not.
+bool wait_for_fault(FaultPoint point, std::uint64_t count) {
+  const auto t0 = std::chrono::steady_clock::now();
+  while (faults_taken(point) < count) {
+    if (seconds_since(t0) > 60) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+// Returns once this rank's progress thread has finished the request it was serving: a get from
+// this rank's own window (over the mpi transport) is served after it, one request at a time.
+void wait_for_own_progress_thread(Comm& c, const Window& w) {
+  std::uint64_t probe = 0;
+  c.get(&probe, w, c.rank(), 0, sizeof(probe));
+}
+
+// Whether process `pid` (of this host) has died: gone, or a zombie not yet reaped.
+bool dead(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(in, line)) return true;
+  const auto close = line.rfind(')');
+  return close != std::string::npos && close + 2 < line.size() && (line[close + 2] == 'Z' || line[close + 2] == 'X');
+}
+
+class Faults : public meshmem::test::MpiTest {
+ protected:
+  void SetUp() override {
+    if (n < 2) GTEST_SKIP() << "needs two ranks";
+    seed = meshmem::test::shared_seed();
+  }
+  int me = meshmem::test::world_rank();
+  int n = meshmem::test::world_size();
+  std::uint64_t seed = 0;
+};
+
+// ---- late at construction ----
+
+// A rank late by less than the timeout, both before the Comm's communicator exists and after:
+// the others wait for it and every rank gets its Comm.
+TEST_F(Faults, ARankLateByLessThanTheTimeoutAtConstructionIsWaitedFor) {
+  const int late = n - 1;
+  const Options o = options_with(entry(late, "comm.start", "delay=1500") + "," + entry(late, "comm.joined", "delay=1500"),
+                                 std::chrono::seconds(30));
+  const std::uint64_t started = faults_taken(FaultPoint::CommStart), joined = faults_taken(FaultPoint::CommJoined);
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto t0 = std::chrono::steady_clock::now();
+  Comm c(MPI_COMM_WORLD, o);
+  // Every rank waited for the late one's two delays.
+  EXPECT_GE(seconds_since(t0), 2.9);
+  EXPECT_EQ(faults_taken(FaultPoint::CommStart), started + (me == late ? 1 : 0));
+  EXPECT_EQ(faults_taken(FaultPoint::CommJoined), joined + (me == late ? 1 : 0));
+  c.barrier();
+}
+
+// Late by more than the timeout before the Comm's communicator exists: every rank raises
+// Timeout. The others cannot say which rank is missing (MPI_Comm_idup does not tell, and the
+// caller's communicator carries no messages of meshmem's); they say so.
+TEST_F(Faults, ARankLateByMoreThanTheTimeoutBeforeTheCommunicatorExistsFailsEveryRank) {
+  const int late = n - 1;
+  const Options o = options_with(entry(late, "comm.start", "delay=" + std::to_string(kLateBy.count())));
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto t0 = std::chrono::steady_clock::now();
+  if (me == late) {
+    expect_error([&] { Comm c(MPI_COMM_WORLD, o); }, {ErrorCode::Timeout}, {"meshmem::Comm"});
+  } else {
+    expect_error([&] { Comm c(MPI_COMM_WORLD, o); }, {ErrorCode::Timeout},
+                 {"meshmem::Comm", "not every rank of the communicator entered it within 3 s"});
+    EXPECT_LT(seconds_since(t0), kGaveUpWithin) << "the ranks on time gave up late";
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// ---- a target whose progress thread stalls past the origin's timeout, then goes on ----
+// Rank 0 asks rank 1, whose progress thread stops at the point; once rank 0's call has timed
+// out it tells rank 1 to resume, and rank 1 checks that its thread finished serving. Nothing
+// the timed-out call posted may write afterwards.
+class StalledTarget : public Faults {
+ protected:
+  std::unique_ptr<Comm> make(const char* point) {
+    Options o = options_with(entry(1, point, "stop=120000"));
+    o.set("MESHMEM_TRANSPORTS", "mpi");
+    return comm_everywhere(o);
+  }
+  // Rank 1: once its thread has stopped at `point` and rank 0 says so, resumes it and waits
+  // until it has finished serving. Rank 0: tells rank 1 that its call is over.
+  void resume_after_rank0(Comm& c, const Window& w, FaultPoint point, std::uint64_t before) {
+    int word = 0;
+    if (me == 0) {
+      MPI_Send(&word, 1, MPI_INT, 1, kResumeTag, MPI_COMM_WORLD);
+    } else if (me == 1) {
+      EXPECT_TRUE(wait_for_fault(point, before + 1)) << "rank 1's progress thread never stopped at " << to_string(point);
+      MPI_Recv(&word, 1, MPI_INT, 0, kResumeTag, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+      meshmem::detail::resume_stopped_faults();
+      wait_for_own_progress_thread(c, w);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+};
+
+TEST_F(StalledTarget, AGetThatTimedOutWritesNothingWhenTheTargetGoesOn) {
+  const std::size_t bytes = (std::size_t(8) << 20) + 13;
+  const std::uint64_t before = faults_taken(FaultPoint::MpiServeGet);
+  auto c = make("mpi.serve.get");
+  ASSERT_TRUE(c);
+  Window w = c->alloc(bytes, Memory::Host);
+  const auto data = pattern(seed, 1, bytes);
+  if (me == 1) std::memcpy(w.local(), data.data(), bytes);
+  c->barrier();
+  std::vector<unsigned char> dst(bytes, kPoison);
+  if (me == 0) {
+    expect_error([&] { c->get(dst.data(), w, 1, 0, bytes); }, {ErrorCode::Timeout},
+                 {"get from rank 1", "within 3 s", "nothing will be written into the destination"});
+    // Rank 1 is failed for this Comm: the next call says so at once.
+    const auto t0 = std::chrono::steady_clock::now();
+    expect_error([&] { c->get(dst.data(), w, 1, 0, 64); }, {ErrorCode::Timeout}, {"no longer waits for it"});
+    EXPECT_LT(seconds_since(t0), 1.0);
+  }
+  resume_after_rank0(*c, w, FaultPoint::MpiServeGet, before);
+  if (me == 0) EXPECT_EQ(first_not(dst.data(), kPoison, bytes), -1) << "the get that timed out wrote into its destination";
+}
+
+TEST_F(StalledTarget, APutThatTimedOutIsNotAppliedWhenTheTargetGoesOn) {
+  const std::size_t bytes = (std::size_t(8) << 20) + 13;
+  const std::uint64_t before = faults_taken(FaultPoint::MpiServePut);
+  auto c = make("mpi.serve.put");
+  ASSERT_TRUE(c);
+  Window w = c->alloc(bytes, Memory::Host);
+  std::memset(w.local(), kPoison, bytes);
+  c->barrier();
+  auto src = pattern(seed, 2, bytes);
+  if (me == 0) {
+    const std::string what = expect_error([&] { c->put(w, 1, 0, src.data(), bytes); }, {ErrorCode::Timeout},
+                                          {"put to rank 1", "within 3 s"});
+    // Where the source may be reused, a late put would now carry other bytes.
+    if (what.find("do not reuse it") == std::string::npos) {
+      const auto other = pattern(seed, 3, bytes);
+      std::memcpy(src.data(), other.data(), bytes);
+    }
+  }
+  resume_after_rank0(*c, w, FaultPoint::MpiServePut, before);
+  if (me == 1) EXPECT_EQ(first_not(w.local(), kPoison, bytes), -1) << "the put that timed out was applied";
+}
+
+// The put before the quiet is applied; the flush's late answer is received and dropped (it
+// no longer lands in the freed memory of the call that gave up: ASan run).
+TEST_F(StalledTarget, AQuietThatTimedOutLeavesNothingBehind) {
+  const std::size_t bytes = 4096;
+  const std::uint64_t before = faults_taken(FaultPoint::MpiServeFlush);
+  auto c = make("mpi.serve.flush");
+  ASSERT_TRUE(c);
+  Window w = c->alloc(bytes, Memory::Host);
+  std::memset(w.local(), kPoison, bytes);
+  c->barrier();
+  const auto src = pattern(seed, 4, bytes);
+  if (me == 0) {
+    c->put(w, 1, 0, src.data(), bytes);
+    expect_error([&] { c->quiet(); }, {ErrorCode::Timeout}, {"quiet", "rank 1", "within 3 s"});
+  }
+  resume_after_rank0(*c, w, FaultPoint::MpiServeFlush, before);
+  if (me == 1) EXPECT_EQ(first_difference(w.local(), src.data(), bytes), -1) << "the put before the quiet";
+}
+
+// ---- a rank killed ----
+class Killed : public ::testing::Test {
+ protected:
+  static constexpr int kVictim = 2;
+  void SetUp() override {
+    const char* on = std::getenv("MESHMEM_TEST_FAULT_KILLS");
+    if (on == nullptr || std::string(on) != "1")
+      GTEST_SKIP() << "kills a rank: run alone by host.faults_killed_* (MESHMEM_TEST_FAULT_KILLS=1, mpirun "
+                      "--enable-recovery)";
+    if (n != 3) GTEST_SKIP() << "written for three ranks (rank 2 dies, ranks 0 and 1 go on)";
+    // The survivors watch the victim's process die (so that no call of theirs can still reach
+    // it alive): one host.
+    const pid_t mine = getpid();
+    MPI_Allgather(&mine, 1, MPI_INT, pids_, 1, MPI_INT, MPI_COMM_WORLD);
+    char host[3][64] = {};
+    gethostname(host[me], 63);
+    MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, host, 64, MPI_CHAR, MPI_COMM_WORLD);
+    if (std::string(host[0]) != host[1] || std::string(host[0]) != host[2])
+      GTEST_SKIP() << "the ranks are on different hosts";
+    MPI_Comm_split(MPI_COMM_WORLD, me == kVictim ? MPI_UNDEFINED : 0, me, &survivors_);
+    seed = meshmem::test::shared_seed();
+  }
+  // A survivor returns once the victim's process has died (bounded).
+  void wait_for_victims_death() {
+    const auto t0 = std::chrono::steady_clock::now();
+    while (!dead(pids_[kVictim]) && seconds_since(t0) < 60)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    ASSERT_TRUE(dead(pids_[kVictim])) << "rank " << kVictim << " did not die";
+  }
+  // The victim reached the end of its part alive: the fault did not fire.
+  [[noreturn]] void victim_survived(const char* point) {
+    ADD_FAILURE() << "rank " << kVictim << " was not killed at " << point;
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
+  // The survivors agree on the verdict and the lowest prints it for CTest. Every process ends
+  // here: MPI_COMM_WORLD has a dead rank, so neither gtest's teardown nor MPI_Finalize.
+  [[noreturn]] void verdict(const char* scenario) {
+    int failed = HasFailure() ? 1 : 0, any = 0;
+    MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, survivors_);
+    if (me == 0)
+      std::printf("[ killed rank: %s ] %s: ranks 0 and 1 outlived rank 2, their calls ended in errors, ~Comm "
+                  "returned\n",
+                  scenario, any ? "FAILED" : "PASSED");
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::_Exit(any ? 1 : 0);
+  }
+  int me = meshmem::test::world_rank();
+  int n = meshmem::test::world_size();
+  std::uint64_t seed = 0;
+  pid_t pids_[3] = {0, 0, 0};
+  MPI_Comm survivors_ = MPI_COMM_NULL;
+};
+
+// Rank 2 dies in the middle of a put to rank 0 (its header sent, its data not). Rank 0's
+// progress thread gives up on the data after the timeout and goes on serving rank 1; calls
+// with rank 2 end in errors naming it; the barrier names it; ~Comm returns.
+TEST_F(Killed, MidPut) {
+  Options o = options_with(entry(kVictim, "mpi.put.after_header", "kill"));
+  o.set("MESHMEM_TRANSPORTS", "mpi");
+  auto c = comm_everywhere(o);
+  ASSERT_TRUE(c);
+  const std::size_t bytes = (std::size_t(8) << 20) + 13;
+  Window w = c->alloc(bytes, Memory::Host);
+  Window landing = c->alloc(64, Memory::Host);
+  Signals sig = c->alloc_signals(2, Memory::Host);
+  std::memset(w.local(), kPoison, bytes);
+  std::memset(landing.local(), kPoison, 64);
+  c->barrier();
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (me == kVictim) {
+    const auto src = pattern(seed, 5, bytes);
+    c->put(w, 0, 0, src.data(), bytes);
+    victim_survived("mpi.put.after_header");
+  }
+  const auto from1 = pattern(seed, 6, 64);
+  const std::string named = "rank " + std::to_string(kVictim);
+  std::uint64_t word = 0;
+  if (me == 1) {
+    // Served by rank 0's progress thread once it has given up on rank 2's data.
+    c->put_signal(landing, 0, 0, from1.data(), 64, sig, 1, 1, SignalOp::Set);
+  }
+  wait_for_victims_death();
+  // Calls with the dead rank end in an error naming it (Timeout, or MPI's error where it
+  // reports the dead peer itself), then at once.
+  expect_error([&] { c->get(&word, w, kVictim, 0, sizeof(word)); }, {ErrorCode::Timeout, ErrorCode::Mpi},
+               {"get from " + named});
+  const auto t0 = std::chrono::steady_clock::now();
+  expect_error([&] { c->get(&word, w, kVictim, 0, sizeof(word)); }, {ErrorCode::Timeout, ErrorCode::Mpi}, {named});
+  EXPECT_LT(seconds_since(t0), 1.0) << "a second call with the dead rank waited again";
+  if (me == 0) {
+    // Rank 0's progress thread did not hang on the dead origin's put. (A wait for a signal
+    // that times out changes nothing: it is tried again, up to five timeouts in all.)
+    bool raised = false;
+    for (int attempt = 0; attempt < 5 && !raised; ++attempt) {
+      try {
+        c->wait_until(sig, 1, Cmp::GE, 1);
+        raised = true;
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+      }
+    }
+    EXPECT_TRUE(raised) << "rank 0 never served rank 1's put_signal after rank 2 died mid-put";
+    EXPECT_EQ(first_difference(landing.local(), from1.data(), 64), -1);
+    EXPECT_EQ(first_not(w.local(), kPoison, bytes), -1) << "the dead rank's put wrote into the window";
+  }
+  MPI_Barrier(survivors_);
+  expect_error([&] { c->barrier(); }, {ErrorCode::Timeout}, {"comm.barrier", "rank(s) 2 did not arrive"});
+  const auto t1 = std::chrono::steady_clock::now();
+  sig = Signals();
+  landing = Window();
+  w = Window();
+  c.reset();
+  EXPECT_LT(seconds_since(t1), 15.0) << "teardown with a dead rank";
+  verdict("mid-put");
+}
+
+// Rank 2 dies in an alloc, as it offers its descriptor to its node peers: the others' alloc
+// raises, and ~Comm returns.
+TEST_F(Killed, InAllocsDescriptorExchange) {
+  if (gpu_available()) GTEST_SKIP() << "with a GPU the construction exchanges descriptors too";
+  auto c = comm_everywhere(options_with(entry(kVictim, "fd.exchange", "kill")));
+  ASSERT_TRUE(c);
+  if (c->transport(0, Memory::Host) != TransportKind::Shm) GTEST_SKIP() << "the ranks are not on one node";
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (me == kVictim) {
+    try {
+      (void)c->alloc(4096, Memory::Host);
+    } catch (const Error&) {
+    }
+    victim_survived("fd.exchange");
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string what = expect_error([&] { (void)c->alloc(4096, Memory::Host); }, {ErrorCode::Timeout}, {"comm.alloc"});
+  std::printf("[rank %d] alloc raised: %s\n", me, what.c_str());
+  EXPECT_LT(seconds_since(t0), 15.0) << "the alloc with a dead rank";
+  const auto t1 = std::chrono::steady_clock::now();
+  c.reset();
+  EXPECT_LT(seconds_since(t1), 15.0) << "teardown with a dead rank";
+  verdict("in alloc's descriptor exchange");
+}
+
+}  // namespace
