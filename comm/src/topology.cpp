@@ -29,6 +29,11 @@ Topology Topology::discover(Bootstrap& boot, int simulate_nodes) {
   t.rank = boot.rank();
   t.size = boot.size();
 
+  // MPI_Comm_split_type and the node's MPI_Allreduce cannot be bounded: every rank enters them
+  // only once all have met here. A rank late past the timeout, whose partners gave up on an
+  // earlier step of the construction (a bounded collective that it then completed alone
+  // against their abandoned parts), raises Timeout here instead of waiting in them for ever.
+  boot.arrive(what);
   MPI_Comm shared = MPI_COMM_NULL;
   check_mpi(MPI_Comm_split_type(boot.comm(), MPI_COMM_TYPE_SHARED, boot.rank(), MPI_INFO_NULL,
                                 &shared),

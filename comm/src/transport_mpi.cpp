@@ -77,8 +77,10 @@ void MpiTransport::connect(const std::vector<bool>&) {
                   "MPI_THREAD_MULTIPLE, but MPI was initialised with thread level " +
                       std::to_string(provided) + "; call MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)",
                   "meshmem::Comm");
-  requests_ = MpiComm::dup(ctx_.boot.comm(), what);
-  replies_ = MpiComm::dup(ctx_.boot.comm(), what);
+  // Bounded like every wait of the construction: a rank that comes after its partners gave up
+  // raises Timeout instead of waiting for them for ever.
+  requests_ = MpiComm::dup(ctx_.boot.comm(), what, timeout_);
+  replies_ = MpiComm::dup(ctx_.boot.comm(), what, timeout_);
   int size = 0;
   check_mpi(MPI_Comm_rank(requests_.get(), &rank_), "MPI_Comm_rank", what);
   check_mpi(MPI_Comm_size(requests_.get(), &size), "MPI_Comm_size", what);

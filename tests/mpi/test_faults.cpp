@@ -179,6 +179,18 @@ TEST_F(Faults, ARankLateByMoreThanTheTimeoutBeforeTheCommunicatorExistsFailsEver
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// Late by more than the timeout once the communicator exists: every rank raises Timeout, the
+// late rank too when it comes (its partners have gone), instead of waiting for them for ever.
+TEST_F(Faults, ARankLateByMoreThanTheTimeoutAfterTheCommunicatorExistsFailsEveryRank) {
+  const int late = n - 1;
+  const Options o = options_with(entry(late, "comm.joined", "delay=" + std::to_string(kLateBy.count())));
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto t0 = std::chrono::steady_clock::now();
+  expect_error([&] { Comm c(MPI_COMM_WORLD, o); }, {ErrorCode::Timeout}, {"meshmem::Comm"});
+  if (me != late) EXPECT_LT(seconds_since(t0), kGaveUpWithin) << "the ranks on time gave up late";
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 // ---- a target whose progress thread stalls past the origin's timeout, then goes on ----
 // Rank 0 asks rank 1, whose progress thread stops at the point; once rank 0's call has timed
 // out it tells rank 1 to resume, and rank 1 checks that its thread finished serving. Nothing
