@@ -150,6 +150,7 @@ const TuningKnob<std::vector<FaultEntry>> kFault{
 // and resume them without reaching into a Comm).
 struct ProcessFaults {
   std::array<std::atomic<std::uint64_t>, kFaultPointCount> taken{};
+  std::array<std::atomic<std::uint64_t>, kFaultPointCount> over{};
   std::mutex mutex;
   std::condition_variable resumed;
   std::uint64_t resumes = 0;  // under mutex
@@ -228,6 +229,7 @@ void FaultPlan::take(FaultPoint point) const {
         process.taken[index_of(point)].fetch_add(1, std::memory_order_release);
         std::this_thread::sleep_for(e.duration);
         log(LogLevel::Warn, what + ": the thread goes on");
+        process.over[index_of(point)].fetch_add(1, std::memory_order_release);
         break;
       case FaultAction::Stop: {
         std::unique_lock<std::mutex> lock(process.mutex);
@@ -240,6 +242,7 @@ void FaultPlan::take(FaultPoint point) const {
         const bool resumed =
             process.resumed.wait_for(lock, e.duration, [&] { return process.resumes != resumes; });
         log(LogLevel::Warn, what + (resumed ? ": resumed" : ": not resumed in time; the thread goes on"));
+        process.over[index_of(point)].fetch_add(1, std::memory_order_release);
         break;
       }
     }
@@ -248,6 +251,10 @@ void FaultPlan::take(FaultPoint point) const {
 
 std::uint64_t faults_taken(FaultPoint point) {
   return process_faults().taken[index_of(point)].load(std::memory_order_acquire);
+}
+
+std::uint64_t faults_over(FaultPoint point) {
+  return process_faults().over[index_of(point)].load(std::memory_order_acquire);
 }
 
 void resume_stopped_faults() {

@@ -80,9 +80,10 @@ class FaultPlan {
   std::shared_ptr<Armed> armed_;
 };
 
-// For tests. Actions taken at `point` in this process so far, by any Comm (a delay or stop
-// counts when it begins).
+// For tests. Actions taken at `point` in this process so far, by any Comm: begun (a delay or
+// stop counts when it begins), and delays and stops over (the thread goes on).
 std::uint64_t faults_taken(FaultPoint point);
+std::uint64_t faults_over(FaultPoint point);
 // Ends every stop under way in this process (stops that begin later wait for the next call).
 void resume_stopped_faults();
 

@@ -105,19 +105,23 @@ std::unique_ptr<Comm> comm_everywhere(const Options& o) {
   }
 }
 
-// Waits until this process has taken `count` actions at `point` (bounded); false if it has not.
-bool wait_for_fault(FaultPoint point, std::uint64_t count) {
+// Waits until `counter(point)` (faults_taken, faults_over) reaches `count` (bounded); false if
+// it has not.
+bool wait_for_fault(std::uint64_t (*counter)(FaultPoint), FaultPoint point, std::uint64_t count) {
   const auto t0 = std::chrono::steady_clock::now();
-  while (faults_taken(point) < count) {
+  while (counter(point) < count) {
     if (seconds_since(t0) > 60) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   return true;
 }
 
-// Returns once this rank's progress thread has finished the request it was serving: a get from
-// this rank's own window (over the mpi transport) is served after it, one request at a time.
-void wait_for_own_progress_thread(Comm& c, const Window& w) {
+// Returns once this rank's progress thread, resumed from its stop at `point`, has finished the
+// request it was serving: a get from this rank's own window (over the mpi transport) is served
+// after it, one request at a time. The get is made only once the thread has left its stop, so
+// that the get's own timeout does not count the wake-up (seen taking over 3 s under load).
+void wait_for_own_progress_thread(Comm& c, const Window& w, FaultPoint point, std::uint64_t stops) {
+  EXPECT_TRUE(wait_for_fault(meshmem::detail::faults_over, point, stops)) << "the stopped thread did not go on";
   std::uint64_t probe = 0;
   c.get(&probe, w, c.rank(), 0, sizeof(probe));
 }
@@ -209,10 +213,11 @@ class StalledTarget : public Faults {
     if (me == 0) {
       MPI_Send(&word, 1, MPI_INT, 1, kResumeTag, MPI_COMM_WORLD);
     } else if (me == 1) {
-      EXPECT_TRUE(wait_for_fault(point, before + 1)) << "rank 1's progress thread never stopped at " << to_string(point);
+      EXPECT_TRUE(wait_for_fault(faults_taken, point, before + 1))
+          << "rank 1's progress thread never stopped at " << to_string(point);
       MPI_Recv(&word, 1, MPI_INT, 0, kResumeTag, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
       meshmem::detail::resume_stopped_faults();
-      wait_for_own_progress_thread(c, w);
+      wait_for_own_progress_thread(c, w, point, before + 1);
     }
     MPI_Barrier(MPI_COMM_WORLD);
   }

@@ -108,6 +108,7 @@ TEST(Fault, ARankOutsideTheCommIsRefusedWhenThePlanIsMade) {
 TEST(Fault, DelayActsOnceOnItsHit) {
   const FaultPlan plan(with_faults("0:mpi.serve.put:delay=300:hit=2,1:mpi.serve.put:delay=5000"), 0, 2);
   const std::uint64_t before = faults_taken(FaultPoint::MpiServePut);
+  const std::uint64_t over = meshmem::detail::faults_over(FaultPoint::MpiServePut);
   auto t0 = std::chrono::steady_clock::now();
   plan.hit(FaultPoint::MpiServePut);  // hit 1
   plan.hit(FaultPoint::MpiServeGet);
@@ -117,6 +118,7 @@ TEST(Fault, DelayActsOnceOnItsHit) {
   plan.hit(FaultPoint::MpiServePut);  // hit 2: sleeps
   EXPECT_GE(seconds_since(t0), 0.3);
   EXPECT_EQ(faults_taken(FaultPoint::MpiServePut), before + 1);
+  EXPECT_EQ(meshmem::detail::faults_over(FaultPoint::MpiServePut), over + 1);
   t0 = std::chrono::steady_clock::now();
   plan.hit(FaultPoint::MpiServePut);  // hit 3: done already
   EXPECT_LT(seconds_since(t0), 0.25);
@@ -139,8 +141,10 @@ TEST(Fault, StopHoldsTheThreadUntilResumed) {
   while (faults_taken(FaultPoint::MpiServeGet) == before && seconds_since(t0) < 30)
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   ASSERT_EQ(faults_taken(FaultPoint::MpiServeGet), before + 1);
+  const std::uint64_t over = meshmem::detail::faults_over(FaultPoint::MpiServeGet);
   meshmem::detail::resume_stopped_faults();
   stopped.join();
+  EXPECT_EQ(meshmem::detail::faults_over(FaultPoint::MpiServeGet), over + 1);
   EXPECT_LT(seconds_since(t0), 30.0);
   const auto t1 = std::chrono::steady_clock::now();
   plan.hit(FaultPoint::MpiServeGet);  // hit 2: nobody resumes it
