@@ -21,6 +21,29 @@ bool mpi_finalized() {
   return done != 0;
 }
 
+// Requests this process gave up on after a timeout, with the memory MPI may still write or read
+// for them: a collective abandoned on timeout is completed by MPI when a late rank joins it,
+// long after the call that posted it returned and its caller's buffers were freed. Kept until
+// the request completes (tested whenever another is kept) or, for a request already freed
+// (MPI_REQUEST_NULL here: a meeting's receive), for the life of the process.
+void keep_for_mpi(MPI_Request request, std::shared_ptr<void> memory) {
+  struct Kept {
+    MPI_Request request;
+    std::shared_ptr<void> memory;
+  };
+  static std::mutex mutex;
+  static std::vector<Kept> kept;
+  std::lock_guard<std::mutex> lock(mutex);
+  kept.erase(std::remove_if(kept.begin(), kept.end(),
+                            [](Kept& k) {
+                              int done = 0;
+                              return k.request != MPI_REQUEST_NULL &&
+                                     MPI_Test(&k.request, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done;
+                            }),
+             kept.end());
+  kept.push_back(Kept{request, std::move(memory)});
+}
+
 int to_int_count(std::size_t bytes, const std::string& what) {
   if (bytes > static_cast<std::size_t>(INT32_MAX))
     throw Error(ErrorCode::Internal, what + ": bootstrap message of " + std::to_string(bytes) +
@@ -53,7 +76,7 @@ MpiComm MpiComm::dup(MPI_Comm parent, const std::string& context, std::chrono::m
     MPI_Comm comm = MPI_COMM_NULL;
     MPI_Request request = MPI_REQUEST_NULL;
   };
-  auto pending = std::make_unique<Pending>();
+  auto pending = std::make_shared<Pending>();
   check_mpi(MPI_Comm_idup(parent, &pending->comm, &pending->request), "MPI_Comm_idup", context);
   Deadline deadline(timeout);
   Backoff backoff;
@@ -62,12 +85,7 @@ MpiComm MpiComm::dup(MPI_Comm parent, const std::string& context, std::chrono::m
     check_mpi(MPI_Test(&pending->request, &done, MPI_STATUS_IGNORE), "MPI_Test (MPI_Comm_idup)", context);
     if (done) break;
     if (deadline.expired()) {
-      static std::mutex m;
-      static std::vector<std::unique_ptr<Pending>> abandoned;
-      {
-        std::lock_guard<std::mutex> lock(m);
-        abandoned.push_back(std::move(pending));
-      }
+      keep_for_mpi(pending->request, pending);
       throw Error(ErrorCode::Timeout,
                   context + ": not every rank of the communicator entered it within " + describe_timeout(timeout) +
                       " (a rank is missing, late or dead, or failed before it: its own error says why); this rank "
@@ -109,7 +127,8 @@ Bootstrap::Bootstrap(MPI_Comm parent, std::chrono::milliseconds timeout)
     : comm_(MpiComm::dup(parent, "meshmem::Comm", timeout)), timeout_(timeout) {
   check_mpi(MPI_Comm_rank(comm_.get(), &rank_), "MPI_Comm_rank", "meshmem::Comm");
   check_mpi(MPI_Comm_size(comm_.get(), &size_), "MPI_Comm_size", "meshmem::Comm");
-  arrivals_.assign(static_cast<std::size_t>(size_), Arrival{});
+  mail_ = std::make_shared<Mailbox>();
+  mail_->arrivals.assign(static_cast<std::size_t>(size_), Arrival{});
 }
 
 void Bootstrap::ensure_usable(const std::string& what) const {
@@ -160,67 +179,75 @@ void Bootstrap::arrive(const std::string& what) {
     // with the list of those that did not, so every rank reports the same culprits.
     std::vector<MPI_Request> reqs(static_cast<std::size_t>(size_), MPI_REQUEST_NULL);
     for (int r = 1; r < size_; ++r)
-      check_mpi(MPI_Irecv(&arrivals_[r], kArrivalBytes, MPI_BYTE, r, kTagArrive, comm_.get(), &reqs[r]),
+      check_mpi(MPI_Irecv(&mail_->arrivals[r], kArrivalBytes, MPI_BYTE, r, kTagArrive, comm_.get(), &reqs[r]),
                 "MPI_Irecv", where);
+    // Receives still posted when this rank gives up write into the mailbox whenever their
+    // rank comes: it is kept, and the requests freed.
+    const auto abandon_receives = [&] {
+      for (auto& req : reqs)
+        if (req != MPI_REQUEST_NULL) MPI_Request_free(&req);
+      keep_for_mpi(MPI_REQUEST_NULL, mail_);
+    };
     Deadline deadline(timeout_);
     Backoff backoff;
     int pending = size_ - 1;
     int differs = -1;  // the first rank that arrived from another call
-    while (pending > 0 && !deadline.expired()) {
-      int done = 0;
-      int index = MPI_UNDEFINED;
-      check_mpi(MPI_Testany(size_, reqs.data(), &index, &done, MPI_STATUS_IGNORE), "MPI_Testany",
-                where);
-      if (done && index != MPI_UNDEFINED) {
-        if (arrivals_[index].epoch != epoch)
-          throw Error(ErrorCode::Internal, where + ": rank " + std::to_string(index) +
-                                               " arrived at barrier epoch " +
-                                               std::to_string(arrivals_[index].epoch) + ", expected " +
-                                               std::to_string(epoch));
-        arrivals_[index].call[kNameBytes - 1] = '\0';
-        if (differs < 0 && std::strncmp(arrivals_[index].call, mine.call, kNameBytes) != 0) differs = index;
-        --pending;
-        backoff.reset();
-      } else {
-        backoff.pause();
+    try {
+      while (pending > 0 && !deadline.expired()) {
+        int done = 0;
+        int index = MPI_UNDEFINED;
+        check_mpi(MPI_Testany(size_, reqs.data(), &index, &done, MPI_STATUS_IGNORE), "MPI_Testany", where);
+        if (done && index != MPI_UNDEFINED) {
+          if (mail_->arrivals[index].epoch != epoch)
+            throw Error(ErrorCode::Internal, where + ": rank " + std::to_string(index) + " arrived at barrier epoch " +
+                                                 std::to_string(mail_->arrivals[index].epoch) + ", expected " +
+                                                 std::to_string(epoch));
+          mail_->arrivals[index].call[kNameBytes - 1] = '\0';
+          if (differs < 0 && std::strncmp(mail_->arrivals[index].call, mine.call, kNameBytes) != 0) differs = index;
+          --pending;
+          backoff.reset();
+        } else {
+          backoff.pause();
+        }
       }
+    } catch (...) {
+      abandon_receives();
+      throw;
     }
     std::vector<int> missing;
     for (int r = 1; r < size_; ++r)
       if (reqs[r] != MPI_REQUEST_NULL) missing.push_back(r);
-    release_.fill(0);
-    release_[0] = epoch;
-    release_[1] = static_cast<std::int64_t>(missing.size());
-    for (std::size_t i = 0; i < missing.size() && i < kMaxNamed; ++i) release_[2 + i] = missing[i];
+    mail_->release.fill(0);
+    mail_->release[0] = epoch;
+    mail_->release[1] = static_cast<std::int64_t>(missing.size());
+    for (std::size_t i = 0; i < missing.size() && i < kMaxNamed; ++i) mail_->release[2 + i] = missing[i];
     if (missing.empty() && differs >= 0) {
-      release_[1] = -1;
-      release_[2] = differs;
-      std::memcpy(&release_[3], arrivals_[differs].call, kNameBytes);
-      std::memcpy(&release_[3 + kNameWords], mine.call, kNameBytes);
+      mail_->release[1] = -1;
+      mail_->release[2] = differs;
+      std::memcpy(&mail_->release[3], mail_->arrivals[differs].call, kNameBytes);
+      std::memcpy(&mail_->release[3 + kNameWords], mine.call, kNameBytes);
     }
     for (int r = 1; r < size_; ++r) {
       if (std::find(missing.begin(), missing.end(), r) != missing.end()) continue;
-      check_mpi(MPI_Send(release_.data(), static_cast<int>(release_.size()), MPI_INT64_T, r,
+      check_mpi(MPI_Send(mail_->release.data(), static_cast<int>(mail_->release.size()), MPI_INT64_T, r,
                          kTagRelease, comm_.get()),
                 "MPI_Send", where);
     }
     if (!missing.empty()) {
-      // The receives for absent ranks stay posted into arrivals_, which outlives them.
-      for (auto& req : reqs)
-        if (req != MPI_REQUEST_NULL) MPI_Request_free(&req);
+      abandon_receives();
       fail_timeout(where + ": rank(s) " + rank_list(missing) + " did not arrive within " +
                    describe_timeout(timeout_));
     }
-    if (differs >= 0) throw out_of_order(differs, arrivals_[differs].call, mine.call);
+    if (differs >= 0) throw out_of_order(differs, mail_->arrivals[differs].call, mine.call);
     return;
   }
-  my_arrival_ = mine;
+  mail_->mine = mine;
   MPI_Request send_req = MPI_REQUEST_NULL;
   MPI_Request recv_req = MPI_REQUEST_NULL;
-  check_mpi(MPI_Irecv(release_.data(), static_cast<int>(release_.size()), MPI_INT64_T, 0,
+  check_mpi(MPI_Irecv(mail_->release.data(), static_cast<int>(mail_->release.size()), MPI_INT64_T, 0,
                       kTagRelease, comm_.get(), &recv_req),
             "MPI_Irecv", where);
-  check_mpi(MPI_Isend(&my_arrival_, kArrivalBytes, MPI_BYTE, 0, kTagArrive, comm_.get(), &send_req),
+  check_mpi(MPI_Isend(&mail_->mine, kArrivalBytes, MPI_BYTE, 0, kTagArrive, comm_.get(), &send_req),
             "MPI_Isend", where);
   // Rank 0 decides who is missing; give its verdict time to arrive before deciding alone.
   const auto grace = std::chrono::milliseconds(timeout_.count() == 0 ? 0 : 2000 + timeout_.count() / 10);
@@ -231,66 +258,84 @@ void Bootstrap::arrive(const std::string& what) {
     check_mpi(MPI_Test(&recv_req, &done, MPI_STATUS_IGNORE), "MPI_Test", where);
     if (done) break;
     if (deadline.expired()) {
+      // Rank 0's release may still come, into the mailbox: it is kept.
       MPI_Request_free(&recv_req);
       MPI_Request_free(&send_req);
+      keep_for_mpi(MPI_REQUEST_NULL, mail_);
       fail_timeout(where + ": rank 0, which coordinates the wait, did not answer within " +
                    describe_timeout(deadline.timeout()) + " (it may have failed or not arrived)");
     }
     backoff.pause();
   }
   check_mpi(MPI_Wait(&send_req, MPI_STATUS_IGNORE), "MPI_Wait", where);
-  if (release_[0] != epoch)
-    throw Error(ErrorCode::Internal, where + ": release for epoch " + std::to_string(release_[0]) +
+  if (mail_->release[0] != epoch)
+    throw Error(ErrorCode::Internal, where + ": release for epoch " + std::to_string(mail_->release[0]) +
                                          ", expected " + std::to_string(epoch));
-  if (release_[1] < 0) {
+  if (mail_->release[1] < 0) {
     char theirs[kNameBytes] = {}, rank0s[kNameBytes] = {};
-    std::memcpy(theirs, &release_[3], kNameBytes);
-    std::memcpy(rank0s, &release_[3 + kNameWords], kNameBytes);
+    std::memcpy(theirs, &mail_->release[3], kNameBytes);
+    std::memcpy(rank0s, &mail_->release[3 + kNameWords], kNameBytes);
     theirs[kNameBytes - 1] = rank0s[kNameBytes - 1] = '\0';
-    throw out_of_order(static_cast<int>(release_[2]), theirs, rank0s);
+    throw out_of_order(static_cast<int>(mail_->release[2]), theirs, rank0s);
   }
-  if (release_[1] > 0) {
+  if (mail_->release[1] > 0) {
     std::vector<int> missing;
-    for (std::int64_t i = 0; i < release_[1] && i < kMaxNamed; ++i)
-      missing.push_back(static_cast<int>(release_[2 + i]));
-    if (release_[1] > kMaxNamed) missing.push_back(-1);
+    for (std::int64_t i = 0; i < mail_->release[1] && i < kMaxNamed; ++i)
+      missing.push_back(static_cast<int>(mail_->release[2 + i]));
+    if (mail_->release[1] > kMaxNamed) missing.push_back(-1);
     fail_timeout(where + ": rank(s) " + rank_list(missing) + " did not arrive within " +
                  describe_timeout(timeout_) + " (reported by rank 0)");
   }
 }
 
+// The collectives below run on buffers of their own, copied from and to the caller's: after a
+// timeout MPI may still complete the collective (a late rank joins it) and write into them,
+// long after the caller's buffers are gone. An abandoned collective keeps them (keep_for_mpi).
 void Bootstrap::allgather(const void* mine, void* all, std::size_t bytes_each,
                           const std::string& what) {
   ensure_usable(what);
   const int count = to_int_count(bytes_each, what);
+  to_int_count(bytes_each * static_cast<std::size_t>(size_), what);
+  auto buffer = std::make_shared<std::vector<char>>(bytes_each * (static_cast<std::size_t>(size_) + 1));
+  std::memcpy(buffer->data(), mine, bytes_each);
+  char* gathered = buffer->data() + bytes_each;
   MPI_Request req = MPI_REQUEST_NULL;
-  check_mpi(MPI_Iallgather(mine, count, MPI_BYTE, all, count, MPI_BYTE, comm_.get(), &req),
+  check_mpi(MPI_Iallgather(buffer->data(), count, MPI_BYTE, gathered, count, MPI_BYTE, comm_.get(), &req),
             "MPI_Iallgather", what);
-  if (!wait(&req, what))
+  if (!wait(&req, what)) {
+    keep_for_mpi(req, buffer);
     fail_timeout(what + " on rank " + std::to_string(rank_) +
                  ": MPI_Iallgather did not complete within " + describe_timeout(timeout_));
+  }
+  std::memcpy(all, gathered, bytes_each * static_cast<std::size_t>(size_));
 }
 
 void Bootstrap::broadcast(void* data, std::size_t bytes, int root, const std::string& what) {
   ensure_usable(what);
   const int count = to_int_count(bytes, what);
+  auto buffer = std::make_shared<std::vector<char>>(static_cast<const char*>(data), static_cast<const char*>(data) + bytes);
   MPI_Request req = MPI_REQUEST_NULL;
-  check_mpi(MPI_Ibcast(data, count, MPI_BYTE, root, comm_.get(), &req), "MPI_Ibcast", what);
-  if (!wait(&req, what))
+  check_mpi(MPI_Ibcast(buffer->data(), count, MPI_BYTE, root, comm_.get(), &req), "MPI_Ibcast", what);
+  if (!wait(&req, what)) {
+    keep_for_mpi(req, buffer);
     fail_timeout(what + " on rank " + std::to_string(rank_) +
                  ": MPI_Ibcast did not complete within " + describe_timeout(timeout_));
+  }
+  std::memcpy(data, buffer->data(), bytes);
 }
 
 std::uint64_t Bootstrap::allreduce_max(std::uint64_t value, const std::string& what) {
   ensure_usable(what);
-  std::uint64_t result = 0;
+  auto values = std::make_shared<std::array<std::uint64_t, 2>>(std::array<std::uint64_t, 2>{value, 0});
   MPI_Request req = MPI_REQUEST_NULL;
-  check_mpi(MPI_Iallreduce(&value, &result, 1, MPI_UINT64_T, MPI_MAX, comm_.get(), &req),
+  check_mpi(MPI_Iallreduce(&(*values)[0], &(*values)[1], 1, MPI_UINT64_T, MPI_MAX, comm_.get(), &req),
             "MPI_Iallreduce", what);
-  if (!wait(&req, what))
+  if (!wait(&req, what)) {
+    keep_for_mpi(req, values);
     fail_timeout(what + " on rank " + std::to_string(rank_) +
                  ": MPI_Iallreduce did not complete within " + describe_timeout(timeout_));
-  return result;
+  }
+  return (*values)[1];
 }
 
 void Bootstrap::agree(bool ok, ErrorCode code, const std::string& message, const std::string& what) {

@@ -8,6 +8,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -84,19 +85,23 @@ class Bootstrap {
   std::chrono::milliseconds timeout_;
   bool broken_ = false;
   std::int64_t epoch_ = 0;
-  // Buffers of requests that may still be in flight after a timeout; they live as long as
-  // the Bootstrap so that MPI never writes into freed memory.
   static constexpr int kMaxNamed = 64;
   static constexpr std::size_t kNameBytes = 48;  // of the call's name, compared
   struct Arrival {
     std::int64_t epoch = 0;
     char call[kNameBytes] = {};
   };
-  std::vector<Arrival> arrivals_;
-  // [0] epoch; [1] missing ranks (then their numbers from [2]), or -1 for calls out of
-  // order: [2] the first rank that differs from rank 0, then its call's name and rank 0's.
-  std::array<std::int64_t, 2 + kMaxNamed> release_{};
-  Arrival my_arrival_;
+  // What the meetings (arrive) receive and send. After a timeout a receive stays posted into
+  // it (a late rank's arrival, rank 0's late release), possibly after this Bootstrap is gone
+  // (the Comm was destroyed): it is then kept for the life of the process, never freed under MPI.
+  struct Mailbox {
+    std::vector<Arrival> arrivals;  // rank 0: one per rank
+    // [0] epoch; [1] missing ranks (then their numbers from [2]), or -1 for calls out of
+    // order: [2] the first rank that differs from rank 0, then its call's name and rank 0's.
+    std::array<std::int64_t, 2 + kMaxNamed> release{};
+    Arrival mine;
+  };
+  std::shared_ptr<Mailbox> mail_;
 };
 
 // Runs one local step of a collective, then agrees on its outcome, so that a failure on
