@@ -288,6 +288,7 @@ TEST_F(Errors, FreeThatTimesOutLeavesTheWindowFreed) {
   Comm quick = comm_with_short_timeout();
   Window win = quick.alloc(4096, Memory::Host);
   const int late = n - 1;
+  MPI_Barrier(MPI_COMM_WORLD);  // late relative to a common start, not to leaving alloc
   if (me == late) std::this_thread::sleep_for(kLateBy);
   const auto t0 = std::chrono::steady_clock::now();
   expect_error([&] { win.free(); }, ErrorCode::Timeout, {"Window::free"});
