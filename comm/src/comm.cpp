@@ -98,13 +98,18 @@ FaultPlan fault_plan(MPI_Comm comm, const Options& options) {
   return FaultPlan(options, rank, size);
 }
 
-// The first step of every Comm: its own communicator.
+// The first steps of every Comm: its own communicator, then a first meeting of its ranks, so
+// that a rank missing from then on (late or dead) is named in the others' Timeout (the steps
+// after it are collectives, which cannot tell who did not come). A rank that never comes to
+// the communicator cannot be named: MPI_Comm_idup does not say who is missing, and the
+// caller's communicator carries no messages of meshmem's.
 CommImpl::Start start_comm(MPI_Comm comm, const Options& options, FaultPlan faults) {
   set_log_level(options.log_level);
   set_log_rank(world_rank());
   faults.hit(FaultPoint::CommStart);
   Bootstrap boot(comm, options.timeout);
   faults.hit(FaultPoint::CommJoined);
+  boot.arrive("meshmem::Comm");
   return CommImpl::Start{std::move(faults), std::move(boot)};
 }
 

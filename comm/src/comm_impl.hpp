@@ -26,7 +26,7 @@ struct HaloState;
 class CommImpl {
  public:
   // What a Comm makes first (start_comm in comm.cpp): this rank's injected faults, and the
-  // Comm's Bootstrap.
+  // Comm's Bootstrap once its ranks have met on it.
   struct Start {
     FaultPlan faults;
     Bootstrap boot;

@@ -1,9 +1,10 @@
 // Dead, late and stalled peers, made deterministic with MESHMEM_FAULT (comm/src/fault.hpp):
 // a rank is made late at a named point of the Comm's construction, a target's progress thread
 // is stopped while it serves a get, a put or a flush and resumed only once the origin has
-// timed out, and a rank is killed in the middle of a put or in an alloc's descriptor exchange. No sleep stands in for synchronisation: the test
-// waits for the hook to have fired, and a rank learns that its own progress thread has
-// finished what it was serving by asking it for something (it serves one request at a time).
+// timed out, and a rank is killed in the middle of a put, in the middle of the construction or
+// in an alloc's descriptor exchange. No sleep stands in for synchronisation: the test waits for
+// the hook to have fired, and a rank learns that its own progress thread has finished what it
+// was serving by asking it for something (it serves one request at a time).
 //
 // The Killed* tests kill a rank: each runs alone in a job of its own under
 // `mpirun --enable-recovery` (host.faults_killed_*, MESHMEM_TEST_FAULT_KILLS=1), and the
@@ -183,15 +184,21 @@ TEST_F(Faults, ARankLateByMoreThanTheTimeoutBeforeTheCommunicatorExistsFailsEver
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
-// Late by more than the timeout once the communicator exists: every rank raises Timeout, the
-// late rank too when it comes (its partners have gone), instead of waiting for them for ever.
-TEST_F(Faults, ARankLateByMoreThanTheTimeoutAfterTheCommunicatorExistsFailsEveryRank) {
+// Late by more than the timeout once the communicator exists: the ranks on time raise Timeout
+// naming the late rank; the late rank raises Timeout too when it comes (its partners have
+// gone), instead of waiting for them for ever.
+TEST_F(Faults, ARankLateByMoreThanTheTimeoutAfterTheCommunicatorExistsIsNamed) {
   const int late = n - 1;
   const Options o = options_with(entry(late, "comm.joined", "delay=" + std::to_string(kLateBy.count())));
   MPI_Barrier(MPI_COMM_WORLD);
   const auto t0 = std::chrono::steady_clock::now();
-  expect_error([&] { Comm c(MPI_COMM_WORLD, o); }, {ErrorCode::Timeout}, {"meshmem::Comm"});
-  if (me != late) EXPECT_LT(seconds_since(t0), kGaveUpWithin) << "the ranks on time gave up late";
+  if (me == late) {
+    expect_error([&] { Comm c(MPI_COMM_WORLD, o); }, {ErrorCode::Timeout}, {"meshmem::Comm"});
+  } else {
+    expect_error([&] { Comm c(MPI_COMM_WORLD, o); }, {ErrorCode::Timeout},
+                 {"meshmem::Comm", "rank(s) " + std::to_string(late) + " did not arrive within 3 s"});
+    EXPECT_LT(seconds_since(t0), kGaveUpWithin) << "the ranks on time gave up late";
+  }
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
@@ -403,6 +410,25 @@ TEST_F(Killed, MidPut) {
   c.reset();
   EXPECT_LT(seconds_since(t1), 15.0) << "teardown with a dead rank";
   verdict("mid-put");
+}
+
+// Rank 2 dies during the construction, once the Comm's communicator exists: the others raise
+// Timeout naming it.
+TEST_F(Killed, AtConstruction) {
+  const Options o = options_with(entry(kVictim, "comm.joined", "kill"));
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto t0 = std::chrono::steady_clock::now();
+  if (me == kVictim) {
+    try {
+      Comm c(MPI_COMM_WORLD, o);
+    } catch (const Error&) {
+    }
+    victim_survived("comm.joined");
+  }
+  expect_error([&] { Comm c(MPI_COMM_WORLD, o); }, {ErrorCode::Timeout},
+               {"meshmem::Comm", "rank(s) 2 did not arrive within 3 s"});
+  EXPECT_LT(seconds_since(t0), 15.0) << "the construction with a dead rank";
+  verdict("at construction");
 }
 
 // Rank 2 dies in an alloc, as it offers its descriptor to its node peers: the others' alloc
