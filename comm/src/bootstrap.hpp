@@ -105,7 +105,8 @@ class Bootstrap {
 };
 
 // Runs one local step of a collective, then agrees on its outcome, so that a failure on
-// one rank fails the call on every rank instead of leaving the others waiting.
+// one rank fails the call on every rank instead of leaving the others waiting (a step that
+// timed out with a peer raises its own error: the peers cannot agree any more).
 template <class Step>
 void agreed_step(Bootstrap& boot, const std::string& what, Step&& step) {
   bool ok = true;
@@ -114,6 +115,9 @@ void agreed_step(Bootstrap& boot, const std::string& what, Step&& step) {
   try {
     step();
   } catch (const Error& e) {
+    // A wait of the step timed out and left the ranks no longer agreeing where they are:
+    // agree() could only say that, hiding which wait expired and for whom. Its error goes on.
+    if (!boot.usable()) throw;
     ok = false;
     code = e.code();
     message = e.what();

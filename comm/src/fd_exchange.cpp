@@ -23,6 +23,12 @@ struct FdHeader {
   std::uint64_t seq;
 };
 
+// An Error's text without the "meshmem: " that Error puts in front, to nest it in another.
+std::string message_of(const Error& e) {
+  const std::string text = e.what(), prefix = "meshmem: ";
+  return text.compare(0, prefix.size(), prefix) == 0 ? text.substr(prefix.size()) : text;
+}
+
 std::string make_token(Bootstrap& boot) {
   char token[33] = {};
   if (boot.rank() == 0) {
@@ -104,7 +110,12 @@ std::vector<ipc::UniqueFd> FdExchange::exchange(int my_fd, const std::string& wh
       result = exchange_socket(my_fd, seq, &error);
     }
   } catch (const Error& e) {
-    if (e.code() == ErrorCode::Timeout) throw;  // ranks disagree already; do not agree()
+    // A peer that never sent or took its descriptor (late, dead): the ranks disagree already,
+    // so no agree(); the Comm refuses collectives from now on, as after any wait that timed out.
+    if (e.code() == ErrorCode::Timeout) {
+      if (!boot_.usable()) throw;  // a collective of the exchange timed out and said so
+      boot_.fail_timeout(what + " on rank " + std::to_string(topo_.rank) + ": " + message_of(e));
+    }
     error = e.what();
   }
   // Doubles as the barrier that keeps every offered descriptor open until all have it.
@@ -137,7 +148,12 @@ std::vector<ipc::UniqueFd> FdExchange::exchange_socket(int my_fd, std::uint64_t 
   const FdHeader header{topo_.rank, 0, seq};
   for (int peer : topo_.node_ranks) {
     if (peer == topo_.rank) continue;
-    ipc::send_fds(socket_name(peer), &header, sizeof(header), &my_fd, 1, boot_.timeout());
+    try {
+      ipc::send_fds(socket_name(peer), &header, sizeof(header), &my_fd, 1, boot_.timeout());
+    } catch (const Error& e) {
+      // The socket's name does not say whose it is.
+      throw Error(e.code(), "sending the descriptor to rank " + std::to_string(peer) + ": " + message_of(e));
+    }
   }
   std::size_t expected = topo_.node_ranks.size() - 1;
   std::size_t got = 0;

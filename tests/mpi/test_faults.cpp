@@ -432,7 +432,9 @@ TEST_F(Killed, AtConstruction) {
 }
 
 // Rank 2 dies in an alloc, as it offers its descriptor to its node peers: the others' alloc
-// raises, and ~Comm returns.
+// raises Timeout with the error of the wait that expired (through SCM_RIGHTS sockets it names
+// rank 2; with pidfd_getfd the exchange is a collective, which cannot tell who is missing), and
+// ~Comm returns.
 TEST_F(Killed, InAllocsDescriptorExchange) {
   if (gpu_available()) GTEST_SKIP() << "with a GPU the construction exchanges descriptors too";
   auto c = comm_everywhere(options_with(entry(kVictim, "fd.exchange", "kill")));
@@ -447,7 +449,16 @@ TEST_F(Killed, InAllocsDescriptorExchange) {
     victim_survived("fd.exchange");
   }
   const auto t0 = std::chrono::steady_clock::now();
-  const std::string what = expect_error([&] { (void)c->alloc(4096, Memory::Host); }, {ErrorCode::Timeout}, {"comm.alloc"});
+  const bool sockets = c->fd_passing() == FdPassing::Socket;
+  const std::string what =
+      expect_error([&] { (void)c->alloc(4096, Memory::Host); }, {ErrorCode::Timeout},
+                   {"comm.alloc", sockets ? "rank" : "MPI_Iallgather did not complete within 3 s"});
+  // Sockets: the receive or the send that expired names rank 2. Never "an earlier wait timed
+  // out", which would hide which wait expired and for whom.
+  if (sockets)
+    EXPECT_TRUE(what.find("from rank(s) 2 ") != std::string::npos || what.find("to rank 2:") != std::string::npos)
+        << what;
+  EXPECT_EQ(what.find("earlier wait"), std::string::npos) << what;
   std::printf("[rank %d] alloc raised: %s\n", me, what.c_str());
   EXPECT_LT(seconds_since(t0), 15.0) << "the alloc with a dead rank";
   const auto t1 = std::chrono::steady_clock::now();
