@@ -43,6 +43,8 @@ enum class FaultPoint : unsigned {
   MpiServeFlush,      // "mpi.serve.flush": ... has a flush (quiet), before answering it
 };
 constexpr unsigned kFaultPointCount = 7;
+static_assert(static_cast<unsigned>(FaultPoint::MpiServeFlush) + 1 == kFaultPointCount,
+              "a point added to FaultPoint is added to the count and to fault.cpp's list of names");
 
 const char* to_string(FaultPoint point) noexcept;
 
