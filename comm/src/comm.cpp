@@ -230,7 +230,13 @@ CommImpl::~CommImpl() {
       log(LogLevel::Warn, "meshmem::Comm destroyed after MPI_Finalize: its windows are released "
                           "here without synchronising with the other ranks");
     } else {
-      quiet(nullptr, "~Comm");
+      // A quiet that fails (a peer failed earlier) does not keep this rank from the meeting:
+      // the other ranks would wait a whole timeout for it.
+      try {
+        quiet(nullptr, "~Comm");
+      } catch (const std::exception& e) {
+        log(LogLevel::Error, std::string("~Comm: ") + e.what() + "; meeting the other ranks anyway");
+      }
       // Staged transfers to hidden peers end only when those peers' agents carried them out:
       // every rank's own end first, then the meeting, then the agents stop.
       for (auto& t : transports) t->settle();
@@ -464,7 +470,15 @@ void CommImpl::free_window(WindowState& state) {
     retire(state, call);
     return;
   }
-  quiet(nullptr, call);
+  // A quiet that fails (a transfer with a peer timed out, now or before) still lets this rank
+  // free the window with the others, who would otherwise wait a whole timeout in the meeting
+  // and lose their Comm; this rank raises the quiet's error once the window is freed.
+  std::optional<Error> unconfirmed;
+  try {
+    quiet(nullptr, call);
+  } catch (const Error& e) {
+    unconfirmed = e;
+  }
   std::uint64_t mine = state.id;
   std::vector<std::uint64_t> all(static_cast<std::size_t>(topo.size));
   try {
@@ -482,6 +496,7 @@ void CommImpl::free_window(WindowState& state) {
         log(LogLevel::Error, e.what());
       }
     }
+    if (unconfirmed) log(LogLevel::Error, where(call) + ": before the meeting: " + unconfirmed->what());
     throw;
   }
   for (int r = 0; r < topo.size; ++r)
@@ -492,6 +507,10 @@ void CommImpl::free_window(WindowState& state) {
                       std::to_string(all[r]));
   live_.erase(state.id);
   retire(state, call);
+  if (unconfirmed)
+    throw Error(unconfirmed->code(), where(call) + ": window #" + std::to_string(mine) +
+                                         " was freed on every rank, but this rank's transfers before it are not "
+                                         "all confirmed: " + unconfirmed->message());
 }
 
 const WindowState& CommImpl::checked_transfer(const Window& win, int target, std::size_t offset, std::size_t bytes,

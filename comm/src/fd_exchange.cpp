@@ -23,12 +23,6 @@ struct FdHeader {
   std::uint64_t seq;
 };
 
-// An Error's text without the "meshmem: " that Error puts in front, to nest it in another.
-std::string message_of(const Error& e) {
-  const std::string text = e.what(), prefix = "meshmem: ";
-  return text.compare(0, prefix.size(), prefix) == 0 ? text.substr(prefix.size()) : text;
-}
-
 std::string make_token(Bootstrap& boot) {
   char token[33] = {};
   if (boot.rank() == 0) {
@@ -114,7 +108,7 @@ std::vector<ipc::UniqueFd> FdExchange::exchange(int my_fd, const std::string& wh
     // so no agree(); the Comm refuses collectives from now on, as after any wait that timed out.
     if (e.code() == ErrorCode::Timeout) {
       if (!boot_.usable()) throw;  // a collective of the exchange timed out and said so
-      boot_.fail_timeout(what + " on rank " + std::to_string(topo_.rank) + ": " + message_of(e));
+      boot_.fail_timeout(what + " on rank " + std::to_string(topo_.rank) + ": " + std::string(e.message()));
     }
     error = e.what();
   }
@@ -152,7 +146,7 @@ std::vector<ipc::UniqueFd> FdExchange::exchange_socket(int my_fd, std::uint64_t 
       ipc::send_fds(socket_name(peer), &header, sizeof(header), &my_fd, 1, boot_.timeout());
     } catch (const Error& e) {
       // The socket's name does not say whose it is.
-      throw Error(e.code(), "sending the descriptor to rank " + std::to_string(peer) + ": " + message_of(e));
+      throw Error(e.code(), "sending the descriptor to rank " + std::to_string(peer) + ": " + std::string(e.message()));
     }
   }
   std::size_t expected = topo_.node_ranks.size() - 1;

@@ -179,7 +179,7 @@ void MpiTransport::wait(MPI_Request* req, const char* call, int peer, const std:
 namespace {
 // The error of a call that gave up, with what it means for the caller's memory.
 [[noreturn]] void rethrow_with(const Error& e, const std::string& memory) {
-  throw Error(e.code(), std::string(e.what()) + "; " + memory);
+  throw Error(e.code(), std::string(e.message()) + "; " + memory);
 }
 }  // namespace
 

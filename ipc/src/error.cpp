@@ -15,7 +15,13 @@ const char* to_string(ErrorCode code) noexcept {
   return "unknown error";
 }
 
+namespace {
+constexpr char kPrefix[] = "meshmem: ";
+}
+
 Error::Error(ErrorCode code, const std::string& message)
-    : std::runtime_error("meshmem: " + message), code_(code) {}
+    : std::runtime_error(kPrefix + message), code_(code) {}
+
+const char* Error::message() const noexcept { return what() + sizeof(kPrefix) - 1; }
 
 }  // namespace meshmem

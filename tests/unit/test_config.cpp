@@ -159,6 +159,9 @@ TEST(Error, MessageAndCode) {
   const Error e(ErrorCode::Timeout, "comm.barrier on rank 3: rank(s) 1 did not arrive");
   EXPECT_EQ(e.code(), ErrorCode::Timeout);
   EXPECT_STREQ(e.what(), "meshmem: comm.barrier on rank 3: rank(s) 1 did not arrive");
+  EXPECT_STREQ(e.message(), "comm.barrier on rank 3: rank(s) 1 did not arrive");
+  const Error nested(e.code(), std::string("outer: ") + e.message());
+  EXPECT_STREQ(nested.what(), "meshmem: outer: comm.barrier on rank 3: rank(s) 1 did not arrive");
   EXPECT_STREQ(to_string(ErrorCode::InvalidArgument), "invalid argument");
 }
 

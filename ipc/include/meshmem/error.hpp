@@ -22,6 +22,8 @@ class Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message);
   ErrorCode code() const noexcept { return code_; }
+  // The message without the "meshmem: " that what() starts with, to nest it in another Error.
+  const char* message() const noexcept;
 
  private:
   ErrorCode code_;
