@@ -47,6 +47,17 @@ inline cudaError_t fill_now(void* dev, int byte, std::size_t bytes) {
   return rc != cudaSuccess ? rc : cudaDeviceSynchronize();
 }
 
+// Ends a capture a failed case left open on `s` (and drops its graph and the error it left),
+// so that the next case starts clean. For TearDown; does nothing on a stream not capturing.
+inline void end_open_capture(cudaStream_t s) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (s == nullptr || cudaStreamIsCapturing(s, &status) != cudaSuccess || status == cudaStreamCaptureStatusNone) return;
+  cudaGraph_t g = nullptr;
+  (void)cudaStreamEndCapture(s, &g);
+  if (g) cudaGraphDestroy(g);
+  (void)cudaGetLastError();
+}
+
 inline std::vector<unsigned char> to_host(const void* dev, std::size_t bytes) {
   std::vector<unsigned char> h(bytes);
   cudaMemcpy(h.data(), dev, bytes, cudaMemcpyDeviceToHost);

@@ -105,15 +105,7 @@ class RealUse : public meshmem::test::MpiTest {
   }
   void TearDown() override {
     // A failed case may leave its capture open: end it, so that the next case starts clean.
-    for (cudaStream_t s : {s0, s1}) {
-      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-      if (s && cudaStreamIsCapturing(s, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
-        cudaGraph_t g = nullptr;
-        (void)cudaStreamEndCapture(s, &g);
-        if (g) cudaGraphDestroy(g);
-        (void)cudaGetLastError();
-      }
-    }
+    for (cudaStream_t s : {s0, s1}) test::end_open_capture(s);
     comm.reset();
     if (s0) cudaStreamDestroy(s0);
     if (s1) cudaStreamDestroy(s1);

@@ -101,15 +101,7 @@ class DeviceSoak : public meshmem::test::MpiTest {
   }
   void TearDown() override {
     if (comm_) {
-      for (cudaStream_t s : streams_) {  // a failed capture must not outlive the case
-        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-        if (s && cudaStreamIsCapturing(s, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
-          cudaGraph_t g = nullptr;
-          (void)cudaStreamEndCapture(s, &g);
-          if (g) cudaGraphDestroy(g);
-          (void)cudaGetLastError();
-        }
-      }
+      for (cudaStream_t s : streams_) test::end_open_capture(s);  // a failed capture must not outlive the case
       cudaDeviceSynchronize();
       sigs_.clear();
       wins_.clear();
