@@ -234,6 +234,17 @@ void Bootstrap::arrive(const std::string& what) {
                 "MPI_Send", where);
     }
     if (!missing.empty()) {
+      // The missing ranks get the same verdict, sent without waiting for them to take it: one
+      // that comes late finds it at once and raises naming the same ranks as the others.
+      // Without it, a late rank waited for a release that never came, its whole timeout plus
+      // the grace for rank 0 below (3.1 s with a 1 s timeout). The send completes whenever
+      // that rank comes, or never (a dead rank); the mailbox it is sent from is kept.
+      for (int r : missing) {
+        MPI_Request verdict = MPI_REQUEST_NULL;
+        if (MPI_Isend(mail_->release.data(), static_cast<int>(mail_->release.size()), MPI_INT64_T, r, kTagRelease,
+                      comm_.get(), &verdict) == MPI_SUCCESS)
+          MPI_Request_free(&verdict);  // best effort: without it the late rank times out alone
+      }
       abandon_receives();
       fail_timeout(where + ": rank(s) " + rank_list(missing) + " did not arrive within " +
                    describe_timeout(timeout_));
@@ -249,7 +260,8 @@ void Bootstrap::arrive(const std::string& what) {
             "MPI_Irecv", where);
   check_mpi(MPI_Isend(&mail_->mine, kArrivalBytes, MPI_BYTE, 0, kTagArrive, comm_.get(), &send_req),
             "MPI_Isend", where);
-  // Rank 0 decides who is missing; give its verdict time to arrive before deciding alone.
+  // Rank 0 decides who is missing and tells every rank, those it gave up on too; give its
+  // verdict time to arrive before deciding alone (rank 0 itself is late or dead then).
   const auto grace = std::chrono::milliseconds(timeout_.count() == 0 ? 0 : 2000 + timeout_.count() / 10);
   Deadline deadline(timeout_ + grace);
   Backoff backoff;
@@ -283,8 +295,10 @@ void Bootstrap::arrive(const std::string& what) {
     for (std::int64_t i = 0; i < mail_->release[1] && i < kMaxNamed; ++i)
       missing.push_back(static_cast<int>(mail_->release[2 + i]));
     if (mail_->release[1] > kMaxNamed) missing.push_back(-1);
-    fail_timeout(where + ": rank(s) " + rank_list(missing) + " did not arrive within " +
-                 describe_timeout(timeout_) + " (reported by rank 0)");
+    // This rank among them: it came after rank 0 had given up on it (the verdict was waiting).
+    const bool me_late = std::find(missing.begin(), missing.end(), rank_) != missing.end();
+    fail_timeout(where + ": " + (me_late ? "this rank arrived after rank 0 gave up: " : "") + "rank(s) " +
+                 rank_list(missing) + " did not arrive within " + describe_timeout(timeout_) + " (reported by rank 0)");
   }
 }
 
