@@ -1375,15 +1375,21 @@ void print_idle_summary(const IdleRunner& idle, const std::vector<int>& idle_ms)
     if (a == nullptr && b == nullptr) continue;
     if (!header) std::printf("host_get_idle, 8 B get after the target was idle (median):\n");
     header = true;
-    std::printf("    %5d ms: meshmem-remote %.1f us, meshmem-remote-waiting %.1f us, mpi-sendrecv %.1f us\n", ms,
-                a ? a->median_us : -1.0, w ? w->median_us : -1.0, b ? b->median_us : -1.0);
+    std::printf("    %5d ms:", ms);
+    const char* sep = "";
+    for (const IdleRow* r : {a, w, b}) {
+      if (r == nullptr) continue;
+      std::printf("%s %s %.1f us", sep, r->variant.c_str(), r->median_us);
+      sep = ",";
+    }
+    std::printf("\n");
   }
   const CpuRow* c = idle.find_cpu("meshmem-remote");
   const CpuRow* m = idle.find_cpu("mpi-sendrecv");
   if (c != nullptr || m != nullptr) {
     std::printf("host_idle_cpu, %% of one core while idle (rank 1):");
-    if (c) std::printf(" meshmem-remote %.2f %%", c->percent[1]);
-    if (m) std::printf(", mpi-sendrecv (blocked in MPI_Recv) %.1f %%, an MPI process that sleeps %.2f %%", m->percent[1],
+    if (c) std::printf(" meshmem-remote %.2f %%%s", c->percent[1], m ? "," : "");
+    if (m) std::printf(" mpi-sendrecv (blocked in MPI_Recv) %.1f %%, an MPI process that sleeps %.2f %%", m->percent[1],
                        m->percent[0]);
     std::printf("\n");
   }
