@@ -17,17 +17,24 @@ void Backoff::pause() {
 #endif
     return;
   }
-  const auto waited = std::chrono::steady_clock::now() - start_;
-  if (waited < std::chrono::microseconds(200)) {
+  const auto us = sleep_after(std::chrono::steady_clock::now() - start_, longest_);
+  if (us.count() == 0)
     sched_yield();
-    return;
-  }
-  // The peer is not about to answer: sleep, longer the longer the wait, at most 1 ms.
-  const auto us = waited < std::chrono::milliseconds(2)    ? std::chrono::microseconds(20)
-                  : waited < std::chrono::milliseconds(20) ? std::chrono::microseconds(100)
-                  : waited < std::chrono::milliseconds(200) ? std::chrono::microseconds(300)
-                                                             : std::chrono::microseconds(1000);
-  std::this_thread::sleep_for(std::min<std::chrono::microseconds>(us, longest_));
+  else
+    std::this_thread::sleep_for(us);
+}
+
+std::chrono::microseconds Backoff::sleep_after(std::chrono::steady_clock::duration waited,
+                                               std::chrono::microseconds longest) {
+  using std::chrono::microseconds;
+  using std::chrono::milliseconds;
+  if (waited < microseconds(200)) return microseconds(0);
+  // The peer is not about to answer: sleep, longer the longer the wait, `longest` from 200 ms on.
+  const auto us = waited < milliseconds(2)     ? microseconds(20)
+                  : waited < milliseconds(20)  ? microseconds(100)
+                  : waited < milliseconds(200) ? microseconds(300)
+                                               : longest;
+  return std::min(us, longest);
 }
 
 void tighten_timer_slack() { (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); }

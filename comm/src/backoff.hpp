@@ -13,18 +13,26 @@ namespace meshmem::detail {
 
 class Backoff {
  public:
+  // The longest sleep unless told otherwise.
+  static constexpr std::chrono::microseconds kLongest{1000};
+
   Backoff() = default;
-  // Sleeps no longer than `longest` (a poller that must notice progress soon).
+  // Sleeps no longer than `longest`, the sleep of a wait that has lasted 200 ms or more (the
+  // shorter steps before it are capped by it too); 0: never sleeps, yields (a core per waiter).
   explicit Backoff(std::chrono::microseconds longest) : longest_(longest) {}
   // One step of waiting: pause, yield or sleep depending on how long this wait has lasted
   // (by the clock, not by the number of polls: a yield costs from 0.4 us to a time slice).
   void pause();
   void reset() { polls_ = 0; }
+  // What pause() does once a wait has lasted `waited` (past its first 64 polls): sleeps this
+  // long, or yields where it is zero.
+  static std::chrono::microseconds sleep_after(std::chrono::steady_clock::duration waited,
+                                               std::chrono::microseconds longest);
 
  private:
   std::uint64_t polls_ = 0;
   std::chrono::steady_clock::time_point start_;
-  std::chrono::microseconds longest_{1000};
+  std::chrono::microseconds longest_ = kLongest;
 };
 
 // Sets this thread's timer slack to 1 us, so that short sleeps of a polling thread are not

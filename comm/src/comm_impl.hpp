@@ -68,7 +68,7 @@ class CommImpl {
   template <class Ready, class Message>
   void wait_host(Ready&& ready, Message&& timeout_message) {
     Deadline deadline(options.timeout);
-    Backoff backoff;
+    Backoff backoff(progress_sleep());
     WaitingThread waiting(transports);
     while (!ready()) {
       if (progress()) {
@@ -125,6 +125,14 @@ class CommImpl {
    private:
     const std::vector<std::unique_ptr<Transport>>& ts_;
   };
+  // The longest sleep of a host wait between two progress() calls: the shortest that a
+  // transport asks for (MESHMEM_MPI_IDLE_SLEEP), else Backoff's.
+  std::chrono::microseconds progress_sleep() const {
+    std::optional<std::chrono::microseconds> longest;
+    for (const auto& t : transports)
+      if (const auto s = t->progress_sleep()) longest = longest ? std::min(*longest, *s) : *s;
+    return longest.value_or(Backoff::kLongest);
+  }
   bool progress() {
     bool served = false;
     for (const auto& t : transports) served = t->progress() || served;

@@ -64,4 +64,27 @@ std::size_t parse_bytes(const char* name, const std::string& raw) {
 
 std::string print_number(const std::size_t& n) { return std::to_string(n); }
 
+std::chrono::microseconds parse_micros(const char* name, const std::string& raw, std::chrono::microseconds max) {
+  const std::string t = lower_trimmed(raw);
+  const std::string expected = "a time with its unit, such as 250us or 2ms (at most " + print_micros(max) + "), or 0";
+  std::size_t digits = 0;
+  while (digits < t.size() && std::isdigit(static_cast<unsigned char>(t[digits]))) ++digits;
+  if (digits == 0 || digits > 9) bad_knob_value(name, raw, expected);
+  const long long n = std::stoll(t.substr(0, digits));
+  const std::string unit = t.substr(digits);
+  long long us = 0;
+  if (unit == "us") us = n;
+  else if (unit == "ms") us = n * 1000;
+  else if (unit.empty() && n == 0) us = 0;
+  else bad_knob_value(name, raw, expected);
+  if (us > max.count()) bad_knob_value(name, raw, expected);
+  return std::chrono::microseconds(us);
+}
+
+std::string print_micros(const std::chrono::microseconds& t) {
+  const long long us = t.count();
+  if (us == 0) return "0";
+  return us % 1000 == 0 ? std::to_string(us / 1000) + "ms" : std::to_string(us) + "us";
+}
+
 }  // namespace meshmem::detail

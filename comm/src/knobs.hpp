@@ -11,6 +11,7 @@
 // CUDA-free and MPI-free.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <initializer_list>
 #include <string>
@@ -103,6 +104,9 @@ class TuningKnob final : public Knob {
 std::string lower_trimmed(const std::string& s);
 std::size_t parse_bytes(const char* name, const std::string& raw);  // a byte count up to 2^40
 std::string print_number(const std::size_t& n);
+// A short time with its unit: "250us", "2ms", or "0"; at most `max`.
+std::chrono::microseconds parse_micros(const char* name, const std::string& raw, std::chrono::microseconds max);
+std::string print_micros(const std::chrono::microseconds& t);  // "0", "250us", "2ms"
 
 // Enumerated knobs: a table of names, the first name of a value being the one printed.
 //   constexpr std::pair<const char*, Mode> kModes[] = {{"auto", Mode::Auto}, {"fast", Mode::Fast}};

@@ -9,9 +9,11 @@
 //     -> attach / detach per window (collective) -> put / get / quiet / progress -> stop
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -108,6 +110,9 @@ class Transport {
   // Serves at most one pending request of a peer; true if it did. Threads that wait for a
   // peer call it (the awaited data may be in such a request).
   virtual bool progress() { return false; }
+  // The longest such a waiting thread may sleep between two progress() calls (a peer's request
+  // waits for the next one); none: the transport serves nothing there.
+  virtual std::optional<std::chrono::microseconds> progress_sleep() const { return std::nullopt; }
   // A thread of this rank starts / stops waiting and calling progress() itself: a
   // transport with a progress thread lets it stand aside meanwhile.
   virtual void waiter_begins() {}

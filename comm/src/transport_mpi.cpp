@@ -6,6 +6,7 @@
 
 #include "backoff.hpp"
 #include "fault.hpp"
+#include "knobs.hpp"
 #include "log.hpp"
 
 namespace meshmem::detail {
@@ -31,6 +32,22 @@ int chunk_bytes(std::size_t bytes, int chunk) {
   return static_cast<int>(std::min(kMaxMessage, bytes - static_cast<std::size_t>(chunk) * kMaxMessage));
 }
 
+std::chrono::microseconds parse_idle_sleep(const char* name, const std::string& raw) {
+  return parse_micros(name, raw, std::chrono::milliseconds(100));
+}
+// Measured with bench/host_bench (host_get_idle, host_idle_cpu) on the 2-core VM, where a
+// thread's wake-up costs about 25 us of CPU time: each halving of the sleep doubles the CPU time
+// of an idle rank. bench/results/2026-11-23-ci-2core-idle-sweep-*.txt.
+const TuningKnob<std::chrono::microseconds> kIdleSleep{
+    "mpi", "MESHMEM_MPI_IDLE_SLEEP", Backoff::kLongest, parse_idle_sleep, print_micros,
+    "mpi transport: the longest sleep between two polls for peers' requests, of the progress thread and of a host "
+    "wait that serves them meanwhile (`wait_until`, a get's or quiet's wait), reached once nothing came for 200 ms "
+    "(sleeps of 20, 100 and 300 us before); a request to such a rank waits for its next poll. Shorter answers the "
+    "first request after an idle spell sooner and costs more CPU time while idle; measured on a 2-core VM (8-byte "
+    "get after 1 s idle, median; CPU of an idle rank, of one core): `1ms` 0.61 ms, 2.5 %; `500us` 0.37 ms, 5.2 %; "
+    "`250us` 0.20 ms, 9.1 %; `100us` 0.10 ms, 17.7 % (busy: 1.2 us). `0`: never sleeps, yields (a core per rank, "
+    "for ranks with a core to spare); at most `100ms`"};
+
 int stop_on_finalize(MPI_Comm, int, void* transport, void*) {
   static_cast<MpiTransport*>(transport)->stop();
   return MPI_SUCCESS;
@@ -53,7 +70,8 @@ struct MpiTransport::Request {
 
 std::unique_ptr<Transport> make_mpi_transport(const CommContext& ctx) { return std::make_unique<MpiTransport>(ctx); }
 
-MpiTransport::MpiTransport(const CommContext& ctx) : ctx_(ctx), timeout_(ctx.options.timeout) {}
+MpiTransport::MpiTransport(const CommContext& ctx)
+    : ctx_(ctx), timeout_(ctx.options.timeout), idle_sleep_(kIdleSleep.get(ctx.options)) {}
 
 namespace {
 // Whether [a, a + bytes) and [b, b + bytes) share a byte.
@@ -151,7 +169,7 @@ void MpiTransport::unregister_window(std::uint64_t id) {
 
 void MpiTransport::wait(MPI_Request* req, const char* call, int peer, const std::string& what, bool serve) {
   Deadline deadline(timeout_);
-  Backoff backoff;
+  Backoff backoff(idle_sleep_);
   ServingWait serving(serve ? this : nullptr);
   for (;;) {
     int done = 0;
@@ -537,7 +555,7 @@ bool MpiTransport::serve_one() {
 
 void MpiTransport::serve() {
   tighten_timer_slack();
-  Backoff backoff;
+  Backoff backoff(idle_sleep_);
   while (!stop_.load(std::memory_order_acquire)) {
     if (waiting_servers_.load(std::memory_order_acquire) > 0) {
       backoff.pause();

@@ -1,7 +1,9 @@
 // MpiTransport: reaches any rank, on this node or another. Each rank runs a progress thread
 // that serves one-sided requests (put, get, signal, flush) over two-sided MPI on a
 // communicator of its own, so a put completes without the target making any call. Needs
-// MPI_THREAD_MULTIPLE. The thread polls with backoff: it never spins without yielding.
+// MPI_THREAD_MULTIPLE. The thread polls with backoff: it never spins without yielding, and
+// sleeps up to MESHMEM_MPI_IDLE_SLEEP between polls once nothing came for 200 ms (MPI cannot
+// wake it when a message comes), so a request to an idle rank waits for its next poll.
 //
 // After a timeout (a peer stalled, stopped or dead): every MPI request the timed-out call
 // posted is cancelled, and one that cannot be (already matched) is kept with its memory until
@@ -52,6 +54,7 @@ class MpiTransport final : public Transport {
            std::size_t bytes, Stream stream) override;
   void quiet(Stream stream) override;
   bool progress() override { return serve_one(); }
+  std::optional<std::chrono::microseconds> progress_sleep() const override { return idle_sleep_; }
   void waiter_begins() override { waiting_servers_.fetch_add(1, std::memory_order_acq_rel); }
   void waiter_ends() override { waiting_servers_.fetch_sub(1, std::memory_order_acq_rel); }
 
@@ -119,6 +122,7 @@ class MpiTransport final : public Transport {
   MpiComm replies_;   // target's progress thread -> origin's calling thread
   int rank_ = 0;
   std::chrono::milliseconds timeout_;
+  std::chrono::microseconds idle_sleep_;  // MESHMEM_MPI_IDLE_SLEEP: the longest sleep between two polls
   std::vector<char> unflushed_;  // per target: puts or signals sent since the last quiet
 
   int tag_limit_ = 32767;                  // MPI_TAG_UB

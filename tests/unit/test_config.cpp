@@ -113,6 +113,21 @@ TEST(Options, GpuPartKnobs) {
   EXPECT_THROW(p.set("MESHMEM_BARRIER", "spin"), Error);
 }
 
+// The mpi transport's knob: a time with its unit, canonical in the table; refused without one.
+TEST(Options, MpiIdleSleep) {
+  auto tuned = [](const std::string& value) { return parse({{"MESHMEM_MPI_IDLE_SLEEP", value}}).tuning().at("MESHMEM_MPI_IDLE_SLEEP"); };
+  EXPECT_EQ(meshmem::detail::find_knob("MESHMEM_MPI_IDLE_SLEEP")->text(parse({})), "1ms");
+  EXPECT_EQ(tuned("250us"), "250us");
+  EXPECT_EQ(tuned(" 2ms "), "2ms");
+  EXPECT_EQ(tuned("1000us"), "1ms");
+  EXPECT_EQ(tuned("100ms"), "100ms");
+  EXPECT_EQ(tuned("0"), "0");
+  EXPECT_EQ(tuned("0us"), "0");
+  for (const char* bad : {"250", "1s", "-5us", "101ms", "ms", "1.5ms", "5 us", "0x10us", "1000000000us"})
+    expect_invalid({{"MESHMEM_MPI_IDLE_SLEEP", bad}}, "MESHMEM_MPI_IDLE_SLEEP");
+  EXPECT_NE(parse({{"MESHMEM_MPI_IDLE_SLEEP", "250us"}}).fingerprint(), parse({}).fingerprint());
+}
+
 TEST(Options, Set) {
   Options o;
   o.set("MESHMEM_TIMEOUT", "10");
