@@ -37,16 +37,18 @@ std::chrono::microseconds parse_idle_sleep(const char* name, const std::string& 
 }
 // Measured with bench/host_bench (host_get_idle, host_idle_cpu) on the 2-core VM, where a
 // thread's wake-up costs about 25 us of CPU time: each halving of the sleep doubles the CPU time
-// of an idle rank. bench/results/2026-11-23-ci-2core-idle-sweep-*.txt.
+// of an idle rank. bench/results/2026-11-23-ci-2core-idle-sweep-71bc903.txt and the sweep in 71bc903's
+// message: a median of 15 waits spread over [0, sleep] differs by tens of percent between runs.
 const TuningKnob<std::chrono::microseconds> kIdleSleep{
     "mpi", "MESHMEM_MPI_IDLE_SLEEP", Backoff::kLongest, parse_idle_sleep, print_micros,
     "mpi transport: the longest sleep between two polls for peers' requests, of the progress thread and of a host "
     "wait that serves them meanwhile (`wait_until`, a get's or quiet's wait), reached once nothing came for 200 ms "
     "(sleeps of 20, 100 and 300 us before); a request to such a rank waits for its next poll. Shorter answers the "
-    "first request after an idle spell sooner and costs more CPU time while idle; measured on a 2-core VM (8-byte "
-    "get after 1 s idle, median; CPU of an idle rank, of one core): `1ms` 0.61 ms, 2.5 %; `500us` 0.37 ms, 5.2 %; "
-    "`250us` 0.20 ms, 9.1 %; `100us` 0.10 ms, 17.7 % (busy: 1.2 us). `0`: never sleeps, yields (a core per rank, "
-    "for ranks with a core to spare); at most `100ms`"};
+    "first request after an idle spell sooner and costs more CPU time while idle; measured on a 2-core VM, two runs "
+    "(8-byte get after 1 s idle, median; CPU time of an idle rank, of one core): `1ms` 0.5-0.6 ms, 2.5-3 %; `500us` "
+    "0.17-0.37 ms, 4.3-5.2 %; `250us` 0.12-0.20 ms, 6.6-9.1 %; `100us` 0.1 ms, 18-20 % (busy: 1 us; MPI's own "
+    "request/reply after the same idle time, its target polling in MPI_Recv: 0.03 ms). `0`: never sleeps, yields "
+    "(0.03 ms; a core per rank, for ranks with a core to spare); at most `100ms`"};
 
 int stop_on_finalize(MPI_Comm, int, void* transport, void*) {
   static_cast<MpiTransport*>(transport)->stop();
