@@ -232,7 +232,8 @@ bool parse_args(int argc, char** argv, Args& a) {
       std::size_t start = 0;
       while (start <= value.size()) {
         const std::size_t comma = value.find(',', start);
-        a.idle_ms.push_back(parse_int(value.substr(start, comma == std::string::npos ? std::string::npos : comma - start), 0));
+        const std::size_t len = comma == std::string::npos ? std::string::npos : comma - start;
+        a.idle_ms.push_back(parse_int(value.substr(start, len), 0));
         if (comma == std::string::npos) break;
         start = comma + 1;
       }
@@ -1116,9 +1117,10 @@ class IdleRunner {
       meshmem::Window win = comm.alloc(4096, meshmem::Memory::Host);
       meshmem::Signals sig = comm.alloc_signals(1, meshmem::Memory::Host);
       const int peer = 1 - comm.rank();
-      if (comm.transport(peer, meshmem::Memory::Host) != meshmem::TransportKind::Mpi)
+      const meshmem::TransportKind kind = comm.transport(peer, meshmem::Memory::Host);
+      if (kind != meshmem::TransportKind::Mpi)
         throw std::runtime_error(std::string("host_get_idle: comm.transport(") + std::to_string(peer) +
-                                 ", Memory::Host) is " + meshmem::to_string(comm.transport(peer, meshmem::Memory::Host)) +
+                                 ", Memory::Host) is " + meshmem::to_string(kind) +
                                  ", expected mpi (check MESHMEM_TRANSPORTS)");
       std::memset(win.local(), 0, 4096);
       if (ctx_.rank == 1) std::memcpy(win.local(), ctx_.ref.get(), kIdleGetBytes);
@@ -1163,8 +1165,8 @@ class IdleRunner {
       if (std::find(variants.begin(), variants.end(), r.variant) == variants.end()) variants.push_back(r.variant);
     for (const std::string& v : variants) {
       std::printf("\n# host_get_idle / %s: %s\n", v.c_str(), describe(v));
-      std::printf("#   a sample: both ranks meet (MPI_Barrier), rank 0 makes 1 untimed request, sleeps the idle time, then "
-                  "times 1 get of %zu B; idle 0: gets back to back. latency = median of the samples\n",
+      std::printf("#   a sample: both ranks meet (MPI_Barrier), rank 0 makes 1 untimed request, sleeps the idle "
+                  "time, then times 1 get of %zu B; idle 0: gets back to back. latency = median of the samples\n",
                   kIdleGetBytes);
       std::printf("# %-10s %8s %14s %12s %12s %8s\n", "idle(ms)", "size", "latency(us)", "min(us)", "max(us)",
                   "samples");
@@ -1336,7 +1338,8 @@ class IdleRunner {
     MPI_CHECK(MPI_Allreduce(&bad, &all_bad, 1, MPI_INT, MPI_SUM, ctl_));
     if (all_bad > 0) {
       if (ctx_.rank == 0)
-        std::fprintf(stderr, "host_bench: host_get_idle: %d get(s) returned wrong bytes (DATA CHECK FAILED)\n", all_bad);
+        std::fprintf(stderr, "host_bench: host_get_idle: %d get(s) returned wrong bytes (DATA CHECK FAILED)\n",
+                     all_bad);
       ++failures_;
     }
     bad_ = 0;
@@ -1586,7 +1589,8 @@ int main(int argc, char** argv) {
     try {
       idle.run();
     } catch (const meshmem::Error& e) {
-      die(std::string("host_get_idle / host_idle_cpu: meshmem::Error (") + meshmem::to_string(e.code()) + "): " + e.what());
+      die(std::string("host_get_idle / host_idle_cpu: meshmem::Error (") + meshmem::to_string(e.code()) +
+          "): " + e.what());
     } catch (const std::exception& e) {
       die(std::string("host_get_idle / host_idle_cpu: ") + e.what());
     }

@@ -115,7 +115,9 @@ TEST(Options, GpuPartKnobs) {
 
 // The mpi transport's knob: a time with its unit, canonical in the table; refused without one.
 TEST(Options, MpiIdleSleep) {
-  auto tuned = [](const std::string& value) { return parse({{"MESHMEM_MPI_IDLE_SLEEP", value}}).tuning().at("MESHMEM_MPI_IDLE_SLEEP"); };
+  auto tuned = [](const std::string& value) {
+    return parse({{"MESHMEM_MPI_IDLE_SLEEP", value}}).tuning().at("MESHMEM_MPI_IDLE_SLEEP");
+  };
   EXPECT_EQ(meshmem::detail::find_knob("MESHMEM_MPI_IDLE_SLEEP")->text(parse({})), "1ms");
   EXPECT_EQ(tuned("250us"), "250us");
   EXPECT_EQ(tuned(" 2ms "), "2ms");
