@@ -120,7 +120,7 @@ void agreed_step(Bootstrap& boot, const std::string& what, Step&& step) {
     if (!boot.usable()) throw;
     ok = false;
     code = e.code();
-    message = e.what();
+    message = e.message();
   }
   boot.agree(ok, code, message, what);
 }

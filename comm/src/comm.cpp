@@ -161,7 +161,7 @@ std::unique_ptr<CommImpl> CommImpl::from_environment(MPI_Comm comm) {
   } catch (const Error& e) {
     ok = false;
     code = e.code();
-    problem = e.what();
+    problem = e.message();
   }
   Start start = start_comm(comm, ok ? options : Options{}, ok ? faults : FaultPlan{});
   start.boot.agree(ok, code, problem, "meshmem::Comm (reading MESHMEM_*)");

@@ -110,7 +110,7 @@ std::vector<ipc::UniqueFd> FdExchange::exchange(int my_fd, const std::string& wh
       if (!boot_.usable()) throw;  // a collective of the exchange timed out and said so
       boot_.fail_timeout(what + " on rank " + std::to_string(topo_.rank) + ": " + std::string(e.message()));
     }
-    error = e.what();
+    error = e.message();
   }
   // Doubles as the barrier that keeps every offered descriptor open until all have it.
   boot_.agree(error.empty(), ErrorCode::System, error, what);
