@@ -248,16 +248,21 @@ void MpiTransport::put(const WindowState& win, int target, std::size_t offset, c
                 "MPI_Isend", what);
       wait(&r[0], "MPI_Isend", target, what);
     } catch (const Error& e) {
-      const int kept = abandon(r, copy);
-      // The target drops a put its origin revoked, whether it sees the revocation before its
-      // header (it was stopped meanwhile: the usual case) or while it waits for the data.
+      int sent = 0;
+      const int kept = abandon(r, copy, &sent);
+      // The target drops a put its origin revoked if it sees the revocation before it posts
+      // the receive of the data (it was stopped meanwhile: the usual case). Data that has left,
+      // or that MPI could not take back, may still reach a receive the target had posted.
       auto revoked = std::make_shared<std::int32_t>(req.tag);
       std::vector<MPI_Request> revoke(1, MPI_REQUEST_NULL);
       if (MPI_Isend(revoked.get(), 1, MPI_INT32_T, target, kTagRevoke, requests_.get(), &revoke[0]) == MPI_SUCCESS)
         keep_until_done(revoke[0], revoked);
-      rethrow_with(e, kept == 0 ? "the rest of its data was not sent: the target drops this put (bytes it received "
-                                  "before may be written); the source is no longer read"
-                                : "MPI could not cancel the send: the source may still be read, do not reuse it");
+      rethrow_with(e, kept > 0 ? "MPI could not cancel the send: the source may still be read (do not reuse it), and "
+                                 "the target may still apply this put with what it reads"
+                      : sent > 0 ? "its data left meanwhile: the target may still apply this put; the source is no "
+                                   "longer read"
+                                 : "the rest of its data was not sent: the target drops this put (bytes it received "
+                                   "before may be written); the source is no longer read");
     }
   }
   unflushed_[target] = 1;
@@ -364,7 +369,7 @@ void MpiTransport::check_peer(int peer, const std::string& what) const {
                                         " timed out, so this Comm no longer waits for it (first error: " + first + ")");
 }
 
-int MpiTransport::abandon(std::vector<MPI_Request>& reqs, const std::shared_ptr<void>& keep) {
+int MpiTransport::abandon(std::vector<MPI_Request>& reqs, const std::shared_ptr<void>& keep, int* completed) {
   int kept = 0;
   for (MPI_Request& r : reqs) {
     if (r == MPI_REQUEST_NULL) continue;
@@ -374,8 +379,13 @@ int MpiTransport::abandon(std::vector<MPI_Request>& reqs, const std::shared_ptr<
     Deadline grace(kCancelGrace);
     Backoff backoff;
     int done = 0;
-    while (MPI_Test(&r, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done && !grace.expired()) backoff.pause();
-    if (done) continue;
+    MPI_Status status;
+    while (MPI_Test(&r, &done, &status) == MPI_SUCCESS && !done && !grace.expired()) backoff.pause();
+    if (done) {
+      int cancelled = 0;
+      if (completed != nullptr && MPI_Test_cancelled(&status, &cancelled) == MPI_SUCCESS && !cancelled) ++*completed;
+      continue;
+    }
     keep_until_done(r, keep);
     r = MPI_REQUEST_NULL;
     ++kept;

@@ -104,8 +104,9 @@ class MpiTransport final : public Transport {
   void wait(MPI_Request* req, const char* call, int peer, const std::string& what, bool serve = false);
   // Gives up on the requests of `reqs` not yet complete: each is cancelled; one that has not
   // ended after a short grace is kept, with `keep` (the memory it uses), until it does.
-  // Returns how many were kept (MPI may still use their memory).
-  int abandon(std::vector<MPI_Request>& reqs, const std::shared_ptr<void>& keep);
+  // Returns how many were kept (MPI may still use their memory); `*completed`, if given,
+  // counts those that ended by completing instead of being cancelled (a send's data left).
+  int abandon(std::vector<MPI_Request>& reqs, const std::shared_ptr<void>& keep, int* completed = nullptr);
   // `r` and the memory it uses (`keep`) stay until it ends; the progress thread sweeps it.
   void keep_until_done(MPI_Request r, const std::shared_ptr<void>& keep);
   // A message that may still come (tag `tag` from `source` on `comm`) for a call that gave
