@@ -13,7 +13,7 @@ namespace meshmem::detail {
 
 namespace {
 
-constexpr int kTagRequest = 1;  // a Request header, on requests_
+constexpr int kTagRequest = 1;  // a Request header (with a small put's bytes after it), on requests_
 constexpr int kTagRevoke = 2;   // an int: the tag of a put whose origin gave up, on requests_
 // Put payloads (on requests_), get data and flush answers (on replies_) carry the tag their
 // header names, unique per call from here up to MPI_TAG_UB (wrapping after about 10^9 calls).
@@ -22,6 +22,10 @@ constexpr std::chrono::milliseconds kCancelGrace{200};  // for a cancelled reque
 
 // MPI counts are ints: large transfers go as several messages of at most this many bytes.
 constexpr std::size_t kMaxMessage = std::size_t{1} << 30;
+// A put of up to this many bytes travels in its request message, after the header: one
+// message instead of two, and the target applies it without a second receive. Within Open
+// MPI's smallest eager limit (4 KiB, shared memory) with the header.
+constexpr std::size_t kInlinePut = 1024;
 
 enum class RequestType : std::uint32_t { Put = 1, Get = 2, Flush = 3 };
 
@@ -62,6 +66,7 @@ struct MpiTransport::Request {
   std::uint32_t signal_op;  // SignalOp, when has_signal
   std::uint32_t has_signal;
   std::int32_t tag;  // of the payload (put) or the answer (get, flush)
+  std::uint32_t inline_payload;  // a put whose bytes follow this header in its message
   std::uint64_t window;
   std::uint64_t offset;
   std::uint64_t bytes;
@@ -222,6 +227,10 @@ void MpiTransport::put(const WindowState& win, int target, std::size_t offset, c
     req.signal_index = signal.index;
     req.signal_value = signal.value;
   }
+  if (bytes <= kInlinePut) {
+    put_inline(req, target, src, what);
+    return;
+  }
   // A put to this rank's own window from a source that overlaps the destination: MPI's send
   // and receive buffers must not overlap, so the bytes go from a copy.
   std::shared_ptr<std::vector<char>> copy;
@@ -264,6 +273,35 @@ void MpiTransport::put(const WindowState& win, int target, std::size_t offset, c
                                  : "the rest of its data was not sent: the target drops this put (bytes it received "
                                    "before may be written); the source is no longer read");
     }
+  }
+  unflushed_[target] = 1;
+}
+
+// A small put: header and bytes in one message (a copy, so the source is free at once and
+// may overlap the destination).
+void MpiTransport::put_inline(const Request& req, int target, const void* src, const std::string& what) {
+  auto message = std::make_shared<std::vector<char>>(sizeof(Request) + req.bytes);
+  Request& header = *reinterpret_cast<Request*>(message->data());
+  header = req;
+  header.inline_payload = 1;
+  if (req.bytes > 0) std::memcpy(message->data() + sizeof(Request), src, req.bytes);
+  std::vector<MPI_Request> r(1, MPI_REQUEST_NULL);
+  try {
+    check_mpi(MPI_Isend(message->data(), static_cast<int>(message->size()), MPI_BYTE, target, kTagRequest,
+                        requests_.get(), &r[0]),
+              "MPI_Isend", what);
+    wait(&r[0], "MPI_Isend", target, what);
+  } catch (const Error& e) {
+    int sent = 0;
+    const int kept = abandon(r, message, &sent);
+    if (kept == 0 && sent == 0) rethrow_with(e, "nothing of this put was applied; the source is no longer read");
+    // The target drops it if it sees the revocation before the request.
+    auto revoked = std::make_shared<std::int32_t>(req.tag);
+    std::vector<MPI_Request> revoke(1, MPI_REQUEST_NULL);
+    if (MPI_Isend(revoked.get(), 1, MPI_INT32_T, target, kTagRevoke, requests_.get(), &revoke[0]) == MPI_SUCCESS)
+      keep_until_done(revoke[0], revoked);
+    rethrow_with(e, "its request, with its bytes, was not taken back: the target may still apply this put; the "
+                    "source is no longer read");
   }
   unflushed_[target] = 1;
 }
@@ -459,10 +497,35 @@ void MpiTransport::take_revocations() {
   }
 }
 
+// A put's data after its header, received straight into the window (or drained where it
+// matches none); false if it did not all come (the put is then dropped, its signal not raised).
+bool MpiTransport::receive_put_data(const Request& req, const Region& dst, int source, const std::string& what) {
+  std::vector<MPI_Request> r(1, MPI_REQUEST_NULL);
+  // Drains the payload of a request that matches no window.
+  std::shared_ptr<std::vector<char>> sink;
+  if (dst.base == nullptr && req.bytes > 0)
+    sink = std::make_shared<std::vector<char>>(std::min<std::size_t>(req.bytes, kMaxMessage));
+  for (int c = 0; c < chunk_count(req.bytes); ++c) {
+    char* to = dst.base ? dst.base + static_cast<std::size_t>(c) * kMaxMessage : sink->data();
+    try {
+      check_mpi(MPI_Irecv(to, chunk_bytes(req.bytes, c), MPI_BYTE, source, req.tag, requests_.get(), &r[0]),
+                "MPI_Irecv", what);
+      wait(&r[0], "MPI_Irecv (put data)", source, what);
+    } catch (const Error& e) {
+      const int kept = abandon(r, sink);
+      drop_later(requests_.get(), source, req.tag);
+      log(LogLevel::Error, std::string(e.what()) + "; the put is dropped (its signal is not raised" +
+                               (kept ? "; MPI may still write its bytes into the window)" : ")"));
+      return false;
+    }
+  }
+  return true;
+}
+
 // Serves one request. Its payload or answer goes with the tag the header names; a wait for
 // the origin is bounded like every wait (an origin stopped or dead in the middle of a put must
 // not hold this thread: the put is dropped, and anything it still sends with that tag too).
-void MpiTransport::handle(const Request& req, int source) {
+void MpiTransport::handle(const Request& req, const char* payload, int source) {
   const std::string what = "progress thread of rank " + std::to_string(rank_);
   std::vector<MPI_Request> r(1, MPI_REQUEST_NULL);
   switch (req.type) {
@@ -470,29 +533,16 @@ void MpiTransport::handle(const Request& req, int source) {
       ctx_.faults.hit(FaultPoint::MpiServePut);
       take_revocations();
       if (revoked_.erase({source, req.tag}) > 0) {
-        drop_later(requests_.get(), source, req.tag);  // its data, if any was sent, is dropped
+        if (!req.inline_payload) drop_later(requests_.get(), source, req.tag);  // its data, if any was sent, is dropped
         log(LogLevel::Warn, what + ": a put from rank " + std::to_string(source) +
                                 " was revoked by its origin (it timed out there); dropped");
         return;
       }
       const Region dst = find(req.window, req.offset, req.bytes, source);
-      // Drains the payload of a request that matches no window.
-      std::shared_ptr<std::vector<char>> sink;
-      if (dst.base == nullptr && req.bytes > 0)
-        sink = std::make_shared<std::vector<char>>(std::min<std::size_t>(req.bytes, kMaxMessage));
-      for (int c = 0; c < chunk_count(req.bytes); ++c) {
-        char* to = dst.base ? dst.base + static_cast<std::size_t>(c) * kMaxMessage : sink->data();
-        try {
-          check_mpi(MPI_Irecv(to, chunk_bytes(req.bytes, c), MPI_BYTE, source, req.tag, requests_.get(), &r[0]),
-                    "MPI_Irecv", what);
-          wait(&r[0], "MPI_Irecv (put data)", source, what);
-        } catch (const Error& e) {
-          const int kept = abandon(r, sink);
-          drop_later(requests_.get(), source, req.tag);
-          log(LogLevel::Error, std::string(e.what()) + "; the put is dropped (its signal is not raised" +
-                                   (kept ? "; MPI may still write its bytes into the window)" : ")"));
-          return;
-        }
+      if (req.inline_payload) {
+        if (dst.base != nullptr && req.bytes > 0) std::memcpy(dst.base, payload, req.bytes);
+      } else if (!receive_put_data(req, dst, source, what)) {
+        return;
       }
       if (req.has_signal) {
         const Region word = find(req.signal_window, req.signal_index * sizeof(std::uint64_t),
@@ -559,9 +609,24 @@ bool MpiTransport::serve_one() {
     check_mpi(MPI_Improbe(MPI_ANY_SOURCE, kTagRequest, requests_.get(), &found, &message, &status), "MPI_Improbe",
               what);
   if (!found) return false;
-  Request req{};
-  check_mpi(MPI_Mrecv(&req, sizeof(req), MPI_BYTE, &message, &status), "MPI_Mrecv", what);
-  handle(req, status.MPI_SOURCE);
+  int count = 0;
+  check_mpi(MPI_Get_count(&status, MPI_BYTE, &count), "MPI_Get_count", what);
+  if (count < static_cast<int>(sizeof(Request)) || count > static_cast<int>(sizeof(Request) + kInlinePut)) {
+    (void)MPI_Mrecv(nullptr, 0, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+    throw Error(ErrorCode::Internal, what + ": a request of " + std::to_string(count) + " bytes from rank " +
+                                         std::to_string(status.MPI_SOURCE) + " (expected " +
+                                         std::to_string(sizeof(Request)) + " to " +
+                                         std::to_string(sizeof(Request) + kInlinePut) + ")");
+  }
+  inbox_.resize(sizeof(Request) + kInlinePut);
+  check_mpi(MPI_Mrecv(inbox_.data(), count, MPI_BYTE, &message, &status), "MPI_Mrecv", what);
+  Request req;
+  std::memcpy(&req, inbox_.data(), sizeof(req));
+  if (req.inline_payload && req.bytes != static_cast<std::uint64_t>(count) - sizeof(Request))
+    throw Error(ErrorCode::Internal, what + ": a put from rank " + std::to_string(status.MPI_SOURCE) + " names " +
+                                         std::to_string(req.bytes) + " bytes but carries " +
+                                         std::to_string(count - static_cast<int>(sizeof(Request))));
+  handle(req, inbox_.data() + sizeof(Request), status.MPI_SOURCE);
   return true;
 }
 

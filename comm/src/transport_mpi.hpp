@@ -97,7 +97,10 @@ class MpiTransport final : public Transport {
   struct Request;
 
   void serve();
-  void handle(const Request& req, int source);
+  // `payload`: a small put's bytes, which came in the request's message (inline_payload).
+  void handle(const Request& req, const char* payload, int source);
+  bool receive_put_data(const Request& req, const Region& dst, int source, const std::string& what);
+  void put_inline(const Request& req, int target, const void* src, const std::string& what);
   Region find(std::uint64_t id, std::size_t offset, std::size_t bytes, int source) const;
   // Waits for `req`. With `serve`, serves incoming requests meanwhile (waits for a peer's
   // answer); waits for this rank's own sends do not, so as not to slow them down with probes.
@@ -125,6 +128,7 @@ class MpiTransport final : public Transport {
   std::chrono::milliseconds timeout_;
   std::chrono::microseconds idle_sleep_;  // MESHMEM_MPI_IDLE_SLEEP: the longest sleep between two polls
   std::vector<char> unflushed_;  // per target: puts or signals sent since the last quiet
+  std::vector<char> inbox_;      // the request being served (under serving_)
 
   int tag_limit_ = 32767;                  // MPI_TAG_UB
   std::atomic<std::uint64_t> next_tag_{0};  // unique tags of payloads and answers
