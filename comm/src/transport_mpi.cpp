@@ -262,10 +262,7 @@ void MpiTransport::put(const WindowState& win, int target, std::size_t offset, c
       // The target drops a put its origin revoked if it sees the revocation before it posts
       // the receive of the data (it was stopped meanwhile: the usual case). Data that has left,
       // or that MPI could not take back, may still reach a receive the target had posted.
-      auto revoked = std::make_shared<std::int32_t>(req.tag);
-      std::vector<MPI_Request> revoke(1, MPI_REQUEST_NULL);
-      if (MPI_Isend(revoked.get(), 1, MPI_INT32_T, target, kTagRevoke, requests_.get(), &revoke[0]) == MPI_SUCCESS)
-        keep_until_done(revoke[0], revoked);
+      revoke(target, req.tag);
       rethrow_with(e, kept > 0 ? "MPI could not cancel the send: the source may still be read (do not reuse it), and "
                                  "the target may still apply this put with what it reads"
                       : sent > 0 ? "its data left meanwhile: the target may still apply this put; the source is no "
@@ -275,6 +272,15 @@ void MpiTransport::put(const WindowState& win, int target, std::size_t offset, c
     }
   }
   unflushed_[target] = 1;
+}
+
+// Tells `target` that the put with payload tag `tag` is given up: its progress thread drops the
+// put if the revocation is there when it serves the put's request (take_revocations).
+void MpiTransport::revoke(int target, int tag) {
+  auto revoked = std::make_shared<std::int32_t>(tag);
+  MPI_Request r = MPI_REQUEST_NULL;
+  if (MPI_Isend(revoked.get(), 1, MPI_INT32_T, target, kTagRevoke, requests_.get(), &r) == MPI_SUCCESS)
+    keep_until_done(r, revoked);
 }
 
 // A small put: header and bytes in one message (a copy, so the source is free at once and
@@ -296,10 +302,7 @@ void MpiTransport::put_inline(const Request& req, int target, const void* src, c
     const int kept = abandon(r, message, &sent);
     if (kept == 0 && sent == 0) rethrow_with(e, "nothing of this put was applied; the source is no longer read");
     // The target drops it if it sees the revocation before the request.
-    auto revoked = std::make_shared<std::int32_t>(req.tag);
-    std::vector<MPI_Request> revoke(1, MPI_REQUEST_NULL);
-    if (MPI_Isend(revoked.get(), 1, MPI_INT32_T, target, kTagRevoke, requests_.get(), &revoke[0]) == MPI_SUCCESS)
-      keep_until_done(revoke[0], revoked);
+    revoke(target, req.tag);
     rethrow_with(e, "its request, with its bytes, was not taken back: the target may still apply this put; the "
                     "source is no longer read");
   }

@@ -101,6 +101,7 @@ class MpiTransport final : public Transport {
   void handle(const Request& req, const char* payload, int source);
   bool receive_put_data(const Request& req, const Region& dst, int source, const std::string& what);
   void put_inline(const Request& req, int target, const void* src, const std::string& what);
+  void revoke(int target, int tag);
   Region find(std::uint64_t id, std::size_t offset, std::size_t bytes, int source) const;
   // Waits for `req`. With `serve`, serves incoming requests meanwhile (waits for a peer's
   // answer); waits for this rank's own sends do not, so as not to slow them down with probes.
