@@ -32,8 +32,10 @@ constexpr PointInfo kPoints[kFaultPointCount] = {
     {FaultPoint::FdExchange, "fd.exchange",
      "a descriptor exchange between node peers, as when a window shared on the node is made, before this rank offers "
      "its descriptor"},
-    {FaultPoint::MpiPutAfterHeader, "mpi.put.after_header", "an mpi transport put, its header sent, its data not yet"},
-    {FaultPoint::MpiServePut, "mpi.serve.put", "the target's progress thread has a put's header, before its data"},
+    {FaultPoint::MpiPutAfterHeader, "mpi.put.after_header",
+     "an mpi transport put of more than 1 KiB (a smaller one is one message), its header sent, its data not yet"},
+    {FaultPoint::MpiServePut, "mpi.serve.put",
+     "the target's progress thread has a put's header (up to 1 KiB: with its bytes), before it takes the data in"},
     {FaultPoint::MpiServeGet, "mpi.serve.get", "the target's progress thread has a get's header, before the answer"},
     {FaultPoint::MpiServeFlush, "mpi.serve.flush", "the target's progress thread has a flush, sent by quiet, before the answer"},
 };

@@ -35,10 +35,11 @@ enum class FaultPoint : unsigned {
                       // (late or dead there: the others name the rank)
   FdExchange,         // "fd.exchange": a descriptor exchange between node peers (alloc of a
                       // window shared on the node), before this rank offers its descriptor
-  MpiPutAfterHeader,  // "mpi.put.after_header": an mpi transport put, its header sent and its
-                      // data not yet
+  MpiPutAfterHeader,  // "mpi.put.after_header": an mpi transport put of more than 1 KiB (a
+                      // smaller one is one message), its header sent and its data not yet
   MpiServePut,        // "mpi.serve.put": the target's progress thread (or a thread of it that
-                      // waits and serves meanwhile) has a put's header, before its data
+                      // waits and serves meanwhile) has a put's header (up to 1 KiB: with its
+                      // bytes), before it takes the data in
   MpiServeGet,        // "mpi.serve.get": ... has a get's header, before sending the data
   MpiServeFlush,      // "mpi.serve.flush": ... has a flush (quiet), before answering it
 };
