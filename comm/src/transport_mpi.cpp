@@ -287,9 +287,9 @@ void MpiTransport::revoke(int target, int tag) {
 // may overlap the destination).
 void MpiTransport::put_inline(const Request& req, int target, const void* src, const std::string& what) {
   auto message = std::make_shared<std::vector<char>>(sizeof(Request) + req.bytes);
-  Request& header = *reinterpret_cast<Request*>(message->data());
-  header = req;
+  Request header = req;
   header.inline_payload = 1;
+  std::memcpy(message->data(), &header, sizeof(header));
   if (req.bytes > 0) std::memcpy(message->data() + sizeof(Request), src, req.bytes);
   std::vector<MPI_Request> r(1, MPI_REQUEST_NULL);
   try {
