@@ -66,13 +66,15 @@ struct MpiTransport::Request {
   std::uint32_t signal_op;  // SignalOp, when has_signal
   std::uint32_t has_signal;
   std::int32_t tag;  // of the payload (put) or the answer (get, flush)
-  std::uint32_t inline_payload;  // a put whose bytes follow this header in its message
   std::uint64_t window;
   std::uint64_t offset;
   std::uint64_t bytes;
   std::uint64_t signal_window;
   std::uint64_t signal_index;
   std::uint64_t signal_value;
+
+  // A put of up to kInlinePut bytes carries them in its own message, after this header.
+  bool carries_bytes() const { return type == RequestType::Put && bytes <= kInlinePut; }
 };
 
 std::unique_ptr<Transport> make_mpi_transport(const CommContext& ctx) { return std::make_unique<MpiTransport>(ctx); }
@@ -227,7 +229,7 @@ void MpiTransport::put(const WindowState& win, int target, std::size_t offset, c
     req.signal_index = signal.index;
     req.signal_value = signal.value;
   }
-  if (bytes <= kInlinePut) {
+  if (req.carries_bytes()) {
     put_inline(req, target, src, what);
     return;
   }
@@ -287,9 +289,7 @@ void MpiTransport::revoke(int target, int tag) {
 // may overlap the destination).
 void MpiTransport::put_inline(const Request& req, int target, const void* src, const std::string& what) {
   auto message = std::make_shared<std::vector<char>>(sizeof(Request) + req.bytes);
-  Request header = req;
-  header.inline_payload = 1;
-  std::memcpy(message->data(), &header, sizeof(header));
+  std::memcpy(message->data(), &req, sizeof(req));
   if (req.bytes > 0) std::memcpy(message->data() + sizeof(Request), src, req.bytes);
   std::vector<MPI_Request> r(1, MPI_REQUEST_NULL);
   try {
@@ -536,13 +536,13 @@ void MpiTransport::handle(const Request& req, const char* payload, int source) {
       ctx_.faults.hit(FaultPoint::MpiServePut);
       take_revocations();
       if (revoked_.erase({source, req.tag}) > 0) {
-        if (!req.inline_payload) drop_later(requests_.get(), source, req.tag);  // its data, if any was sent, is dropped
+        if (!req.carries_bytes()) drop_later(requests_.get(), source, req.tag);  // its data, if any was sent, is dropped
         log(LogLevel::Warn, what + ": a put from rank " + std::to_string(source) +
                                 " was revoked by its origin (it timed out there); dropped");
         return;
       }
       const Region dst = find(req.window, req.offset, req.bytes, source);
-      if (req.inline_payload) {
+      if (req.carries_bytes()) {
         if (dst.base != nullptr && req.bytes > 0) std::memcpy(dst.base, payload, req.bytes);
       } else if (!receive_put_data(req, dst, source, what)) {
         return;
@@ -625,10 +625,11 @@ bool MpiTransport::serve_one() {
   check_mpi(MPI_Mrecv(inbox_.data(), count, MPI_BYTE, &message, &status), "MPI_Mrecv", what);
   Request req;
   std::memcpy(&req, inbox_.data(), sizeof(req));
-  if (req.inline_payload && req.bytes != static_cast<std::uint64_t>(count) - sizeof(Request))
-    throw Error(ErrorCode::Internal, what + ": a put from rank " + std::to_string(status.MPI_SOURCE) + " names " +
-                                         std::to_string(req.bytes) + " bytes but carries " +
-                                         std::to_string(count - static_cast<int>(sizeof(Request))));
+  const std::size_t carried = req.carries_bytes() ? req.bytes : 0;
+  if (static_cast<std::size_t>(count) != sizeof(Request) + carried)
+    throw Error(ErrorCode::Internal, what + ": a request from rank " + std::to_string(status.MPI_SOURCE) + " carries " +
+                                         std::to_string(count - static_cast<int>(sizeof(Request))) +
+                                         " bytes after its header, expected " + std::to_string(carried));
   handle(req, inbox_.data() + sizeof(Request), status.MPI_SOURCE);
   return true;
 }

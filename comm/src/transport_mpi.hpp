@@ -97,7 +97,7 @@ class MpiTransport final : public Transport {
   struct Request;
 
   void serve();
-  // `payload`: a small put's bytes, which came in the request's message (inline_payload).
+  // `payload`: a small put's bytes, which came in the request's message (carries_bytes).
   void handle(const Request& req, const char* payload, int source);
   bool receive_put_data(const Request& req, const Region& dst, int source, const std::string& what);
   void put_inline(const Request& req, int target, const void* src, const std::string& what);
