@@ -38,6 +38,9 @@ constexpr PointInfo kPoints[kFaultPointCount] = {
      "the target's progress thread has a put's header (up to 1 KiB: with its bytes), before it takes the data in"},
     {FaultPoint::MpiServeGet, "mpi.serve.get", "the target's progress thread has a get's header, before the answer"},
     {FaultPoint::MpiServeFlush, "mpi.serve.flush", "the target's progress thread has a flush, sent by quiet, before the answer"},
+    {FaultPoint::NcclConnect, "nccl.connect",
+     "the nccl transport's connect (in the Comm's constructor) has its peers' NCCL ids, before it makes its NCCL "
+     "communicators"},
 };
 
 constexpr int kMaxRank = 1 << 20;

@@ -42,9 +42,11 @@ enum class FaultPoint : unsigned {
                       // bytes), before it takes the data in
   MpiServeGet,        // "mpi.serve.get": ... has a get's header, before sending the data
   MpiServeFlush,      // "mpi.serve.flush": ... has a flush (quiet), before answering it
+  NcclConnect,        // "nccl.connect": the nccl transport's connect has its peers' NCCL ids,
+                      // before it makes its NCCL communicators
 };
-constexpr unsigned kFaultPointCount = 7;
-static_assert(static_cast<unsigned>(FaultPoint::MpiServeFlush) + 1 == kFaultPointCount,
+constexpr unsigned kFaultPointCount = 8;
+static_assert(static_cast<unsigned>(FaultPoint::NcclConnect) + 1 == kFaultPointCount,
               "a point added to FaultPoint is added to the count and to fault.cpp's list of names");
 
 const char* to_string(FaultPoint point) noexcept;

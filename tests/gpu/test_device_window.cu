@@ -124,7 +124,9 @@ void put_every_pair(Comm& comm, cudaStream_t stream, std::uint64_t seed, bool pa
 }  // namespace
 
 // The route the settings ask for. Another (real or simulated) node: `nccl` where allowed,
-// unless the two ranks use one GPU of one machine (NCCL refuses that), else none. This
+// except for two ranks on one GPU of one machine when the user set NCCL_HOSTID (the entry
+// says so with MESHMEM_TEST_USER_NCCL_HOSTID: meshmem sets NCCL_HOSTID itself otherwise,
+// one per simulated node, so the test cannot read it from its environment), else none. This
 // node: `staged` where MESHMEM_TRANSPORTS puts it first, or for a pair of different GPUs
 // under MESHMEM_PEER_ACCESS=off; else ipc (every GPU machine here has peer access).
 // Collective (every rank calls it for the same r).
@@ -134,7 +136,9 @@ TransportKind expected_route(const Comm& comm, int me, int r) {
   const std::vector<std::string> bus = meshmem::test::gpu_bus_ids();
   if (comm.node_of(r) != comm.node()) {
     if (order != nullptr && std::strstr(order, "nccl") == nullptr) return TransportKind::None;
-    return hosts[me] != hosts[r] || bus[me] != bus[r] ? TransportKind::Nccl : TransportKind::None;
+    const bool one_gpu = hosts[me] == hosts[r] && bus[me] == bus[r];
+    return one_gpu && std::getenv("MESHMEM_TEST_USER_NCCL_HOSTID") != nullptr ? TransportKind::None
+                                                                               : TransportKind::Nccl;
   }
   if (order != nullptr && std::strncmp(order, "staged", 6) == 0) return TransportKind::Staged;
   const char* access = std::getenv("MESHMEM_PEER_ACCESS");
@@ -560,6 +564,39 @@ TEST_F(DeviceWindow, HaloAcrossNodesRefusesUnreachableNeighbour) {
   // The Comm stays usable.
   comm->barrier(stream);
   CUDA_OK(cudaStreamSynchronize(stream));
+}
+
+// A rank late to the nccl transport's connect by more than the timeout (delayed after the
+// NCCL ids are exchanged, before it makes its NCCL communicators): the others' NCCL
+// initialisation gives up within MESHMEM_TIMEOUT and their constructors raise, naming the
+// late rank, instead of waiting inside NCCL until it comes; the late rank raises too.
+TEST_F(DeviceWindow, NcclConnectWithALatePeerIsBounded) {
+  int every_rank_uses_nccl = 0;
+  for (int r = 0; r < n; ++r) every_rank_uses_nccl |= comm->transport(r, Memory::Device) == TransportKind::Nccl;
+  MPI_Allreduce(MPI_IN_PLACE, &every_rank_uses_nccl, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (!every_rank_uses_nccl) GTEST_SKIP() << "needs every rank to reach some rank through nccl";
+  const int late = n - 1;
+  constexpr double kTimeout = 3, kLate = 12;
+  Options o = options_from_env();
+  o.timeout = std::chrono::milliseconds(static_cast<int>(kTimeout * 1000));
+  o.set("MESHMEM_FAULT", std::to_string(late) + ":nccl.connect:delay=" + std::to_string(static_cast<int>(kLate * 1000)));
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    Comm late_comm(MPI_COMM_WORLD, o);
+    ADD_FAILURE() << "rank " << me << ": the Comm was made although rank " << late << " came "
+                  << kLate << " s late with a " << kTimeout << " s timeout";
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (me != late) {
+    EXPECT_LT(took, kLate - 1) << "rank " << me << " waited for the late rank: " << message;
+    EXPECT_NE(message.find("rank " + std::to_string(late)), std::string::npos) << message;
+  }
+  std::printf("rank %d: the Comm raised after %.1f s: %s\n", me, took, message.c_str());
+  // Every rank is back (the late one last) before the next case.
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 // Every pair without a device route says why, transport by transport.

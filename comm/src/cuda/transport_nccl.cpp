@@ -2,6 +2,7 @@
 #include "transport_nccl.hpp"
 
 #include <mpi.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -15,6 +16,7 @@
 
 #include "../backoff.hpp"
 #include "../bootstrap.hpp"
+#include "../fault.hpp"
 #include "../gpu_part.hpp"
 #include "../knobs.hpp"
 #include "../log.hpp"
@@ -583,7 +585,23 @@ NcclTransport::NcclTransport(const CommContext& ctx)
   if (device_ == nullptr || topo.node_count == 1) return;
   std::string why;
   lib_ = NcclLibrary::get(kNcclLibrary.get(ctx.options), &why);
-  const std::int32_t mine = lib_ != nullptr ? 1 : 0;
+  // Nodes simulated on one machine are hosts of their own for NCCL too: NCCL tells hosts apart
+  // by NCCL_HOSTID (else hostname and boot id) and refuses two ranks of one host on one GPU in
+  // a communicator, so each simulated node gets an id of its own. Ranks of different
+  // simulated nodes that share a GPU then pair up as ranks of different real nodes do (over
+  // NCCL's network transport). A user's own NCCL_HOSTID is kept; such pairs then have no route.
+  bool simulated_here = false;
+  for (int r = 0; r < topo.size; ++r)
+    simulated_here = simulated_here || (!topo.same_node(r) && topo.host_of[r] == topo.host_of[topo.rank]);
+  const bool user_host_id = std::getenv("NCCL_HOSTID") != nullptr;
+  if (lib_ != nullptr && simulated_here && !user_host_id) {
+    char name[256] = {};
+    (void)gethostname(name, sizeof(name) - 1);
+    host_id_ = std::string(name) + "/meshmem-simulated-node-" + std::to_string(topo.node());
+    setenv("NCCL_HOSTID", host_id_.c_str(), 1);
+  }
+  // Bit 0: NCCL loaded; bit 1: this rank's simulated node has a host id of its own.
+  const std::int32_t mine = (lib_ != nullptr ? 1 : 0) | (host_id_.empty() ? 0 : 2);
   std::vector<std::int32_t> all(static_cast<std::size_t>(topo.size));
   ctx_.boot.allgather(&mine, all.data(), sizeof(mine), "meshmem::Comm (nccl transport)");
   const std::vector<std::string>& bus = device_->bus_ids();
@@ -591,11 +609,13 @@ NcclTransport::NcclTransport(const CommContext& ctx)
     if (topo.same_node(r)) continue;
     if (lib_ == nullptr)
       no_route_[r] = "NCCL is not loaded here: " + why;
-    else if (all[r] == 0)
+    else if ((all[r] & 1) == 0)
       no_route_[r] = "rank " + std::to_string(r) + " could not load NCCL (its log says why)";
-    else if (topo.host_of[r] == topo.host_of[topo.rank] && bus[r] == bus[topo.rank])
+    else if (topo.host_of[r] == topo.host_of[topo.rank] && bus[r] == bus[topo.rank] &&
+             (host_id_.empty() || (all[r] & 2) == 0))
       no_route_[r] = "rank " + std::to_string(r) + " uses this rank's GPU " + bus[r] +
-                     " (nodes simulated on one machine): NCCL puts one rank per GPU in a communicator";
+                     " (nodes simulated on one machine) and NCCL_HOSTID is set by the user, so NCCL sees one "
+                     "host and puts one rank per GPU in a communicator";
   }
 }
 
@@ -680,6 +700,7 @@ void NcclTransport::connect(const std::vector<bool>& routed) {
     for (MPI_Request& q : requests)
       if (!ctx_.boot.wait(&q, what + ": NCCL ids"))
         throw Error(ErrorCode::Timeout, what + ": a peer's NCCL id did not come within MESHMEM_TIMEOUT");
+    ctx_.faults.hit(FaultPoint::NcclConnect);
     // Every communicator in one group: NCCL initialises them together, in any order.
     std::vector<NcclCommHandle> outs(peers.size(), nullptr), ins(peers.size(), nullptr);
     lib_->check(lib_->group_start(), "ncclGroupStart", what);
@@ -830,8 +851,9 @@ void NcclTransport::transfer(NcclRequest r, Stream stream, const char* name) {
 }
 
 std::string NcclTransport::describe() const {
-  if (!proxy_) return lib_ ? "NCCL " + lib_->version_text() + " (" + lib_->path + "), not connected" : "";
-  return "NCCL " + lib_->version_text() + " (" + lib_->path + ")";
+  if (!lib_) return "";
+  const std::string host = host_id_.empty() ? "" : ", NCCL_HOSTID " + host_id_;
+  return "NCCL " + lib_->version_text() + " (" + lib_->path + ")" + host + (proxy_ ? "" : ", not connected");
 }
 
 }  // namespace meshmem::detail

@@ -34,9 +34,10 @@
 // Limits of this version: a transfer costs one MPI round trip for its acknowledgement and
 // puts on one stream run one after another; put_strided goes row by row; transfers cannot be
 // captured into a CUDA graph yet (refused before touching the capture); ranks of one machine
-// sharing a GPU (simulated nodes) are not put into one NCCL communicator (NCCL refuses), so
-// no route reaches them here; nodes simulated on one machine reach each other over NCCL's
-// network transport (NCCL_P2P_DISABLE / NCCL_SHM_DISABLE set in the process unless given);
+// of different simulated nodes sharing a GPU pair up because each simulated node is a host of
+// its own for NCCL (NCCL_HOSTID set per node unless the user set it; then no route reaches
+// them); nodes simulated on one machine reach each other over NCCL's network transport
+// (NCCL_P2P_DISABLE / NCCL_SHM_DISABLE set in the process unless given);
 // an application kernel launched for the first time while a transfer is in flight stalls
 // until MESHMEM_TIMEOUT under CUDA's lazy loading, as on the staged route (seen in
 // BarrierTenThousandRounds; CUDA_MODULE_LOADING=EAGER avoids it); NCCL's own initialisation is not bounded by MESHMEM_TIMEOUT
@@ -89,6 +90,7 @@ class NcclTransport final : public Transport {
   CudaDeviceRuntime* device_;
   const NcclLibrary* lib_ = nullptr;
   std::vector<std::string> no_route_;  // by rank: why not ("" where it reaches)
+  std::string host_id_;  // NCCL_HOSTID this rank set for its simulated node ("" where none)
   std::shared_ptr<NcclProxy> proxy_;
   int finalize_keyval_;
 };
