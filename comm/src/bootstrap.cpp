@@ -353,9 +353,19 @@ std::uint64_t Bootstrap::allreduce_max(std::uint64_t value, const std::string& w
 }
 
 void Bootstrap::agree(bool ok, ErrorCode code, const std::string& message, const std::string& what) {
+  // A rank whose own step failed and that cannot agree (a peer is late or dead) raises its own
+  // error, which says what went wrong and often with whom, not only the agreement's timeout.
+  const auto agreeing = [&](auto&& step) {
+    try {
+      step();
+    } catch (const Error& e) {
+      if (ok) throw;
+      throw Error(code, message + " (and the ranks could not agree on the outcome: " + e.message() + ")");
+    }
+  };
   std::int32_t mine[2] = {ok ? 1 : 0, static_cast<std::int32_t>(code)};
   std::vector<std::int32_t> all(2 * static_cast<std::size_t>(size_));
-  allgather(mine, all.data(), sizeof(mine), what);
+  agreeing([&] { allgather(mine, all.data(), sizeof(mine), what); });
   std::vector<int> failed;
   for (int r = 0; r < size_; ++r)
     if (all[2 * r] == 0) failed.push_back(r);
@@ -363,10 +373,13 @@ void Bootstrap::agree(bool ok, ErrorCode code, const std::string& message, const
   // The lowest failing rank's message goes to everyone.
   const int speaker = failed.front();
   std::uint64_t len = rank_ == speaker ? message.size() : 0;
-  broadcast(&len, sizeof(len), speaker, what);
-  std::string text(len, '\0');
-  if (rank_ == speaker) text = message;
-  if (len > 0) broadcast(text.data(), len, speaker, what);
+  std::string text;
+  agreeing([&] {
+    broadcast(&len, sizeof(len), speaker, what);
+    text.assign(len, '\0');
+    if (rank_ == speaker) text = message;
+    if (len > 0) broadcast(text.data(), len, speaker, what);
+  });
   const auto speaker_code = static_cast<ErrorCode>(all[2 * speaker + 1]);
   std::string prefix = what + " failed on rank(s) " + rank_list(failed);
   if (rank_ != speaker) prefix += " (this is rank " + std::to_string(rank_) + ")";

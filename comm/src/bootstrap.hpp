@@ -66,6 +66,8 @@ class Bootstrap {
 
   // Every rank passes whether its part succeeded. If any failed, every rank raises the
   // same Error: the lowest failing rank's code and message, and the list of failing ranks.
+  // Where the agreement itself times out (a rank late or dead), a rank that failed raises its
+  // own error with the agreement's added; the others raise the agreement's.
   void agree(bool ok, ErrorCode code, const std::string& message, const std::string& what);
 
   // Waits for `req` with backoff; false on timeout.

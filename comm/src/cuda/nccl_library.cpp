@@ -3,6 +3,8 @@
 
 #include <dlfcn.h>
 
+#include <cstddef>
+
 #include <map>
 #include <memory>
 #include <mutex>
@@ -16,7 +18,7 @@ namespace {
 template <class F>
 bool bind(void* handle, const char* name, F* out, std::string* why) {
   *out = reinterpret_cast<F>(dlsym(handle, name));
-  if (*out == nullptr) *why = "it has no " + std::string(name) + " (NCCL older than 2.7?)";
+  if (*out == nullptr) *why = "it has no " + std::string(name) + " (meshmem needs NCCL 2.18 or later)";
   return *out != nullptr;
 }
 
@@ -34,7 +36,8 @@ std::unique_ptr<NcclLibrary> load(const std::string& path, std::string* why) {
   std::string missing;
   const bool ok = bind(handle, "ncclGetVersion", &get_version, &missing) &&
                   bind(handle, "ncclGetUniqueId", &lib->get_unique_id, &missing) &&
-                  bind(handle, "ncclCommInitRank", &lib->comm_init_rank, &missing) &&
+                  bind(handle, "ncclCommInitRankConfig", &lib->comm_init_rank_config, &missing) &&
+                  bind(handle, "ncclCommSplit", &lib->comm_split, &missing) &&
                   bind(handle, "ncclCommDestroy", &lib->comm_destroy, &missing) &&
                   bind(handle, "ncclCommAbort", &lib->comm_abort, &missing) &&
                   bind(handle, "ncclCommGetAsyncError", &lib->comm_get_async_error, &missing) &&
@@ -68,6 +71,19 @@ const NcclLibrary* NcclLibrary::get(const std::string& path, std::string* why) {
   }
   if (!it->second.first) *why = it->second.second;
   return it->second.first.get();
+}
+
+NcclConfig NcclConfig::make(bool blocking, bool split_share) {
+  constexpr int kUndefined = -2147483647 - 1;  // NCCL_CONFIG_UNDEF_INT
+  NcclConfig c{};
+  c.size = offsetof(NcclConfig, split_share) + sizeof(int);  // the fields NCCL 2.18 has, no padding
+  c.magic = 0xcafebeef;                                      // NCCL_API_MAGIC
+  c.version = 21800;                                         // NCCL_VERSION(2, 18, 0)
+  c.blocking = blocking ? 1 : 0;
+  c.cga_cluster_size = c.min_ctas = c.max_ctas = kUndefined;
+  c.net_name = nullptr;
+  c.split_share = split_share ? 1 : 0;
+  return c;
 }
 
 std::string NcclLibrary::version_text() const {

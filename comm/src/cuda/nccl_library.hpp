@@ -1,7 +1,7 @@
 // NcclLibrary: libnccl loaded at run time (dlopen), as the CUDA driver's entry points are, so
 // that a build or a machine without NCCL still runs and says why the nccl route is missing.
 // Only what the nccl transport uses, declared here with NCCL's C ABI (nccl.h is not needed
-// to build meshmem). NcclComm owns one communicator.
+// to build meshmem); NCCL 2.18 or later (ncclCommSplit). NcclComm owns one communicator.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -17,6 +17,23 @@ struct NcclUniqueId {
 struct NcclCommOpaque;
 using NcclCommHandle = NcclCommOpaque*;
 
+// ncclConfig_t's fields up to splitShare, as NCCL 2.18 laid them out. NCCL reads a config by
+// its size and version, so later versions take it as it is (their newer fields keep their
+// defaults).
+struct NcclConfig {
+  std::size_t size;
+  unsigned magic;
+  unsigned version;
+  int blocking;
+  int cga_cluster_size;
+  int min_ctas;
+  int max_ctas;
+  const char* net_name;
+  int split_share;
+  // Every field NCCL's default except these two.
+  static NcclConfig make(bool blocking, bool split_share);
+};
+
 class NcclLibrary {
  public:
   // The library of MESHMEM_NCCL_LIBRARY (default libnccl.so.2), loaded once per process;
@@ -28,7 +45,8 @@ class NcclLibrary {
   std::string version_text() const;
 
   int (*get_unique_id)(NcclUniqueId*) = nullptr;
-  int (*comm_init_rank)(NcclCommHandle*, int nranks, NcclUniqueId id, int rank) = nullptr;
+  int (*comm_init_rank_config)(NcclCommHandle*, int nranks, NcclUniqueId id, int rank, NcclConfig*) = nullptr;
+  int (*comm_split)(NcclCommHandle, int color, int key, NcclCommHandle*, NcclConfig*) = nullptr;
   int (*comm_destroy)(NcclCommHandle) = nullptr;
   int (*comm_abort)(NcclCommHandle) = nullptr;
   int (*comm_get_async_error)(NcclCommHandle, int*) = nullptr;
@@ -38,7 +56,8 @@ class NcclLibrary {
   int (*group_end)() = nullptr;
   const char* (*error_string)(int) = nullptr;
 
-  static constexpr int kInt8 = 0;  // ncclInt8
+  static constexpr int kInt8 = 0;        // ncclInt8
+  static constexpr int kInProgress = 7;  // ncclInProgress: a nonblocking communicator's work goes on
   // Raises Error(Cuda) naming the call, its result and `what` unless rc is ncclSuccess.
   void check(int rc, const char* call, const std::string& what) const;
 };

@@ -59,6 +59,52 @@ struct Message {
 };
 static_assert(sizeof(Message) == 64, "one header is 64 bytes");
 
+// The NCCL_HOSTID that meshmem last set in this process ("" if none). NCCL reads the variable
+// whenever it makes a communicator, and each Comm sets its own simulated node's id just before
+// (Comms of other groupings number their nodes differently); a value that is not meshmem's is
+// the user's, and kept.
+std::mutex host_id_m;
+std::string host_id_set;
+
+bool user_set_host_id() {
+  std::lock_guard<std::mutex> lock(host_id_m);
+  const char* v = std::getenv("NCCL_HOSTID");
+  return v != nullptr && v != host_id_set;
+}
+
+void set_host_id(const std::string& id) {
+  std::lock_guard<std::mutex> lock(host_id_m);
+  host_id_set = id;
+  setenv("NCCL_HOSTID", id.c_str(), 1);
+}
+
+// Waits until no communicator of `comms` (nonblocking; [2i] to peers[i], [2i+1] from it) has
+// work in progress, bounded by `deadline`. Raises NCCL's error, or Timeout naming the peers
+// whose communicators are still busy (the caller aborts them).
+void wait_for_nccl(const NcclLibrary& lib, const std::vector<NcclCommHandle>& comms, const std::vector<int>& peers,
+                   const Deadline& deadline, const char* step, const std::string& what) {
+  Backoff backoff;
+  for (;;) {
+    std::vector<int> busy;
+    for (std::size_t i = 0; i < comms.size(); ++i) {
+      int state = 0;
+      lib.check(lib.comm_get_async_error(comms[i], &state), "ncclCommGetAsyncError", what);
+      const int peer = peers[i / 2];
+      if (state == NcclLibrary::kInProgress) {
+        if (busy.empty() || busy.back() != peer) busy.push_back(peer);
+      } else if (state != 0) {
+        lib.check(state, ("NCCL's " + std::string(step) + " with rank " + std::to_string(peer)).c_str(), what);
+      }
+    }
+    if (busy.empty()) return;
+    if (deadline.expired())
+      throw Error(ErrorCode::Timeout, what + ": NCCL's " + step + " with rank(s) " + rank_list(busy) +
+                                          " did not end within " + describe_timeout(deadline.timeout()) +
+                                          "; its communicators are aborted");
+    backoff.pause();
+  }
+}
+
 int stop_on_finalize(MPI_Comm, int, void* transport, void*) {
   static_cast<NcclTransport*>(transport)->stop();
   return MPI_SUCCESS;
@@ -90,6 +136,9 @@ class NcclProxy {
   struct Pair {
     NcclComm out;  // this rank sends to the peer (this rank is 0, the peer 1)
     NcclComm in;   // the peer sends here (the peer is 0, this rank 1)
+    // The nonblocking communicators that `out` and `in` were split from (they share their
+    // resources): made and connected under MESHMEM_TIMEOUT (see connect()).
+    NcclComm out_root, in_root;
     std::unique_ptr<OwnedStream> out_stream, in_stream;
   };
   NcclProxy(const NcclLibrary* lib, MpiComm control, std::map<int, Pair> pairs, int rank, int device,
@@ -122,6 +171,8 @@ class NcclProxy {
     for (auto& [peer, pair] : pairs_) {
       pair.out.reset(abort);
       pair.in.reset(abort);
+      pair.out_root.reset(abort);
+      pair.in_root.reset(abort);
     }
   }
 
@@ -593,12 +644,10 @@ NcclTransport::NcclTransport(const CommContext& ctx)
   bool simulated_here = false;
   for (int r = 0; r < topo.size; ++r)
     simulated_here = simulated_here || (!topo.same_node(r) && topo.host_of[r] == topo.host_of[topo.rank]);
-  const bool user_host_id = std::getenv("NCCL_HOSTID") != nullptr;
-  if (lib_ != nullptr && simulated_here && !user_host_id) {
+  if (lib_ != nullptr && simulated_here && !user_set_host_id()) {
     char name[256] = {};
     (void)gethostname(name, sizeof(name) - 1);
     host_id_ = std::string(name) + "/meshmem-simulated-node-" + std::to_string(topo.node());
-    setenv("NCCL_HOSTID", host_id_.c_str(), 1);
   }
   // Bit 0: NCCL loaded; bit 1: this rank's simulated node has a host id of its own.
   const std::int32_t mine = (lib_ != nullptr ? 1 : 0) | (host_id_.empty() ? 0 : 2);
@@ -680,10 +729,11 @@ void NcclTransport::connect(const std::vector<bool>& routed) {
     log(LogLevel::Info, "nccl transport: peers on simulated nodes of this machine: NCCL_P2P_DISABLE and "
                         "NCCL_SHM_DISABLE set (unless given), so NCCL reaches them over its network transport");
   }
+  if (!host_id_.empty()) set_host_id(host_id_);  // before this Comm's NCCL communicators are made
   if (!peers.empty()) (void)cuda::preload_kernels();  // see the lazy-loading note of transport_staged.hpp
   std::map<int, NcclProxy::Pair> pairs;
   DevicePtr scratch;
-  agreed_step(ctx_.boot, what, [&] {
+  agreed_step(ctx_.boot, "meshmem::Comm (nccl transport)", [&] {
     if (peers.empty()) return;  // some other ranks use nccl, this one does not
     // The sender of each direction makes its unique id and gives it to the receiver.
     std::vector<NcclUniqueId> out_ids(peers.size()), in_ids(peers.size());
@@ -701,39 +751,101 @@ void NcclTransport::connect(const std::vector<bool>& routed) {
       if (!ctx_.boot.wait(&q, what + ": NCCL ids"))
         throw Error(ErrorCode::Timeout, what + ": a peer's NCCL id did not come within MESHMEM_TIMEOUT");
     ctx_.faults.hit(FaultPoint::NcclConnect);
-    // Every communicator in one group: NCCL initialises them together, in any order.
-    std::vector<NcclCommHandle> outs(peers.size(), nullptr), ins(peers.size(), nullptr);
+    // Bounded by MESHMEM_TIMEOUT, where NCCL's own initialisation would wait for a late or
+    // dead peer forever: each direction's communicator is first made nonblocking (NCCL makes
+    // it in the background; aborted when the time is up) and connected (a byte each way,
+    // grouped, so that no later ncclSend waits on the host for a peer's side of a
+    // connection), then split into a blocking one that shares its resources and connections.
+    // Transfers go through the blocking ones: on a nonblocking communicator every ncclSend
+    // would start a thread of NCCL's (about 50 us here).
+    const Deadline deadline(ctx_.options.timeout);
+    std::vector<NcclCommHandle> handles(2 * peers.size(), nullptr);  // [2i]: to peers[i], [2i+1]: from it
+    std::vector<NcclComm> roots;
+    roots.reserve(handles.size());
+    // Until the pairs hold them, every communicator made here is aborted on the way out: a
+    // destroy would wait for work of a peer that may never come.
+    struct AbortOnExit {
+      std::vector<NcclComm>& comms;
+      ~AbortOnExit() {
+        for (NcclComm& c : comms) c.reset(true);
+      }
+    } abort_on_exit{roots};
+    // A call that fails inside a group still ends the group (NCCL keeps it per thread).
+    int failed_rc = 0;
+    const char* failed_call = nullptr;
+    const auto note = [&](int rc, const char* call) {
+      if (rc != 0 && rc != NcclLibrary::kInProgress && failed_call == nullptr) failed_rc = rc, failed_call = call;
+    };
+    const auto end_group = [&](const char* call) {
+      const int rc = lib_->group_end();
+      if (failed_call != nullptr) lib_->check(failed_rc, failed_call, what);
+      if (rc != NcclLibrary::kInProgress) lib_->check(rc, call, what);
+    };
+    NcclConfig nonblocking = NcclConfig::make(false, true);
     lib_->check(lib_->group_start(), "ncclGroupStart", what);
     for (std::size_t i = 0; i < peers.size(); ++i) {
-      lib_->check(lib_->comm_init_rank(&outs[i], 2, out_ids[i], 0), "ncclCommInitRank (to the peer)", what);
-      lib_->check(lib_->comm_init_rank(&ins[i], 2, in_ids[i], 1), "ncclCommInitRank (from the peer)", what);
+      const int a = lib_->comm_init_rank_config(&handles[2 * i], 2, out_ids[i], 0, &nonblocking);
+      const int b = lib_->comm_init_rank_config(&handles[2 * i + 1], 2, in_ids[i], 1, &nonblocking);
+      for (NcclCommHandle h : {handles[2 * i], handles[2 * i + 1]})
+        if (h != nullptr) roots.emplace_back(lib_, h);
+      note(a, "ncclCommInitRankConfig (to the peer)");
+      note(b, "ncclCommInitRankConfig (from the peer)");
     }
-    const int rc = lib_->group_end();
-    for (std::size_t i = 0; i < peers.size(); ++i) {
-      NcclProxy::Pair& p = pairs[peers[i]];
-      p.out = NcclComm(lib_, outs[i]);
-      p.in = NcclComm(lib_, ins[i]);
-      p.out_stream = std::make_unique<OwnedStream>(what);
-      p.in_stream = std::make_unique<OwnedStream>(what);
-    }
-    lib_->check(rc, "ncclGroupEnd (communicator initialisation)", what);
-    // Connections now (one byte each way with every peer, grouped), so that no later
-    // ncclSend waits on the host for a peer's side of a connection.
+    end_group("ncclGroupEnd (communicator initialisation)");
+    wait_for_nccl(*lib_, handles, peers, deadline, "initialisation", what);
     void* bytes = nullptr;
     ipc::check_cuda(cudaMalloc(&bytes, 2 * std::max<std::size_t>(1, peers.size())), "cudaMalloc", what);
     scratch.reset(bytes);
+    for (int peer : peers) {
+      NcclProxy::Pair& p = pairs[peer];
+      p.out_stream = std::make_unique<OwnedStream>(what);
+      p.in_stream = std::make_unique<OwnedStream>(what);
+    }
     lib_->check(lib_->group_start(), "ncclGroupStart", what);
     for (std::size_t i = 0; i < peers.size(); ++i) {
       NcclProxy::Pair& p = pairs[peers[i]];
-      lib_->check(lib_->send(static_cast<char*>(bytes) + 2 * i, 1, NcclLibrary::kInt8, 1, p.out.get(), p.out_stream->get()),
-                  "ncclSend (connection)", what);
-      lib_->check(lib_->recv(static_cast<char*>(bytes) + 2 * i + 1, 1, NcclLibrary::kInt8, 0, p.in.get(), p.in_stream->get()),
-                  "ncclRecv (connection)", what);
+      note(lib_->send(static_cast<char*>(bytes) + 2 * i, 1, NcclLibrary::kInt8, 1, handles[2 * i], p.out_stream->get()),
+           "ncclSend (connection)");
+      note(lib_->recv(static_cast<char*>(bytes) + 2 * i + 1, 1, NcclLibrary::kInt8, 0, handles[2 * i + 1],
+                      p.in_stream->get()),
+           "ncclRecv (connection)");
     }
-    lib_->check(lib_->group_end(), "ncclGroupEnd (connections)", what);
-    for (auto& [peer, p] : pairs) {
-      ipc::check_cuda(cudaStreamSynchronize(p.out_stream->get()), "cudaStreamSynchronize (connection)", what);
-      ipc::check_cuda(cudaStreamSynchronize(p.in_stream->get()), "cudaStreamSynchronize (connection)", what);
+    end_group("ncclGroupEnd (connections)");
+    wait_for_nccl(*lib_, handles, peers, deadline, "connection", what);
+    for (std::size_t i = 0; i < peers.size(); ++i) {
+      NcclProxy::Pair& p = pairs[peers[i]];
+      for (cudaStream_t st : {p.out_stream->get(), p.in_stream->get()}) {
+        Backoff backoff;
+        cudaError_t q;
+        while ((q = cudaStreamQuery(st)) == cudaErrorNotReady && !deadline.expired()) backoff.pause();
+        if (q == cudaErrorNotReady)
+          throw Error(ErrorCode::Timeout, what + ": NCCL's first transfer with rank " + std::to_string(peers[i]) +
+                                              " did not end within " + describe_timeout(deadline.timeout()) +
+                                              "; its communicators are aborted");
+        ipc::check_cuda(q, "cudaStreamQuery (connection)", what);
+      }
+    }
+    std::vector<NcclCommHandle> children(handles.size(), nullptr);
+    std::vector<NcclComm> kids;
+    AbortOnExit abort_kids_on_exit{kids};
+    NcclConfig blocking = NcclConfig::make(true, false);
+    lib_->check(lib_->group_start(), "ncclGroupStart", what);
+    for (std::size_t i = 0; i < handles.size(); ++i)
+      note(lib_->comm_split(handles[i], 0, static_cast<int>(i % 2), &children[i], &blocking), "ncclCommSplit");
+    end_group("ncclGroupEnd (split)");
+    wait_for_nccl(*lib_, handles, peers, deadline, "split into blocking communicators", what);
+    for (NcclCommHandle h : children)
+      if (h != nullptr) kids.emplace_back(lib_, h);
+    for (std::size_t i = 0; i < handles.size(); ++i)
+      if (children[i] == nullptr)
+        throw Error(ErrorCode::Internal, what + ": ncclCommSplit ended without a communicator (with rank " +
+                                             std::to_string(peers[i / 2]) + ")");
+    for (std::size_t i = 0; i < peers.size(); ++i) {
+      NcclProxy::Pair& p = pairs[peers[i]];
+      p.out = std::move(kids[2 * i]);
+      p.in = std::move(kids[2 * i + 1]);
+      p.out_root = std::move(roots[2 * i]);
+      p.in_root = std::move(roots[2 * i + 1]);
     }
     proxy_ = std::make_shared<NcclProxy>(lib_, std::move(control), std::move(pairs), ctx_.topo.rank, device_->device(),
                                          ctx_.options.timeout);

@@ -40,8 +40,12 @@
 // (NCCL_P2P_DISABLE / NCCL_SHM_DISABLE set in the process unless given);
 // an application kernel launched for the first time while a transfer is in flight stalls
 // until MESHMEM_TIMEOUT under CUDA's lazy loading, as on the staged route (seen in
-// BarrierTenThousandRounds; CUDA_MODULE_LOADING=EAGER avoids it); NCCL's own initialisation is not bounded by MESHMEM_TIMEOUT
-// (a rank that dies inside connect hangs its pair's peers there).
+// BarrierTenThousandRounds; CUDA_MODULE_LOADING=EAGER avoids it).
+//
+// Connect is bounded by MESHMEM_TIMEOUT (NCCL's own initialisation would wait for a late or
+// dead peer forever): the communicators are made and connected nonblocking (aborted at the
+// timeout), then split into blocking ones that share their resources, which the transfers
+// use (a nonblocking communicator starts a thread for every ncclSend). Needs NCCL 2.18.
 #pragma once
 
 #include <memory>
