@@ -533,6 +533,43 @@ TEST_F(DeviceWindow, HaloBlockDecompositionWithColumns) {
   }
 }
 
+// Columns: strided regions (unaligned offsets, different pitches here and there) to both ring
+// neighbours, fresh data every round, the whole window poisoned first and every byte checked.
+// Between nodes (nccl) the rows go packed, as one transfer unpacked at the target.
+TEST_F(DeviceWindow, StridedHaloRegionsEveryByte) {
+  constexpr std::size_t kWidth = 24, kHeight = 157, kSrcPitch = 1000, kDstPitch = 1240;
+  constexpr std::size_t kSrc = 5;
+  constexpr std::size_t kFromLeft = kSrcPitch * kHeight + 11;         // the left neighbour's rows land here
+  constexpr std::size_t kFromRight = kFromLeft + kDstPitch * kHeight + 13;  // the right one's here
+  const std::size_t bytes = kFromRight + kDstPitch * kHeight + 64;
+  const int right = (me + 1) % n, left = (me + n - 1) % n;
+  Window win = comm->alloc(bytes);
+  HaloExchange halo = comm->make_halo(win, {{right, kSrc, kFromLeft, kWidth, kHeight, kSrcPitch, kDstPitch},
+                                            {left, kSrc, kFromRight, kWidth, kHeight, kSrcPitch, kDstPitch}});
+  for (int round = 0; round < 4; ++round) {
+    const auto rows_of = [&](int rank) { return pattern(seed, key(round, rank, 0, 7), kWidth * kHeight); };
+    const auto place = [&](std::vector<unsigned char>& image, std::size_t at, std::size_t pitch, int rank) {
+      const auto rows = rows_of(rank);
+      for (std::size_t y = 0; y < kHeight; ++y) std::memcpy(image.data() + at + y * pitch, rows.data() + y * kWidth, kWidth);
+    };
+    std::vector<unsigned char> image(bytes, kPoison);
+    place(image, kSrc, kSrcPitch, me);
+    upload(win.local(), image.data(), bytes);
+    comm->barrier(stream);
+    halo.exchange(stream);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    place(image, kFromLeft, kDstPitch, left);
+    place(image, kFromRight, kDstPitch, right);
+    const auto got = to_host(win.local(), bytes);
+    EXPECT_EQ(first_difference(got.data(), image.data(), bytes), -1)
+        << "round " << round << ", rank " << me << " (left " << left << " through "
+        << to_string(comm->transport(left, Memory::Device)) << ", right " << right << " through "
+        << to_string(comm->transport(right, Memory::Device)) << ")";
+    comm->barrier(stream);
+    CUDA_OK(cudaStreamSynchronize(stream));
+  }
+}
+
 // A halo neighbour on another (real or simulated) node has no device route yet: the plan is
 // refused on every rank with Error(Unsupported) naming the pair and each transport's reason
 // (c57ba70 accepted it, and complete() then stored signals through a null peer pointer).

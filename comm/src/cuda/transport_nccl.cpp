@@ -48,16 +48,31 @@ constexpr std::size_t kDoneWords = 65536;  // transfers in flight per rank
 
 enum class MessageKind : std::uint32_t { Put = 1, GetRequest, GetData, Ack, Refused };
 
-// A header between two proxies (over MPI, 64 bytes). `id` numbers the initiator's transfers
-// to that peer.
+// A header between two proxies (over MPI, 80 bytes). `id` numbers the initiator's transfers
+// to that peer. A strided put (width > 0) sends its rows packed: `bytes` / `width` rows of
+// `width` bytes, which land `pitch` apart from `offset`.
 struct Message {
   MessageKind kind;
   std::uint32_t flags;  // bit 0: has a signal; bits 8..15: its SignalOp
   std::uint64_t id;
   std::uint64_t window, offset, bytes;
   std::uint64_t signal_window, signal_index, value;
+  std::uint64_t pitch = 0, width = 0;
 };
-static_assert(sizeof(Message) == 64, "one header is 64 bytes");
+static_assert(sizeof(Message) == 80, "one header is 80 bytes");
+
+// The bytes a put's rows span in the target's window, or false if its shape is malformed
+// (a strided put's rows are whole, not wider than their pitch, and the span fits 64 bits).
+bool put_span(const Message& m, std::uint64_t* span) {
+  if (m.width == 0) {
+    *span = m.bytes;
+    return true;
+  }
+  if (m.bytes == 0 || m.bytes % m.width != 0 || m.pitch < m.width) return false;
+  std::uint64_t rows_apart = 0;
+  return !__builtin_mul_overflow(m.bytes / m.width - 1, m.pitch, &rows_apart) &&
+         !__builtin_add_overflow(rows_apart, m.width, span);
+}
 
 // The NCCL_HOSTID that meshmem last set in this process ("" if none). NCCL reads the variable
 // whenever it makes a communicator, and each Comm sets its own simulated node's id just before
@@ -122,6 +137,9 @@ struct NcclRequest {
   void* dst = nullptr;          // get: here
   std::size_t bytes = 0;
   std::uint64_t window = 0, offset = 0;  // the peer's window
+  // A strided put (width > 0): `bytes` / `width` rows of `width` bytes, `src_pitch` apart
+  // here (packed into device memory before the transfer) and `dst_pitch` apart there.
+  std::size_t width = 0, src_pitch = 0, dst_pitch = 0;
   bool has_signal = false;
   std::uint64_t signal_window = 0, signal_index = 0, value = 0;
   SignalOp op = SignalOp::Set;
@@ -339,7 +357,7 @@ class NcclProxy {
     const std::uint32_t flags = r.has_signal ? (1u | (static_cast<std::uint32_t>(r.op) << 8)) : 0u;
     puts_[r.peer][id] = {r.word, r.ticket};
     send_header(r.peer, Message{MessageKind::Put, flags, id, r.window, r.offset, r.bytes, r.signal_window,
-                                r.signal_index, r.value});
+                                r.signal_index, r.value, r.dst_pitch, r.width});
     if (r.bytes > 0) {
       const int rc = lib_->send(r.src, r.bytes, NcclLibrary::kInt8, 1, pair.out.get(), pair.out_stream->get());
       if (rc != 0) {
@@ -362,7 +380,13 @@ class NcclProxy {
       case MessageKind::Put: {
         std::lock_guard<std::mutex> lock(windows_m_);
         std::string problem;
-        char* dst = resolve(m.window, m.offset, m.bytes, &problem);
+        std::uint64_t span = 0;
+        char* dst = nullptr;
+        if (put_span(m, &span))
+          dst = resolve(m.window, m.offset, span, &problem);
+        else
+          problem = "a strided put of " + std::to_string(m.bytes) + " bytes in rows of " + std::to_string(m.width) +
+                    ", " + std::to_string(m.pitch) + " apart, is malformed";
         std::uint64_t* signal = nullptr;
         if (dst != nullptr && (m.flags & 1u))
           signal = reinterpret_cast<std::uint64_t*>(
@@ -372,10 +396,16 @@ class NcclProxy {
         if (m.bytes > 0) {
           // The data must be received wherever it goes, or every later transfer of the pair
           // would stall behind this one: refused data lands in scratch memory.
+          // A strided put's packed rows land there too, then go to their places.
+          const bool packed = refused || m.width > 0;
           void* into = dst;
-          if (refused) ipc::check_cuda(cudaMallocAsync(&into, m.bytes, s), "cudaMallocAsync (refused put)", from);
-          lib_->check(lib_->recv(refused ? into : dst, m.bytes, NcclLibrary::kInt8, 0, pair.in.get(), s), "ncclRecv", from);
-          if (refused) ipc::check_cuda(cudaFreeAsync(into, s), "cudaFreeAsync", from);
+          if (packed) ipc::check_cuda(cudaMallocAsync(&into, m.bytes, s), "cudaMallocAsync (packed or refused put)", from);
+          lib_->check(lib_->recv(into, m.bytes, NcclLibrary::kInt8, 0, pair.in.get(), s), "ncclRecv", from);
+          if (!refused && m.width > 0)
+            ipc::check_cuda(cudaMemcpy2DAsync(dst, m.pitch, into, m.width, m.width, m.bytes / m.width,
+                                              cudaMemcpyDeviceToDevice, s),
+                            "cudaMemcpy2DAsync (unpacking a strided put)", from);
+          if (packed) ipc::check_cuda(cudaFreeAsync(into, s), "cudaFreeAsync", from);
         }
         if (!refused && signal != nullptr)
           ipc::check_cuda(cuda::launch_copy(nullptr, nullptr, 0, signal, m.value,
@@ -882,6 +912,26 @@ void NcclTransport::put(const WindowState& win, int target, std::size_t offset, 
   transfer(r, stream, bytes == 0 && signal.sig != nullptr ? "comm.signal" : "comm.put");
 }
 
+void NcclTransport::put_strided(const WindowState& win, int target, std::size_t dst_offset, std::size_t dst_pitch,
+                                const void* src, std::size_t src_pitch, std::size_t width, std::size_t height,
+                                Stream stream) {
+  if (width == 0 || height == 0) return;
+  if (height == 1 || (src_pitch == width && dst_pitch == width)) {
+    put(win, target, dst_offset, src, width * height, SignalUpdate{}, stream);
+    return;
+  }
+  NcclRequest r;
+  r.peer = target;
+  r.src = src;
+  r.bytes = width * height;
+  r.window = win.id;
+  r.offset = dst_offset;
+  r.width = width;
+  r.src_pitch = src_pitch;
+  r.dst_pitch = dst_pitch;
+  transfer(r, stream, "comm.put_strided");
+}
+
 void NcclTransport::get(void* dst, const WindowState& win, int target, std::size_t offset, std::size_t bytes,
                         Stream stream) {
   NcclRequest r;
@@ -917,21 +967,25 @@ void NcclTransport::transfer(NcclRequest r, Stream stream, const char* name) {
     throw Error(ErrorCode::Unsupported, what(name, r.peer) +
                                             ": transfers to ranks on other nodes cannot be captured into a CUDA graph "
                                             "yet; nothing was added to the capture");
-  // Pageable host memory goes through device memory of the stream's own (stream-ordered
-  // allocation): copied in before a put, out after a get, freed after the transfer's end.
+  // Pageable host memory, and a strided put's rows, go through device memory of the stream's
+  // own (stream-ordered allocation): copied (packed) in before a put, out after a get, freed
+  // after the transfer's end.
   void* bounce = nullptr;
   void* user_dst = nullptr;
-  if (r.bytes > 0 && (r.is_get ? pageable(r.dst) : pageable(r.src))) {
-    ipc::check_cuda(cudaMallocAsync(&bounce, r.bytes, s), "cudaMallocAsync (pageable memory's bounce buffer)",
-                    what(name, r.peer));
+  if (r.bytes > 0 && (r.is_get ? pageable(r.dst) : r.width > 0 || pageable(r.src))) {
+    ipc::check_cuda(cudaMallocAsync(&bounce, r.bytes, s), "cudaMallocAsync (bounce buffer)", what(name, r.peer));
     if (r.is_get) {
       user_dst = r.dst;
       r.dst = bounce;
     } else {
-      const cudaError_t c = cudaMemcpyAsync(bounce, r.src, r.bytes, cudaMemcpyHostToDevice, s);
+      const cudaError_t c =
+          r.width > 0
+              ? cudaMemcpy2DAsync(bounce, r.width, r.src, r.src_pitch, r.width, r.bytes / r.width, cudaMemcpyDefault, s)
+              : cudaMemcpyAsync(bounce, r.src, r.bytes, cudaMemcpyHostToDevice, s);
       if (c != cudaSuccess) {
         (void)cudaFreeAsync(bounce, s);
-        ipc::check_cuda(c, "cudaMemcpyAsync (pageable source)", what(name, r.peer));
+        ipc::check_cuda(c, r.width > 0 ? "cudaMemcpy2DAsync (packing a strided put)" : "cudaMemcpyAsync (pageable source)",
+                        what(name, r.peer));
       }
       r.src = bounce;
     }

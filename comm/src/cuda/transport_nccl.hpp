@@ -31,8 +31,11 @@
 // no other stream's transfer back. Per direction the data arrives in header order (MPI does
 // not overtake between two ranks on one communicator and tag).
 //
+// A strided put (halo columns) is packed into device memory on the caller's stream, goes as
+// one transfer, and is unpacked by the target's proxy stream into its rows.
+//
 // Limits of this version: a transfer costs one MPI round trip for its acknowledgement and
-// puts on one stream run one after another; put_strided goes row by row; transfers cannot be
+// puts on one stream run one after another; transfers cannot be
 // captured into a CUDA graph yet (refused before touching the capture); ranks of one machine
 // of different simulated nodes sharing a GPU pair up because each simulated node is a host of
 // its own for NCCL (NCCL_HOSTID set per node unless the user set it; then no route reaches
@@ -77,6 +80,9 @@ class NcclTransport final : public Transport {
                                            const std::string& what) override;
   void put(const WindowState& win, int target, std::size_t offset, const void* src, std::size_t bytes,
            const SignalUpdate& signal, Stream stream) override;
+  // The rows go packed, as one transfer (unpacked at the target by its proxy's stream).
+  void put_strided(const WindowState& win, int target, std::size_t dst_offset, std::size_t dst_pitch, const void* src,
+                   std::size_t src_pitch, std::size_t width, std::size_t height, Stream stream) override;
   void get(void* dst, const WindowState& win, int target, std::size_t offset, std::size_t bytes,
            Stream stream) override;
   // The caller's stream waits for each transfer's end: nothing to add.
