@@ -613,7 +613,9 @@ TEST_F(RealUse, DeviceWaitForASignalThatNeverComesTimesOut) {
 
 // A peer that never reaches its barrier(stream): the GPU barrier gives up and the next call
 // names the peer. (The kernel barrier: auto's choice except where ranks share a GPU, where
-// the host meeting times out instead.)
+// the host meeting times out instead. Across nodes the proxy thread's meeting times out and
+// releases the stream, and the next call, not only the next barrier, raises it: before
+// this was so, the quiet below passed.)
 TEST_F(RealUse, BarrierWithAPeerThatNeverComesTimesOut) {
   ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
   ScopedEnv barrier("MESHMEM_BARRIER", "kernel");
@@ -627,7 +629,9 @@ TEST_F(RealUse, BarrierWithAPeerThatNeverComesTimesOut) {
       ADD_FAILURE() << "the timed-out barrier was not reported";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
-      EXPECT_NE(std::string(e.what()).find("waited for rank"), std::string::npos) << e.what();
+      const std::string m = e.what();
+      EXPECT_TRUE(m.find("waited for rank") != std::string::npos || m.find("rank(s) 1") != std::string::npos)
+          << m;
     }
   }
   MPI_Barrier(MPI_COMM_WORLD);

@@ -98,6 +98,8 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   unsigned wait_flags() const { return wait_flags_; }
   // Where device-side waits report a timeout, and the timeout.
   cuda::WaitLimit wait_limit() const { return fault_.limit(); }
+  // A barrier(stream) across nodes gave up (its proxy thread): the next call raises it.
+  void report_barrier_failure(const std::string& failure) { fault_.report_host_barrier(failure); }
   // MESHMEM_EARLY_LAUNCH resolved: launch meshmem's kernels as programmatic dependent launches.
   bool early_launch() const { return early_launch_; }
   int rank() const { return rank_; }

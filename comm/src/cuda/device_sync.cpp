@@ -48,6 +48,15 @@ DeviceFaultRecord::~DeviceFaultRecord() {
   if (host_ != nullptr) (void)cudaFreeHost(host_);
 }
 
+void DeviceFaultRecord::report_host_barrier(const std::string& failure) {
+  if (__atomic_exchange_n(&host_->claimed, 1u, __ATOMIC_ACQ_REL) != 0u) return;
+  {
+    std::lock_guard<std::mutex> lock(host_failure_m_);
+    host_failure_ = failure;
+  }
+  __atomic_store_n(&host_->code, static_cast<unsigned>(cuda::FaultKind::HostBarrier), __ATOMIC_RELEASE);
+}
+
 void DeviceFaultRecord::raise(const std::string& where) {
   const cuda::DeviceFault f = *host_;
   const auto kind = static_cast<cuda::FaultKind>(__atomic_load_n(&host_->code, __ATOMIC_ACQUIRE));
@@ -64,6 +73,12 @@ void DeviceFaultRecord::raise(const std::string& where) {
              " did not arrive (its signal word is at exchange " + std::to_string(f.seen) + ", signals window #" +
              std::to_string(f.window) + ")" + after;
       break;
+    case cuda::FaultKind::HostBarrier: {
+      std::lock_guard<std::mutex> lock(host_failure_m_);
+      msg += "an earlier barrier(stream) across nodes timed out (its stream was released so that it would not "
+             "hang): " + host_failure_;
+      break;
+    }
     case cuda::FaultKind::Transfer:
       msg += "an earlier staged put or get with rank " + std::to_string(f.peer) + " (transfer " +
              std::to_string(f.expected) + "; the last one finished is " + std::to_string(f.seen) +

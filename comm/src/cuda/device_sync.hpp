@@ -37,10 +37,18 @@ class DeviceFaultRecord {
   void raise_if_set(Where&& where) {
     if (__atomic_load_n(&host_->code, __ATOMIC_ACQUIRE) != 0) raise(where());
   }
+  // A barrier(stream) whose meeting a host thread gave up on (across nodes): the next call
+  // raises it as it raises a device wait's timeout. Where a device wait's timeout is already
+  // recorded, that one is raised first and this is dropped (the barrier's own next call
+  // raises it too). CPU and GPU claim the record with separate atomics (not atomic with
+  // each other over PCIe): two timeouts in the same instant may mix their fields.
+  void report_host_barrier(const std::string& failure);
 
  private:
   [[noreturn]] void raise(const std::string& where);
   cuda::DeviceFault* host_ = nullptr;
+  std::mutex host_failure_m_;
+  std::string host_failure_;  // HostBarrier's message
   cuda::DeviceFault* device_ = nullptr;
   std::int64_t* awake_host_ = nullptr;  // the AwakeClock word, published while this lives
   const std::int64_t* awake_device_ = nullptr;

@@ -13,7 +13,9 @@ namespace meshmem::detail::cuda {
 // What a device-side wait that ran out of time leaves for the host: pinned host memory
 // mapped into the device (DeviceFaultRecord owns it). The first wait to time out claims it;
 // `code` is written last, so the host reads the other fields once it sees code != 0.
-enum class FaultKind : unsigned { None = 0, WaitUntil = 1, Barrier = 2, Halo = 3, Transfer = 4 };
+// HostBarrier: reported from the host (a barrier(stream) across nodes whose proxy meeting
+// timed out; DeviceFaultRecord keeps its message).
+enum class FaultKind : unsigned { None = 0, WaitUntil = 1, Barrier = 2, Halo = 3, Transfer = 4, HostBarrier = 5 };
 struct DeviceFault {
   unsigned claimed;
   unsigned code;      // FaultKind, 0 while no wait timed out

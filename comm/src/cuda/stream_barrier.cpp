@@ -62,8 +62,10 @@ class SingleRankBarrier final : public StreamBarrier {
 // A proxy thread meets the ranks over MPI once the stream reaches the barrier.
 class ProxyBarrier final : public StreamBarrier {
  public:
-  ProxyBarrier(const CommContext& ctx, const std::string& what)
-      : topo_(ctx.topo), proxy_(ctx.boot.comm(), ctx.boot.timeout(), what) {}
+  ProxyBarrier(const CommContext& ctx, const std::string& what, CudaDeviceRuntime& device)
+      : topo_(ctx.topo),
+        proxy_(ctx.boot.comm(), ctx.boot.timeout(), what,
+               [&device](const std::string& failure) { device.report_barrier_failure(failure); }) {}
   void arrive(Stream stream, bool capturing) override {
     if (capturing) refuse_capture(topo_, "of ranks on several nodes (proxy thread)", "the proxy meets each barrier once, not on every replay");
     proxy_.enqueue(stream, where(topo_));
@@ -301,7 +303,7 @@ std::unique_ptr<StreamBarrier> make_stream_barrier(const CommContext& ctx, const
   if (verdict == 2) {
     log(LogLevel::Info, "barrier(stream): ranks span nodes or unmapped GPUs; a proxy thread meets them over MPI "
                         "once the stream reaches the barrier");
-    return std::make_unique<ProxyBarrier>(ctx, what);
+    return std::make_unique<ProxyBarrier>(ctx, what, device);
   }
   if (verdict == 1) {
     // Every rank routes some peer through `staged` (its pool is collective): flags there.

@@ -6,8 +6,9 @@
 
 namespace meshmem::detail {
 
-StreamBarrierProxy::StreamBarrierProxy(MPI_Comm parent, std::chrono::milliseconds timeout, const std::string& what)
-    : boot_(parent, timeout) {
+StreamBarrierProxy::StreamBarrierProxy(MPI_Comm parent, std::chrono::milliseconds timeout, const std::string& what,
+                                       std::function<void(const std::string&)> on_failure)
+    : boot_(parent, timeout), on_failure_(std::move(on_failure)) {
   agreed_step(boot_, what, [&] {
     int provided = MPI_THREAD_SINGLE;
     MPI_Query_thread(&provided);
@@ -68,11 +69,14 @@ void StreamBarrierProxy::serve() {
     std::string failed;
     try {
       boot_.arrive("comm.barrier(stream)");
+    } catch (const Error& e) {
+      failed = e.message();  // the Bootstrap logged it
     } catch (const std::exception& e) {
-      failed = e.what();  // the Bootstrap logged it
+      failed = e.what();
     }
     // Released even after a failure: a stream that waited forever would hang the user's
     // synchronisation without a word; the next call on the Comm raises the failure.
+    if (!failed.empty() && on_failure_) on_failure_(failed);
     __atomic_store_n(released_.get(), number, __ATOMIC_RELEASE);
     lock.lock();
     if (!failed.empty() && failure_.empty()) failure_ = failed;

@@ -13,6 +13,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -25,7 +26,10 @@ namespace meshmem::detail {
 class StreamBarrierProxy {
  public:
   // Collective over `parent` (duplicates its communicator for the proxy's meetings).
-  StreamBarrierProxy(MPI_Comm parent, std::chrono::milliseconds timeout, const std::string& what);
+  // `on_failure` hears each failed meeting's message (from the proxy thread), so that the
+  // Comm's next call raises it, not only the next barrier.
+  StreamBarrierProxy(MPI_Comm parent, std::chrono::milliseconds timeout, const std::string& what,
+                     std::function<void(const std::string&)> on_failure);
   StreamBarrierProxy(const StreamBarrierProxy&) = delete;
   StreamBarrierProxy& operator=(const StreamBarrierProxy&) = delete;
   // Waits for this device's work (every barrier enqueued here must have been met), then
@@ -59,6 +63,7 @@ class StreamBarrierProxy {
   std::condition_variable wake_;
   std::deque<Arrival> pending_;        // in barrier order; references stay valid at both ends
   std::string failure_;                // a failed meeting's message, raised once
+  std::function<void(const std::string&)> on_failure_;
   bool stop_ = false;
   std::thread thread_;
 };
