@@ -53,8 +53,8 @@ struct Capabilities {
                                 // loads and stores: kernels and stream memory operations may
                                 // write through them (device views, halo copy kernels)
   bool signal_add = true;       // SignalOp::Add is supported
-  bool capturable = false;      // put / get / signals enqueue only stream work (no host step),
-                                // so they can be captured into a CUDA graph
+  bool capturable = false;      // put / get / signals can be captured into a CUDA graph and
+                                // are correct on every replay (stream work, host nodes included)
 };
 
 // Where a signal update goes: word `index` of a signals window.

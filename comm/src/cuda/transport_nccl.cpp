@@ -12,6 +12,7 @@
 #include <list>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "../backoff.hpp"
@@ -217,6 +218,22 @@ class NcclProxy {
     free_words_.push_back(w);
     cv_.notify_all();
   }
+  // A done word that a CUDA graph holds for its life (a transfer's end does not free it);
+  // false when all are in use.
+  bool try_take_graph_word(std::size_t* w) {
+    std::lock_guard<std::mutex> lock(m_);
+    if (free_words_.empty()) return false;
+    *w = free_words_.back();
+    free_words_.pop_back();
+    graph_words_.insert(*w);
+    return true;
+  }
+  void release_graph_word(std::size_t w) {
+    std::lock_guard<std::mutex> lock(m_);
+    graph_words_.erase(w);
+    free_words_.push_back(w);
+    cv_.notify_all();
+  }
 
   // Queues a transfer; returns the ticket its done word reaches at its end.
   std::uint64_t submit(NcclRequest r) {
@@ -288,7 +305,7 @@ class NcclProxy {
   void end(std::size_t w, std::uint64_t ticket) {
     __atomic_store_n(words_ + w, ticket, __ATOMIC_RELEASE);
     std::lock_guard<std::mutex> lock(m_);
-    free_words_.push_back(w);
+    if (graph_words_.count(w) == 0) free_words_.push_back(w);
     ++ended_;
     cv_.notify_all();
   }
@@ -628,6 +645,7 @@ class NcclProxy {
   std::condition_variable cv_;
   std::deque<NcclRequest> queue_;
   std::vector<std::size_t> free_words_;
+  std::set<std::size_t> graph_words_;  // held by captured transfers
   std::uint64_t submitted_ = 0;
   std::uint64_t ended_ = 0;
   std::string error_;
@@ -654,6 +672,51 @@ class NcclAttachment final : public WindowAttachment {
 }  // namespace
 
 std::unique_ptr<Transport> make_nccl_transport(const CommContext& ctx) { return std::make_unique<NcclTransport>(ctx); }
+
+// What captured transfers share with the transport: a CUDA graph may outlive the Comm, and
+// its host nodes and destructor callbacks (threads of CUDA, which may not call CUDA) only
+// touch this.
+struct NcclCaptureBoard {
+  std::mutex m;
+  NcclProxy* proxy = nullptr;  // null once the transport stopped
+};
+
+namespace {
+
+// One captured transfer: on every replay its host node hands the request to the proxy and
+// writes the ticket it got where the graph's wait kernel reads it. Its done word and ticket
+// word are the graph's for its life.
+struct CapturedNcclTransfer {
+  std::shared_ptr<NcclCaptureBoard> board;
+  NcclRequest request;
+  std::size_t ticket_word = 0;
+  std::uint64_t* ticket_at = nullptr;
+};
+
+void CUDART_CB submit_captured(void* p) {
+  auto* c = static_cast<CapturedNcclTransfer*>(p);
+  std::lock_guard<std::mutex> lock(c->board->m);
+  // After the transport stopped nothing is written: the wait then sees the last replay's
+  // ticket and lets the stream pass with no data moved (replaying a graph whose Comm is gone
+  // is the caller's error, as on every route).
+  if (c->board->proxy == nullptr) return;
+  __atomic_store_n(c->ticket_at, c->board->proxy->submit(c->request), __ATOMIC_RELEASE);
+}
+
+void CUDART_CB release_captured(void* p) {
+  auto* c = static_cast<CapturedNcclTransfer*>(p);
+  {
+    std::lock_guard<std::mutex> lock(c->board->m);
+    // The graph's launches are complete: its transfers' last writes to these words are done.
+    if (c->board->proxy != nullptr) {
+      c->board->proxy->release_graph_word(c->request.word);
+      c->board->proxy->release_graph_word(c->ticket_word);
+    }
+  }
+  delete c;
+}
+
+}  // namespace
 
 NcclTransport::NcclTransport(const CommContext& ctx)
     : ctx_(ctx), device_(static_cast<CudaDeviceRuntime*>(ctx.device)), finalize_keyval_(MPI_KEYVAL_INVALID) {
@@ -710,6 +773,10 @@ NcclTransport::~NcclTransport() {
 
 void NcclTransport::stop() noexcept {
   if (!proxy_) return;
+  {
+    std::lock_guard<std::mutex> lock(board_->m);
+    board_->proxy = nullptr;
+  }
   // Transfers still in flight (a broken job): NCCL's destroy would wait for them.
   const bool idle = proxy_->drain();
   proxy_->stop(!idle);
@@ -879,6 +946,8 @@ void NcclTransport::connect(const std::vector<bool>& routed) {
     }
     proxy_ = std::make_shared<NcclProxy>(lib_, std::move(control), std::move(pairs), ctx_.topo.rank, device_->device(),
                                          ctx_.options.timeout);
+    std::lock_guard<std::mutex> lock(board_->m);
+    board_->proxy = proxy_.get();
   });
   check_mpi(MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, stop_on_finalize, &finalize_keyval_, nullptr),
             "MPI_Comm_create_keyval", what);
@@ -962,11 +1031,14 @@ void NcclTransport::transfer(NcclRequest r, Stream stream, const char* name) {
   if (!error.empty()) throw Error(ErrorCode::Cuda, what(name, r.peer) + ": an earlier transfer failed: " + error);
   const auto s = static_cast<cudaStream_t>(stream);
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  ipc::check_cuda(cudaStreamIsCapturing(s, &status), "cudaStreamIsCapturing", what(name, r.peer));
-  if (status != cudaStreamCaptureStatusNone)
+  cudaGraph_t graph = nullptr;
+  ipc::check_cuda(cudaStreamGetCaptureInfo(s, &status, nullptr, &graph), "cudaStreamGetCaptureInfo", what(name, r.peer));
+  const bool capturing = status == cudaStreamCaptureStatusActive;
+  if (capturing && r.bytes > 0 && (r.is_get ? pageable(r.dst) : pageable(r.src)))
     throw Error(ErrorCode::Unsupported, what(name, r.peer) +
-                                            ": transfers to ranks on other nodes cannot be captured into a CUDA graph "
-                                            "yet; nothing was added to the capture");
+                                            ": pageable host memory cannot be captured into a CUDA graph here (it would "
+                                            "need a host copy on every replay); use device or pinned memory; nothing "
+                                            "was added to the capture");
   // Pageable host memory, and a strided put's rows, go through device memory of the stream's
   // own (stream-ordered allocation): copied (packed) in before a put, out after a get, freed
   // after the transfer's end.
@@ -989,6 +1061,16 @@ void NcclTransport::transfer(NcclRequest r, Stream stream, const char* name) {
       }
       r.src = bounce;
     }
+  }
+  if (capturing) {
+    try {
+      capture_transfer(r, graph, s, name);
+    } catch (...) {
+      if (bounce != nullptr) (void)cudaFreeAsync(bounce, s);
+      throw;
+    }
+    if (bounce != nullptr) ipc::check_cuda(cudaFreeAsync(bounce, s), "cudaFreeAsync", what(name, r.peer));
+    return;
   }
   try {
     r.word = proxy_->take_word(what(name, r.peer));
@@ -1014,6 +1096,53 @@ void NcclTransport::transfer(NcclRequest r, Stream stream, const char* name) {
     ipc::check_cuda(cudaMemcpyAsync(user_dst, bounce, r.bytes, cudaMemcpyDeviceToHost, s),
                     "cudaMemcpyAsync (pageable destination)", what(name, r.peer));
   ipc::check_cuda(cudaFreeAsync(bounce, s), "cudaFreeAsync", what(name, r.peer));
+}
+
+// Under capture the graph gets a host node that hands the request to the proxy on every
+// replay (it runs once the caller's earlier work is done, so no ready event is needed), then
+// the wait kernel for the ticket that node got. The request and its two words (done and
+// ticket) live as long as the graph (a CUDA user object). Two instantiations of one graph
+// running at once share them (a limit, as on the staged route: the waits can then stall
+// until MESHMEM_TIMEOUT).
+void NcclTransport::capture_transfer(NcclRequest r, cudaGraph_t graph, cudaStream_t stream, const char* name) {
+  const auto all_in_use = [&] {
+    return Error(ErrorCode::Unsupported, what(name, r.peer) + ": all " + std::to_string(kDoneWords) +
+                                             " done words of this rank are held by nccl transfers in flight or "
+                                             "captured into CUDA graphs that still exist; nothing was added to the capture");
+  };
+  std::size_t done_word = 0, ticket_word = 0;
+  if (!proxy_->try_take_graph_word(&done_word)) throw all_in_use();
+  if (!proxy_->try_take_graph_word(&ticket_word)) {
+    proxy_->release_graph_word(done_word);
+    throw all_in_use();
+  }
+  auto captured = std::make_unique<CapturedNcclTransfer>();
+  captured->board = board_;
+  r.word = done_word;
+  r.ready = nullptr;
+  r.stream = nullptr;
+  captured->request = r;
+  captured->ticket_word = ticket_word;
+  captured->ticket_at = proxy_->word(ticket_word);
+  __atomic_store_n(captured->ticket_at, 0, __ATOMIC_RELEASE);
+  cudaUserObject_t object = nullptr;
+  const cudaError_t rc = cudaUserObjectCreate(&object, captured.get(), release_captured, 1, cudaUserObjectNoDestructorSync);
+  if (rc != cudaSuccess) {
+    proxy_->release_graph_word(done_word);
+    proxy_->release_graph_word(ticket_word);
+    ipc::check_cuda(rc, "cudaUserObjectCreate", what(name, r.peer));
+  }
+  CapturedNcclTransfer* c = captured.release();  // the user object owns it now
+  const cudaError_t kept = cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove);
+  if (kept != cudaSuccess) {
+    (void)cudaUserObjectRelease(object, 1);  // runs release_captured
+    ipc::check_cuda(kept, "cudaGraphRetainUserObject", what(name, r.peer));
+  }
+  ipc::check_cuda(cudaLaunchHostFunc(stream, submit_captured, c), "cudaLaunchHostFunc (captured nccl transfer)",
+                  what(name, r.peer));
+  const cudaError_t k = cuda::launch_transfer_wait(proxy_->word(done_word), 0, c->ticket_at, r.peer,
+                                                   device_->wait_limit(), stream, device_->early_launch());
+  if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what(name, r.peer));
 }
 
 std::string NcclTransport::describe() const {

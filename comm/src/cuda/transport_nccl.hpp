@@ -51,6 +51,8 @@
 // use (a nonblocking communicator starts a thread for every ncclSend). Needs NCCL 2.18.
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -62,6 +64,7 @@ namespace meshmem::detail {
 class CudaDeviceRuntime;
 class NcclLibrary;
 class NcclProxy;
+struct NcclCaptureBoard;
 struct NcclRequest;
 
 class NcclTransport final : public Transport {
@@ -70,7 +73,7 @@ class NcclTransport final : public Transport {
   explicit NcclTransport(const CommContext& ctx);
   ~NcclTransport() override;
   TransportKind kind() const override { return TransportKind::Nccl; }
-  Capabilities capabilities() const override { return Capabilities{true, false, true, false}; }
+  Capabilities capabilities() const override { return Capabilities{true, false, true, true}; }
   bool serves(Memory memory) const override { return memory == Memory::Device && device_ != nullptr; }
   Reach reach(int rank, Memory memory) const override;
   // Collective: an MPI communicator for the headers, two NCCL communicators per routed peer,
@@ -93,8 +96,10 @@ class NcclTransport final : public Transport {
 
  private:
   std::string what(const char* op, int target) const;
-  // Hands one transfer to the proxy; the caller's stream waits for its end.
+  // Hands one transfer to the proxy; the caller's stream waits for its end. Under capture,
+  // a host node hands it over on every replay (capture_transfer).
   void transfer(NcclRequest r, Stream stream, const char* name);
+  void capture_transfer(NcclRequest r, cudaGraph_t graph, cudaStream_t stream, const char* name);
 
   CommContext ctx_;
   CudaDeviceRuntime* device_;
@@ -102,6 +107,7 @@ class NcclTransport final : public Transport {
   std::vector<std::string> no_route_;  // by rank: why not ("" where it reaches)
   std::string host_id_;  // NCCL_HOSTID this rank set for its simulated node ("" where none)
   std::shared_ptr<NcclProxy> proxy_;
+  std::shared_ptr<NcclCaptureBoard> board_ = std::make_shared<NcclCaptureBoard>();
   int finalize_keyval_;
 };
 
