@@ -34,13 +34,18 @@
 // A strided put (halo columns) is packed into device memory on the caller's stream, goes as
 // one transfer, and is unpacked by the target's proxy stream into its rows.
 //
+// Under graph capture a host node hands each transfer to the proxy on every replay, and the
+// captured wait kernel reads the ticket it got (as on the staged route; pageable memory is
+// refused there).
+//
+// Ranks of one machine in different simulated nodes, even sharing a GPU, pair up because each
+// simulated node is a host of its own for NCCL (NCCL_HOSTID set per node unless the user set
+// it; then no route reaches same-GPU pairs); they reach each other over NCCL's network
+// transport (NCCL_P2P_DISABLE / NCCL_SHM_DISABLE set in the process unless given).
+//
 // Limits of this version: a transfer costs one MPI round trip for its acknowledgement and
-// puts on one stream run one after another; transfers cannot be
-// captured into a CUDA graph yet (refused before touching the capture); ranks of one machine
-// of different simulated nodes sharing a GPU pair up because each simulated node is a host of
-// its own for NCCL (NCCL_HOSTID set per node unless the user set it; then no route reaches
-// them); nodes simulated on one machine reach each other over NCCL's network transport
-// (NCCL_P2P_DISABLE / NCCL_SHM_DISABLE set in the process unless given);
+// puts on one stream run one after another; two instantiations of one captured graph
+// running at once share their transfers' words (their waits can stall until the timeout);
 // an application kernel launched for the first time while a transfer is in flight stalls
 // until MESHMEM_TIMEOUT under CUDA's lazy loading, as on the staged route (seen in
 // BarrierTenThousandRounds; CUDA_MODULE_LOADING=EAGER avoids it).
