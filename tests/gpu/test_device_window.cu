@@ -538,28 +538,31 @@ TEST_F(DeviceWindow, HaloBlockDecompositionWithColumns) {
 // Between nodes (nccl) the rows go packed, as one transfer unpacked at the target.
 TEST_F(DeviceWindow, StridedHaloRegionsEveryByte) {
   constexpr std::size_t kWidth = 24, kHeight = 157, kSrcPitch = 1000, kDstPitch = 1240;
-  constexpr std::size_t kSrc = 5;
-  constexpr std::size_t kFromLeft = kSrcPitch * kHeight + 11;         // the left neighbour's rows land here
+  constexpr std::size_t kToRight = 5;                                   // rows sent right
+  constexpr std::size_t kToLeft = kToRight + kSrcPitch * kHeight + 3;   // other rows, sent left
+  constexpr std::size_t kFromLeft = kToLeft + kSrcPitch * kHeight + 11;     // the left neighbour's land here
   constexpr std::size_t kFromRight = kFromLeft + kDstPitch * kHeight + 13;  // the right one's here
   const std::size_t bytes = kFromRight + kDstPitch * kHeight + 64;
   const int right = (me + 1) % n, left = (me + n - 1) % n;
   Window win = comm->alloc(bytes);
-  HaloExchange halo = comm->make_halo(win, {{right, kSrc, kFromLeft, kWidth, kHeight, kSrcPitch, kDstPitch},
-                                            {left, kSrc, kFromRight, kWidth, kHeight, kSrcPitch, kDstPitch}});
+  HaloExchange halo = comm->make_halo(win, {{right, kToRight, kFromLeft, kWidth, kHeight, kSrcPitch, kDstPitch},
+                                            {left, kToLeft, kFromRight, kWidth, kHeight, kSrcPitch, kDstPitch}});
   for (int round = 0; round < 4; ++round) {
-    const auto rows_of = [&](int rank) { return pattern(seed, key(round, rank, 0, 7), kWidth * kHeight); };
-    const auto place = [&](std::vector<unsigned char>& image, std::size_t at, std::size_t pitch, int rank) {
-      const auto rows = rows_of(rank);
+    // Different rows each way, so that two ranks that are both neighbours cannot swap them.
+    const auto rows_of = [&](int rank, int way) { return pattern(seed, key(round, rank, way, 7), kWidth * kHeight); };
+    const auto place = [&](std::vector<unsigned char>& image, std::size_t at, std::size_t pitch, int rank, int way) {
+      const auto rows = rows_of(rank, way);
       for (std::size_t y = 0; y < kHeight; ++y) std::memcpy(image.data() + at + y * pitch, rows.data() + y * kWidth, kWidth);
     };
     std::vector<unsigned char> image(bytes, kPoison);
-    place(image, kSrc, kSrcPitch, me);
+    place(image, kToRight, kSrcPitch, me, 0);
+    place(image, kToLeft, kSrcPitch, me, 1);
     upload(win.local(), image.data(), bytes);
     comm->barrier(stream);
     halo.exchange(stream);
     CUDA_OK(cudaStreamSynchronize(stream));
-    place(image, kFromLeft, kDstPitch, left);
-    place(image, kFromRight, kDstPitch, right);
+    place(image, kFromLeft, kDstPitch, left, 0);
+    place(image, kFromRight, kDstPitch, right, 1);
     const auto got = to_host(win.local(), bytes);
     EXPECT_EQ(first_difference(got.data(), image.data(), bytes), -1)
         << "round " << round << ", rank " << me << " (left " << left << " through "
@@ -677,15 +680,19 @@ TEST_F(DeviceWindow, NcclConnectWithALatePeerIsBounded) {
   o.set("MESHMEM_FAULT", std::to_string(late) + ":nccl.connect:delay=" + std::to_string(static_cast<int>(kLate * 1000)));
   const auto t0 = std::chrono::steady_clock::now();
   std::string message;
+  ErrorCode code = ErrorCode::Internal;
   try {
     Comm late_comm(MPI_COMM_WORLD, o);
     ADD_FAILURE() << "rank " << me << ": the Comm was made although rank " << late << " came "
                   << kLate << " s late with a " << kTimeout << " s timeout";
   } catch (const Error& e) {
     message = e.what();
+    code = e.code();
   }
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (me != late) {
+    EXPECT_EQ(code, ErrorCode::Timeout) << message;
+    EXPECT_GE(took, kTimeout - 0.5) << "rank " << me << " gave up before the timeout: " << message;
     EXPECT_LT(took, kLate - 1) << "rank " << me << " waited for the late rank: " << message;
     EXPECT_TRUE(message.find("rank " + std::to_string(late)) != std::string::npos ||
                 message.find("rank(s) " + std::to_string(late)) != std::string::npos)

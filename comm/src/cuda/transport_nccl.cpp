@@ -12,8 +12,8 @@
 #include <list>
 #include <map>
 #include <mutex>
-#include <set>
 #include <thread>
+#include <utility>
 
 #include "../backoff.hpp"
 #include "../bootstrap.hpp"
@@ -75,10 +75,10 @@ bool put_span(const Message& m, std::uint64_t* span) {
          !__builtin_add_overflow(rows_apart, m.width, span);
 }
 
-// The NCCL_HOSTID that meshmem last set in this process ("" if none). NCCL reads the variable
-// whenever it makes a communicator, and each Comm sets its own simulated node's id just before
-// (Comms of other groupings number their nodes differently); a value that is not meshmem's is
-// the user's, and kept.
+// The NCCL_HOSTID that meshmem set in this process ("" if none): one per process, set once,
+// as NCCL (2.23 on) reads the variable once per process. Each process is then a host of its
+// own for NCCL, whatever grouping a Comm simulates (ranks of one simulated node never pair
+// over NCCL here). A value that is not meshmem's is the user's, and kept.
 std::mutex host_id_m;
 std::string host_id_set;
 
@@ -88,8 +88,17 @@ bool user_set_host_id() {
   return v != nullptr && v != host_id_set;
 }
 
+std::string process_host_id() {
+  char name[256] = {};
+  (void)gethostname(name, sizeof(name) - 1);
+  return std::string(name) + "/meshmem-simulated-pid-" + std::to_string(getpid());
+}
+
+// Before NCCL's first communicator in this process reads it (setenv is not safe beside other
+// threads' getenv: it runs once, on the thread that makes the Comm).
 void set_host_id(const std::string& id) {
   std::lock_guard<std::mutex> lock(host_id_m);
+  if (host_id_set == id) return;
   host_id_set = id;
   setenv("NCCL_HOSTID", id.c_str(), 1);
 }
@@ -113,9 +122,13 @@ void wait_for_nccl(const NcclLibrary& lib, const std::vector<NcclCommHandle>& co
       }
     }
     if (busy.empty()) return;
+    // The communicators of one group end together: one late or dead peer holds up the others.
     if (deadline.expired())
       throw Error(ErrorCode::Timeout, what + ": NCCL's " + step + " with rank(s) " + rank_list(busy) +
                                           " did not end within " + describe_timeout(deadline.timeout()) +
+                                          (busy.size() > 1 ? " (made in one group: one late or dead rank among them "
+                                                             "holds up all)"
+                                                           : "") +
                                           "; its communicators are aborted");
     backoff.pause();
   }
@@ -225,12 +238,20 @@ class NcclProxy {
     if (free_words_.empty()) return false;
     *w = free_words_.back();
     free_words_.pop_back();
-    graph_words_.insert(*w);
+    graph_words_[*w] = GraphWord{};
     return true;
   }
+  // The graph is gone; a transfer of it still in flight (its wait gave up) frees the word
+  // when it ends.
   void release_graph_word(std::size_t w) {
     std::lock_guard<std::mutex> lock(m_);
-    graph_words_.erase(w);
+    const auto graph = graph_words_.find(w);
+    if (graph == graph_words_.end()) return;
+    if (graph->second.in_flight > 0) {
+      graph->second.released = true;
+      return;
+    }
+    graph_words_.erase(graph);
     free_words_.push_back(w);
     cv_.notify_all();
   }
@@ -239,6 +260,8 @@ class NcclProxy {
   std::uint64_t submit(NcclRequest r) {
     std::lock_guard<std::mutex> lock(m_);
     r.ticket = ++submitted_;
+    const auto graph = graph_words_.find(r.word);
+    if (graph != graph_words_.end()) ++graph->second.in_flight;
     queue_.push_back(r);
     return r.ticket;
   }
@@ -302,10 +325,17 @@ class NcclProxy {
     if (error_.empty()) error_ = e;
   }
 
+  // Under m_ from the store on: a graph that ends meanwhile must not free the word twice.
   void end(std::size_t w, std::uint64_t ticket) {
-    __atomic_store_n(words_ + w, ticket, __ATOMIC_RELEASE);
     std::lock_guard<std::mutex> lock(m_);
-    if (graph_words_.count(w) == 0) free_words_.push_back(w);
+    __atomic_store_n(words_ + w, ticket, __ATOMIC_RELEASE);
+    const auto graph = graph_words_.find(w);
+    if (graph == graph_words_.end()) {
+      free_words_.push_back(w);
+    } else if (--graph->second.in_flight == 0 && graph->second.released) {
+      graph_words_.erase(graph);  // its graph is gone and this was its last transfer
+      free_words_.push_back(w);
+    }
     ++ended_;
     cv_.notify_all();
   }
@@ -645,7 +675,11 @@ class NcclProxy {
   std::condition_variable cv_;
   std::deque<NcclRequest> queue_;
   std::vector<std::size_t> free_words_;
-  std::set<std::size_t> graph_words_;  // held by captured transfers
+  struct GraphWord {
+    unsigned in_flight = 0;  // its transfers submitted and not ended
+    bool released = false;   // its graph is gone
+  };
+  std::map<std::size_t, GraphWord> graph_words_;  // held by captured transfers
   std::uint64_t submitted_ = 0;
   std::uint64_t ended_ = 0;
   std::string error_;
@@ -672,6 +706,28 @@ class NcclAttachment final : public WindowAttachment {
 }  // namespace
 
 std::unique_ptr<Transport> make_nccl_transport(const CommContext& ctx) { return std::make_unique<NcclTransport>(ctx); }
+
+// A captured transfer's done word and ticket word, given back to the proxy unless kept (then
+// the graph's user object gives them back when the graph is gone).
+struct GraphWords {
+  explicit GraphWords(NcclProxy* p) : proxy(p) {}
+  GraphWords(const GraphWords&) = delete;
+  GraphWords& operator=(const GraphWords&) = delete;
+  ~GraphWords() {
+    if (proxy == nullptr) return;
+    if (has_done) proxy->release_graph_word(done);
+    if (has_ticket) proxy->release_graph_word(ticket);
+  }
+  bool take() {
+    has_done = proxy->try_take_graph_word(&done);
+    has_ticket = has_done && proxy->try_take_graph_word(&ticket);
+    return has_ticket;
+  }
+  void kept() { proxy = nullptr; }
+  NcclProxy* proxy;
+  std::size_t done = 0, ticket = 0;
+  bool has_done = false, has_ticket = false;
+};
 
 // What captured transfers share with the transport: a CUDA graph may outlive the Comm, and
 // its host nodes and destructor callbacks (threads of CUDA, which may not call CUDA) only
@@ -731,18 +787,14 @@ NcclTransport::NcclTransport(const CommContext& ctx)
   lib_ = NcclLibrary::get(kNcclLibrary.get(ctx.options), &why);
   // Nodes simulated on one machine are hosts of their own for NCCL too: NCCL tells hosts apart
   // by NCCL_HOSTID (else hostname and boot id) and refuses two ranks of one host on one GPU in
-  // a communicator, so each simulated node gets an id of its own. Ranks of different
-  // simulated nodes that share a GPU then pair up as ranks of different real nodes do (over
-  // NCCL's network transport). A user's own NCCL_HOSTID is kept; such pairs then have no route.
+  // a communicator, so each process gets an id of its own. Ranks of different simulated nodes
+  // that share a GPU then pair up as ranks of different real nodes do (over NCCL's network
+  // transport). A user's own NCCL_HOSTID is kept; such pairs then have no route.
   bool simulated_here = false;
   for (int r = 0; r < topo.size; ++r)
     simulated_here = simulated_here || (!topo.same_node(r) && topo.host_of[r] == topo.host_of[topo.rank]);
-  if (lib_ != nullptr && simulated_here && !user_set_host_id()) {
-    char name[256] = {};
-    (void)gethostname(name, sizeof(name) - 1);
-    host_id_ = std::string(name) + "/meshmem-simulated-node-" + std::to_string(topo.node());
-  }
-  // Bit 0: NCCL loaded; bit 1: this rank's simulated node has a host id of its own.
+  if (lib_ != nullptr && simulated_here && !user_set_host_id()) host_id_ = process_host_id();
+  // Bit 0: NCCL loaded; bit 1: this process has an NCCL host id of its own.
   const std::int32_t mine = (lib_ != nullptr ? 1 : 0) | (host_id_.empty() ? 0 : 2);
   std::vector<std::int32_t> all(static_cast<std::size_t>(topo.size));
   ctx_.boot.allgather(&mine, all.data(), sizeof(mine), "meshmem::Comm (nccl transport)");
@@ -857,16 +909,26 @@ void NcclTransport::connect(const std::vector<bool>& routed) {
     // would start a thread of NCCL's (about 50 us here).
     const Deadline deadline(ctx_.options.timeout);
     std::vector<NcclCommHandle> handles(2 * peers.size(), nullptr);  // [2i]: to peers[i], [2i+1]: from it
+    // The split's children: NCCL writes them when its split job ends, also after a failure
+    // or an abort of their parents, so this outlives that abort.
+    std::vector<NcclCommHandle> children(handles.size(), nullptr);
     std::vector<NcclComm> roots;
     roots.reserve(handles.size());
-    // Until the pairs hold them, every communicator made here is aborted on the way out: a
-    // destroy would wait for work of a peer that may never come.
+    // Until the pairs hold them, every communicator made here is aborted on the way out (a
+    // destroy would wait for work of a peer that may never come): the roots first, which
+    // ends their split job, then the children it made.
     struct AbortOnExit {
-      std::vector<NcclComm>& comms;
+      const NcclLibrary* lib;
+      std::vector<NcclComm>& roots;
+      std::vector<NcclCommHandle>& children;
+      bool kept = false;
       ~AbortOnExit() {
-        for (NcclComm& c : comms) c.reset(true);
+        if (kept) return;
+        for (NcclComm& c : roots) c.reset(true);
+        for (NcclCommHandle& h : children)
+          if (h != nullptr) NcclComm(lib, std::exchange(h, nullptr)).reset(true);
       }
-    } abort_on_exit{roots};
+    } abort_on_exit{lib_, roots, children};
     // A call that fails inside a group still ends the group (NCCL keeps it per thread).
     int failed_rc = 0;
     const char* failed_call = nullptr;
@@ -922,28 +984,24 @@ void NcclTransport::connect(const std::vector<bool>& routed) {
         ipc::check_cuda(q, "cudaStreamQuery (connection)", what);
       }
     }
-    std::vector<NcclCommHandle> children(handles.size(), nullptr);
-    std::vector<NcclComm> kids;
-    AbortOnExit abort_kids_on_exit{kids};
     NcclConfig blocking = NcclConfig::make(true, false);
     lib_->check(lib_->group_start(), "ncclGroupStart", what);
     for (std::size_t i = 0; i < handles.size(); ++i)
       note(lib_->comm_split(handles[i], 0, static_cast<int>(i % 2), &children[i], &blocking), "ncclCommSplit");
     end_group("ncclGroupEnd (split)");
     wait_for_nccl(*lib_, handles, peers, deadline, "split into blocking communicators", what);
-    for (NcclCommHandle h : children)
-      if (h != nullptr) kids.emplace_back(lib_, h);
     for (std::size_t i = 0; i < handles.size(); ++i)
       if (children[i] == nullptr)
         throw Error(ErrorCode::Internal, what + ": ncclCommSplit ended without a communicator (with rank " +
                                              std::to_string(peers[i / 2]) + ")");
     for (std::size_t i = 0; i < peers.size(); ++i) {
       NcclProxy::Pair& p = pairs[peers[i]];
-      p.out = std::move(kids[2 * i]);
-      p.in = std::move(kids[2 * i + 1]);
+      p.out = NcclComm(lib_, children[2 * i]);
+      p.in = NcclComm(lib_, children[2 * i + 1]);
       p.out_root = std::move(roots[2 * i]);
       p.in_root = std::move(roots[2 * i + 1]);
     }
+    abort_on_exit.kept = true;  // the pairs own every communicator now
     proxy_ = std::make_shared<NcclProxy>(lib_, std::move(control), std::move(pairs), ctx_.topo.rank, device_->device(),
                                          ctx_.options.timeout);
     std::lock_guard<std::mutex> lock(board_->m);
@@ -1039,6 +1097,13 @@ void NcclTransport::transfer(NcclRequest r, Stream stream, const char* name) {
                                             ": pageable host memory cannot be captured into a CUDA graph here (it would "
                                             "need a host copy on every replay); use device or pinned memory; nothing "
                                             "was added to the capture");
+  // Under capture the graph's two words are taken before anything is captured, so that a
+  // shortage leaves the capture untouched.
+  GraphWords words(capturing ? proxy_.get() : nullptr);
+  if (capturing && !words.take())
+    throw Error(ErrorCode::Unsupported, what(name, r.peer) + ": all " + std::to_string(kDoneWords) +
+                                            " done words of this rank are held by nccl transfers in flight or captured "
+                                            "into CUDA graphs that still exist; nothing was added to the capture");
   // Pageable host memory, and a strided put's rows, go through device memory of the stream's
   // own (stream-ordered allocation): copied (packed) in before a put, out after a get, freed
   // after the transfer's end.
@@ -1064,7 +1129,7 @@ void NcclTransport::transfer(NcclRequest r, Stream stream, const char* name) {
   }
   if (capturing) {
     try {
-      capture_transfer(r, graph, s, name);
+      capture_transfer(r, graph, s, name, words);
     } catch (...) {
       if (bounce != nullptr) (void)cudaFreeAsync(bounce, s);
       throw;
@@ -1104,18 +1169,9 @@ void NcclTransport::transfer(NcclRequest r, Stream stream, const char* name) {
 // ticket) live as long as the graph (a CUDA user object). Two instantiations of one graph
 // running at once share them (a limit, as on the staged route: the waits can then stall
 // until MESHMEM_TIMEOUT).
-void NcclTransport::capture_transfer(NcclRequest r, cudaGraph_t graph, cudaStream_t stream, const char* name) {
-  const auto all_in_use = [&] {
-    return Error(ErrorCode::Unsupported, what(name, r.peer) + ": all " + std::to_string(kDoneWords) +
-                                             " done words of this rank are held by nccl transfers in flight or "
-                                             "captured into CUDA graphs that still exist; nothing was added to the capture");
-  };
-  std::size_t done_word = 0, ticket_word = 0;
-  if (!proxy_->try_take_graph_word(&done_word)) throw all_in_use();
-  if (!proxy_->try_take_graph_word(&ticket_word)) {
-    proxy_->release_graph_word(done_word);
-    throw all_in_use();
-  }
+void NcclTransport::capture_transfer(NcclRequest r, cudaGraph_t graph, cudaStream_t stream, const char* name,
+                                     GraphWords& words) {
+  const std::size_t done_word = words.done, ticket_word = words.ticket;
   auto captured = std::make_unique<CapturedNcclTransfer>();
   captured->board = board_;
   r.word = done_word;
@@ -1127,12 +1183,9 @@ void NcclTransport::capture_transfer(NcclRequest r, cudaGraph_t graph, cudaStrea
   __atomic_store_n(captured->ticket_at, 0, __ATOMIC_RELEASE);
   cudaUserObject_t object = nullptr;
   const cudaError_t rc = cudaUserObjectCreate(&object, captured.get(), release_captured, 1, cudaUserObjectNoDestructorSync);
-  if (rc != cudaSuccess) {
-    proxy_->release_graph_word(done_word);
-    proxy_->release_graph_word(ticket_word);
-    ipc::check_cuda(rc, "cudaUserObjectCreate", what(name, r.peer));
-  }
-  CapturedNcclTransfer* c = captured.release();  // the user object owns it now
+  if (rc != cudaSuccess) ipc::check_cuda(rc, "cudaUserObjectCreate", what(name, r.peer));  // `words` gives them back
+  words.kept();                                   // the user object gives them back now
+  CapturedNcclTransfer* c = captured.release();  // and owns this
   const cudaError_t kept = cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove);
   if (kept != cudaSuccess) {
     (void)cudaUserObjectRelease(object, 1);  // runs release_captured

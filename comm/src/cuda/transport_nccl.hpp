@@ -39,8 +39,8 @@
 // refused there).
 //
 // Ranks of one machine in different simulated nodes, even sharing a GPU, pair up because each
-// simulated node is a host of its own for NCCL (NCCL_HOSTID set per node unless the user set
-// it; then no route reaches same-GPU pairs); they reach each other over NCCL's network
+// process is a host of its own for NCCL (NCCL_HOSTID set per process unless the user set it;
+// then no route reaches same-GPU pairs); they reach each other over NCCL's network
 // transport (NCCL_P2P_DISABLE / NCCL_SHM_DISABLE set in the process unless given).
 //
 // Limits of this version: a transfer costs one MPI round trip for its acknowledgement and
@@ -70,6 +70,7 @@ class CudaDeviceRuntime;
 class NcclLibrary;
 class NcclProxy;
 struct NcclCaptureBoard;
+struct GraphWords;
 struct NcclRequest;
 
 class NcclTransport final : public Transport {
@@ -104,13 +105,13 @@ class NcclTransport final : public Transport {
   // Hands one transfer to the proxy; the caller's stream waits for its end. Under capture,
   // a host node hands it over on every replay (capture_transfer).
   void transfer(NcclRequest r, Stream stream, const char* name);
-  void capture_transfer(NcclRequest r, cudaGraph_t graph, cudaStream_t stream, const char* name);
+  void capture_transfer(NcclRequest r, cudaGraph_t graph, cudaStream_t stream, const char* name, GraphWords& words);
 
   CommContext ctx_;
   CudaDeviceRuntime* device_;
   const NcclLibrary* lib_ = nullptr;
   std::vector<std::string> no_route_;  // by rank: why not ("" where it reaches)
-  std::string host_id_;  // NCCL_HOSTID this rank set for its simulated node ("" where none)
+  std::string host_id_;  // NCCL_HOSTID this process sets, under simulated nodes ("" where none)
   std::shared_ptr<NcclProxy> proxy_;
   std::shared_ptr<NcclCaptureBoard> board_ = std::make_shared<NcclCaptureBoard>();
   int finalize_keyval_;
