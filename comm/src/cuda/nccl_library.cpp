@@ -11,6 +11,19 @@
 
 #include "meshmem/error.hpp"
 
+// Where nccl.h is at hand (it is not needed to build), the config's layout is checked against
+// NCCL's own: the fields meshmem sets must sit where NCCL reads them.
+#if __has_include(<nccl.h>)
+#include <nccl.h>
+static_assert(offsetof(ncclConfig_t, magic) == offsetof(meshmem::detail::NcclConfig, magic) &&
+                  offsetof(ncclConfig_t, version) == offsetof(meshmem::detail::NcclConfig, version) &&
+                  offsetof(ncclConfig_t, blocking) == offsetof(meshmem::detail::NcclConfig, blocking) &&
+                  offsetof(ncclConfig_t, netName) == offsetof(meshmem::detail::NcclConfig, net_name) &&
+                  offsetof(ncclConfig_t, splitShare) == offsetof(meshmem::detail::NcclConfig, split_share),
+              "NcclConfig no longer matches ncclConfig_t's first fields");
+static_assert(NCCL_CONFIG_UNDEF_INT == -2147483647 - 1, "NCCL's 'undefined' config value changed");
+#endif
+
 namespace meshmem::detail {
 
 namespace {
