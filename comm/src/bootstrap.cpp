@@ -110,14 +110,16 @@ MpiComm MpiComm::split(MPI_Comm parent, int color, int key, const std::string& c
 MpiComm& MpiComm::operator=(MpiComm&& other) noexcept {
   if (this != &other) {
     MpiComm old(comm_);
+    old.kept_until_exit_ = kept_until_exit_;
     comm_ = other.comm_;
+    kept_until_exit_ = other.kept_until_exit_;
     other.comm_ = MPI_COMM_NULL;
   }
   return *this;
 }
 
 MpiComm::~MpiComm() {
-  if (comm_ == MPI_COMM_NULL) return;
+  if (comm_ == MPI_COMM_NULL || kept_until_exit_) return;
   if (mpi_finalized()) return;  // too late to free; MPI released everything
   // MPI_Comm_free is collective only in name for local teardown; it does not wait for peers.
   MPI_Comm_free(&comm_);
@@ -318,6 +320,7 @@ void Bootstrap::allgather(const void* mine, void* all, std::size_t bytes_each,
             "MPI_Iallgather", what);
   if (!wait(&req, what)) {
     keep_for_mpi(req, buffer);
+    comm_.keep_until_exit();
     fail_timeout(what + " on rank " + std::to_string(rank_) +
                  ": MPI_Iallgather did not complete within " + describe_timeout(timeout_));
   }
@@ -332,6 +335,7 @@ void Bootstrap::broadcast(void* data, std::size_t bytes, int root, const std::st
   check_mpi(MPI_Ibcast(buffer->data(), count, MPI_BYTE, root, comm_.get(), &req), "MPI_Ibcast", what);
   if (!wait(&req, what)) {
     keep_for_mpi(req, buffer);
+    comm_.keep_until_exit();
     fail_timeout(what + " on rank " + std::to_string(rank_) +
                  ": MPI_Ibcast did not complete within " + describe_timeout(timeout_));
   }
@@ -346,6 +350,7 @@ std::uint64_t Bootstrap::allreduce_max(std::uint64_t value, const std::string& w
             "MPI_Iallreduce", what);
   if (!wait(&req, what)) {
     keep_for_mpi(req, values);
+    comm_.keep_until_exit();
     fail_timeout(what + " on rank " + std::to_string(rank_) +
                  ": MPI_Iallreduce did not complete within " + describe_timeout(timeout_));
   }

@@ -30,16 +30,24 @@ class MpiComm {
   static MpiComm dup(MPI_Comm parent, const std::string& context,
                      std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   static MpiComm split(MPI_Comm parent, int color, int key, const std::string& context);
-  MpiComm(MpiComm&& other) noexcept : comm_(other.comm_) { other.comm_ = MPI_COMM_NULL; }
+  MpiComm(MpiComm&& other) noexcept : comm_(other.comm_), kept_until_exit_(other.kept_until_exit_) {
+    other.comm_ = MPI_COMM_NULL;
+  }
   MpiComm& operator=(MpiComm&& other) noexcept;
   MpiComm(const MpiComm&) = delete;
   MpiComm& operator=(const MpiComm&) = delete;
   ~MpiComm();
   MPI_Comm get() const { return comm_; }
+  // A collective on it was abandoned after a timeout and may still run when a late rank
+  // joins: the communicator is not freed (Open MPI's nonblocking collectives crashed when
+  // they progressed on a freed one: seen once in CI, an MPI_Iallreduce abandoned in a Comm's
+  // construction under load).
+  void keep_until_exit() { kept_until_exit_ = true; }
 
  private:
   explicit MpiComm(MPI_Comm c) : comm_(c) {}
   MPI_Comm comm_ = MPI_COMM_NULL;
+  bool kept_until_exit_ = false;
 };
 
 class Bootstrap {
