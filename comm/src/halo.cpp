@@ -10,6 +10,7 @@
 #include "comm_impl.hpp"
 #include "device_runtime.hpp"
 #include "log.hpp"
+#include "strided_rows.hpp"
 
 namespace meshmem {
 namespace detail {
@@ -54,15 +55,6 @@ struct WireRegion {
   std::uint64_t src_offset, dst_offset, width, height, src_pitch, dst_pitch;
 };
 
-// Offset one past the last byte of `height` rows of `width`, `pitch` apart; false on
-// overflow.
-bool extent(std::uint64_t offset, std::uint64_t width, std::uint64_t height, std::uint64_t pitch, std::uint64_t* end) {
-  const std::uint64_t rows = height - 1;
-  if (pitch != 0 && rows > (UINT64_MAX - offset - width) / pitch) return false;
-  *end = offset + rows * pitch + width;
-  return *end >= offset;
-}
-
 std::string describe(int rank, std::size_t index, const WireRegion& r) {
   return "region " + std::to_string(index) + " of rank " + std::to_string(rank) + " (to rank " +
          std::to_string(r.peer) + ", dst_offset " + std::to_string(r.dst_offset) + ", " + std::to_string(r.height) +
@@ -92,10 +84,10 @@ std::unique_ptr<HaloState> CommImpl::make_halo(const Window& win, const std::vec
         throw Error(ErrorCode::InvalidArgument, at + ": halo region " + std::to_string(i) + " has a pitch smaller than its width " +
                                                     std::to_string(r.width) + " (rows would overlap)");
       std::uint64_t src_end = 0, dst_end = 0;
-      if (!extent(r.src_offset, r.width, r.height, sp, &src_end) || src_end > w->bytes)
+      if (!rows_end(r.src_offset, r.width, r.height, sp, &src_end) || src_end > w->bytes)
         throw Error(ErrorCode::InvalidArgument, at + ": halo region " + std::to_string(i) + " reads past the end of window #" +
                                                     std::to_string(w->id) + " (" + std::to_string(w->bytes) + " bytes) here");
-      if (!extent(r.dst_offset, r.width, r.height, dp, &dst_end) || dst_end > w->bytes)
+      if (!rows_end(r.dst_offset, r.width, r.height, dp, &dst_end) || dst_end > w->bytes)
         throw Error(ErrorCode::InvalidArgument, at + ": halo region " + std::to_string(i) + " writes past the end of window #" +
                                                     std::to_string(w->id) + " (" + std::to_string(w->bytes) + " bytes) of rank " +
                                                     std::to_string(r.peer));

@@ -21,6 +21,7 @@
 #include "../gpu_part.hpp"
 #include "../knobs.hpp"
 #include "../log.hpp"
+#include "../strided_rows.hpp"
 #include "../topology.hpp"
 #include "device_runtime.hpp"
 #include "event_pool.hpp"
@@ -70,9 +71,7 @@ bool put_span(const Message& m, std::uint64_t* span) {
     return true;
   }
   if (m.bytes == 0 || m.bytes % m.width != 0 || m.pitch < m.width) return false;
-  std::uint64_t rows_apart = 0;
-  return !__builtin_mul_overflow(m.bytes / m.width - 1, m.pitch, &rows_apart) &&
-         !__builtin_add_overflow(rows_apart, m.width, span);
+  return rows_end(0, m.width, m.bytes / m.width, m.pitch, span);
 }
 
 // The NCCL_HOSTID that meshmem set in this process ("" if none): one per process, set once,
