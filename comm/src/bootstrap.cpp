@@ -147,6 +147,12 @@ void Bootstrap::fail_timeout(const std::string& message) {
   throw Error(ErrorCode::Timeout, message);
 }
 
+void Bootstrap::abandon_collective(MPI_Request req, std::shared_ptr<void> memory, const std::string& message) {
+  keep_for_mpi(req, std::move(memory));
+  comm_.keep_until_exit();
+  fail_timeout(message);
+}
+
 bool Bootstrap::wait(MPI_Request* req, const std::string& what) {
   Deadline deadline(timeout_);
   Backoff backoff;
@@ -319,10 +325,9 @@ void Bootstrap::allgather(const void* mine, void* all, std::size_t bytes_each,
   check_mpi(MPI_Iallgather(buffer->data(), count, MPI_BYTE, gathered, count, MPI_BYTE, comm_.get(), &req),
             "MPI_Iallgather", what);
   if (!wait(&req, what)) {
-    keep_for_mpi(req, buffer);
-    comm_.keep_until_exit();
-    fail_timeout(what + " on rank " + std::to_string(rank_) +
-                 ": MPI_Iallgather did not complete within " + describe_timeout(timeout_));
+    abandon_collective(req, buffer,
+                       what + " on rank " + std::to_string(rank_) + ": MPI_Iallgather did not complete within " +
+                           describe_timeout(timeout_));
   }
   std::memcpy(all, gathered, bytes_each * static_cast<std::size_t>(size_));
 }
@@ -334,10 +339,9 @@ void Bootstrap::broadcast(void* data, std::size_t bytes, int root, const std::st
   MPI_Request req = MPI_REQUEST_NULL;
   check_mpi(MPI_Ibcast(buffer->data(), count, MPI_BYTE, root, comm_.get(), &req), "MPI_Ibcast", what);
   if (!wait(&req, what)) {
-    keep_for_mpi(req, buffer);
-    comm_.keep_until_exit();
-    fail_timeout(what + " on rank " + std::to_string(rank_) +
-                 ": MPI_Ibcast did not complete within " + describe_timeout(timeout_));
+    abandon_collective(req, buffer,
+                       what + " on rank " + std::to_string(rank_) + ": MPI_Ibcast did not complete within " +
+                           describe_timeout(timeout_));
   }
   std::memcpy(data, buffer->data(), bytes);
 }
@@ -349,10 +353,9 @@ std::uint64_t Bootstrap::allreduce_max(std::uint64_t value, const std::string& w
   check_mpi(MPI_Iallreduce(&(*values)[0], &(*values)[1], 1, MPI_UINT64_T, MPI_MAX, comm_.get(), &req),
             "MPI_Iallreduce", what);
   if (!wait(&req, what)) {
-    keep_for_mpi(req, values);
-    comm_.keep_until_exit();
-    fail_timeout(what + " on rank " + std::to_string(rank_) +
-                 ": MPI_Iallreduce did not complete within " + describe_timeout(timeout_));
+    abandon_collective(req, values,
+                       what + " on rank " + std::to_string(rank_) + ": MPI_Iallreduce did not complete within " +
+                           describe_timeout(timeout_));
   }
   return (*values)[1];
 }

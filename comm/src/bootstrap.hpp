@@ -88,6 +88,9 @@ class Bootstrap {
   [[noreturn]] void fail_timeout(const std::string& message);
 
  private:
+  // A collective on comm_ that timed out: MPI may still complete it when a late rank joins,
+  // so its request and memory are kept and comm_ is not freed; then fail_timeout(message).
+  [[noreturn]] void abandon_collective(MPI_Request req, std::shared_ptr<void> memory, const std::string& message);
 
   MpiComm comm_;
   int rank_ = 0;
