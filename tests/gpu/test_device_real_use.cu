@@ -262,7 +262,9 @@ TEST_P(GraphBarrier, ReplaysWaitForTheLateRank) {
   // Where some pairs are staged the barrier is the kernel over the staging pool whatever
   // MESHMEM_BARRIER says (capturable).
   const bool pool_barrier = comm->device_info().find("flags in the staging pool") != std::string::npos;
-  if ((variant_name == "flag" || variant_name == "event") && !pool_barrier) {
+  // Across nodes the barrier is the proxy thread's whatever MESHMEM_BARRIER says (capturable).
+  const bool proxy_barrier = comm->node_count() > 1;
+  if ((variant_name == "flag" || variant_name == "event") && !pool_barrier && !proxy_barrier) {
     // Not capturable: a clear error before the capture is touched.
     try {
       comm->barrier(s0);
@@ -634,6 +636,43 @@ TEST_F(RealUse, BarrierWithAPeerThatNeverComesTimesOut) {
           << m;
     }
   }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// The same with the barrier captured into a graph that only rank 0 replays: the replay ends
+// (the wait gives up) and the Comm's next call names the rank that never came. Across nodes
+// this is the proxy thread's captured hand-off (its meeting times out and releases the wait).
+TEST_F(RealUse, CapturedBarrierWithAPeerThatNeverComesTimesOut) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+  ScopedEnv barrier("MESHMEM_BARRIER", "kernel");
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(s0, cudaStreamCaptureModeGlobal));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamEndCapture(s0, &graph));
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_OK(cudaGraphDestroy(graph));
+  if (me == 0) {
+    const auto t0 = std::chrono::steady_clock::now();
+    CUDA_OK(cudaGraphLaunch(exec, s0));
+    EXPECT_TRUE(finishes(s0, 30)) << "the captured barrier did not time out";
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_GE(waited, 1.5) << "the replay passed the barrier without its peers";
+    try {
+      comm->quiet(s0);
+      ADD_FAILURE() << "the timed-out captured barrier was not reported";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+      const std::string m = e.what();
+      EXPECT_TRUE(m.find("waited for rank 1") != std::string::npos || m.find("rank(s) 1") != std::string::npos)
+          << m;
+    }
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
   MPI_Barrier(MPI_COMM_WORLD);
 }
 

@@ -473,9 +473,6 @@ TEST_F(DeviceSoak, OneRoundCapturedIntoAGraphReplays) {
   const char* want = std::getenv("MESHMEM_SOAK_REQUIRE_ROUTE");
   const std::string pairs = routes(want, &found);
   if (!found) GTEST_SKIP() << "no pair of ranks takes the " << want << " route here (routes: " << pairs << ")";
-  // nccl transfers can be captured, but this round's barrier across nodes cannot yet, so the
-  // round does not run across nodes (captured nccl transfers: gpu.nccl_simulated_real_use).
-  if (comm_->node_count() > 1) GTEST_SKIP() << "the cross-node barrier(stream) cannot be captured (README)";
   probe_add();
   make_windows();
   cfg_.zero_words = true;

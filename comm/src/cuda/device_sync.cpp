@@ -79,8 +79,13 @@ void DeviceFaultRecord::raise(const std::string& where) {
              "hang): " + host_failure_;
       break;
     }
+    case cuda::FaultKind::ProxyRelease:
+      msg += "an earlier captured barrier(stream) across nodes (barrier " + std::to_string(f.expected) +
+             " of this rank) was not released by its proxy thread (it had released barrier " + std::to_string(f.seen) +
+             ")" + after;
+      break;
     case cuda::FaultKind::Transfer:
-      msg += "an earlier staged put or get with rank " + std::to_string(f.peer) + " (transfer " +
+      msg += "an earlier staged or nccl put or get with rank " + std::to_string(f.peer) + " (transfer " +
              std::to_string(f.expected) + "; the last one finished is " + std::to_string(f.seen) +
              ") did not finish" + after + " (its data may be incomplete)";
       break;

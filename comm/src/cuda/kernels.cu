@@ -126,13 +126,13 @@ __global__ void wait_kernel(std::uint64_t* words, std::size_t count, Cmp cmp, st
     device::SignalWord(words[i]).store(then, ::cuda::memory_order_relaxed);
 }
 
-__global__ void transfer_wait_kernel(const std::uint64_t* word, std::uint64_t sequence, const std::uint64_t* sequence_at,
-                                     int peer, WaitLimit limit, bool early) {
+__global__ void ticket_wait_kernel(const std::uint64_t* word, std::uint64_t sequence, const std::uint64_t* sequence_at,
+                                   FaultKind fault, int peer, WaitLimit limit, bool early) {
   after_previous_kernel(early);
-  // Captured transfers learn their ticket on each replay, when their host node hands them to
-  // the agent (written before this kernel starts: stream order).
+  // Captured steps learn their ticket on each replay, when their host node hands them to
+  // their owner (written before this kernel starts: stream order).
   if (sequence_at != nullptr) sequence = *reinterpret_cast<const volatile std::uint64_t*>(sequence_at);
-  (void)wait_word(word, Cmp::GE, sequence, limit, FaultKind::Transfer, peer, 0, 0);
+  (void)wait_word(word, Cmp::GE, sequence, limit, fault, peer, 0, 0);
 }
 
 __global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
@@ -211,7 +211,7 @@ __global__ void halo_kernel(const Copy2D* table, int count, HaloSync sync, WaitL
 cudaError_t preload_kernels() {
   cudaFuncAttributes a{};
   const void* kernels[] = {reinterpret_cast<const void*>(copy_kernel), reinterpret_cast<const void*>(copy_signal_kernel),
-                           reinterpret_cast<const void*>(wait_kernel), reinterpret_cast<const void*>(transfer_wait_kernel),
+                           reinterpret_cast<const void*>(wait_kernel), reinterpret_cast<const void*>(ticket_wait_kernel),
                            reinterpret_cast<const void*>(barrier_kernel), reinterpret_cast<const void*>(halo_kernel)};
   for (const void* k : kernels) {
     const cudaError_t rc = cudaFuncGetAttributes(&a, k);
@@ -271,9 +271,9 @@ cudaError_t launch_wait(std::uint64_t* words, std::size_t count, Cmp cmp, std::u
                 limit, early);
 }
 
-cudaError_t launch_transfer_wait(const std::uint64_t* word, std::uint64_t sequence, const std::uint64_t* sequence_at,
-                                 int peer, WaitLimit limit, cudaStream_t stream, bool early) {
-  return launch(transfer_wait_kernel, 1, 1, stream, early, word, sequence, sequence_at, peer, limit, early);
+cudaError_t launch_ticket_wait(const std::uint64_t* word, std::uint64_t sequence, const std::uint64_t* sequence_at,
+                               FaultKind fault, int peer, WaitLimit limit, cudaStream_t stream, bool early) {
+  return launch(ticket_wait_kernel, 1, 1, stream, early, word, sequence, sequence_at, fault, peer, limit, early);
 }
 
 }  // namespace meshmem::detail::cuda

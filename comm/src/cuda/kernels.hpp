@@ -14,8 +14,11 @@ namespace meshmem::detail::cuda {
 // mapped into the device (DeviceFaultRecord owns it). The first wait to time out claims it;
 // `code` is written last, so the host reads the other fields once it sees code != 0.
 // HostBarrier: reported from the host (a barrier(stream) across nodes whose proxy meeting
-// timed out; DeviceFaultRecord keeps its message).
-enum class FaultKind : unsigned { None = 0, WaitUntil = 1, Barrier = 2, Halo = 3, Transfer = 4, HostBarrier = 5 };
+// timed out; DeviceFaultRecord keeps its message). ProxyRelease: a captured barrier(stream)
+// across nodes that its proxy thread did not release in time.
+enum class FaultKind : unsigned {
+  None = 0, WaitUntil = 1, Barrier = 2, Halo = 3, Transfer = 4, HostBarrier = 5, ProxyRelease = 6
+};
 struct DeviceFault {
   unsigned claimed;
   unsigned code;      // FaultKind, 0 while no wait timed out
@@ -68,11 +71,12 @@ cudaError_t launch_wait(std::uint64_t* words, std::size_t count, Cmp cmp, std::u
                         bool early);
 
 // Blocks `stream` until *word (host or device memory mapped here) reaches `sequence`: the end
-// of a staged transfer with rank `peer` (its done word and ticket); on timeout the fault names
-// the peer. With `sequence_at` (pinned host memory) the ticket is read from there when the
-// kernel starts (captured transfers get a new ticket on every replay).
-cudaError_t launch_transfer_wait(const std::uint64_t* word, std::uint64_t sequence, const std::uint64_t* sequence_at,
-                                 int peer, WaitLimit limit, cudaStream_t stream, bool early);
+// of a step a host thread carries out (a staged or nccl transfer with rank `peer`, a barrier
+// met by a proxy thread); on timeout the fault record gets `fault` and `peer`. With
+// `sequence_at` (pinned host memory) the ticket is read from there when the kernel starts
+// (captured steps get a new ticket on every replay: CapturedHandoff).
+cudaError_t launch_ticket_wait(const std::uint64_t* word, std::uint64_t sequence, const std::uint64_t* sequence_at,
+                               FaultKind fault, int peer, WaitLimit limit, cudaStream_t stream, bool early);
 
 // One block: takes this rank's next barrier number from *counter (device memory, advanced
 // by the kernel itself, so a graph replay takes a new one), stores it into word `rank` of

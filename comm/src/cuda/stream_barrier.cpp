@@ -41,7 +41,8 @@ const TuningKnob<BarrierKind> kBarrier{
     "pairs are staged (GPUs without peer access), the kernel's flags live in the staging pool and this setting "
     "is ignored except `kernel` (no host meeting first on a shared GPU). Where ranks span nodes, the stream hands "
     "the barrier to a proxy thread (cudaLaunchHostFunc) that meets the other ranks over MPI and releases the "
-    "stream through a pinned host word; the host does not wait; not capturable"};
+    "stream through a pinned host word; the host does not wait. Captured into a graph, a host node hands each "
+    "replay's barrier to that proxy and a one-thread kernel waits for its release"};
 
 std::string where(const Topology& topo) { return "comm.barrier(stream) on rank " + std::to_string(topo.rank); }
 
@@ -65,10 +66,15 @@ class ProxyBarrier final : public StreamBarrier {
   ProxyBarrier(const CommContext& ctx, const std::string& what, CudaDeviceRuntime& device)
       : topo_(ctx.topo),
         proxy_(ctx.boot.comm(), ctx.boot.timeout(), what,
-               [&device](const std::string& failure) { device.report_barrier_failure(failure); }) {}
+               [&device](const std::string& failure) { device.report_barrier_failure(failure); },
+               device.wait_limit(), device.early_launch()) {}
   void arrive(Stream stream, bool capturing) override {
-    if (capturing) refuse_capture(topo_, "of ranks on several nodes (proxy thread)", "the proxy meets each barrier once, not on every replay");
-    proxy_.enqueue(stream, where(topo_));
+    const auto s = static_cast<cudaStream_t>(stream);
+    if (!capturing) return proxy_.enqueue(s, where(topo_));
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    cudaGraph_t graph = nullptr;
+    ipc::check_cuda(cudaStreamGetCaptureInfo(s, &status, nullptr, &graph), "cudaStreamGetCaptureInfo", where(topo_));
+    proxy_.capture(s, graph, where(topo_));
   }
   std::string describe() const override {
     return "through a proxy thread over MPI (ranks span nodes or unmapped GPUs)";

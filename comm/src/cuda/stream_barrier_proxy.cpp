@@ -1,14 +1,37 @@
 #include "stream_barrier_proxy.hpp"
 
+#include <cstring>
+
 #include "../backoff.hpp"
+#include "captured_handoff.hpp"
 #include "meshmem/error.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
 
 namespace meshmem::detail {
 
+namespace {
+
+// How a captured barrier runs on every replay (CapturedHandoff): the proxy queues it as
+// reached and returns its number; the wait kernel waits for the released word to reach it.
+struct BarrierHandoff {
+  using Owner = StreamBarrierProxy;
+  struct Request {
+    std::size_t ticket_word = 0;
+  };
+  static std::uint64_t submit(StreamBarrierProxy& proxy, const Request&) { return proxy.arrive_captured(); }
+  static void release(StreamBarrierProxy& proxy, const Request& r) { proxy.release_ticket_word(r.ticket_word); }
+};
+
+}  // namespace
+
 StreamBarrierProxy::StreamBarrierProxy(MPI_Comm parent, std::chrono::milliseconds timeout, const std::string& what,
-                                       std::function<void(const std::string&)> on_failure)
-    : boot_(parent, timeout), on_failure_(std::move(on_failure)) {
+                                       std::function<void(const std::string&)> on_failure, cuda::WaitLimit limit,
+                                       bool early)
+    : boot_(parent, timeout),
+      on_failure_(std::move(on_failure)),
+      limit_(limit),
+      early_(early),
+      board_(std::make_shared<HandoffBoard<StreamBarrierProxy>>()) {
   agreed_step(boot_, what, [&] {
     int provided = MPI_THREAD_SINGLE;
     MPI_Query_thread(&provided);
@@ -18,20 +41,24 @@ StreamBarrierProxy::StreamBarrierProxy(MPI_Comm parent, std::chrono::millisecond
                   "proxy thread and needs MPI_THREAD_MULTIPLE, but MPI was initialised with thread level " +
                       std::to_string(provided) + "; call MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)");
     void* word = nullptr;
-    ipc::check_cuda(cudaHostAlloc(&word, sizeof(std::uint64_t), cudaHostAllocMapped | cudaHostAllocPortable),
-                    "cudaHostAlloc", what);
+    const std::size_t bytes = (1 + kTicketWords) * sizeof(std::uint64_t);
+    ipc::check_cuda(cudaHostAlloc(&word, bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc", what);
     released_.reset(static_cast<std::uint64_t*>(word));
-    *released_ = 0;
+    std::memset(word, 0, bytes);
+    for (std::size_t i = kTicketWords; i > 0; --i) free_tickets_.push_back(i);
     void* device = nullptr;
     ipc::check_cuda(cudaHostGetDevicePointer(&device, word, 0), "cudaHostGetDevicePointer", what);
     released_device_ = reinterpret_cast<std::uint64_t>(device);
   });
+  board_->set(this);
   thread_ = std::thread([this] { serve(); });
 }
 
 StreamBarrierProxy::~StreamBarrierProxy() {
   // Streams may still wait for barriers that this rank's proxy must meet: let them pass.
+  // Graphs launched before are among that work; graphs replayed later find the proxy gone.
   (void)cudaDeviceSynchronize();
+  board_->set(nullptr);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
@@ -116,6 +143,53 @@ void StreamBarrierProxy::enqueue(cudaStream_t stream, const std::string& what) {
   ipc::check_cu(ipc::cuda_driver().cuStreamWaitValue64(stream, static_cast<CUdeviceptr>(released_device_), enqueued_,
                                                        CU_STREAM_WAIT_VALUE_GEQ),
                 "cuStreamWaitValue64", what);
+}
+
+}  // namespace meshmem::detail
+
+namespace meshmem::detail {
+
+std::uint64_t StreamBarrierProxy::arrive_captured() {
+  std::uint64_t number = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_.push_back(Arrival{this, ++enqueued_, true});  // the host node runs once the stream reached it
+    number = enqueued_;
+  }
+  wake_.notify_all();
+  return number;
+}
+
+void StreamBarrierProxy::release_ticket_word(std::size_t word) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  free_tickets_.push_back(word);
+}
+
+void StreamBarrierProxy::capture(cudaStream_t stream, cudaGraph_t graph, const std::string& what) {
+  raise_failure(what);
+  boot_.ensure_usable(what);
+  BarrierHandoff::Request request;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (free_tickets_.empty())
+      throw Error(ErrorCode::Unsupported, what + ": all " + std::to_string(kTicketWords) +
+                                              " ticket words of this rank's barrier proxy are held by barriers "
+                                              "captured into CUDA graphs that still exist; nothing was added to the "
+                                              "capture");
+    request.ticket_word = free_tickets_.back();
+    free_tickets_.pop_back();
+  }
+  TicketWait wait;
+  wait.done = reinterpret_cast<const std::uint64_t*>(released_device_);
+  wait.ticket_at = released_.get() + request.ticket_word;
+  wait.fault = cuda::FaultKind::ProxyRelease;
+  wait.peer = -1;  // the proxy's meeting names the late ranks (FaultKind::HostBarrier)
+  // Twice the device's limit: the proxy's meeting, bounded by MESHMEM_TIMEOUT from a little
+  // later on, reports first and names the ranks that never came.
+  wait.limit = limit_;
+  wait.limit.timeout_ns *= 2;
+  wait.early = early_;
+  CapturedHandoff<BarrierHandoff>::capture(board_, request, wait, graph, stream, what);
 }
 
 }  // namespace meshmem::detail

@@ -23,6 +23,7 @@
 #include "../log.hpp"
 #include "../strided_rows.hpp"
 #include "../topology.hpp"
+#include "captured_handoff.hpp"
 #include "device_runtime.hpp"
 #include "event_pool.hpp"
 #include "kernels.hpp"
@@ -728,53 +729,31 @@ struct GraphWords {
   bool has_done = false, has_ticket = false;
 };
 
-// What captured transfers share with the transport: a CUDA graph may outlive the Comm, and
-// its host nodes and destructor callbacks (threads of CUDA, which may not call CUDA) only
-// touch this.
-struct NcclCaptureBoard {
-  std::mutex m;
-  NcclProxy* proxy = nullptr;  // null once the transport stopped
-};
-
 namespace {
 
-// One captured transfer: on every replay its host node hands the request to the proxy and
-// writes the ticket it got where the graph's wait kernel reads it. Its done word and ticket
-// word are the graph's for its life.
-struct CapturedNcclTransfer {
-  std::shared_ptr<NcclCaptureBoard> board;
-  NcclRequest request;
-  std::size_t ticket_word = 0;
-  std::uint64_t* ticket_at = nullptr;
-};
-
-void CUDART_CB submit_captured(void* p) {
-  auto* c = static_cast<CapturedNcclTransfer*>(p);
-  std::lock_guard<std::mutex> lock(c->board->m);
-  // After the transport stopped nothing is written: the wait then sees the last replay's
-  // ticket and lets the stream pass with no data moved (replaying a graph whose Comm is gone
-  // is the caller's error, as on every route).
-  if (c->board->proxy == nullptr) return;
-  __atomic_store_n(c->ticket_at, c->board->proxy->submit(c->request), __ATOMIC_RELEASE);
-}
-
-void CUDART_CB release_captured(void* p) {
-  auto* c = static_cast<CapturedNcclTransfer*>(p);
-  {
-    std::lock_guard<std::mutex> lock(c->board->m);
-    // The graph's launches are complete: its transfers' last writes to these words are done.
-    if (c->board->proxy != nullptr) {
-      c->board->proxy->release_graph_word(c->request.word);
-      c->board->proxy->release_graph_word(c->ticket_word);
-    }
+// How a captured nccl transfer runs on every replay (CapturedHandoff): the request, with its
+// done word and ticket word (graph words: a transfer still in flight when its graph is
+// destroyed keeps its word until it ends), goes to the proxy.
+struct NcclHandoff {
+  using Owner = NcclProxy;
+  struct Request {
+    NcclRequest transfer;  // its done word set
+    std::size_t ticket_word = 0;
+  };
+  static std::uint64_t submit(NcclProxy& proxy, const Request& r) { return proxy.submit(r.transfer); }
+  static void release(NcclProxy& proxy, const Request& r) {
+    proxy.release_graph_word(r.transfer.word);
+    proxy.release_graph_word(r.ticket_word);
   }
-  delete c;
-}
+};
 
 }  // namespace
 
 NcclTransport::NcclTransport(const CommContext& ctx)
-    : ctx_(ctx), device_(static_cast<CudaDeviceRuntime*>(ctx.device)), finalize_keyval_(MPI_KEYVAL_INVALID) {
+    : ctx_(ctx),
+      device_(static_cast<CudaDeviceRuntime*>(ctx.device)),
+      board_(std::make_shared<HandoffBoard<NcclProxy>>()),
+      finalize_keyval_(MPI_KEYVAL_INVALID) {
   const Topology& topo = ctx_.topo;
   no_route_.assign(static_cast<std::size_t>(topo.size), std::string());
   for (int r = 0; r < topo.size; ++r)
@@ -824,10 +803,7 @@ NcclTransport::~NcclTransport() {
 
 void NcclTransport::stop() noexcept {
   if (!proxy_) return;
-  {
-    std::lock_guard<std::mutex> lock(board_->m);
-    board_->proxy = nullptr;
-  }
+  board_->set(nullptr);
   // Transfers still in flight (a broken job): NCCL's destroy would wait for them.
   const bool idle = proxy_->drain();
   proxy_->stop(!idle);
@@ -1003,8 +979,7 @@ void NcclTransport::connect(const std::vector<bool>& routed) {
     abort_on_exit.kept = true;  // the pairs own every communicator now
     proxy_ = std::make_shared<NcclProxy>(lib_, std::move(control), std::move(pairs), ctx_.topo.rank, device_->device(),
                                          ctx_.options.timeout);
-    std::lock_guard<std::mutex> lock(board_->m);
-    board_->proxy = proxy_.get();
+    board_->set(proxy_.get());
   });
   check_mpi(MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, stop_on_finalize, &finalize_keyval_, nullptr),
             "MPI_Comm_create_keyval", what);
@@ -1152,8 +1127,8 @@ void NcclTransport::transfer(NcclRequest r, Stream stream, const char* name) {
   }
   const std::uint64_t* done = proxy_->word(r.word);
   const std::uint64_t ticket = proxy_->submit(r);
-  const cudaError_t k =
-      cuda::launch_transfer_wait(done, ticket, nullptr, r.peer, device_->wait_limit(), s, device_->early_launch());
+  const cudaError_t k = cuda::launch_ticket_wait(done, ticket, nullptr, cuda::FaultKind::Transfer, r.peer,
+                                                 device_->wait_limit(), s, device_->early_launch());
   if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what(name, r.peer));
   if (bounce == nullptr) return;
   if (user_dst != nullptr)
@@ -1164,37 +1139,24 @@ void NcclTransport::transfer(NcclRequest r, Stream stream, const char* name) {
 
 // Under capture the graph gets a host node that hands the request to the proxy on every
 // replay (it runs once the caller's earlier work is done, so no ready event is needed), then
-// the wait kernel for the ticket that node got. The request and its two words (done and
-// ticket) live as long as the graph (a CUDA user object). Two instantiations of one graph
-// running at once share them (a limit, as on the staged route: the waits can then stall
-// until MESHMEM_TIMEOUT).
+// the wait kernel for the ticket that node got (CapturedHandoff).
 void NcclTransport::capture_transfer(NcclRequest r, cudaGraph_t graph, cudaStream_t stream, const char* name,
                                      GraphWords& words) {
-  const std::size_t done_word = words.done, ticket_word = words.ticket;
-  auto captured = std::make_unique<CapturedNcclTransfer>();
-  captured->board = board_;
-  r.word = done_word;
-  r.ready = nullptr;
-  r.stream = nullptr;
-  captured->request = r;
-  captured->ticket_word = ticket_word;
-  captured->ticket_at = proxy_->word(ticket_word);
-  __atomic_store_n(captured->ticket_at, 0, __ATOMIC_RELEASE);
-  cudaUserObject_t object = nullptr;
-  const cudaError_t rc = cudaUserObjectCreate(&object, captured.get(), release_captured, 1, cudaUserObjectNoDestructorSync);
-  if (rc != cudaSuccess) ipc::check_cuda(rc, "cudaUserObjectCreate", what(name, r.peer));  // `words` gives them back
-  words.kept();                                   // the user object gives them back now
-  CapturedNcclTransfer* c = captured.release();  // and owns this
-  const cudaError_t kept = cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove);
-  if (kept != cudaSuccess) {
-    (void)cudaUserObjectRelease(object, 1);  // runs release_captured
-    ipc::check_cuda(kept, "cudaGraphRetainUserObject", what(name, r.peer));
-  }
-  ipc::check_cuda(cudaLaunchHostFunc(stream, submit_captured, c), "cudaLaunchHostFunc (captured nccl transfer)",
-                  what(name, r.peer));
-  const cudaError_t k = cuda::launch_transfer_wait(proxy_->word(done_word), 0, c->ticket_at, r.peer,
-                                                   device_->wait_limit(), stream, device_->early_launch());
-  if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what(name, r.peer));
+  NcclHandoff::Request captured;
+  captured.transfer = r;
+  captured.transfer.word = words.done;
+  captured.transfer.ready = nullptr;
+  captured.transfer.stream = nullptr;
+  captured.ticket_word = words.ticket;
+  words.kept();  // CapturedHandoff gives them back from here on
+  TicketWait wait;
+  wait.done = proxy_->word(captured.transfer.word);
+  wait.ticket_at = proxy_->word(captured.ticket_word);
+  wait.fault = cuda::FaultKind::Transfer;
+  wait.peer = r.peer;
+  wait.limit = device_->wait_limit();
+  wait.early = device_->early_launch();
+  CapturedHandoff<NcclHandoff>::capture(board_, std::move(captured), wait, graph, stream, what(name, r.peer));
 }
 
 std::string NcclTransport::describe() const {

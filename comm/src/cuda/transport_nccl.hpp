@@ -69,7 +69,8 @@ namespace meshmem::detail {
 class CudaDeviceRuntime;
 class NcclLibrary;
 class NcclProxy;
-struct NcclCaptureBoard;
+template <class Owner>
+struct HandoffBoard;
 struct GraphWords;
 struct NcclRequest;
 
@@ -113,7 +114,7 @@ class NcclTransport final : public Transport {
   std::vector<std::string> no_route_;  // by rank: why not ("" where it reaches)
   std::string host_id_;  // NCCL_HOSTID this process sets, under simulated nodes ("" where none)
   std::shared_ptr<NcclProxy> proxy_;
-  std::shared_ptr<NcclCaptureBoard> board_ = std::make_shared<NcclCaptureBoard>();
+  std::shared_ptr<HandoffBoard<NcclProxy>> board_;  // shared with captured graphs
   int finalize_keyval_;
 };
 

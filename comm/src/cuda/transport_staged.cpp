@@ -17,6 +17,7 @@
 #include "../topology.hpp"
 #include "device_runtime.hpp"
 #include "device_window.hpp"
+#include "captured_handoff.hpp"
 #include "kernels.hpp"
 #include "meshmem/error.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
@@ -87,50 +88,20 @@ class StagedAttachment final : public WindowAttachment {
   std::vector<ipc::PeerMapping> parts;  // by rank
 };
 
-}  // namespace
-
-// What captured transfers share with the transport: a CUDA graph may outlive the Comm, and
-// its host nodes and destructor callbacks (threads of CUDA, which may not call CUDA) only
-// touch this.
-struct CaptureBoard {
-  std::mutex m;
-  StagingAgent* agent = nullptr;  // null once the transport stopped
-};
-
-namespace {
-
-// One captured transfer: on every replay its host node hands the request to the agent and
-// writes the ticket it got where the graph's wait kernel reads it. Its done word and ticket
-// word are the graph's for its life.
-struct CapturedTransfer {
-  std::shared_ptr<CaptureBoard> board;
-  StagedRequest request;
-  std::size_t ticket_word = 0;
-  std::uint64_t* ticket_at = nullptr;
-};
-
-void CUDART_CB submit_captured(void* p) {
-  auto* c = static_cast<CapturedTransfer*>(p);
-  std::lock_guard<std::mutex> lock(c->board->m);
-  // After the transport stopped nothing is written (the pool may be gone): the wait then sees
-  // the last replay's ticket and lets the stream pass with no data moved (replaying a graph
-  // whose Comm and windows are gone is the caller's error, as on every route).
-  if (c->board->agent == nullptr) return;
-  __atomic_store_n(c->ticket_at, c->board->agent->submit(c->request), __ATOMIC_RELEASE);
-}
-
-void CUDART_CB release_captured(void* p) {
-  auto* c = static_cast<CapturedTransfer*>(p);
-  {
-    std::lock_guard<std::mutex> lock(c->board->m);
-    // The graph's launches are complete: its transfers' last writes to these words are done.
-    if (c->board->agent != nullptr) {
-      c->board->agent->release_word(c->request.word);
-      c->board->agent->release_word(c->ticket_word);
-    }
+// How a captured staged transfer runs on every replay (CapturedHandoff): the request, with
+// its done word and ticket word, goes to the agent.
+struct StagedHandoff {
+  using Owner = StagingAgent;
+  struct Request {
+    StagedRequest transfer;  // its done word set
+    std::size_t ticket_word = 0;
+  };
+  static std::uint64_t submit(StagingAgent& agent, const Request& r) { return agent.submit(r.transfer); }
+  static void release(StagingAgent& agent, const Request& r) {
+    agent.release_word(r.transfer.word);
+    agent.release_word(r.ticket_word);
   }
-  delete c;
-}
+};
 
 }  // namespace
 
@@ -165,10 +136,7 @@ StagedTransport::StagedTransport(const CommContext& ctx)
 StagedTransport::~StagedTransport() { stop(); }
 
 void StagedTransport::stop() noexcept {
-  if (board_) {
-    std::lock_guard<std::mutex> lock(board_->m);
-    board_->agent = nullptr;
-  }
+  if (board_) board_->set(nullptr);
   if (agent_) agent_->stop();
 }
 
@@ -231,8 +199,8 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
     setup.limit = device_->wait_limit();
     agent_ = std::make_shared<StagingAgent>(std::move(setup));
   });
-  board_ = std::make_shared<CaptureBoard>();
-  board_->agent = agent_.get();
+  board_ = std::make_shared<HandoffBoard<StagingAgent>>();
+  board_->set(agent_.get());
   const char* loading = std::getenv("CUDA_MODULE_LOADING");
   static std::atomic<bool> warned{false};
   if ((loading == nullptr || strcasecmp(loading, "EAGER") != 0) && !warned.exchange(true))
@@ -302,55 +270,37 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
   }
   std::uint64_t* done = r.done;
   const std::uint64_t ticket = agent_->submit(r);
-  const cudaError_t k =
-      cuda::launch_transfer_wait(done, ticket, nullptr, peer, device_->wait_limit(), s, device_->early_launch());
+  const cudaError_t k = cuda::launch_ticket_wait(done, ticket, nullptr, cuda::FaultKind::Transfer, peer,
+                                                 device_->wait_limit(), s, device_->early_launch());
   if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what(name, peer));
 }
 
 // Under capture the graph gets a host node that hands the request to the agent on every
 // replay (it runs once the caller's earlier work is done, so no ready event is needed), then
-// the wait kernel for the ticket that node got. The request and its two words (done and
-// ticket) live as long as the graph (a CUDA user object). Two instantiations of one graph
-// running at once share them (a limit: the waits can then stall until MESHMEM_TIMEOUT).
+// the wait kernel for the ticket that node got (CapturedHandoff).
 void StagedTransport::capture_transfer(const StagedRequest& r, cudaGraph_t graph, int peer, cudaStream_t stream,
                                        const char* name) {
-  auto captured = std::make_unique<CapturedTransfer>();
-  captured->board = board_;
-  captured->request = r;
   const auto all_in_use = [&] {
     return Error(ErrorCode::Unsupported, what(name, peer) + ": all " + std::to_string(agent_->control().transfer_count()) +
                                              " done words of this rank are held by staged transfers waiting, running "
                                              "or captured into CUDA graphs that still exist; nothing was enqueued");
   };
-  std::size_t done_word = 0, ticket_word = 0;
-  if (!agent_->try_take_word(&done_word)) throw all_in_use();
-  if (!agent_->try_take_word(&ticket_word)) {
-    agent_->release_word(done_word);
+  StagedHandoff::Request captured;
+  captured.transfer = r;
+  if (!agent_->try_take_word(&captured.transfer.word)) throw all_in_use();
+  if (!agent_->try_take_word(&captured.ticket_word)) {
+    agent_->release_word(captured.transfer.word);
     throw all_in_use();
   }
-  captured->request.word = done_word;
-  captured->request.done = agent_->control().transfer(done_word);
-  captured->ticket_word = ticket_word;
-  captured->ticket_at = agent_->control().transfer(ticket_word);
-  *captured->ticket_at = 0;
-  cudaUserObject_t object = nullptr;
-  const cudaError_t rc = cudaUserObjectCreate(&object, captured.get(), release_captured, 1, cudaUserObjectNoDestructorSync);
-  if (rc != cudaSuccess) {
-    agent_->release_word(done_word);
-    agent_->release_word(ticket_word);
-    ipc::check_cuda(rc, "cudaUserObjectCreate", what(name, peer));
-  }
-  CapturedTransfer* c = captured.release();  // the user object owns it now
-  const cudaError_t kept = cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove);
-  if (kept != cudaSuccess) {
-    (void)cudaUserObjectRelease(object, 1);  // runs release_captured
-    ipc::check_cuda(kept, "cudaGraphRetainUserObject", what(name, peer));
-  }
-  ipc::check_cuda(cudaLaunchHostFunc(stream, submit_captured, c), "cudaLaunchHostFunc (captured staged transfer)",
-                  what(name, peer));
-  const cudaError_t k = cuda::launch_transfer_wait(c->request.done, 0, c->ticket_at, peer, device_->wait_limit(), stream,
-                                                   device_->early_launch());
-  if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what(name, peer));
+  captured.transfer.done = agent_->control().transfer(captured.transfer.word);
+  TicketWait wait;
+  wait.done = captured.transfer.done;
+  wait.ticket_at = agent_->control().transfer(captured.ticket_word);
+  wait.fault = cuda::FaultKind::Transfer;
+  wait.peer = peer;
+  wait.limit = device_->wait_limit();
+  wait.early = device_->early_launch();
+  CapturedHandoff<StagedHandoff>::capture(board_, std::move(captured), wait, graph, stream, what(name, peer));
 }
 
 StagedRequest StagedTransport::request(void* dst, int dst_device, const void* src, int src_device, std::size_t width,

@@ -62,7 +62,8 @@
 
 namespace meshmem::detail {
 
-struct CaptureBoard;
+template <class Owner>
+struct HandoffBoard;
 class CudaDeviceRuntime;
 
 class StagedTransport final : public Transport {
@@ -119,7 +120,7 @@ class StagedTransport final : public Transport {
   std::size_t chunk_;
   int slots_;
   std::shared_ptr<StagingAgent> agent_;  // shared with window attachments (released later)
-  std::shared_ptr<CaptureBoard> board_;  // shared with captured graphs
+  std::shared_ptr<HandoffBoard<StagingAgent>> board_;  // shared with captured graphs
 };
 
 }  // namespace meshmem::detail
