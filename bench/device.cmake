@@ -43,3 +43,13 @@ if(MESHMEM_HAVE_CUDA)
   add_executable(staged_bench staged_bench.cu)
   target_link_libraries(staged_bench PRIVATE meshmem::meshmem)
 endif()
+# cross_host_bench: device windows between two nodes (separate hosts or simulated): meshmem's
+# nccl and mpi-device transports against raw ncclSend / ncclRecv, and barrier(stream) against
+# an NCCL all-reduce of one word (bench/README.md).
+if(MESHMEM_HAVE_CUDA AND MESHMEM_NCCL_LIBRARY AND MESHMEM_NCCL_INCLUDE)
+  add_executable(cross_host_bench cross_host_bench.cu)
+  target_link_libraries(cross_host_bench PRIVATE meshmem::meshmem ${MESHMEM_NCCL_LIBRARY})
+  target_include_directories(cross_host_bench PRIVATE ${MESHMEM_NCCL_INCLUDE})
+elseif(MESHMEM_HAVE_CUDA)
+  message(STATUS "cross_host_bench: NCCL not found, not built")
+endif()

@@ -80,6 +80,8 @@ std::string why_this_transport(meshmem::TransportKind k) {
     case meshmem::TransportKind::Shm: return "same node; the window's shared memory is mapped here";
     case meshmem::TransportKind::Mpi: return "requests served by the target's progress thread over MPI";
     case meshmem::TransportKind::Nccl: return "other node; NCCL transfers driven by each rank's proxy thread";
+    case meshmem::TransportKind::MpiDevice:
+      return "other node; MPI messages through pinned host memory, driven by each rank's proxy thread";
     case meshmem::TransportKind::None: return "no transport reaches it";
   }
   return "";
@@ -240,8 +242,8 @@ int main(int argc, char** argv) {
         if (job) {
           std::printf("transports (row: from rank; column: to rank 0..%d; then the transports passed over and why)\n", n - 1);
           for (auto k : {meshmem::TransportKind::Ipc, meshmem::TransportKind::Staged, meshmem::TransportKind::Nccl,
-                         meshmem::TransportKind::Shm, meshmem::TransportKind::Mpi, meshmem::TransportKind::None})
-            std::printf("  %-6s %s\n", meshmem::to_string(k), why_this_transport(k).c_str());
+                         meshmem::TransportKind::MpiDevice, meshmem::TransportKind::Shm, meshmem::TransportKind::Mpi, meshmem::TransportKind::None})
+            std::printf("  %-10s %s\n", meshmem::to_string(k), why_this_transport(k).c_str());
           for (const std::string& s : rows) std::printf("%s", s.c_str());
         } else if (n == 1) {
           std::printf("run `mpirun -np N meshmem-info --job` to see the transport of every pair of ranks\n");

@@ -132,10 +132,12 @@ const OptionKnob<std::vector<TransportKind>> kTransports{
     "the transports allowed, in the order tried for each peer and memory kind: `ipc` (device windows, same "
     "node, VMM mappings), `staged` (device windows, same node, GPUs without peer access: through the node's "
     "pinned staging pool; `staged,shm,mpi` forces it where peer access works), `nccl` (device windows, other "
-    "nodes: NCCL send/receive driven by each rank's proxy thread; libnccl loaded at run time), `shm` (host windows, "
+    "nodes: NCCL send/receive driven by each rank's proxy thread; libnccl loaded at run time), `mpi-device` "
+    "(device windows, other nodes, where NCCL is absent or left out: the same proxy threads, MPI messages through "
+    "pinned host memory), `shm` (host windows, "
     "same node, mapped memfd), `mpi` (host windows, any node, progress thread). `mpi` alone sends even same-node "
-    "host traffic through MPI; without `ipc` and `staged` device windows reach no node peer, without `nccl` no "
-    "rank of another node"};
+    "host traffic through MPI; without `ipc` and `staged` device windows reach no node peer, without `nccl` and "
+    "`mpi-device` no rank of another node"};
 
 const OptionKnob<LogLevel> kLogLevel{
     "MESHMEM_LOG_LEVEL", &Options::log_level, parse_log_level, print_log_level,

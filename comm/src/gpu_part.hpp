@@ -35,6 +35,7 @@ MESHMEM_GPU_PART std::unique_ptr<DeviceRuntime> gpu_start_device_runtime(const C
 MESHMEM_GPU_PART std::unique_ptr<Transport> make_ipc_transport(const CommContext& ctx);
 MESHMEM_GPU_PART std::unique_ptr<Transport> make_staged_transport(const CommContext& ctx);
 MESHMEM_GPU_PART std::unique_ptr<Transport> make_nccl_transport(const CommContext& ctx);
+MESHMEM_GPU_PART std::unique_ptr<Transport> make_mpi_device_transport(const CommContext& ctx);
 
 #undef MESHMEM_GPU_PART
 

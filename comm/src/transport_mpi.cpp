@@ -91,7 +91,7 @@ bool overlaps(const void* a, const void* b, std::size_t bytes) {
 }  // namespace
 
 Reach MpiTransport::reach(int, Memory memory) const {
-  if (memory != Memory::Host) return Reach::no("device windows over MPI are not implemented yet");
+  if (memory != Memory::Host) return Reach::no("host windows only (device windows of other nodes: nccl, mpi-device)");
   return Reach::yes();
 }
 

@@ -10,13 +10,15 @@ namespace detail {
 
 // The transports, in the order tried. Device windows: ipc (same node, VMM mappings), then
 // staged (same node, GPUs without peer access: through the node's pinned staging pool), then
-// nccl (other nodes: NCCL transfers driven by proxy threads).
+// nccl (other nodes: NCCL transfers driven by proxy threads), then mpi-device (other nodes, where
+// NCCL is absent or disabled: the same proxies, MPI messages through pinned host memory).
 // Host windows: shm (same node, memfd mappings), then mpi (any node, progress thread).
 const std::vector<TransportEntry>& transport_table() {
   static const std::vector<TransportEntry> table = {
       {TransportKind::Ipc, "ipc", make_ipc_transport, kNoGpuPart},
       {TransportKind::Staged, "staged", make_staged_transport, kNoGpuPart},
       {TransportKind::Nccl, "nccl", make_nccl_transport, kNoGpuPart},
+      {TransportKind::MpiDevice, "mpi-device", make_mpi_device_transport, kNoGpuPart},
       {TransportKind::Shm, "shm", make_shm_transport, ""},
       {TransportKind::Mpi, "mpi", make_mpi_transport, ""},
   };

@@ -5,6 +5,7 @@
 #include <meshmem/error.hpp>
 
 #include "knobs.hpp"
+#include "transport_registry.hpp"
 #include "topology.hpp"
 
 using namespace meshmem;
@@ -35,7 +36,7 @@ TEST(Options, Defaults) {
   EXPECT_EQ(o.simulate_nodes, 1);
   EXPECT_EQ(o.fd_passing, FdPassing::Auto);
   EXPECT_EQ(o.transports, (std::vector<TransportKind>{TransportKind::Ipc, TransportKind::Staged, TransportKind::Nccl,
-                                                      TransportKind::Shm, TransportKind::Mpi}));
+                                                      TransportKind::MpiDevice, TransportKind::Shm, TransportKind::Mpi}));
   EXPECT_EQ(o.log_level, LogLevel::Warn);
   EXPECT_TRUE(o.tuning().empty());
   EXPECT_EQ(parse({{"MESHMEM_TIMEOUT", ""}}).timeout, std::chrono::minutes(5));  // empty = unset
@@ -196,4 +197,16 @@ TEST(Topology, AssignNodes) {
   std::vector<RealPlacement> two = {{0, 0, 2}, {1, 0, 2}, {0, 1, 2}, {1, 1, 2}};
   EXPECT_EQ(assign_nodes(two, 1), (std::vector<int>{0, 1, 0, 1}));
   EXPECT_EQ(assign_nodes(two, 2), (std::vector<int>{0, 1, 2, 3}));
+}
+
+// Every transport of the table has its factory in a program that links the GPU part: a GPU
+// transport whose object the GPU part's anchor (comm/src/cuda/gpu_part.cpp) does not name is
+// left out by the linker and reports "built without its GPU part" at run time.
+TEST(GpuPart, EveryTransportOfTheTableIsLinked) {
+#ifdef MESHMEM_TEST_HAVE_GPU_PART
+  for (const meshmem::detail::TransportEntry& e : meshmem::detail::transport_table())
+    EXPECT_NE(e.make, nullptr) << e.name << " is in the table but not linked: " << e.missing;
+#else
+  GTEST_SKIP() << "meshmem was built without its GPU part";
+#endif
 }

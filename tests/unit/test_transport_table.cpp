@@ -61,12 +61,13 @@ std::vector<TransportKind> kinds(const std::vector<const TransportEntry*>& entri
 
 TEST(TransportTable, TheRealTableInOrder) {
   const auto& table = transport_table();
-  ASSERT_EQ(table.size(), 5u);
+  ASSERT_EQ(table.size(), 6u);
   EXPECT_STREQ(table[0].name, "ipc");
   EXPECT_STREQ(table[1].name, "staged");
   EXPECT_STREQ(table[2].name, "nccl");
-  EXPECT_STREQ(table[3].name, "shm");
-  EXPECT_STREQ(table[4].name, "mpi");
+  EXPECT_STREQ(table[3].name, "mpi-device");
+  EXPECT_STREQ(table[4].name, "shm");
+  EXPECT_STREQ(table[5].name, "mpi");
   EXPECT_EQ(table[2].make, nullptr);  // a GPU-part transport: no factory in a core-only program
   EXPECT_STREQ(to_string(TransportKind::Shm), "shm");
   EXPECT_STREQ(to_string(TransportKind::None), "none");
@@ -78,7 +79,7 @@ TEST(TransportTable, TheRealTableInOrder) {
     o.set("MESHMEM_TRANSPORTS", "shm,tcp");
     ADD_FAILURE() << "accepted tcp";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("from: ipc, staged, nccl, shm, mpi"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("from: ipc, staged, nccl, mpi-device, shm, mpi"), std::string::npos) << e.what();
   }
 }
 

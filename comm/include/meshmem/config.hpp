@@ -18,6 +18,7 @@ enum class TransportKind {
   Shm,   // same node, host memory: the peer's memfd is mapped here
   Mpi,   // any node: requests served by the target's progress thread over MPI
   Nccl,  // other nodes, device memory: NCCL transfers driven by each rank's proxy thread
+  MpiDevice,  // other nodes, device memory: MPI messages through pinned host memory, same proxy
 };
 const char* to_string(TransportKind kind) noexcept;
 
@@ -47,8 +48,8 @@ struct Options {
   // MESHMEM_FD_PASSING
   FdPassing fd_passing = FdPassing::Auto;
   // MESHMEM_TRANSPORTS: the transports allowed, in the order tried.
-  std::vector<TransportKind> transports{TransportKind::Ipc, TransportKind::Staged, TransportKind::Nccl, TransportKind::Shm,
-                                       TransportKind::Mpi};
+  std::vector<TransportKind> transports{TransportKind::Ipc, TransportKind::Staged, TransportKind::Nccl,
+                                       TransportKind::MpiDevice, TransportKind::Shm, TransportKind::Mpi};
   // MESHMEM_LOG_LEVEL
   LogLevel log_level = LogLevel::Warn;
 

@@ -15,5 +15,6 @@ const void* const meshmem_gpu_part[] = {
     reinterpret_cast<const void*>(&meshmem::detail::make_ipc_transport),
     reinterpret_cast<const void*>(&meshmem::detail::make_staged_transport),
     reinterpret_cast<const void*>(&meshmem::detail::make_nccl_transport),
+    reinterpret_cast<const void*>(&meshmem::detail::make_mpi_device_transport),
 };
 }

@@ -86,7 +86,7 @@ IpcTransport::IpcTransport(const CommContext& ctx)
     if (!topo.same_node(r))
       no_route_[r] = "rank " + std::to_string(r) + " is on node " + std::to_string(topo.node_of[r]) +
                      ", this rank on node " + std::to_string(topo.node()) +
-                     " (device windows across nodes go through the nccl transport)";
+                     " (device windows across nodes go through the nccl or mpi-device transport)";
   if (device_ != nullptr) probe_peers();
 }
 
