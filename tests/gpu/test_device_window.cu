@@ -206,6 +206,32 @@ TEST_F(DeviceWindow, GetEveryPairEverySize) {
   }
 }
 
+// A get into plain (pageable) host memory, from every peer: the routes that cannot write
+// there themselves go through a device bounce buffer, whose copy out must come after the
+// transfer and before the buffer is freed (the mpi-device wire lands its bytes later, from
+// its proxy thread). Poisoned guards on both sides; every byte checked.
+TEST_F(DeviceWindow, GetIntoPageableMemoryEveryPair) {
+  for (std::size_t size : {std::size_t{13}, std::size_t{4099}, (std::size_t{1} << 20) + 5, std::size_t{9} << 20}) {
+    const std::size_t bytes = size + 2 * kGuard + 16;
+    Window win = comm->alloc(bytes);
+    auto mine = pattern(seed, key(size, me, 0, 3), bytes);
+    upload(win.local(), mine.data(), bytes);
+    comm->barrier(stream);
+    for (int t = 0; t < n; ++t) {
+      const std::size_t off = kGuard + static_cast<std::size_t>(t * 3 + me + 5) % 16;
+      std::vector<unsigned char> dst(size + 2 * kGuard, kPoison);
+      comm->get(dst.data() + kGuard, win, t, off, size, stream);
+      CUDA_OK(cudaStreamSynchronize(stream));
+      auto theirs = pattern(seed, key(size, t, 0, 3), bytes);
+      EXPECT_EQ(first_difference(dst.data() + kGuard, theirs.data() + off, size), -1) << "get " << size << " from " << t;
+      EXPECT_EQ(meshmem::test::first_not(dst.data(), kPoison, kGuard), -1);
+      EXPECT_EQ(meshmem::test::first_not(dst.data() + kGuard + size, kPoison, kGuard), -1);
+    }
+    comm->barrier(stream);
+    CUDA_OK(cudaStreamSynchronize(stream));
+  }
+}
+
 // Signal ordering under stress, all on the stream: each iteration waits for the right
 // neighbour's ack, puts with a signal, waits for the left neighbour's signal and snapshots
 // the window right then (stream order), then acks. Every snapshot is checked afterwards.
