@@ -41,6 +41,9 @@ constexpr PointInfo kPoints[kFaultPointCount] = {
     {FaultPoint::NcclConnect, "nccl.connect",
      "the nccl transport's connect (in the Comm's constructor) has its peers' NCCL ids, before it makes its NCCL "
      "communicators"},
+    {FaultPoint::ProxyHeader, "proxy.header",
+     "a proxy thread of the nccl or mpi-device transport has a peer's header (a put, a get's request or answer, an "
+     "acknowledgement), before it handles it"},
 };
 
 constexpr int kMaxRank = 1 << 20;

@@ -44,9 +44,12 @@ enum class FaultPoint : unsigned {
   MpiServeFlush,      // "mpi.serve.flush": ... has a flush (quiet), before answering it
   NcclConnect,        // "nccl.connect": the nccl transport's connect has its peers' NCCL ids,
                       // before it makes its NCCL communicators
+  ProxyHeader,        // "proxy.header": a proxy thread of the nccl or mpi-device transport has a
+                      // peer's header (a put, a get's request or answer, an acknowledgement),
+                      // before it handles it
 };
-constexpr unsigned kFaultPointCount = 8;
-static_assert(static_cast<unsigned>(FaultPoint::NcclConnect) + 1 == kFaultPointCount,
+constexpr unsigned kFaultPointCount = 9;
+static_assert(static_cast<unsigned>(FaultPoint::ProxyHeader) + 1 == kFaultPointCount,
               "a point added to FaultPoint is added to the count and to fault.cpp's list of names");
 
 const char* to_string(FaultPoint point) noexcept;

@@ -28,10 +28,12 @@ std::string print_stream_wait(const StreamWait& w) { return choice_name(w, kStre
 
 const TuningKnob<StreamWait> kStreamWait{
     "device", "MESHMEM_STREAM_WAIT", StreamWait::Auto, parse_stream_wait, print_stream_wait,
-    "device `wait_until`: `kernel` (a polling kernel that gives up after MESHMEM_TIMEOUT and reports it; about 2x "
-    "lower put_signal latency than memop), `memop` (cuStreamWaitValue64: holds no SM, so it is faster where ranks "
-    "share a GPU, but it cannot time out); `auto` = `kernel`, or `memop` where this rank's GPU is shared (a "
-    "polling kernel would hold the time-sliced GPU from the ranks it waits for)"};
+    "device `wait_until`, and the stream's wait for the end of a staged, nccl or mpi-device transfer: `kernel` (a "
+    "polling kernel that gives up after MESHMEM_TIMEOUT and reports it; about 2x lower put_signal latency than "
+    "memop), `memop` (cuStreamWaitValue64: holds no SM, so it is faster where ranks share a GPU, but a "
+    "`wait_until` cannot time out; a transfer is still ended at the timeout, by the staging agent or by the proxy "
+    "thread's watchdog); `auto` = `kernel`, or `memop` where this rank's GPU is shared (a polling kernel would "
+    "hold the time-sliced GPU from the ranks it waits for)"};
 
 enum class EarlyLaunch { Auto, Off };
 constexpr std::pair<const char*, EarlyLaunch> kEarlyLaunches[] = {{"auto", EarlyLaunch::Auto}, {"off", EarlyLaunch::Off}};
@@ -390,6 +392,19 @@ std::unique_ptr<DeviceRuntime> gpu_start_device_runtime(const CommContext& ctx, 
     return nullptr;
   }
   return std::make_unique<CudaDeviceRuntime>(ctx, device);
+}
+
+void CudaDeviceRuntime::wait_for_ticket(const std::uint64_t* done, std::uint64_t ticket, int peer, cudaStream_t stream,
+                                        const std::string& what) const {
+  if (wait_kernel_) {
+    const cudaError_t k =
+        cuda::launch_ticket_wait(done, ticket, nullptr, cuda::FaultKind::Transfer, peer, wait_limit(), stream, early_launch_);
+    if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what);
+    return;
+  }
+  ipc::check_cu(ipc::cuda_driver().cuStreamWaitValue64(stream, reinterpret_cast<CUdeviceptr>(done), ticket,
+                                                       CU_STREAM_WAIT_VALUE_GEQ | wait_flags_),
+                "cuStreamWaitValue64 (transfer wait)", what);
 }
 
 }  // namespace meshmem::detail

@@ -8,10 +8,12 @@
 #include <deque>
 #include <list>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <utility>
 
 #include "../backoff.hpp"
+#include "../fault.hpp"
 #include "../log.hpp"
 #include "../strided_rows.hpp"
 #include "../topology.hpp"
@@ -80,21 +82,26 @@ struct ProxyRequest {
   // its own stream: its cudaFreeAsync returns at once, and a wire's later copy from memory
   // freed that way is refused (cudaErrorInvalidValue, seen on the mpi-device wire).
   void* bounce = nullptr;
+  std::chrono::steady_clock::time_point started{};  // when the proxy started it (the watchdog's clock)
 };
 
 // The proxy thread of a rank and what it owns: the wire and the streams per peer, the
 // headers' MPI communicator, the done words.
 class TransferProxy {
  public:
+  // With `watchdog` (the callers' streams wait without a timeout of their own: memop waits),
+  // a transfer that does not end within `timeout` is ended here, with an error.
   TransferProxy(const char* name, MpiComm control, std::map<int, PeerStreams> streams, std::unique_ptr<ProxyWire> wire,
-                int rank, int device, std::chrono::milliseconds timeout)
+                int rank, int device, std::chrono::milliseconds timeout, bool watchdog, FaultPlan faults)
       : name_(name),
         control_(std::move(control)),
         streams_(std::move(streams)),
         wire_(std::move(wire)),
         rank_(rank),
         device_(device),
-        timeout_(timeout) {
+        timeout_(timeout),
+        watchdog_(watchdog && timeout.count() > 0),
+        faults_(std::move(faults)) {
     const std::string what = "meshmem::Comm (" + std::string(name_) + " transport) on rank " + std::to_string(rank);
     void* p = nullptr;
     ipc::check_cuda(cudaHostAlloc(&p, kDoneWords * sizeof(std::uint64_t), cudaHostAllocMapped | cudaHostAllocPortable),
@@ -213,10 +220,12 @@ class TransferProxy {
     }
   }
 
-  std::string take_error() {
+  // The first error noted since the last call ("" if none), and its code.
+  std::string take_error(ErrorCode* code) {
     std::lock_guard<std::mutex> lock(m_);
     std::string e;
     e.swap(error_);
+    *code = error_code_;
     return e;
   }
 
@@ -241,10 +250,12 @@ class TransferProxy {
 
   // Records the first error; transfers still end (their streams go on), and the caller's
   // next call raises it.
-  void note_error(const std::string& e) {
+  void note_error(const std::string& e, ErrorCode code = ErrorCode::Cuda) {
     log(LogLevel::Error, e);
     std::lock_guard<std::mutex> lock(m_);
-    if (error_.empty()) error_ = e;
+    if (!error_.empty()) return;
+    error_ = e;
+    error_code_ = code;
   }
 
   // Under m_ from the store on: a graph that ends meanwhile must not free the word twice.
@@ -321,16 +332,17 @@ class TransferProxy {
     if (rc != cudaSuccess) log(LogLevel::Error, where() + ": cudaFreeAsync of a bounce buffer failed: " + cudaGetErrorString(rc));
   }
 
-  void start(const ProxyRequest& r) {
+  void start(ProxyRequest r) {
     PeerStreams& streams = streams_.at(r.peer);
     const std::uint64_t id = next_id_[r.peer]++;
+    r.started = std::chrono::steady_clock::now();
     if (r.is_get) {
       gets_[r.peer][id] = r;
       send_header(r.peer, Message{MessageKind::GetRequest, 0, id, r.window, r.offset, r.bytes, 0, 0, 0});
       return;
     }
     const std::uint32_t flags = r.has_signal ? (1u | (static_cast<std::uint32_t>(r.op) << 8)) : 0u;
-    puts_[r.peer][id] = {r.word, r.ticket};
+    puts_[r.peer][id] = PutInFlight{r.word, r.ticket, r.started};
     send_header(r.peer, Message{MessageKind::Put, flags, id, r.window, r.offset, r.bytes, r.signal_window,
                                 r.signal_index, r.value, r.dst_pitch, r.width});
     if (r.bytes > 0) {
@@ -520,17 +532,55 @@ class TransferProxy {
           return;
         }
         const auto it = puts_[peer].find(m.id);
-        if (it == puts_[peer].end()) break;
-        const auto [w, ticket] = it->second;
+        if (it == puts_[peer].end()) {
+          if (abandoned_puts_[peer].erase(m.id) > 0) return;  // the watchdog ended it already
+          break;
+        }
+        const PutInFlight p = it->second;
         puts_[peer].erase(it);
         if (m.kind == MessageKind::Refused)
           note_error(where() + ": a put to rank " + std::to_string(peer) + " was refused there (see its log)");
-        end(w, ticket);
+        end(p.word, p.ticket);
         return;
       }
     }
     note_error(from + ": an unexpected header (kind " + std::to_string(static_cast<unsigned>(m.kind)) + ", id " +
                std::to_string(m.id) + ")");
+  }
+
+  // Ends the puts and gets (whose answer has not come) that outlived the timeout: the
+  // callers' streams wait without a timeout of their own (memop waits). A put's late
+  // acknowledgement is then ignored; a get's late bytes are taken off the wire and dropped.
+  void watch() {
+    const auto now = std::chrono::steady_clock::now();
+    if (now < next_watch_) return;
+    next_watch_ = now + std::chrono::milliseconds(50);
+    const auto late = [&](std::chrono::steady_clock::time_point t) { return now - t > timeout_; };
+    const std::string after = " did not end within " + describe_timeout(timeout_) +
+                              "; its stream was released (its data may be incomplete)";
+    for (auto& [peer, list] : puts_)
+      for (auto it = list.begin(); it != list.end();) {
+        if (!late(it->second.started)) {
+          ++it;
+          continue;
+        }
+        note_error(where() + ": a put to rank " + std::to_string(peer) + after, ErrorCode::Timeout);
+        end(it->second.word, it->second.ticket);
+        abandoned_puts_[peer].insert(it->first);
+        it = list.erase(it);
+      }
+    for (auto& [peer, list] : gets_)
+      for (auto it = list.begin(); it != list.end();) {
+        if (!late(it->second.started)) {
+          ++it;
+          continue;
+        }
+        note_error(where() + ": a get of " + std::to_string(it->second.bytes) + " bytes from rank " +
+                       std::to_string(peer) + after,
+                   ErrorCode::Timeout);
+        end(it->second.word, it->second.ticket);
+        it = list.erase(it);
+      }
   }
 
   // Work that ended on the in-streams, in order per peer.
@@ -628,6 +678,7 @@ class TransferProxy {
           busy = true;
           const Message m = in_message;
           if (post() != MPI_SUCCESS) throw Error(ErrorCode::Mpi, where() + ": MPI_Irecv of headers failed");
+          faults_.hit(FaultPoint::ProxyHeader);
           try {
             handle(status.MPI_SOURCE, m);
           } catch (const Error& e) {
@@ -646,6 +697,7 @@ class TransferProxy {
           }
         }
         busy = finish_incoming() || busy;
+        if (watchdog_) watch();
         for (auto it = outgoing_.begin(); it != outgoing_.end();) {
           int flag = 0;
           MPI_Test(&it->request, &flag, MPI_STATUS_IGNORE);
@@ -680,14 +732,23 @@ class TransferProxy {
   int rank_;
   int device_;
   std::chrono::milliseconds timeout_;
+  bool watchdog_;  // ends transfers that outlive timeout_ (the callers' streams cannot time out)
+  FaultPlan faults_;
   std::uint64_t* words_ = nullptr;
 
   // The proxy thread's own.
   std::map<int, std::uint64_t> next_id_;
-  std::map<int, std::map<std::uint64_t, std::pair<std::size_t, std::uint64_t>>> puts_;  // id -> (word, ticket)
+  struct PutInFlight {
+    std::size_t word;
+    std::uint64_t ticket;
+    std::chrono::steady_clock::time_point started;
+  };
+  std::map<int, std::map<std::uint64_t, PutInFlight>> puts_;  // by peer, id
+  std::map<int, std::set<std::uint64_t>> abandoned_puts_;     // ended by the watchdog, acknowledgement not yet in
   std::map<int, std::map<std::uint64_t, ProxyRequest>> gets_;
   std::map<int, std::deque<Incoming>> incoming_;
   bool wire_failed_ = false;
+  std::chrono::steady_clock::time_point next_watch_{};
   std::list<Outgoing> outgoing_;
 
   std::mutex windows_m_;
@@ -706,6 +767,7 @@ class TransferProxy {
   std::uint64_t submitted_ = 0;
   std::uint64_t ended_ = 0;
   std::string error_;
+  ErrorCode error_code_ = ErrorCode::Cuda;
   bool stop_ = false;
   std::thread thread_;
 };
@@ -801,7 +863,8 @@ int ProxyTransport::stop_on_finalize(MPI_Comm, int, void* transport, void*) {
 
 void ProxyTransport::start_proxy(MpiComm control, std::map<int, PeerStreams> streams, std::unique_ptr<ProxyWire> wire) {
   proxy_ = std::make_shared<TransferProxy>(name_, std::move(control), std::move(streams), std::move(wire),
-                                           ctx_.topo.rank, device_->device(), ctx_.options.timeout);
+                                           ctx_.topo.rank, device_->device(), ctx_.options.timeout,
+                                           !device_->waits_with_kernel(), ctx_.faults);
   board_->set(proxy_.get());
   // At MPI_Finalize at the latest the thread stops (it talks MPI).
   const std::string what = "meshmem::Comm (" + std::string(name_) + " transport)";
@@ -917,8 +980,9 @@ bool pageable(const void* p) {
 
 void ProxyTransport::transfer(ProxyRequest r, Stream stream, const char* name) {
   if (!proxy_) throw Error(ErrorCode::Internal, what(name, r.peer) + ": the transport is not connected");
-  const std::string error = proxy_->take_error();
-  if (!error.empty()) throw Error(ErrorCode::Cuda, what(name, r.peer) + ": an earlier transfer failed: " + error);
+  ErrorCode code = ErrorCode::Cuda;
+  const std::string error = proxy_->take_error(&code);
+  if (!error.empty()) throw Error(code, what(name, r.peer) + ": an earlier transfer failed: " + error);
   const auto s = static_cast<cudaStream_t>(stream);
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   cudaGraph_t graph = nullptr;
@@ -987,9 +1051,7 @@ void ProxyTransport::transfer(ProxyRequest r, Stream stream, const char* name) {
   if (!r.is_get) r.bounce = bounce;  // from here the proxy frees it
   const std::uint64_t* done = proxy_->word(r.word);
   const std::uint64_t ticket = proxy_->submit(r);
-  const cudaError_t k = cuda::launch_ticket_wait(done, ticket, nullptr, cuda::FaultKind::Transfer, r.peer,
-                                                 device_->wait_limit(), s, device_->early_launch());
-  if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what(name, r.peer));
+  device_->wait_for_ticket(done, ticket, r.peer, s, what(name, r.peer));
   if (bounce == nullptr || r.bounce != nullptr) return;  // a put's: the proxy frees it
   if (user_dst != nullptr)
     ipc::check_cuda(cudaMemcpyAsync(user_dst, bounce, r.bytes, cudaMemcpyDeviceToHost, s),

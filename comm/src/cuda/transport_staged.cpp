@@ -270,9 +270,7 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
   }
   std::uint64_t* done = r.done;
   const std::uint64_t ticket = agent_->submit(r);
-  const cudaError_t k = cuda::launch_ticket_wait(done, ticket, nullptr, cuda::FaultKind::Transfer, peer,
-                                                 device_->wait_limit(), s, device_->early_launch());
-  if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what(name, peer));
+  device_->wait_for_ticket(done, ticket, peer, s, what(name, peer));
 }
 
 // Under capture the graph gets a host node that hands the request to the agent on every
