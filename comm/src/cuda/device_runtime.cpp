@@ -32,7 +32,8 @@ const TuningKnob<StreamWait> kStreamWait{
     "polling kernel that gives up after MESHMEM_TIMEOUT and reports it; about 2x lower put_signal latency than "
     "memop), `memop` (cuStreamWaitValue64: holds no SM, so it is faster where ranks share a GPU, but a "
     "`wait_until` cannot time out; a transfer is still ended at the timeout, by the staging agent or by the proxy "
-    "thread's watchdog); `auto` = `kernel`, or `memop` where this rank's GPU is shared (a polling kernel would "
+    "thread's watchdog; staged transfers through a hidden peer's channel keep the kernel, as only that peer "
+    "ends them); `auto` = `kernel`, or `memop` where this rank's GPU is shared (a polling kernel would "
     "hold the time-sliced GPU from the ranks it waits for)"};
 
 enum class EarlyLaunch { Auto, Off };
@@ -395,8 +396,8 @@ std::unique_ptr<DeviceRuntime> gpu_start_device_runtime(const CommContext& ctx, 
 }
 
 void CudaDeviceRuntime::wait_for_ticket(const std::uint64_t* done, std::uint64_t ticket, int peer, cudaStream_t stream,
-                                        const std::string& what) const {
-  if (wait_kernel_) {
+                                        bool owner_ends_it, const std::string& what) const {
+  if (wait_kernel_ || !owner_ends_it) {
     const cudaError_t k =
         cuda::launch_ticket_wait(done, ticket, nullptr, cuda::FaultKind::Transfer, peer, wait_limit(), stream, early_launch_);
     if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what);

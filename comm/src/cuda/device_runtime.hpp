@@ -102,10 +102,10 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   // of a transfer that a host thread carries out with rank `peer`. A polling kernel that gives
   // up after MESHMEM_TIMEOUT, or, where MESHMEM_STREAM_WAIT resolves to memop (this rank's GPU
   // is shared: a polling kernel would hold the time-sliced GPU from the very ranks the
-  // transfer needs), cuStreamWaitValue64, which holds no SM; the transfer's owner then ends
-  // a transfer that outlives the timeout itself.
+  // transfer needs) and `owner_ends_it` (the transfer's owner ends it at the timeout, whatever
+  // the peer does), cuStreamWaitValue64, which holds no SM.
   void wait_for_ticket(const std::uint64_t* done, std::uint64_t ticket, int peer, cudaStream_t stream,
-                       const std::string& what) const;
+                       bool owner_ends_it, const std::string& what) const;
   bool waits_with_kernel() const { return wait_kernel_; }
   // A barrier(stream) across nodes gave up (its proxy thread): the next call raises it.
   void report_barrier_failure(const std::string& failure) { fault_.report_host_barrier(failure); }

@@ -1051,7 +1051,7 @@ void ProxyTransport::transfer(ProxyRequest r, Stream stream, const char* name) {
   if (!r.is_get) r.bounce = bounce;  // from here the proxy frees it
   const std::uint64_t* done = proxy_->word(r.word);
   const std::uint64_t ticket = proxy_->submit(r);
-  device_->wait_for_ticket(done, ticket, r.peer, s, what(name, r.peer));
+  device_->wait_for_ticket(done, ticket, r.peer, s, true, what(name, r.peer));  // the watchdog ends it
   if (bounce == nullptr || r.bounce != nullptr) return;  // a put's: the proxy frees it
   if (user_dst != nullptr)
     ipc::check_cuda(cudaMemcpyAsync(user_dst, bounce, r.bytes, cudaMemcpyDeviceToHost, s),

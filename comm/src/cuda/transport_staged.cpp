@@ -269,8 +269,11 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
     ipc::check_cuda(rc, "cudaEventRecord", what(name, peer));
   }
   std::uint64_t* done = r.done;
+  const bool visible = r.route == StagedRequest::Route::Visible;
   const std::uint64_t ticket = agent_->submit(r);
-  device_->wait_for_ticket(done, ticket, peer, s, what(name, peer));
+  // The agent ends a visible transfer that stalls; one through a hidden peer's channel is
+  // ended by that peer's agent, which may be dead: the wait kernel's own timeout then.
+  device_->wait_for_ticket(done, ticket, peer, s, visible, what(name, peer));
 }
 
 // Under capture the graph gets a host node that hands the request to the agent on every
