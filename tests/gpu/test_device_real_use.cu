@@ -722,6 +722,45 @@ TEST_P(StoppedProxy, PutToAPeerWhoseProxyStopsEndsInTheTimeout) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// The same for a get: its answer would come only after the stopped thread goes on.
+TEST_P(StoppedProxy, GetFromAPeerWhoseProxyStopsEndsInTheTimeout) {
+  constexpr int kStopMs = 6000;
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+  ScopedEnv wait("MESHMEM_STREAM_WAIT", GetParam());
+  const std::string plan = "1:proxy.header:stop=" + std::to_string(kStopMs);
+  ScopedEnv fault("MESHMEM_FAULT", plan.c_str());
+  make_comm();
+  int proxied = n >= 2 && me == 0 &&
+                (comm->transport(1, Memory::Device) == TransportKind::Nccl ||
+                 comm->transport(1, Memory::Device) == TransportKind::MpiDevice);
+  MPI_Bcast(&proxied, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  if (!proxied) GTEST_SKIP() << "needs rank 0 to reach rank 1 through the nccl or mpi-device transport";
+  constexpr std::size_t kBytes = 4096;
+  Window win = comm->alloc(kBytes);
+  DeviceBuffer dst(kBytes);
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto t0 = std::chrono::steady_clock::now();
+  if (me == 0) {
+    comm->get(dst.p, win, 1, 0, kBytes, s0);
+    EXPECT_TRUE(finishes(s0, 30)) << "the get's stream never went on";
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_GE(waited, 1.5) << "the get ended before its target answered";
+    EXPECT_LT(waited, kStopMs / 1000.0 - 1) << "the get's stream waited for the stopped peer, not for the timeout";
+    try {
+      comm->get(dst.p, win, 1, 0, kBytes, s0);
+      CUDA_OK(cudaStreamSynchronize(s0));
+      comm->quiet(s0);
+      ADD_FAILURE() << "the timed-out get was not reported";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+      EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
+    }
+  }
+  const auto left = std::chrono::milliseconds(kStopMs + 500) - (std::chrono::steady_clock::now() - t0);
+  if (left.count() > 0) std::this_thread::sleep_for(left);
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 INSTANTIATE_TEST_SUITE_P(Waits, StoppedProxy, ::testing::Values("kernel", "memop"),
                          [](const auto& info) { return std::string(info.param); });
 

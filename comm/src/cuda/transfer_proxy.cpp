@@ -235,6 +235,8 @@ class TransferProxy {
     bool settled = false;        // enqueued (or failed to be: then refused, without an event)
     std::function<void()> deferred;  // a byte-less one's settling, run in its turn
     bool dropped = false;            // bytes nobody waits for (taken off the wire only)
+    std::chrono::steady_clock::time_point started{};  // this rank's get: when it started
+    bool ended = false;              // this rank's get, ended by the watchdog (its bytes may land later)
     bool is_put = true;   // a peer's put: acknowledge `id` (Refused if `refused`)
     std::uint64_t id = 0;
     bool refused = false;
@@ -516,6 +518,7 @@ class TransferProxy {
         in.is_put = false;
         in.word = r.word;
         in.ticket = r.ticket;
+        in.started = r.started;
         receive(peer, r.dst, m.bytes, in, nullptr, from);
         return;
       }
@@ -581,6 +584,15 @@ class TransferProxy {
         end(it->second.word, it->second.ticket);
         it = list.erase(it);
       }
+    // Gets whose answer came but whose bytes are still on the wire (a peer that died midway):
+    // ended the same way; the entry stays until the wire gives it up.
+    for (auto& [peer, list] : incoming_)
+      for (Incoming& in : list) {
+        if (in.is_put || in.dropped || in.ended || in.settled || !late(in.started)) continue;
+        note_error(where() + ": a get from rank " + std::to_string(peer) + after, ErrorCode::Timeout);
+        end(in.word, in.ticket);
+        in.ended = true;
+      }
   }
 
   // Work that ended on the in-streams, in order per peer.
@@ -602,7 +614,7 @@ class TransferProxy {
         if (in.is_put)
           send_header(peer, Message{in.refused || rc != cudaSuccess ? MessageKind::Refused : MessageKind::Ack, 0, in.id,
                                     0, 0, 0, 0, 0, 0});
-        else
+        else if (!in.ended)
           end(in.word, in.ticket);
       }
     }
