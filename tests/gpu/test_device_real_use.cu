@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <csignal>
+#include <functional>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -681,84 +682,58 @@ TEST_F(RealUse, CapturedBarrierWithAPeerThatNeverComesTimesOut) {
 // timeout, not when the peer wakes up, and the next put raises Timeout naming the rank. With
 // kernel waits the wait kernel gives up; with memop waits (cuStreamWaitValue64, the choice
 // where ranks share a GPU) the proxy's watchdog ends the transfer.
-class StoppedProxy : public RealUse, public ::testing::WithParamInterface<const char*> {};
+class StoppedProxy : public RealUse, public ::testing::WithParamInterface<const char*> {
+ protected:
+  // Rank 1's proxy thread stops for kStopMs at its first header, with a 2 s timeout; rank 0
+  // runs `transfer` (one put or get to rank 1 on s0) twice: the first one's stream must go on
+  // after the timeout, not after the stop, and the second must raise Timeout naming rank 1.
+  void transfer_ends_in_the_timeout(const char* what, const std::function<void(Window&, DeviceBuffer&)>& transfer) {
+    constexpr int kStopMs = 6000;
+    ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+    ScopedEnv wait("MESHMEM_STREAM_WAIT", GetParam());
+    const std::string plan = "1:proxy.header:stop=" + std::to_string(kStopMs);
+    ScopedEnv fault("MESHMEM_FAULT", plan.c_str());
+    make_comm();
+    int proxied = n >= 2 && me == 0 &&
+                  (comm->transport(1, Memory::Device) == TransportKind::Nccl ||
+                   comm->transport(1, Memory::Device) == TransportKind::MpiDevice);
+    MPI_Bcast(&proxied, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    if (!proxied) GTEST_SKIP() << "needs rank 0 to reach rank 1 through the nccl or mpi-device transport";
+    constexpr std::size_t kBytes = 4096;
+    Window win = comm->alloc(kBytes);
+    DeviceBuffer buf(kBytes);
+    MPI_Barrier(MPI_COMM_WORLD);
+    const auto t0 = std::chrono::steady_clock::now();
+    if (me == 0) {
+      transfer(win, buf);
+      EXPECT_TRUE(finishes(s0, 30)) << "the " << what << "'s stream never went on";
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      EXPECT_GE(waited, 1.5) << "the " << what << " ended before its target handled it";
+      EXPECT_LT(waited, kStopMs / 1000.0 - 1) << "the " << what << "'s stream waited for the stopped peer, not for the timeout";
+      try {
+        transfer(win, buf);
+        CUDA_OK(cudaStreamSynchronize(s0));
+        comm->quiet(s0);
+        ADD_FAILURE() << "the timed-out " << what << " was not reported";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+        EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
+      }
+    }
+    // Everyone waits for the stopped thread to go on before the Comm is freed.
+    const auto left = std::chrono::milliseconds(kStopMs + 500) - (std::chrono::steady_clock::now() - t0);
+    if (left.count() > 0) std::this_thread::sleep_for(left);
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+};
 
 TEST_P(StoppedProxy, PutToAPeerWhoseProxyStopsEndsInTheTimeout) {
-  constexpr int kStopMs = 6000;
-  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
-  ScopedEnv wait("MESHMEM_STREAM_WAIT", GetParam());
-  const std::string plan = "1:proxy.header:stop=" + std::to_string(kStopMs);
-  ScopedEnv fault("MESHMEM_FAULT", plan.c_str());
-  make_comm();
-  int proxied = n >= 2 && me == 0 &&
-                (comm->transport(1, Memory::Device) == TransportKind::Nccl ||
-                 comm->transport(1, Memory::Device) == TransportKind::MpiDevice);
-  MPI_Bcast(&proxied, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  if (!proxied) GTEST_SKIP() << "needs rank 0 to reach rank 1 through the nccl or mpi-device transport";
-  constexpr std::size_t kBytes = 4096;
-  Window win = comm->alloc(kBytes);
-  DeviceBuffer src(kBytes);
-  MPI_Barrier(MPI_COMM_WORLD);
-  const auto t0 = std::chrono::steady_clock::now();
-  if (me == 0) {
-    comm->put(win, 1, 0, src.p, kBytes, s0);
-    EXPECT_TRUE(finishes(s0, 30)) << "the put's stream never went on";
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    EXPECT_GE(waited, 1.5) << "the put ended before its target handled it";
-    EXPECT_LT(waited, kStopMs / 1000.0 - 1) << "the put's stream waited for the stopped peer, not for the timeout";
-    try {
-      comm->put(win, 1, 0, src.p, kBytes, s0);
-      CUDA_OK(cudaStreamSynchronize(s0));
-      comm->quiet(s0);
-      ADD_FAILURE() << "the timed-out put was not reported";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
-      EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
-    }
-  }
-  // Everyone waits for the stopped thread to go on before the Comm is freed.
-  const auto left = std::chrono::milliseconds(kStopMs + 500) - (std::chrono::steady_clock::now() - t0);
-  if (left.count() > 0) std::this_thread::sleep_for(left);
-  MPI_Barrier(MPI_COMM_WORLD);
+  transfer_ends_in_the_timeout("put", [&](Window& win, DeviceBuffer& src) { comm->put(win, 1, 0, src.p, src.bytes, s0); });
 }
 
 // The same for a get: its answer would come only after the stopped thread goes on.
 TEST_P(StoppedProxy, GetFromAPeerWhoseProxyStopsEndsInTheTimeout) {
-  constexpr int kStopMs = 6000;
-  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
-  ScopedEnv wait("MESHMEM_STREAM_WAIT", GetParam());
-  const std::string plan = "1:proxy.header:stop=" + std::to_string(kStopMs);
-  ScopedEnv fault("MESHMEM_FAULT", plan.c_str());
-  make_comm();
-  int proxied = n >= 2 && me == 0 &&
-                (comm->transport(1, Memory::Device) == TransportKind::Nccl ||
-                 comm->transport(1, Memory::Device) == TransportKind::MpiDevice);
-  MPI_Bcast(&proxied, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  if (!proxied) GTEST_SKIP() << "needs rank 0 to reach rank 1 through the nccl or mpi-device transport";
-  constexpr std::size_t kBytes = 4096;
-  Window win = comm->alloc(kBytes);
-  DeviceBuffer dst(kBytes);
-  MPI_Barrier(MPI_COMM_WORLD);
-  const auto t0 = std::chrono::steady_clock::now();
-  if (me == 0) {
-    comm->get(dst.p, win, 1, 0, kBytes, s0);
-    EXPECT_TRUE(finishes(s0, 30)) << "the get's stream never went on";
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    EXPECT_GE(waited, 1.5) << "the get ended before its target answered";
-    EXPECT_LT(waited, kStopMs / 1000.0 - 1) << "the get's stream waited for the stopped peer, not for the timeout";
-    try {
-      comm->get(dst.p, win, 1, 0, kBytes, s0);
-      CUDA_OK(cudaStreamSynchronize(s0));
-      comm->quiet(s0);
-      ADD_FAILURE() << "the timed-out get was not reported";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
-      EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
-    }
-  }
-  const auto left = std::chrono::milliseconds(kStopMs + 500) - (std::chrono::steady_clock::now() - t0);
-  if (left.count() > 0) std::this_thread::sleep_for(left);
-  MPI_Barrier(MPI_COMM_WORLD);
+  transfer_ends_in_the_timeout("get", [&](Window& win, DeviceBuffer& dst) { comm->get(dst.p, win, 1, 0, dst.bytes, s0); });
 }
 
 INSTANTIATE_TEST_SUITE_P(Waits, StoppedProxy, ::testing::Values("kernel", "memop"),
