@@ -145,10 +145,6 @@ void StreamBarrierProxy::enqueue(cudaStream_t stream, const std::string& what) {
                 "cuStreamWaitValue64", what);
 }
 
-}  // namespace meshmem::detail
-
-namespace meshmem::detail {
-
 std::uint64_t StreamBarrierProxy::arrive_captured() {
   std::uint64_t number = 0;
   {

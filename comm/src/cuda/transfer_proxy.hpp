@@ -82,7 +82,6 @@ class ProxyWire {
   virtual std::size_t pending() const { return 0; }
   // Stops: with `abort` (transfers still in flight, a broken job) nothing is waited for.
   virtual void stop(bool abort) noexcept = 0;
-  virtual std::string describe() const = 0;
 };
 
 // One stream per direction with a peer (the proxy thread's).

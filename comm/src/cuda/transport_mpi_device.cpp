@@ -123,10 +123,6 @@ class MpiWire final : public ProxyWire {
     draining_.clear();
     pending_ = 0;
   }
-  std::string describe() const override {
-    return "MPI messages through pinned host memory (" + std::to_string(MpiDeviceTransport::kSlots) + " x " +
-           std::to_string(MpiDeviceTransport::kChunk >> 20) + " MiB each way)";
-  }
 
  private:
   struct Slot {
@@ -160,7 +156,6 @@ class MpiWire final : public ProxyWire {
     for (Slot& s : slots_)
       if (s.event != nullptr) (void)cudaEventDestroy(std::exchange(s.event, nullptr));
     if (memory_ != nullptr) (void)cudaFreeHost(std::exchange(memory_, nullptr));
-    memory_ = nullptr;
   }
   static std::size_t chunk(std::size_t left) { return std::min(left, MpiDeviceTransport::kChunk); }
 

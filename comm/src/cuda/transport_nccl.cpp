@@ -143,7 +143,6 @@ class NcclWire final : public ProxyWire {
       p.in_root.reset(abort);
     }
   }
-  std::string describe() const override { return "NCCL " + lib_->version_text(); }
 
  private:
   const NcclLibrary* lib_;
