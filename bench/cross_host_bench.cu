@@ -4,9 +4,12 @@
 //   cross_host_put      meshmem-nccl (the nccl transport), meshmem-mpi (the mpi-device
 //                       transport: NCCL left out), nccl (raw ncclSend / ncclRecv, the same
 //                       sizes, one transfer after another on one stream)
-//   cross_host_barrier  meshmem-nccl (barrier(stream) + stream sync across nodes), nccl (an
-//                       all-reduce of one word + sync); size 1: idle (one at a time), size 200:
-//                       200 back to back, then one sync (latency per barrier)
+//   cross_host_barrier  meshmem-nccl (barrier(stream) + stream sync across nodes, where every
+//                       pair across nodes is nccl: hierarchical, the node leaders' NCCL
+//                       all-reduce), meshmem-mpi (the same where the routes are mpi-device: the
+//                       proxy thread's meeting over MPI), nccl (an all-reduce of one word +
+//                       sync); size 1: idle (one at a time), size 200: 200 back to back, then
+//                       one sync (latency per barrier)
 // Latency = time per transfer with one in flight (a meshmem put's stream passes it once the
 // data is at the target); bandwidth = size / that time. Prints OSU-style tables and a summary
 // of ratios; --csv appends rows in the bench/results format.
@@ -185,8 +188,15 @@ int main(int argc, char** argv) {
       });
       record("cross_host_barrier", "nccl", 1, idle, -1);
       // 200 back to back, one sync.
+      idle = per_op_us(s, idle_iters, [&](int) {
+        mpi_comm.barrier(s);
+        CK(cudaStreamSynchronize(s));
+      });
+      record("cross_host_barrier", "meshmem-mpi", 1, idle, -1);
       const double burst = per_op_us(s, 200, [&](int) { nccl_comm.barrier(s); });
       record("cross_host_barrier", "meshmem-nccl", 200, burst, -1);
+      const double mburst = per_op_us(s, 200, [&](int) { mpi_comm.barrier(s); });
+      record("cross_host_barrier", "meshmem-mpi", 200, mburst, -1);
       const double nburst = per_op_us(s, 200, [&](int) { NK(ncclAllReduce(word, word, 1, ncclUint64, ncclSum, nc, s)); });
       record("cross_host_barrier", "nccl", 200, nburst, -1);
       CK(cudaFree(word));

@@ -4,7 +4,10 @@
 #   kernel   the barrier kernel stores its flags but never waits for the peers' flags
 #   meeting  the host meeting skips the GPU part even when a stream has work
 #   event    busy peers' events are never waited on
-#   proxy  the cross-node proxy releases the stream without meeting the other ranks
+#   proxy    the cross-node proxy releases the stream without meeting the other ranks
+#   leaders  the hierarchical barrier across nodes leaves out the node leaders' all-reduce
+#   watchdog the leaders' watchdog never starts: a leader that never comes holds the stream
+#            (the timeout test must fail, its stream never ends)
 #   early    early-launched kernels do not wait for the stream's previous kernel
 #            (griddepcontrol.wait removed): the early-launch tests must fail
 # Run from the repository root: [MUTANTS="kernel meeting"] tests/gpu/check_barrier_test_bites.sh OUT_DIR
@@ -12,7 +15,7 @@ set -u
 out=${1:?out dir}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 ninja=$(command -v ninja || echo /opt/torch/.venv/bin/ninja)
-for mutant in ${MUTANTS:-kernel meeting event proxy early}; do
+for mutant in ${MUTANTS:-kernel meeting event proxy leaders watchdog early}; do
   m=/tmp/mut-$mutant
   rm -rf $m && mkdir -p $m && cp -r comm ipc tests examples bench cmake launch CMakeLists.txt $m/ 2>/dev/null
   f=$m/comm/src/cuda/stream_barrier.cpp
@@ -21,14 +24,20 @@ for mutant in ${MUTANTS:-kernel meeting event proxy early}; do
   target=test_device_window np=4
   case $mutant in
     kernel) f=$m/comm/src/cuda/kernels.cu
-            sed -i 's/    if (r != rank) wait_word(my_flags + r, Cmp::GE, epoch, limit, FaultKind::Barrier/    if (false) wait_word(my_flags + r, Cmp::GE, epoch, limit, FaultKind::Barrier/' $f
+            sed -i 's/    wait_word(my_flags + r, Cmp::GE, epoch, limit, FaultKind::Barrier/    if (false) wait_word(my_flags + r, Cmp::GE, epoch, limit, FaultKind::Barrier/' $f
             env=(MESHMEM_BARRIER=kernel) ;;
     meeting) sed -i 's/    if ((all \& kBusy) == 0) return;/    return;/' $f
              env=(MESHMEM_BARRIER=meeting) ;;
     event) sed -i 's/      if (r == topo_.rank || !busy_\[r\]) continue;/      continue;/' $f; env=(MESHMEM_BARRIER=event) ;;
     proxy) f=$m/comm/src/cuda/stream_barrier_proxy.cpp
            sed -i 's/      boot_.arrive("comm.barrier(stream)");/      (void)0;/' $f
-           filter='*AcrossNodes*'; env=(MESHMEM_SIMULATE_NODES=2) ;;
+           filter='*AcrossNodes*'; env=(MESHMEM_SIMULATE_NODES=2 MESHMEM_BARRIER_ACROSS_NODES=proxy) ;;
+    leaders) sed -i 's/    if (leader) leaders_->enqueue(static_cast<cudaStream_t>(stream), where(topo_));/    (void)0;/' $f
+             filter='*AcrossNodes*'; env=(MESHMEM_SIMULATE_NODES=2 MESHMEM_BARRIER_ACROSS_NODES=nccl) ;;
+    watchdog) f=$m/comm/src/cuda/leader_all_reduce.cpp
+              sed -i 's/  if (leader_ \&\& timeout_.count() > 0) watchdog_ = /  if (false) watchdog_ = /' $f
+              filter='*.BarrierWithAPeerThatNeverComesTimesOut'; target=test_device_real_use; np=2
+              env=(MESHMEM_SIMULATE_NODES=2 MESHMEM_BARRIER_ACROSS_NODES=nccl) ;;
     early) f=$m/comm/src/cuda/kernels.cu
            sed -i 's/  if (early) asm volatile("griddepcontrol.wait;" ::: "memory");/  (void)early;/' $f
            filter='*EarlyLaunched*'; target=test_device_real_use; np=2 ;;

@@ -263,7 +263,8 @@ TEST_P(GraphBarrier, ReplaysWaitForTheLateRank) {
   // Where some pairs are staged the barrier is the kernel over the staging pool whatever
   // MESHMEM_BARRIER says (capturable).
   const bool pool_barrier = comm->device_info().find("flags in the staging pool") != std::string::npos;
-  // Across nodes the barrier is the proxy thread's whatever MESHMEM_BARRIER says (capturable).
+  // Across nodes the barrier is hierarchical (NCCL) or the proxy thread's, whatever MESHMEM_BARRIER
+  // says (both capturable).
   const bool proxy_barrier = comm->node_count() > 1;
   if ((variant_name == "flag" || variant_name == "event") && !pool_barrier && !proxy_barrier) {
     // Not capturable: a clear error before the capture is touched.

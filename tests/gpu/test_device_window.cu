@@ -7,6 +7,8 @@
 #include <dirent.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include <meshmem/device/device.cuh>
@@ -396,12 +398,30 @@ TEST_F(DeviceWindow, BarrierOrdersBusyAndIdleStreams) {
                      << busy_rounds << " busy, " << idle_rounds << " idle rounds on this rank)";
 }
 
-// Across (simulated) nodes the barrier goes through a proxy thread: the host must not wait
-// for the GPU, and every rank must see its left neighbour's late store after the barrier.
-// The stores go through host memory that all ranks of the machine share (an MPI shared
-// window registered with CUDA), since device windows do not span nodes.
+// Across (simulated) nodes the barrier is hierarchical (node kernel, the node leaders' NCCL
+// all-reduce, node kernel) or goes through a proxy thread: the host must not wait for the
+// GPU, and every rank must see its left neighbour's late store after the barrier. The stores
+// go through host memory that all ranks of the machine share (an MPI shared window
+// registered with CUDA), since device windows do not span nodes.
 TEST_F(DeviceWindow, BarrierAcrossNodesOrdersAndDoesNotBlockHost) {
   if (comm->node_count() == 1) GTEST_SKIP() << "needs ranks on several (real or simulated) nodes";
+  {
+    // The variant MESHMEM_BARRIER_ACROSS_NODES asks for; `auto` takes the hierarchical one
+    // where every pair across nodes is nccl and every node pair ipc.
+    int all_nccl_and_ipc = 1;
+    for (int r = 0; r < n; ++r)
+      if (r != me)
+        all_nccl_and_ipc &= comm->transport(r, Memory::Device) ==
+                            (comm->node_of(r) == comm->node_of(me) ? TransportKind::Ipc : TransportKind::Nccl);
+    MPI_Allreduce(MPI_IN_PLACE, &all_nccl_and_ipc, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    const char* asked_env = std::getenv("MESHMEM_BARRIER_ACROSS_NODES");
+    const std::string asked = asked_env ? asked_env : "auto";
+    const std::string info = comm->device_info();
+    if (me == 0) std::printf("[ info     ] %s\n", info.c_str());
+    const bool hierarchical = info.find("barrier(stream) hierarchical") != std::string::npos;
+    if (asked == "nccl" || (asked == "auto" && all_nccl_and_ipc == 1)) EXPECT_TRUE(hierarchical) << info;
+    if (asked == "proxy") EXPECT_FALSE(hierarchical) << info;
+  }
   MPI_Comm machine;
   ASSERT_EQ(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &machine), MPI_SUCCESS);
   int machine_size = 0;

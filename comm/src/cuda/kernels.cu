@@ -136,7 +136,7 @@ __global__ void ticket_wait_kernel(const std::uint64_t* word, std::uint64_t sequ
 }
 
 __global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
-                               int rank, int size, WaitLimit limit, bool early) {
+                               int rank, int size, std::uint64_t* passed, WaitLimit limit, bool early) {
   __shared__ std::uint64_t epoch;
   after_previous_kernel(early);
   if (threadIdx.x == 0) {
@@ -146,10 +146,17 @@ __global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* 
   __syncthreads();
   // Earlier stream work is complete (stream order); the fence orders it before the flags.
   __threadfence_system();
+  // A null entry: a rank the barrier leaves out (on another node).
   for (int r = static_cast<int>(threadIdx.x); r < size; r += static_cast<int>(blockDim.x))
-    if (r != rank) device::SignalWord(peer_flags[r][rank]).store(epoch, ::cuda::memory_order_release);
-  for (int r = static_cast<int>(threadIdx.x); r < size; r += static_cast<int>(blockDim.x))
-    if (r != rank) wait_word(my_flags + r, Cmp::GE, epoch, limit, FaultKind::Barrier, r, 0, static_cast<std::uint64_t>(r));
+    if (r != rank && peer_flags[r] != nullptr)
+      device::SignalWord(peer_flags[r][rank]).store(epoch, ::cuda::memory_order_release);
+  for (int r = static_cast<int>(threadIdx.x); r < size; r += static_cast<int>(blockDim.x)) {
+    if (r == rank || peer_flags[r] == nullptr) continue;
+    wait_word(my_flags + r, Cmp::GE, epoch, limit, FaultKind::Barrier, r, 0, static_cast<std::uint64_t>(r));
+  }
+  if (passed == nullptr) return;
+  __syncthreads();
+  if (threadIdx.x == 0) device::SignalWord(*passed).store(epoch, ::cuda::memory_order_release);
 }
 
 template <class T>
@@ -230,9 +237,11 @@ bool early_launch_compiled() {
 }
 
 cudaError_t launch_barrier(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
-                           int rank, int size, WaitLimit limit, cudaStream_t stream, bool early) {
+                           int rank, int size, std::uint64_t* passed, WaitLimit limit, cudaStream_t stream,
+                           bool early) {
   const unsigned threads = static_cast<unsigned>(std::min(1024, (size + 31) / 32 * 32));
-  return launch(barrier_kernel, 1, threads, stream, early, peer_flags, my_flags, counter, rank, size, limit, early);
+  return launch(barrier_kernel, 1, threads, stream, early, peer_flags, my_flags, counter, rank, size, passed, limit,
+                early);
 }
 
 cudaError_t launch_halo(const Copy2D* table, int count, std::uint64_t largest, const HaloSync& sync, WaitLimit limit,

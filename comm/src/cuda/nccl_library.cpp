@@ -22,6 +22,9 @@ static_assert(offsetof(ncclConfig_t, magic) == offsetof(meshmem::detail::NcclCon
                   offsetof(ncclConfig_t, splitShare) == offsetof(meshmem::detail::NcclConfig, split_share),
               "NcclConfig no longer matches ncclConfig_t's first fields");
 static_assert(NCCL_CONFIG_UNDEF_INT == -2147483647 - 1, "NCCL's 'undefined' config value changed");
+static_assert(ncclInt8 == meshmem::detail::NcclLibrary::kInt8 && ncclUint64 == meshmem::detail::NcclLibrary::kUint64 &&
+                  ncclSum == meshmem::detail::NcclLibrary::kSum,
+              "NCCL's datatype or operation numbers changed");
 #endif
 
 namespace meshmem::detail {
@@ -55,6 +58,7 @@ std::unique_ptr<NcclLibrary> load(const std::string& path, std::string* why) {
                   bind(handle, "ncclCommAbort", &lib->comm_abort, &missing) &&
                   bind(handle, "ncclCommGetAsyncError", &lib->comm_get_async_error, &missing) &&
                   bind(handle, "ncclSend", &lib->send, &missing) && bind(handle, "ncclRecv", &lib->recv, &missing) &&
+                  bind(handle, "ncclAllReduce", &lib->all_reduce, &missing) &&
                   bind(handle, "ncclGroupStart", &lib->group_start, &missing) &&
                   bind(handle, "ncclGroupEnd", &lib->group_end, &missing) &&
                   bind(handle, "ncclGetErrorString", &lib->error_string, &missing);

@@ -52,11 +52,14 @@ class NcclLibrary {
   int (*comm_get_async_error)(NcclCommHandle, int*) = nullptr;
   int (*send)(const void*, std::size_t count, int datatype, int peer, NcclCommHandle, cudaStream_t) = nullptr;
   int (*recv)(void*, std::size_t count, int datatype, int peer, NcclCommHandle, cudaStream_t) = nullptr;
+  int (*all_reduce)(const void*, void*, std::size_t count, int datatype, int op, NcclCommHandle, cudaStream_t) = nullptr;
   int (*group_start)() = nullptr;
   int (*group_end)() = nullptr;
   const char* (*error_string)(int) = nullptr;
 
   static constexpr int kInt8 = 0;        // ncclInt8
+  static constexpr int kUint64 = 5;      // ncclUint64
+  static constexpr int kSum = 0;         // ncclSum
   static constexpr int kInProgress = 7;  // ncclInProgress: a nonblocking communicator's work goes on
   // Raises Error(Cuda) naming the call, its result and `what` unless rc is ncclSuccess.
   void check(int rc, const char* call, const std::string& what) const;

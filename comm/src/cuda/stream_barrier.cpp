@@ -11,9 +11,11 @@
 #include "../transport_registry.hpp"
 #include "device_runtime.hpp"
 #include "kernels.hpp"
+#include "leader_all_reduce.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
 #include "meshmem/ipc/ipc_event.hpp"
 #include "stream_barrier_proxy.hpp"
+#include "transport_nccl.hpp"
 #include "transport_staged.hpp"
 
 namespace meshmem::detail {
@@ -39,10 +41,26 @@ const TuningKnob<BarrierKind> kBarrier{
     "`kernel`, except where ranks share a GPU (a polling kernel would hold the time-sliced GPU from the ranks it "
     "waits for): there a host meeting, then `flag`, or the kernel when a rank captures a graph. Where some node "
     "pairs are staged (GPUs without peer access), the kernel's flags live in the staging pool and this setting "
-    "is ignored except `kernel` (no host meeting first on a shared GPU). Where ranks span nodes, the stream hands "
-    "the barrier to a proxy thread (cudaLaunchHostFunc) that meets the other ranks over MPI and releases the "
-    "stream through a pinned host word; the host does not wait. Captured into a graph, a host node hands each "
-    "replay's barrier to that proxy and a one-thread kernel waits for its release"};
+    "is ignored except `kernel` (no host meeting first on a shared GPU). Where ranks span nodes, "
+    "MESHMEM_BARRIER_ACROSS_NODES chooses"};
+
+enum class AcrossNodes { Auto, Nccl, Proxy };
+constexpr std::pair<const char*, AcrossNodes> kAcrossNodesKinds[] = {
+    {"auto", AcrossNodes::Auto}, {"nccl", AcrossNodes::Nccl}, {"proxy", AcrossNodes::Proxy}};
+AcrossNodes parse_across(const char* n, const std::string& raw) { return parse_choice(n, raw, kAcrossNodesKinds); }
+std::string print_across(const AcrossNodes& a) { return choice_name(a, kAcrossNodesKinds); }
+
+const TuningKnob<AcrossNodes> kAcrossNodes{
+    "device", "MESHMEM_BARRIER_ACROSS_NODES", AcrossNodes::Auto, parse_across, print_across,
+    "`barrier(stream)` where ranks span nodes: `nccl` is hierarchical, all on the stream: the node's ranks meet "
+    "in the barrier kernel, the node leaders (lowest rank of each node) run an ncclAllReduce of one word, and the "
+    "node's ranks meet again; a watchdog aborts the leaders' communicator after MESHMEM_TIMEOUT and the next call "
+    "names the other leaders. It needs every pair of ranks on different nodes routed through the nccl transport "
+    "and every node peer mapped or staged. `proxy` hands the barrier to a proxy thread that meets every rank over "
+    "MPI once the stream reaches it (cudaLaunchHostFunc) and releases the stream through a pinned host word; "
+    "captured into a graph, a host node hands each replay's barrier to that proxy and a one-thread kernel waits for "
+    "its release. Neither blocks the host; both are capturable. `auto` = `nccl` where it can be used, else "
+    "`proxy`"};
 
 std::string where(const Topology& topo) { return "comm.barrier(stream) on rank " + std::to_string(topo.rank); }
 
@@ -164,11 +182,13 @@ class KernelBarrier final : public StreamBarrier, FlagWords {
     const char* call = "comm.barrier(stream)";
     sequence_.before(stream, capturing, call, topo_.rank);
     const cudaError_t rc = cuda::launch_barrier(peer_flags_, my_flags_, static_cast<std::uint64_t*>(counter_.get()),
-                                                topo_.rank, topo_.size, limit_, stream, early_);
+                                                topo_.rank, topo_.size, passed_, limit_, stream, early_);
     if (rc != cudaSuccess) ipc::check_cuda(rc, "barrier kernel launch", where(topo_));
     sequence_.after(stream, capturing, call, topo_.rank);
   }
   std::string describe() const override { return window_ ? "kernel" : "kernel (flags in the staging pool)"; }
+  // Each kernel stores its barrier number there (pinned host memory) once its waits end.
+  void publish_to(std::uint64_t* passed) { passed_ = passed; }
 
  private:
   void make_counter() {
@@ -184,6 +204,35 @@ class KernelBarrier final : public StreamBarrier, FlagWords {
   DevicePtr counter_, table_;
   std::uint64_t* const* peer_flags_ = nullptr;
   std::uint64_t* my_flags_ = nullptr;
+  std::uint64_t* passed_ = nullptr;
+};
+
+// Across nodes, all on the stream: the node's ranks meet in the barrier kernel (flags only
+// between node peers), the node leaders all-reduce one word through NCCL (LeaderAllReduce),
+// and the node's ranks meet again, so that the others go on only after their leader's
+// all-reduce. Capturable: the kernels take their numbers on the GPU, and NCCL's all-reduce
+// is captured as NCCL captures it.
+class HierarchicalBarrier final : public StreamBarrier {
+ public:
+  HierarchicalBarrier(const Topology& topo, std::unique_ptr<KernelBarrier> node, std::unique_ptr<LeaderAllReduce> leaders)
+      : topo_(topo), node_(std::move(node)), leaders_(std::move(leaders)) {
+    node_->publish_to(leaders_->passed_word());  // the leader's watchdog sees where its stream is
+  }
+  void arrive(Stream stream, bool capturing) override {
+    const bool leader = leaders_->leader();
+    if (leader) leaders_->raise_failure(where(topo_));  // before anything is enqueued
+    node_->arrive(stream, capturing);
+    if (leader) leaders_->enqueue(static_cast<cudaStream_t>(stream), where(topo_));
+    node_->arrive(stream, capturing);
+  }
+  std::string describe() const override {
+    return "hierarchical: node " + node_->describe() + ", then " + leaders_->describe() + ", then node again";
+  }
+
+ private:
+  const Topology& topo_;
+  std::unique_ptr<KernelBarrier> node_;
+  std::unique_ptr<LeaderAllReduce> leaders_;
 };
 
 // Whether `stream` has work not yet complete.
@@ -286,6 +335,65 @@ class EventBarrier final : public StreamBarrier {
   std::vector<unsigned> busy_;  // at the last meeting: whose stream had work
 };
 
+// The hierarchical barrier where ranks span nodes, if MESHMEM_BARRIER_ACROSS_NODES and the
+// routes allow it (agreed by every rank); null for the proxy barrier.
+std::unique_ptr<StreamBarrier> make_hierarchical_barrier(const CommContext& ctx, const BarrierContext& bctx,
+                                                         CudaDeviceRuntime& device) {
+  const std::string what = "meshmem::Comm (barrier setup)";
+  const Topology& topo = ctx.topo;
+  const AcrossNodes asked = kAcrossNodes.get(ctx.options);
+  // Why this rank cannot take part ("" if it can); node peers are all mapped or all staged.
+  std::string why;
+  const StagedTransport* staged = nullptr;
+  bool mapped = false;
+  for (int r = 0; r < topo.size && why.empty(); ++r) {
+    if (r == topo.rank) continue;
+    const Transport* t = bctx.routes.find(r, Memory::Device);
+    const std::string peer = "rank " + std::to_string(r);
+    if (!topo.same_node(r)) {
+      if (t == nullptr || t->kind() != TransportKind::Nccl)
+        why = peer + " is on another node and reached " + (t ? "through " + std::string(to_string(t->kind())) : "by no device route") +
+              ", not nccl";
+      else if (static_cast<const NcclTransport*>(t)->library() == nullptr)
+        why = "the nccl transport is not connected here";
+    } else if (t != nullptr && t->kind() == TransportKind::Staged) {
+      staged = static_cast<const StagedTransport*>(t);
+    } else if (t != nullptr && t->capabilities().mapped) {
+      mapped = true;
+    } else {
+      why = peer + " is on this node and its GPU memory is neither mapped nor staged";
+    }
+  }
+  if (why.empty() && staged != nullptr && mapped) why = "some node peers are mapped and others staged";
+  if (why.empty() && staged != nullptr && !staged->has_pool()) why = "the staged transport has no pool here";
+  if (asked == AcrossNodes::Proxy) why = "MESHMEM_BARRIER_ACROSS_NODES=proxy";
+  // 2: some rank cannot; 1: all can, some node's flags are staged; 0: all can, mapped flags.
+  const std::uint64_t mine = !why.empty() ? 2 : staged != nullptr ? 1 : 0;
+  const std::uint64_t worst = ctx.boot.allreduce_max(mine, what);
+  const std::uint64_t any_mapped = ctx.boot.allreduce_max(mine == 0 ? 1 : 0, what);
+  if (worst == 1 && any_mapped == 1) why = "some nodes' ranks are mapped to each other and others staged";
+  else if (worst == 2 && why.empty()) why = "another rank cannot take part (its log says why)";
+  if (!why.empty()) {
+    if (asked == AcrossNodes::Nccl)
+      throw Error(ErrorCode::Unsupported, where(topo) + ": MESHMEM_BARRIER_ACROSS_NODES=nccl cannot be used: " + why);
+    if (asked == AcrossNodes::Auto)
+      log(LogLevel::Info, "barrier(stream) across nodes: not hierarchical over NCCL on rank " +
+                              std::to_string(topo.rank) + ": " + why);
+    return nullptr;
+  }
+  const NcclLibrary* lib = nullptr;
+  for (const Transport* t : bctx.connected)
+    if (t->kind() == TransportKind::Nccl) lib = static_cast<const NcclTransport*>(t)->library();
+  // Every rank makes the node kernel the same way (the mapped flags are a collective window).
+  auto node = worst == 1 ? std::make_unique<KernelBarrier>(topo, *staged, device)
+                         : std::make_unique<KernelBarrier>(topo, bctx, device);
+  auto leaders = std::make_unique<LeaderAllReduce>(
+      ctx, lib, [&device](const std::string& failure) { device.report_barrier_failure(failure); });
+  log(LogLevel::Info, "barrier(stream) across nodes: hierarchical (node kernel, the leaders' NCCL all-reduce, node "
+                      "kernel)");
+  return std::make_unique<HierarchicalBarrier>(topo, std::move(node), std::move(leaders));
+}
+
 }  // namespace
 
 std::unique_ptr<StreamBarrier> make_stream_barrier(const CommContext& ctx, const BarrierContext& bctx,
@@ -307,6 +415,7 @@ std::unique_ptr<StreamBarrier> make_stream_barrier(const CommContext& ctx, const
   }
   const std::uint64_t verdict = ctx.boot.allreduce_max(!all_mapped ? 2 : staged != nullptr ? 1 : 0, what);
   if (verdict == 2) {
+    if (auto across = make_hierarchical_barrier(ctx, bctx, device)) return across;
     log(LogLevel::Info, "barrier(stream): ranks span nodes or unmapped GPUs; a proxy thread meets them over MPI "
                         "once the stream reaches the barrier");
     return std::make_unique<ProxyBarrier>(ctx, what, device);

@@ -52,6 +52,8 @@ class NcclTransport final : public ProxyTransport {
   // their connections, then the proxy thread.
   void connect(const std::vector<bool>& routed) override;
   std::string describe() const override;
+  // The library, once this rank's communicators are connected (null before, or where none are).
+  const NcclLibrary* library() const { return proxy_ ? lib_ : nullptr; }
 
  private:
   const NcclLibrary* lib_ = nullptr;

@@ -1,0 +1,202 @@
+#include "leader_all_reduce.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+
+#include "../backoff.hpp"
+#include "../bootstrap.hpp"
+#include "../topology.hpp"
+#include "meshmem/error.hpp"
+#include "meshmem/ipc/cuda_driver.hpp"
+
+namespace meshmem::detail {
+
+namespace {
+
+// Waits until `comm` (nonblocking) has no work in progress, bounded by `deadline`.
+void wait_until_settled(const NcclLibrary& lib, NcclCommHandle comm, const Deadline& deadline, const char* step,
+                        const std::string& leaders, const std::string& what) {
+  Backoff backoff;
+  for (;;) {
+    int state = 0;
+    lib.check(lib.comm_get_async_error(comm, &state), "ncclCommGetAsyncError", what);
+    if (state == 0) return;
+    if (state != NcclLibrary::kInProgress) lib.check(state, step, what);
+    if (deadline.expired())
+      throw Error(ErrorCode::Timeout, what + ": " + step + " among the node leaders (ranks " + leaders +
+                                          ") did not end within " + describe_timeout(deadline.timeout()) +
+                                          ": a leader is late or dead; the communicator is aborted");
+    backoff.pause();
+  }
+}
+
+void wait_for_stream(cudaStream_t stream, const Deadline& deadline, const char* step, const std::string& leaders,
+                     const std::string& what) {
+  Backoff backoff;
+  cudaError_t q;
+  while ((q = cudaStreamQuery(stream)) == cudaErrorNotReady && !deadline.expired()) backoff.pause();
+  if (q == cudaErrorNotReady)
+    throw Error(ErrorCode::Timeout, what + ": " + step + " among the node leaders (ranks " + leaders +
+                                        ") did not end within " + describe_timeout(deadline.timeout()) +
+                                        ": a leader is late or dead; the communicator is aborted");
+  ipc::check_cuda(q, "cudaStreamQuery", what);
+}
+
+}  // namespace
+
+LeaderAllReduce::LeaderAllReduce(const CommContext& ctx, const NcclLibrary* lib,
+                                 std::function<void(const std::string&)> on_failure)
+    : lib_(lib), timeout_(ctx.options.timeout), on_failure_(std::move(on_failure)), rank_(ctx.topo.rank) {
+  const Topology& topo = ctx.topo;
+  std::vector<bool> seen(static_cast<std::size_t>(topo.node_count), false);
+  for (int r = 0; r < topo.size; ++r)
+    if (!seen[topo.node_of[r]]) seen[topo.node_of[r]] = true, leaders_.push_back(r);
+  const auto me = std::find(leaders_.begin(), leaders_.end(), rank_);
+  leader_ = me != leaders_.end();
+  const int index = static_cast<int>(me - leaders_.begin());
+  const std::string what = "meshmem::Comm (barrier(stream): the node leaders' NCCL communicator) on rank " +
+                           std::to_string(rank_);
+  const std::string leaders = rank_list(leaders_);
+
+  // The first leader's unique id reaches every rank (the others ignore it).
+  NcclUniqueId mine{};
+  agreed_step(ctx.boot, what, [&] {
+    if (rank_ == leaders_.front()) lib_->check(lib_->get_unique_id(&mine), "ncclGetUniqueId", what);
+  });
+  std::vector<NcclUniqueId> all(static_cast<std::size_t>(topo.size));
+  ctx.boot.allgather(&mine, all.data(), sizeof(NcclUniqueId), what);
+
+  agreed_step(ctx.boot, what, [&] {
+    if (!leader_) return;
+    void* word = nullptr;
+    ipc::check_cuda(cudaHostAlloc(&word, sizeof(std::uint64_t), cudaHostAllocMapped | cudaHostAllocPortable),
+                    "cudaHostAlloc", what);
+    passed_.reset(static_cast<std::uint64_t*>(word));
+    *passed_ = 0;
+    void* device = nullptr;
+    ipc::check_cuda(cudaHostGetDevicePointer(&device, word, 0), "cudaHostGetDevicePointer", what);
+    passed_device_ = static_cast<std::uint64_t*>(device);
+    ipc::check_cuda(cudaMalloc(&word, sizeof(std::uint64_t)), "cudaMalloc", what);
+    word_.reset(word);
+    ipc::check_cuda(cudaMemset(word, 0, sizeof(std::uint64_t)), "cudaMemset", what);
+
+    // Every communicator made here is aborted if a step fails (a destroy would wait for a
+    // leader that may never come).
+    struct AbortOnExit {
+      LeaderAllReduce& self;
+      bool kept = false;
+      ~AbortOnExit() {
+        if (kept) return;
+        self.comm_.reset(true);
+        self.root_.reset(true);
+      }
+    } abort_on_exit{*this};
+    const Deadline deadline(timeout_);
+    NcclConfig nonblocking = NcclConfig::make(false, true);
+    NcclCommHandle root = nullptr;
+    const int rc = lib_->comm_init_rank_config(&root, static_cast<int>(leaders_.size()), all[leaders_.front()], index,
+                                               &nonblocking);
+    if (root != nullptr) root_ = NcclComm(lib_, root);
+    if (rc != NcclLibrary::kInProgress) lib_->check(rc, "ncclCommInitRankConfig", what);
+    wait_until_settled(*lib_, root, deadline, "ncclCommInitRankConfig", leaders, what);
+    // One all-reduce connects the leaders, so that no later one waits on the host for them.
+    OwnedStream stream(what);
+    const int ar = lib_->all_reduce(word_.get(), word_.get(), 1, NcclLibrary::kUint64, NcclLibrary::kSum, root,
+                                    stream.get());
+    if (ar != NcclLibrary::kInProgress) lib_->check(ar, "ncclAllReduce (connection)", what);
+    wait_until_settled(*lib_, root, deadline, "the first ncclAllReduce", leaders, what);
+    wait_for_stream(stream.get(), deadline, "the first ncclAllReduce", leaders, what);
+    NcclConfig blocking = NcclConfig::make(true, false);
+    NcclCommHandle child = nullptr;
+    const int sp = lib_->comm_split(root, 0, index, &child, &blocking);
+    if (sp != NcclLibrary::kInProgress) lib_->check(sp, "ncclCommSplit", what);
+    wait_until_settled(*lib_, root, deadline, "ncclCommSplit", leaders, what);
+    if (child == nullptr)
+      throw Error(ErrorCode::Internal, what + ": ncclCommSplit ended without a communicator");
+    comm_ = NcclComm(lib_, child);
+    // The split shares the root's connections; this checks that the blocking one works.
+    lib_->check(lib_->all_reduce(word_.get(), word_.get(), 1, NcclLibrary::kUint64, NcclLibrary::kSum, child,
+                                 stream.get()),
+                "ncclAllReduce (first on the blocking communicator)", what);
+    wait_for_stream(stream.get(), deadline, "the first ncclAllReduce of the blocking communicator", leaders, what);
+    abort_on_exit.kept = true;
+  });
+  if (leader_ && timeout_.count() > 0) watchdog_ = std::thread([this] { watch(); });
+}
+
+LeaderAllReduce::~LeaderAllReduce() {
+  // Streams may still be at an all-reduce: let them pass (the watchdog ends one that would
+  // never end). Graphs replayed later find the communicator gone.
+  if (leader_) (void)cudaDeviceSynchronize();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+  const bool failed = !failure_.empty();
+  comm_.reset(failed);
+  root_.reset(failed);
+}
+
+void LeaderAllReduce::watch() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  std::uint64_t watched = 0;  // an odd number: the stream is at that barrier's all-reduce
+  std::optional<Deadline> deadline;
+  while (!stop_ && failure_.empty()) {
+    // A few milliseconds of precision are enough for a timeout of seconds.
+    wake_.wait_for(lock, std::chrono::milliseconds(5));
+    if (stop_) return;
+    const std::uint64_t passed = __atomic_load_n(passed_.get(), __ATOMIC_ACQUIRE);
+    if (passed % 2 == 0) {
+      deadline.reset();
+      continue;
+    }
+    if (!deadline || passed != watched) {
+      watched = passed;
+      deadline.emplace(timeout_);
+      continue;
+    }
+    if (!deadline->expired()) continue;
+    std::vector<int> others;
+    for (int r : leaders_)
+      if (r != rank_) others.push_back(r);
+    failure_ = "rank " + std::to_string(rank_) + " (the leader of its node) waited " + describe_timeout(timeout_) +
+               " in barrier(stream) number " + std::to_string((watched + 1) / 2) +
+               " for the all-reduce among the node leaders; leader rank(s) " + rank_list(others) +
+               " did not come (late or dead); the leaders' NCCL communicator was aborted";
+    // Reported before the abort lets the stream go on: a caller that synchronises with the
+    // stream, then calls the Comm, must find the failure there.
+    if (on_failure_) on_failure_(failure_);
+    comm_.reset(true);
+    root_.reset(true);
+    return;
+  }
+}
+
+namespace {
+[[noreturn]] void raise(const std::string& what, const std::string& failure) {
+  throw Error(ErrorCode::Timeout, what + ": an earlier barrier(stream) across nodes timed out, and the node leaders' "
+                                         "NCCL communicator was aborted: " + failure);
+}
+}  // namespace
+
+void LeaderAllReduce::raise_failure(const std::string& what) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!failure_.empty()) raise(what, failure_);
+}
+
+void LeaderAllReduce::enqueue(cudaStream_t stream, const std::string& what) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!failure_.empty()) raise(what, failure_);
+  lib_->check(lib_->all_reduce(word_.get(), word_.get(), 1, NcclLibrary::kUint64, NcclLibrary::kSum, comm_.get(),
+                               stream),
+              "ncclAllReduce (barrier(stream) among the node leaders)", what);
+}
+
+std::string LeaderAllReduce::describe() const {
+  return "an NCCL " + lib_->version_text() + " all-reduce among the node leaders (ranks " + rank_list(leaders_) + ")";
+}
+
+}  // namespace meshmem::detail
