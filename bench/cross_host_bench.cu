@@ -4,9 +4,9 @@
 //   cross_host_put      meshmem-nccl (the nccl transport), meshmem-mpi (the mpi-device
 //                       transport: NCCL left out), nccl (raw ncclSend / ncclRecv, the same
 //                       sizes, one transfer after another on one stream)
-//   cross_host_barrier  meshmem-nccl (barrier(stream) + stream sync across nodes, where every
-//                       pair across nodes is nccl: hierarchical, the node leaders' NCCL
-//                       all-reduce), meshmem-mpi (the same where the routes are mpi-device: the
+//   cross_host_barrier  meshmem-nccl (barrier(stream) + stream sync across nodes, hierarchical:
+//                       the node leaders' NCCL all-reduce, MESHMEM_BARRIER_ACROSS_NODES=nccl
+//                       unless set), meshmem-mpi (the same where the routes are mpi-device: the
 //                       proxy thread's meeting over MPI), nccl (an all-reduce of one word +
 //                       sync); size 1: idle (one at a time), size 200: 200 back to back, then
 //                       one sync (latency per barrier)
@@ -125,7 +125,11 @@ int main(int argc, char** argv) {
   for (std::size_t b = 8; b <= max_bytes; b *= (b < (std::size_t{1} << 20) ? 8 : 4)) sizes.push_back(b);
   cudaStream_t s = nullptr;
   {
-    meshmem::Comm nccl_comm(MPI_COMM_WORLD);
+    // meshmem-nccl's barrier is the hierarchical one (the leaders' NCCL all-reduce) even where
+    // the ranks share a GPU, where `auto` would take the proxy's (meshmem-mpi's row).
+    meshmem::Options hierarchical = meshmem::Options::from_environment();
+    if (std::getenv("MESHMEM_BARRIER_ACROSS_NODES") == nullptr) hierarchical.set("MESHMEM_BARRIER_ACROSS_NODES", "nccl");
+    meshmem::Comm nccl_comm(MPI_COMM_WORLD, hierarchical);
     meshmem::Options mpi_only = meshmem::Options::from_environment();
     mpi_only.set("MESHMEM_TRANSPORTS", "ipc,staged,mpi-device,shm,mpi");
     meshmem::Comm mpi_comm(MPI_COMM_WORLD, mpi_only);
@@ -187,12 +191,12 @@ int main(int argc, char** argv) {
         CK(cudaStreamSynchronize(s));
       });
       record("cross_host_barrier", "nccl", 1, idle, -1);
-      // 200 back to back, one sync.
       idle = per_op_us(s, idle_iters, [&](int) {
         mpi_comm.barrier(s);
         CK(cudaStreamSynchronize(s));
       });
       record("cross_host_barrier", "meshmem-mpi", 1, idle, -1);
+      // 200 back to back, one sync.
       const double burst = per_op_us(s, 200, [&](int) { nccl_comm.barrier(s); });
       record("cross_host_barrier", "meshmem-nccl", 200, burst, -1);
       const double mburst = per_op_us(s, 200, [&](int) { mpi_comm.barrier(s); });

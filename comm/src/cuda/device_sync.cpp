@@ -68,6 +68,15 @@ void DeviceFaultRecord::raise(const std::string& where) {
       msg += "an earlier barrier(stream) waited for rank " + std::to_string(f.peer) + " (its barrier count is " +
              std::to_string(f.seen) + ", this rank was at barrier " + std::to_string(f.expected) + ")" + after;
       break;
+    case cuda::FaultKind::NodeBarrier:
+      // The hierarchical barrier's node kernels count two per barrier(stream).
+      msg += "an earlier barrier(stream) across nodes (barrier " + std::to_string((f.expected + 1) / 2) +
+             " of this rank), in its node part " + (f.expected % 2 == 1 ? "before" : "after") +
+             " the node leaders' all-reduce, waited for rank " + std::to_string(f.peer) +
+             " of this node (at barrier " + std::to_string((f.seen + 1) / 2) +
+             (f.expected % 2 == 0 ? "; if it leads this node, it waits for the leaders of other nodes" : "") + ")" +
+             after;
+      break;
     case cuda::FaultKind::Halo:
       msg += "the halos of exchange " + std::to_string(f.expected) + " from rank " + std::to_string(f.peer) +
              " did not arrive (its signal word is at exchange " + std::to_string(f.seen) + ", signals window #" +

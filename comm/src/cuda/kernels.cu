@@ -136,7 +136,8 @@ __global__ void ticket_wait_kernel(const std::uint64_t* word, std::uint64_t sequ
 }
 
 __global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
-                               int rank, int size, std::uint64_t* passed, WaitLimit limit, bool early) {
+                               int rank, int size, std::uint64_t* passed, FaultKind fault, WaitLimit limit,
+                               bool early) {
   __shared__ std::uint64_t epoch;
   after_previous_kernel(early);
   if (threadIdx.x == 0) {
@@ -144,6 +145,8 @@ __global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* 
     *counter = epoch;
   }
   __syncthreads();
+  if (passed != nullptr && (epoch & 1) == 0 && threadIdx.x == 0)
+    device::SignalWord(*passed).store(epoch, ::cuda::memory_order_release);
   // Earlier stream work is complete (stream order); the fence orders it before the flags.
   __threadfence_system();
   // A null entry: a rank the barrier leaves out (on another node).
@@ -152,9 +155,9 @@ __global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* 
       device::SignalWord(peer_flags[r][rank]).store(epoch, ::cuda::memory_order_release);
   for (int r = static_cast<int>(threadIdx.x); r < size; r += static_cast<int>(blockDim.x)) {
     if (r == rank || peer_flags[r] == nullptr) continue;
-    wait_word(my_flags + r, Cmp::GE, epoch, limit, FaultKind::Barrier, r, 0, static_cast<std::uint64_t>(r));
+    wait_word(my_flags + r, Cmp::GE, epoch, limit, fault, r, 0, static_cast<std::uint64_t>(r));
   }
-  if (passed == nullptr) return;
+  if (passed == nullptr || (epoch & 1) == 0) return;
   __syncthreads();
   if (threadIdx.x == 0) device::SignalWord(*passed).store(epoch, ::cuda::memory_order_release);
 }
@@ -237,11 +240,11 @@ bool early_launch_compiled() {
 }
 
 cudaError_t launch_barrier(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
-                           int rank, int size, std::uint64_t* passed, WaitLimit limit, cudaStream_t stream,
-                           bool early) {
+                           int rank, int size, std::uint64_t* passed, FaultKind fault, WaitLimit limit,
+                           cudaStream_t stream, bool early) {
   const unsigned threads = static_cast<unsigned>(std::min(1024, (size + 31) / 32 * 32));
-  return launch(barrier_kernel, 1, threads, stream, early, peer_flags, my_flags, counter, rank, size, passed, limit,
-                early);
+  return launch(barrier_kernel, 1, threads, stream, early, peer_flags, my_flags, counter, rank, size, passed, fault,
+                limit, early);
 }
 
 cudaError_t launch_halo(const Copy2D* table, int count, std::uint64_t largest, const HaloSync& sync, WaitLimit limit,

@@ -17,7 +17,7 @@ namespace meshmem::detail::cuda {
 // timed out; DeviceFaultRecord keeps its message). ProxyRelease: a captured barrier(stream)
 // across nodes that its proxy thread did not release in time.
 enum class FaultKind : unsigned {
-  None = 0, WaitUntil = 1, Barrier = 2, Halo = 3, Transfer = 4, HostBarrier = 5, ProxyRelease = 6
+  None = 0, WaitUntil = 1, Barrier = 2, Halo = 3, Transfer = 4, HostBarrier = 5, ProxyRelease = 6, NodeBarrier = 7
 };
 struct DeviceFault {
   unsigned claimed;
@@ -81,12 +81,14 @@ cudaError_t launch_ticket_wait(const std::uint64_t* word, std::uint64_t sequence
 // One block: takes this rank's next barrier number from *counter (device memory, advanced
 // by the kernel itself, so a graph replay takes a new one), stores it into word `rank` of
 // every peer's flags (peer_flags: device array of the peers' flag words; a null entry is a
-// rank the barrier leaves out), then waits until every peer's word here reaches it. Where
-// `passed` is not null (pinned host memory), the number is stored there once the waits end,
-// so that a host thread can see how far the stream has got.
+// rank the barrier leaves out), then waits until every peer's word here reaches it; a wait
+// that times out reports `fault`. Where `passed` is not null (pinned host memory), the number
+// is stored there so that a host thread can see where the stream is: an odd number once the
+// waits end, an even one as soon as the kernel starts (the hierarchical barrier's kernels
+// before and after its all-reduce: odd means the stream is at the all-reduce).
 cudaError_t launch_barrier(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
-                           int rank, int size, std::uint64_t* passed, WaitLimit limit, cudaStream_t stream,
-                           bool early);
+                           int rank, int size, std::uint64_t* passed, FaultKind fault, WaitLimit limit,
+                           cudaStream_t stream, bool early);
 
 // Runs `count` 2-D copies described by `table` (device memory) in one launch: blockIdx.y
 // picks the copy, 16-byte accesses where the copy's layout allows.

@@ -6,6 +6,7 @@
 
 #include "../backoff.hpp"
 #include "../bootstrap.hpp"
+#include "../log.hpp"
 #include "../topology.hpp"
 #include "meshmem/error.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
@@ -81,18 +82,25 @@ LeaderAllReduce::LeaderAllReduce(const CommContext& ctx, const NcclLibrary* lib,
     word_.reset(word);
     ipc::check_cuda(cudaMemset(word, 0, sizeof(std::uint64_t)), "cudaMemset", what);
 
+    // The split's child: NCCL writes it when its split job ends, also after a failure or an
+    // abort of the root, so it outlives that abort.
+    NcclCommHandle child = nullptr;
     // Every communicator made here is aborted if a step fails (a destroy would wait for a
-    // leader that may never come).
+    // leader that may never come): the root first, which ends its split job, then the child.
     struct AbortOnExit {
       LeaderAllReduce& self;
+      NcclCommHandle& child;
       bool kept = false;
       ~AbortOnExit() {
         if (kept) return;
-        self.comm_.reset(true);
         self.root_.reset(true);
+        if (self.comm_.get() == nullptr && child != nullptr) NcclComm(self.lib_, child).reset(true);
+        self.comm_.reset(true);
       }
-    } abort_on_exit{*this};
-    const Deadline deadline(timeout_);
+    } abort_on_exit{*this, child};
+    // Three quarters of the timeout: the node's other ranks wait for this step in the
+    // Bootstrap's agreement, bounded by the whole timeout; NCCL's message must come first.
+    const Deadline deadline(timeout_.count() > 0 ? std::max(timeout_ * 3 / 4, std::chrono::milliseconds(1)) : timeout_);
     NcclConfig nonblocking = NcclConfig::make(false, true);
     NcclCommHandle root = nullptr;
     const int rc = lib_->comm_init_rank_config(&root, static_cast<int>(leaders_.size()), all[leaders_.front()], index,
@@ -108,7 +116,6 @@ LeaderAllReduce::LeaderAllReduce(const CommContext& ctx, const NcclLibrary* lib,
     wait_until_settled(*lib_, root, deadline, "the first ncclAllReduce", leaders, what);
     wait_for_stream(stream.get(), deadline, "the first ncclAllReduce", leaders, what);
     NcclConfig blocking = NcclConfig::make(true, false);
-    NcclCommHandle child = nullptr;
     const int sp = lib_->comm_split(root, 0, index, &child, &blocking);
     if (sp != NcclLibrary::kInProgress) lib_->check(sp, "ncclCommSplit", what);
     wait_until_settled(*lib_, root, deadline, "ncclCommSplit", leaders, what);
@@ -126,24 +133,68 @@ LeaderAllReduce::LeaderAllReduce(const CommContext& ctx, const NcclLibrary* lib,
 }
 
 LeaderAllReduce::~LeaderAllReduce() {
-  // Streams may still be at an all-reduce: let them pass (the watchdog ends one that would
-  // never end). Graphs replayed later find the communicator gone.
-  if (leader_) (void)cudaDeviceSynchronize();
+  // The eager all-reduces are passed once the word is even and at twice their count (graph
+  // replays only add to it). Bounded: the watchdog ends an all-reduce within twice the
+  // timeout; the stream may also never get there (it waits for something else).
+  bool passed_all = true;
+  if (leader_) {
+    const Deadline deadline(timeout_.count() > 0 ? 2 * timeout_ + std::chrono::milliseconds(1000)
+                                                 : std::chrono::milliseconds(0));
+    Backoff backoff;
+    for (;;) {
+      const std::uint64_t passed = __atomic_load_n(passed_.get(), __ATOMIC_ACQUIRE);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!failure_.empty()) break;
+      }
+      if (passed % 2 == 0 && passed >= 2 * eager_) break;
+      if (deadline.expired()) {
+        passed_all = false;
+        break;
+      }
+      backoff.pause();
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
   }
   wake_.notify_all();
   if (watchdog_.joinable()) watchdog_.join();
-  const bool failed = !failure_.empty();
-  comm_.reset(failed);
-  root_.reset(failed);
+  if (comm_.get() == nullptr && root_.get() == nullptr) return;  // a failure released them
+  if (!passed_all) {
+    log(LogLevel::Warn, "barrier(stream) across nodes on rank " + std::to_string(rank_) +
+                            ": at ~Comm this rank's stream had not passed its last all-reduce among the node leaders "
+                            "within twice MESHMEM_TIMEOUT; the leaders' NCCL communicator is aborted");
+    release_detached(true);
+  } else if (captured_) {
+    release_detached(false);  // graphs that captured the all-reduce may still exist
+  } else {
+    comm_.reset(false);
+    root_.reset(false);
+  }
+}
+
+void LeaderAllReduce::release_detached(bool abort) {
+  std::thread([comm = std::move(comm_), root = std::move(root_), abort]() mutable {
+    comm.reset(abort);
+    root.reset(abort);
+  }).detach();
+}
+
+void LeaderAllReduce::fail(const std::string& failure) {
+  failure_ = failure;
+  // Reported before the abort lets the stream go on: a caller that synchronises with the
+  // stream, then calls the Comm, must find the failure there.
+  if (on_failure_) on_failure_(failure_);
+  release_detached(true);
 }
 
 void LeaderAllReduce::watch() {
   std::unique_lock<std::mutex> lock(mutex_);
   std::uint64_t watched = 0;  // an odd number: the stream is at that barrier's all-reduce
   std::optional<Deadline> deadline;
+  const std::chrono::milliseconds limit = 2 * timeout_;
   while (!stop_ && failure_.empty()) {
     // A few milliseconds of precision are enough for a timeout of seconds.
     wake_.wait_for(lock, std::chrono::milliseconds(5));
@@ -155,30 +206,24 @@ void LeaderAllReduce::watch() {
     }
     if (!deadline || passed != watched) {
       watched = passed;
-      deadline.emplace(timeout_);
+      deadline.emplace(limit);
       continue;
     }
     if (!deadline->expired()) continue;
     std::vector<int> others;
     for (int r : leaders_)
       if (r != rank_) others.push_back(r);
-    failure_ = "rank " + std::to_string(rank_) + " (the leader of its node) waited " + describe_timeout(timeout_) +
-               " in barrier(stream) number " + std::to_string((watched + 1) / 2) +
-               " for the all-reduce among the node leaders; leader rank(s) " + rank_list(others) +
-               " did not come (late or dead); the leaders' NCCL communicator was aborted";
-    // Reported before the abort lets the stream go on: a caller that synchronises with the
-    // stream, then calls the Comm, must find the failure there.
-    if (on_failure_) on_failure_(failure_);
-    comm_.reset(true);
-    root_.reset(true);
+    fail("rank " + std::to_string(rank_) + " (the leader of its node) waited " + describe_timeout(limit) +
+         " (twice MESHMEM_TIMEOUT) in barrier(stream) number " + std::to_string((watched + 1) / 2) +
+         " for the all-reduce among the node leaders; leader rank(s) " + rank_list(others) +
+         " did not come (late or dead); the leaders' NCCL communicator was aborted");
     return;
   }
 }
 
 namespace {
 [[noreturn]] void raise(const std::string& what, const std::string& failure) {
-  throw Error(ErrorCode::Timeout, what + ": an earlier barrier(stream) across nodes timed out, and the node leaders' "
-                                         "NCCL communicator was aborted: " + failure);
+  throw Error(ErrorCode::Timeout, what + ": an earlier barrier(stream) across nodes failed: " + failure);
 }
 }  // namespace
 
@@ -187,12 +232,24 @@ void LeaderAllReduce::raise_failure(const std::string& what) {
   if (!failure_.empty()) raise(what, failure_);
 }
 
-void LeaderAllReduce::enqueue(cudaStream_t stream, const std::string& what) {
+void LeaderAllReduce::enqueue(cudaStream_t stream, bool capturing, const std::string& what) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!failure_.empty()) raise(what, failure_);
-  lib_->check(lib_->all_reduce(word_.get(), word_.get(), 1, NcclLibrary::kUint64, NcclLibrary::kSum, comm_.get(),
-                               stream),
-              "ncclAllReduce (barrier(stream) among the node leaders)", what);
+  const int rc = lib_->all_reduce(word_.get(), word_.get(), 1, NcclLibrary::kUint64, NcclLibrary::kSum, comm_.get(),
+                                  stream);
+  if (rc != 0) {
+    // Raised here; later barriers raise it again (the communicator is gone).
+    const std::string failure = what + ": ncclAllReduce (barrier(stream) among the node leaders) failed: " +
+                                lib_->error_string(rc) + " (ncclResult_t " + std::to_string(rc) +
+                                "); the leaders' NCCL communicator was aborted";
+    failure_ = failure;
+    release_detached(true);
+    throw Error(ErrorCode::Cuda, failure);
+  }
+  if (capturing)
+    captured_ = true;
+  else
+    ++eager_;
 }
 
 std::string LeaderAllReduce::describe() const {

@@ -10,12 +10,23 @@
 //
 // NCCL's all-reduce waits forever for a leader that never comes. The node barrier's kernel
 // before the all-reduce stores an odd number into a pinned word once the stream reaches the
-// all-reduce, and the one after it the next (even) number; a watchdog thread aborts the
-// communicator when the word stayed odd for MESHMEM_TIMEOUT. The all-reduce then ends, the
-// stream goes on (so that no synchronisation hangs) and the Comm's next call raises Timeout,
-// naming the other leaders (which of them is late is not known to NCCL; with two nodes it is
-// the other one). The communicator is gone from then on: barriers raise that error, and graphs
-// captured with such a barrier must not be replayed.
+// all-reduce, and the one after it the next (even) number as it starts; a watchdog thread
+// aborts the communicator when the word stayed odd for twice MESHMEM_TIMEOUT (so that a node
+// barrier that waits for a dead rank of its node, bounded by the timeout, reports first and
+// names that rank). The all-reduce then ends, the stream goes on (so that no synchronisation
+// hangs) and the Comm's next call raises Timeout, naming the other leaders (which of them is
+// late is not known to NCCL; with two nodes it is the other one). The communicator is gone
+// from then on: this rank's barriers raise that error, and the node's other ranks time out
+// waiting for their leader.
+//
+// Since NCCL 2.26 an abort or destroy waits until every CUDA graph that captured an operation
+// of the communicator is destroyed; so communicators that may be held by graphs, or that a
+// failure left in any state, are aborted or destroyed by a detached thread, and neither the
+// watchdog nor ~Comm waits for the user's graphs.
+//
+// NCCL's rule for captured collectives holds for this barrier: a barrier(stream) captured into
+// a graph on one leader must be captured (and replayed) on every leader, not run eagerly on
+// some of them.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -39,12 +50,13 @@ namespace meshmem::detail {
 class LeaderAllReduce {
  public:
   // Collective over the Comm: every rank takes part in the agreement; only leaders make a
-  // communicator. `on_failure` hears the watchdog's message (from its thread).
+  // communicator. `on_failure` hears a failure's message (from the watchdog's thread too).
   LeaderAllReduce(const CommContext& ctx, const NcclLibrary* lib, std::function<void(const std::string&)> on_failure);
   LeaderAllReduce(const LeaderAllReduce&) = delete;
   LeaderAllReduce& operator=(const LeaderAllReduce&) = delete;
-  // Lets streams pass the all-reduces enqueued here (the watchdog still watches), then
-  // destroys the communicator (aborts it after a failure).
+  // Waits, bounded, for the streams to pass the all-reduces enqueued here (the watchdog still
+  // watches), then destroys the communicator; aborts it where one did not pass or a failure
+  // came first (a detached thread does, where graphs may hold it).
   ~LeaderAllReduce();
 
   bool leader() const { return leader_; }
@@ -53,13 +65,19 @@ class LeaderAllReduce {
   std::uint64_t* passed_word() const { return passed_device_; }
   // Raises the failure of an earlier all-reduce (the communicator is gone since).
   void raise_failure(const std::string& what);
-  // On a leader: the all-reduce on `stream` (captured too, if the stream captures). Raises
-  // the failure of an earlier one first.
-  void enqueue(cudaStream_t stream, const std::string& what);
+  // On a leader: the all-reduce on `stream` (captured too, where `capturing`). Raises the
+  // failure of an earlier one first; a failure of its own ends the communicator too.
+  void enqueue(cudaStream_t stream, bool capturing, const std::string& what);
   std::string describe() const;
 
  private:
   void watch();
+  // Under mutex_: records the failure, reports it, and hands the communicators to a detached
+  // thread that aborts them.
+  void fail(const std::string& failure);
+  // Hands the communicators to a detached thread that aborts (or destroys) them: NCCL may wait
+  // there for the user's graphs.
+  void release_detached(bool abort);
 
   struct FreeHost {
     void operator()(std::uint64_t* p) const noexcept { (void)cudaFreeHost(p); }
@@ -80,6 +98,8 @@ class LeaderAllReduce {
   NcclComm comm_;      // blocking: the all-reduces
   NcclComm root_;      // nonblocking, shares its resources with comm_
   std::string failure_;
+  bool captured_ = false;      // some all-reduce went into a graph
+  std::uint64_t eager_ = 0;    // all-reduces enqueued outside capture
   bool stop_ = false;
   std::thread watchdog_;
 };

@@ -54,13 +54,16 @@ const TuningKnob<AcrossNodes> kAcrossNodes{
     "device", "MESHMEM_BARRIER_ACROSS_NODES", AcrossNodes::Auto, parse_across, print_across,
     "`barrier(stream)` where ranks span nodes: `nccl` is hierarchical, all on the stream: the node's ranks meet "
     "in the barrier kernel, the node leaders (lowest rank of each node) run an ncclAllReduce of one word, and the "
-    "node's ranks meet again; a watchdog aborts the leaders' communicator after MESHMEM_TIMEOUT and the next call "
-    "names the other leaders. It needs every pair of ranks on different nodes routed through the nccl transport "
-    "and every node peer mapped or staged. `proxy` hands the barrier to a proxy thread that meets every rank over "
+    "node's ranks meet again; a watchdog aborts the leaders' communicator when the all-reduce did not end within "
+    "twice MESHMEM_TIMEOUT, and the next call names the other leaders (cross-node barriers fail from then on). It "
+    "needs every pair of ranks on different nodes routed through the nccl transport, and each node's peers all "
+    "mapped or all staged; a barrier captured into a graph on one leader must be captured on every leader "
+    "(NCCL's rule). `proxy` hands the barrier to a proxy thread that meets every rank over "
     "MPI once the stream reaches it (cudaLaunchHostFunc) and releases the stream through a pinned host word; "
     "captured into a graph, a host node hands each replay's barrier to that proxy and a one-thread kernel waits for "
-    "its release. Neither blocks the host; both are capturable. `auto` = `nccl` where it can be used, else "
-    "`proxy`"};
+    "its release. Neither blocks the host; both are capturable. `auto` = `nccl` where it can be used and no rank's "
+    "GPU is shared with another rank (there NCCL's spinning kernel holds the time-sliced GPU from the ranks it "
+    "waits for: 4.7 ms per barrier against 48 us on 1 x H100), else `proxy`"};
 
 std::string where(const Topology& topo) { return "comm.barrier(stream) on rank " + std::to_string(topo.rank); }
 
@@ -108,9 +111,13 @@ class ProxyBarrier final : public StreamBarrier {
 // word here reaches it. Flags only grow: nothing is reset.
 class FlagWords {
  public:
-  FlagWords(const Topology& topo, const BarrierContext& bctx)
-      : topo_(topo), window_(bctx.alloc_signals(static_cast<std::size_t>(topo.size) * sizeof(std::uint64_t))) {}
+  FlagWords(const Topology& topo, const BarrierContext& bctx) : FlagWords(topo, alloc_flags(topo, bctx)) {}
+  FlagWords(const Topology& topo, std::shared_ptr<WindowState> window) : topo_(topo), window_(std::move(window)) {}
   explicit FlagWords(const Topology& topo) : topo_(topo) {}  // the flags live elsewhere
+  // Collective over the Comm.
+  static std::shared_ptr<WindowState> alloc_flags(const Topology& topo, const BarrierContext& bctx) {
+    return bctx.alloc_signals(static_cast<std::size_t>(topo.size) * sizeof(std::uint64_t));
+  }
   std::uint64_t next() { return ++epoch_; }
 
  protected:
@@ -165,9 +172,19 @@ class FlagBarrier final : public StreamBarrier, FlagWords {
 class KernelBarrier final : public StreamBarrier, FlagWords {
  public:
   KernelBarrier(const Topology& topo, const BarrierContext& bctx, const CudaDeviceRuntime& device)
-      : FlagWords(topo, bctx), limit_(device.wait_limit()), early_(device.early_launch()), sequence_("barrier(stream) setup") {
+      : KernelBarrier(topo, alloc_flags(topo, bctx), device) {}
+  // Flags in `window` (alloc_flags).
+  KernelBarrier(const Topology& topo, std::shared_ptr<WindowState> window, const CudaDeviceRuntime& device)
+      : FlagWords(topo, std::move(window)), limit_(device.wait_limit()), early_(device.early_launch()),
+        sequence_("barrier(stream) setup") {
     peer_flags_ = static_cast<std::uint64_t* const*>(window_->device_peer_table);
     my_flags_ = static_cast<std::uint64_t*>(window_->local);
+    make_counter();
+  }
+  // A rank alone on its node (the hierarchical barrier's node part): no flags, a counter only.
+  KernelBarrier(const Topology& topo, const CudaDeviceRuntime& device)
+      : FlagWords(topo), limit_(device.wait_limit()), early_(device.early_launch()), sequence_("barrier(stream) setup") {
+    peer_flags_ = device_array(table_, std::vector<std::uint64_t*>(static_cast<std::size_t>(topo.size), nullptr), where(topo));
     make_counter();
   }
   KernelBarrier(const Topology& topo, const StagedTransport& pool, const CudaDeviceRuntime& device)
@@ -182,13 +199,20 @@ class KernelBarrier final : public StreamBarrier, FlagWords {
     const char* call = "comm.barrier(stream)";
     sequence_.before(stream, capturing, call, topo_.rank);
     const cudaError_t rc = cuda::launch_barrier(peer_flags_, my_flags_, static_cast<std::uint64_t*>(counter_.get()),
-                                                topo_.rank, topo_.size, passed_, limit_, stream, early_);
+                                                topo_.rank, topo_.size, passed_, fault_, limit_, stream, early_);
     if (rc != cudaSuccess) ipc::check_cuda(rc, "barrier kernel launch", where(topo_));
     sequence_.after(stream, capturing, call, topo_.rank);
   }
-  std::string describe() const override { return window_ ? "kernel" : "kernel (flags in the staging pool)"; }
-  // Each kernel stores its barrier number there (pinned host memory) once its waits end.
-  void publish_to(std::uint64_t* passed) { passed_ = passed; }
+  std::string describe() const override {
+    return window_ ? "kernel" : my_flags_ ? "kernel (flags in the staging pool)" : "kernel (alone on its node)";
+  }
+  // The node part of the hierarchical barrier: each kernel stores its number into `passed`
+  // (pinned host memory; null on ranks that do not lead their node), and a timed-out wait
+  // reports itself as such.
+  void as_node_part(std::uint64_t* passed) {
+    passed_ = passed;
+    fault_ = cuda::FaultKind::NodeBarrier;
+  }
 
  private:
   void make_counter() {
@@ -205,6 +229,7 @@ class KernelBarrier final : public StreamBarrier, FlagWords {
   std::uint64_t* const* peer_flags_ = nullptr;
   std::uint64_t* my_flags_ = nullptr;
   std::uint64_t* passed_ = nullptr;
+  cuda::FaultKind fault_ = cuda::FaultKind::Barrier;
 };
 
 // Across nodes, all on the stream: the node's ranks meet in the barrier kernel (flags only
@@ -216,13 +241,22 @@ class HierarchicalBarrier final : public StreamBarrier {
  public:
   HierarchicalBarrier(const Topology& topo, std::unique_ptr<KernelBarrier> node, std::unique_ptr<LeaderAllReduce> leaders)
       : topo_(topo), node_(std::move(node)), leaders_(std::move(leaders)) {
-    node_->publish_to(leaders_->passed_word());  // the leader's watchdog sees where its stream is
+    node_->as_node_part(leaders_->passed_word());  // the leader's watchdog sees where its stream is
   }
   void arrive(Stream stream, bool capturing) override {
     const bool leader = leaders_->leader();
     if (leader) leaders_->raise_failure(where(topo_));  // before anything is enqueued
     node_->arrive(stream, capturing);
-    if (leader) leaders_->enqueue(static_cast<cudaStream_t>(stream), where(topo_));
+    if (leader) {
+      try {
+        leaders_->enqueue(static_cast<cudaStream_t>(stream), capturing, where(topo_));
+      } catch (...) {
+        // The node kernels stay paired (the node peers' second kernel is matched, and the
+        // numbers keep their parity); the all-reduce failed, and the error says so.
+        node_->arrive(stream, capturing);
+        throw;
+      }
+    }
     node_->arrive(stream, capturing);
   }
   std::string describe() const override {
@@ -342,7 +376,8 @@ std::unique_ptr<StreamBarrier> make_hierarchical_barrier(const CommContext& ctx,
   const std::string what = "meshmem::Comm (barrier setup)";
   const Topology& topo = ctx.topo;
   const AcrossNodes asked = kAcrossNodes.get(ctx.options);
-  // Why this rank cannot take part ("" if it can); node peers are all mapped or all staged.
+  // Why this rank cannot take part ("" if it can). Its node part: flags mapped between the
+  // node's ranks, flags in the staging pool (some node peer is staged), or none (alone).
   std::string why;
   const StagedTransport* staged = nullptr;
   bool mapped = false;
@@ -352,8 +387,8 @@ std::unique_ptr<StreamBarrier> make_hierarchical_barrier(const CommContext& ctx,
     const std::string peer = "rank " + std::to_string(r);
     if (!topo.same_node(r)) {
       if (t == nullptr || t->kind() != TransportKind::Nccl)
-        why = peer + " is on another node and reached " + (t ? "through " + std::string(to_string(t->kind())) : "by no device route") +
-              ", not nccl";
+        why = peer + " is on another node and reached " +
+              (t ? "through " + std::string(to_string(t->kind())) : std::string("by no device route")) + ", not nccl";
       else if (static_cast<const NcclTransport*>(t)->library() == nullptr)
         why = "the nccl transport is not connected here";
     } else if (t != nullptr && t->kind() == TransportKind::Staged) {
@@ -364,34 +399,43 @@ std::unique_ptr<StreamBarrier> make_hierarchical_barrier(const CommContext& ctx,
       why = peer + " is on this node and its GPU memory is neither mapped nor staged";
     }
   }
-  if (why.empty() && staged != nullptr && mapped) why = "some node peers are mapped and others staged";
+  if (why.empty() && staged != nullptr && mapped) why = "some of this node's ranks are mapped here and others staged";
   if (why.empty() && staged != nullptr && !staged->has_pool()) why = "the staged transport has no pool here";
+  // A GPU that ranks share is time-sliced between them: NCCL's all-reduce kernel spins on it
+  // and holds it from the very ranks it waits for (1 x H100, two simulated nodes: 4.7 ms per
+  // all-reduce against 48 us for the proxy's meeting, bench/results/2026-11-24-*-cross-host-*).
+  bool time_sliced = false;
+  for (int r = 0; r < topo.size; ++r)
+    time_sliced = time_sliced || (r != topo.rank && topo.host_of[r] == topo.host_of[topo.rank] &&
+                                  device.bus_ids()[r] == device.bus_ids()[topo.rank]);
+  if (why.empty() && asked == AcrossNodes::Auto && time_sliced)
+    why = "this rank's GPU is shared with other ranks (time-sliced: NCCL's all-reduce kernel would hold it from the "
+          "ranks it waits for; MESHMEM_BARRIER_ACROSS_NODES=nccl uses it all the same)";
   if (asked == AcrossNodes::Proxy) why = "MESHMEM_BARRIER_ACROSS_NODES=proxy";
-  // 2: some rank cannot; 1: all can, some node's flags are staged; 0: all can, mapped flags.
-  const std::uint64_t mine = !why.empty() ? 2 : staged != nullptr ? 1 : 0;
-  const std::uint64_t worst = ctx.boot.allreduce_max(mine, what);
-  const std::uint64_t any_mapped = ctx.boot.allreduce_max(mine == 0 ? 1 : 0, what);
-  if (worst == 1 && any_mapped == 1) why = "some nodes' ranks are mapped to each other and others staged";
-  else if (worst == 2 && why.empty()) why = "another rank cannot take part (its log says why)";
-  if (!why.empty()) {
-    if (asked == AcrossNodes::Nccl)
-      throw Error(ErrorCode::Unsupported, where(topo) + ": MESHMEM_BARRIER_ACROSS_NODES=nccl cannot be used: " + why);
-    if (asked == AcrossNodes::Auto)
-      log(LogLevel::Info, "barrier(stream) across nodes: not hierarchical over NCCL on rank " +
-                              std::to_string(topo.rank) + ": " + why);
-    return nullptr;
+  if (!ctx.boot.allreduce_max(why.empty() ? 0 : 1, what)) {
+    // Every rank takes part. The mapped flags are a window of the whole Comm: made by every
+    // rank where some rank uses them.
+    std::shared_ptr<WindowState> flags;
+    if (ctx.boot.allreduce_max(mapped ? 1 : 0, what)) flags = FlagWords::alloc_flags(topo, bctx);
+    auto node = mapped    ? std::make_unique<KernelBarrier>(topo, flags, device)
+                : staged  ? std::make_unique<KernelBarrier>(topo, *staged, device)
+                          : std::make_unique<KernelBarrier>(topo, device);
+    const NcclLibrary* lib = nullptr;
+    for (const Transport* t : bctx.connected)
+      if (t->kind() == TransportKind::Nccl) lib = static_cast<const NcclTransport*>(t)->library();
+    auto leaders = std::make_unique<LeaderAllReduce>(
+        ctx, lib, [&device](const std::string& failure) { device.report_barrier_failure(failure); });
+    log(LogLevel::Info, "barrier(stream) across nodes: hierarchical (node kernel, the leaders' NCCL all-reduce, node "
+                        "kernel)");
+    return std::make_unique<HierarchicalBarrier>(topo, std::move(node), std::move(leaders));
   }
-  const NcclLibrary* lib = nullptr;
-  for (const Transport* t : bctx.connected)
-    if (t->kind() == TransportKind::Nccl) lib = static_cast<const NcclTransport*>(t)->library();
-  // Every rank makes the node kernel the same way (the mapped flags are a collective window).
-  auto node = worst == 1 ? std::make_unique<KernelBarrier>(topo, *staged, device)
-                         : std::make_unique<KernelBarrier>(topo, bctx, device);
-  auto leaders = std::make_unique<LeaderAllReduce>(
-      ctx, lib, [&device](const std::string& failure) { device.report_barrier_failure(failure); });
-  log(LogLevel::Info, "barrier(stream) across nodes: hierarchical (node kernel, the leaders' NCCL all-reduce, node "
-                      "kernel)");
-  return std::make_unique<HierarchicalBarrier>(topo, std::move(node), std::move(leaders));
+  if (why.empty()) why = "another rank cannot take part (MESHMEM_LOG_LEVEL=info there says why)";
+  if (asked == AcrossNodes::Nccl)
+    throw Error(ErrorCode::Unsupported, where(topo) + ": MESHMEM_BARRIER_ACROSS_NODES=nccl cannot be used: " + why);
+  if (asked == AcrossNodes::Auto)
+    log(LogLevel::Info, "barrier(stream) across nodes: not hierarchical over NCCL on rank " + std::to_string(topo.rank) +
+                            ": " + why);
+  return nullptr;
 }
 
 }  // namespace
