@@ -32,7 +32,7 @@ for mutant in ${MUTANTS:-kernel meeting event proxy leaders watchdog early}; do
     proxy) f=$m/comm/src/cuda/stream_barrier_proxy.cpp
            sed -i 's/      boot_.arrive("comm.barrier(stream)");/      (void)0;/' $f
            filter='*AcrossNodes*'; env=(MESHMEM_SIMULATE_NODES=2 MESHMEM_BARRIER_ACROSS_NODES=proxy) ;;
-    leaders) sed -i 's/    if (leader) leaders_->enqueue(static_cast<cudaStream_t>(stream), where(topo_));/    (void)0;/' $f
+    leaders) sed -i 's/        leaders_->enqueue(static_cast<cudaStream_t>(stream), capturing, where(topo_));/        (void)0;/' $f
              filter='*BarrierAcrossNodes*'; env=(MESHMEM_SIMULATE_NODES=2 MESHMEM_BARRIER_ACROSS_NODES=nccl) ;;
     watchdog) f=$m/comm/src/cuda/leader_all_reduce.cpp
               sed -i 's/  if (leader_ \&\& timeout_.count() > 0) watchdog_ = /  if (false) watchdog_ = /' $f

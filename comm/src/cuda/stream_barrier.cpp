@@ -404,6 +404,7 @@ std::unique_ptr<StreamBarrier> make_hierarchical_barrier(const CommContext& ctx,
   // A GPU that ranks share is time-sliced between them: NCCL's all-reduce kernel spins on it
   // and holds it from the very ranks it waits for (1 x H100, two simulated nodes: 4.7 ms per
   // all-reduce against 48 us for the proxy's meeting, bench/results/2026-11-24-*-cross-host-*).
+  // (Ranks of other simulated nodes count here, unlike in CudaDeviceRuntime's shared GPU.)
   bool time_sliced = false;
   for (int r = 0; r < topo.size; ++r)
     time_sliced = time_sliced || (r != topo.rank && topo.host_of[r] == topo.host_of[topo.rank] &&
