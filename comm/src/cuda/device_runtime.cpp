@@ -134,6 +134,15 @@ CurrentDevice::~CurrentDevice() {
   if (previous_ >= 0 && now != previous_) (void)cudaSetDevice(previous_);
 }
 
+bool stream_ends_by(cudaStream_t stream, const Deadline& deadline, const char* call, const std::string& what) {
+  Backoff backoff;
+  cudaError_t q;
+  while ((q = cudaStreamQuery(stream)) == cudaErrorNotReady && !deadline.expired()) backoff.pause();
+  if (q == cudaErrorNotReady) return false;
+  ipc::check_cuda(q, call, what);
+  return true;
+}
+
 OwnedStream::OwnedStream(const std::string& what) {
   ipc::check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", what);
 }

@@ -54,6 +54,12 @@ class CurrentDevice {
   int previous_ = -1;
 };
 
+class Deadline;
+
+// Whether every piece of work on `stream` ended before `deadline` (polled with a backoff); a
+// CUDA error of the stream raises Error(Cuda) naming `call`.
+bool stream_ends_by(cudaStream_t stream, const Deadline& deadline, const char* call, const std::string& what);
+
 class OwnedStream {
  public:
   explicit OwnedStream(const std::string& what);

@@ -15,6 +15,13 @@ namespace meshmem::detail {
 
 namespace {
 
+// A step among the leaders that did not end within `deadline`.
+Error leaders_late(const char* step, const Deadline& deadline, const std::string& leaders, const std::string& what) {
+  return Error(ErrorCode::Timeout, what + ": " + step + " among the node leaders (ranks " + leaders +
+                                       ") did not end within " + describe_timeout(deadline.timeout()) +
+                                       ": a leader is late or dead; the communicator is aborted");
+}
+
 // Waits until `comm` (nonblocking) has no work in progress, bounded by `deadline`.
 void wait_until_settled(const NcclLibrary& lib, NcclCommHandle comm, const Deadline& deadline, const char* step,
                         const std::string& leaders, const std::string& what) {
@@ -24,24 +31,14 @@ void wait_until_settled(const NcclLibrary& lib, NcclCommHandle comm, const Deadl
     lib.check(lib.comm_get_async_error(comm, &state), "ncclCommGetAsyncError", what);
     if (state == 0) return;
     if (state != NcclLibrary::kInProgress) lib.check(state, step, what);
-    if (deadline.expired())
-      throw Error(ErrorCode::Timeout, what + ": " + step + " among the node leaders (ranks " + leaders +
-                                          ") did not end within " + describe_timeout(deadline.timeout()) +
-                                          ": a leader is late or dead; the communicator is aborted");
+    if (deadline.expired()) throw leaders_late(step, deadline, leaders, what);
     backoff.pause();
   }
 }
 
 void wait_for_stream(cudaStream_t stream, const Deadline& deadline, const char* step, const std::string& leaders,
                      const std::string& what) {
-  Backoff backoff;
-  cudaError_t q;
-  while ((q = cudaStreamQuery(stream)) == cudaErrorNotReady && !deadline.expired()) backoff.pause();
-  if (q == cudaErrorNotReady)
-    throw Error(ErrorCode::Timeout, what + ": " + step + " among the node leaders (ranks " + leaders +
-                                        ") did not end within " + describe_timeout(deadline.timeout()) +
-                                        ": a leader is late or dead; the communicator is aborted");
-  ipc::check_cuda(q, "cudaStreamQuery", what);
+  if (!stream_ends_by(stream, deadline, "cudaStreamQuery", what)) throw leaders_late(step, deadline, leaders, what);
 }
 
 }  // namespace

@@ -302,16 +302,11 @@ void NcclTransport::connect(const std::vector<bool>& routed) {
     wait_for_nccl(*lib_, handles, peers, deadline, "connection", what);
     for (std::size_t i = 0; i < peers.size(); ++i) {
       PeerStreams& p = streams[peers[i]];
-      for (cudaStream_t st : {p.out->get(), p.in->get()}) {
-        Backoff backoff;
-        cudaError_t q;
-        while ((q = cudaStreamQuery(st)) == cudaErrorNotReady && !deadline.expired()) backoff.pause();
-        if (q == cudaErrorNotReady)
+      for (cudaStream_t st : {p.out->get(), p.in->get()})
+        if (!stream_ends_by(st, deadline, "cudaStreamQuery (connection)", what))
           throw Error(ErrorCode::Timeout, what + ": NCCL's first transfer with rank " + std::to_string(peers[i]) +
                                               " did not end within " + describe_timeout(deadline.timeout()) +
                                               "; its communicators are aborted");
-        ipc::check_cuda(q, "cudaStreamQuery (connection)", what);
-      }
     }
     NcclConfig blocking = NcclConfig::make(true, false);
     lib_->check(lib_->group_start(), "ncclGroupStart", what);
