@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <meshmem/meshmem.hpp>
 #include <thread>
+#include <utility>
 
 #include "mpi_test.hpp"
 
@@ -51,28 +52,47 @@ constexpr std::chrono::milliseconds kLateBy{3000};  // well past kShortTimeout
 
 std::string describe(std::chrono::milliseconds t) { return std::to_string(t.count()) + " ms"; }
 
-// The construction is bounded by the short timeout too: on a machine loaded enough that one
-// rank's construction times out (seen in CI twice: that rank left the test while the others
-// sat in a collective until the watchdog), the ranks agree on it over plain MPI and try again,
-// so every rank gets a Comm or every rank fails alike.
-Comm comm_with_short_timeout() {
+// A Comm bounded by the short timeout and what the test makes with it before its fault (a
+// window, signals), on every rank, or every rank tries again. On a loaded machine a step
+// bounded by the short timeout can expire on one rank (seen in CI: the construction twice, and
+// an alloc's MPI_Iallgather across two namespace hosts); that rank then left the test while
+// the others sat in a collective until the watchdog. The ranks agree over plain MPI instead,
+// so every rank gets its Comm or every rank fails alike.
+template <class Made>
+struct QuickComm {
+  Comm comm;
+  Made made;  // destroyed before the Comm it belongs to
+};
+
+struct Nothing {};
+
+template <class Make>
+auto comm_with_short_timeout(Make make) -> QuickComm<decltype(make(std::declval<Comm&>()))> {
+  using Result = QuickComm<decltype(make(std::declval<Comm&>()))>;
   for (int attempt = 1;; ++attempt) {
     MPI_Barrier(MPI_COMM_WORLD);
-    std::unique_ptr<Comm> made;
+    std::unique_ptr<Result> made;
     std::string why;
     try {
-      made = std::make_unique<Comm>(MPI_COMM_WORLD, options_with_timeout(kShortTimeout));
+      Comm c(MPI_COMM_WORLD, options_with_timeout(kShortTimeout));
+      auto m = make(c);
+      made = std::make_unique<Result>(Result{std::move(c), std::move(m)});
     } catch (const Error& e) {
       why = e.what();
     }
     int ok = made ? 1 : 0, all = 0;
     MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
     if (all) return std::move(*made);
-    made.reset();  // its teardown times out on the ranks that did not make theirs; bounded
+    made.reset();  // its teardown times out on the ranks whose step failed; bounded
     if (attempt == 3)
-      throw Error(ErrorCode::Timeout, "a Comm with a " + describe(kShortTimeout) + " timeout could not be made on every rank in 3 tries" +
+      throw Error(ErrorCode::Timeout, "a Comm with a " + describe(kShortTimeout) +
+                                          " timeout and its setup could not be made on every rank in 3 tries" +
                                           (why.empty() ? "" : ": " + why));
   }
+}
+
+Comm comm_with_short_timeout() {
+  return std::move(comm_with_short_timeout([](Comm&) { return Nothing{}; }).comm);
 }
 
 }  // namespace
@@ -256,8 +276,9 @@ TEST_F(Errors, MismatchedSettingsFailOnEveryRank) {
 }
 
 TEST_F(Errors, WaitUntilTimesOut) {
-  Comm quick = comm_with_short_timeout();
-  Signals sig = quick.alloc_signals(4, Memory::Host);
+  auto setup = comm_with_short_timeout([](Comm& c) { return c.alloc_signals(4, Memory::Host); });
+  Comm& quick = setup.comm;
+  Signals& sig = setup.made;
   const auto t0 = std::chrono::steady_clock::now();
   expect_error([&] { quick.wait_until(sig, 3, Cmp::GE, 7); }, ErrorCode::Timeout,
                {"comm.wait_until", "signal 3 is 0", ">= 7", "after 1 s"});
@@ -286,8 +307,8 @@ TEST_F(Errors, BarrierTimeoutNamesMissingRank) {
 // freed on this rank all the same (local parts released, as ~Comm does), so that neither a
 // second free nor the destructor waits for the peer again.
 TEST_F(Errors, FreeThatTimesOutLeavesTheWindowFreed) {
-  Comm quick = comm_with_short_timeout();
-  Window win = quick.alloc(4096, Memory::Host);
+  auto setup = comm_with_short_timeout([](Comm& c) { return c.alloc(4096, Memory::Host); });
+  Window& win = setup.made;
   const int late = n - 1;
   MPI_Barrier(MPI_COMM_WORLD);  // late relative to a common start, not to leaving alloc
   if (me == late) std::this_thread::sleep_for(kLateBy);
