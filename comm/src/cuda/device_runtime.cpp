@@ -34,7 +34,11 @@ const TuningKnob<StreamWait> kStreamWait{
     "`wait_until` cannot time out; a transfer is still ended at the timeout, by the staging agent or by the proxy "
     "thread's watchdog; staged transfers through a hidden peer's channel keep the kernel, as only that peer "
     "ends them); `auto` = `kernel`, or `memop` where this rank's GPU is shared (a polling kernel would "
-    "hold the time-sliced GPU from the ranks it waits for)"};
+    "hold the time-sliced GPU from the ranks it waits for). Known limitation of `memop`: a memop wait holds its "
+    "GPU queue, which the staging agent's and the proxy's streams of the same process may share "
+    "(CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), until its word changes; with staged, nccl or mpi-device routes "
+    "a transfer can then never start (seen once on 1 x H100; CUDA_DEVICE_MAX_CONNECTIONS=32, set before CUDA "
+    "starts, avoided it there)"};
 
 enum class EarlyLaunch { Auto, Off };
 constexpr std::pair<const char*, EarlyLaunch> kEarlyLaunches[] = {{"auto", EarlyLaunch::Auto}, {"off", EarlyLaunch::Off}};
