@@ -15,6 +15,7 @@
 using namespace meshmem;
 using meshmem::test::first_not;
 using meshmem::test::kPoison;
+using meshmem::test::made_on_every_rank;
 
 namespace {
 
@@ -56,8 +57,7 @@ std::string describe(std::chrono::milliseconds t) { return std::to_string(t.coun
 // window, signals), on every rank, or every rank tries again. On a loaded machine a step
 // bounded by the short timeout can expire on one rank (seen in CI: the construction twice, and
 // an alloc's MPI_Iallgather across two namespace hosts); that rank then left the test while
-// the others sat in a collective until the watchdog. The ranks agree over plain MPI instead,
-// so every rank gets its Comm or every rank fails alike.
+// the others sat in a collective until the watchdog (made_on_every_rank).
 template <class Made>
 struct QuickComm {
   Comm comm;
@@ -69,26 +69,19 @@ struct Nothing {};
 template <class Make>
 auto comm_with_short_timeout(Make make) -> QuickComm<decltype(make(std::declval<Comm&>()))> {
   using Result = QuickComm<decltype(make(std::declval<Comm&>()))>;
-  for (int attempt = 1;; ++attempt) {
-    MPI_Barrier(MPI_COMM_WORLD);
-    std::unique_ptr<Result> made;
-    std::string why;
-    try {
-      Comm c(MPI_COMM_WORLD, options_with_timeout(kShortTimeout));
-      auto m = make(c);
-      made = std::make_unique<Result>(Result{std::move(c), std::move(m)});
-    } catch (const Error& e) {
-      why = e.what();
-    }
-    int ok = made ? 1 : 0, all = 0;
-    MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-    if (all) return std::move(*made);
-    made.reset();  // its teardown times out on the ranks whose step failed; bounded
-    if (attempt == 3)
-      throw Error(ErrorCode::Timeout, "a Comm with a " + describe(kShortTimeout) +
-                                          " timeout and its setup could not be made on every rank in 3 tries" +
-                                          (why.empty() ? "" : ": " + why));
-  }
+  std::string why;
+  auto made = made_on_every_rank<Error>(
+      [&] {
+        Comm c(MPI_COMM_WORLD, options_with_timeout(kShortTimeout));
+        auto m = make(c);
+        return Result{std::move(c), std::move(m)};
+      },
+      3, &why);
+  if (!made)
+    throw Error(ErrorCode::Timeout, "a Comm with a " + describe(kShortTimeout) +
+                                        " timeout and its setup could not be made on every rank in 3 tries" +
+                                        (why.empty() ? "" : ": " + why));
+  return std::move(*made);
 }
 
 Comm comm_with_short_timeout() {

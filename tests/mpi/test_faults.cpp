@@ -35,6 +35,7 @@ using meshmem::detail::faults_taken;
 using meshmem::test::first_difference;
 using meshmem::test::first_not;
 using meshmem::test::kPoison;
+using meshmem::test::made_on_every_rank;
 using meshmem::test::pattern;
 
 namespace {
@@ -86,25 +87,12 @@ std::string expect_error(F&& f, std::initializer_list<ErrorCode> codes, std::ini
 // timeout can expire on a loaded machine, and ranks that parted ways there would hang in
 // different collectives. Only for Comms whose faults lie after the construction.
 std::unique_ptr<Comm> comm_everywhere(const Options& o) {
-  for (int attempt = 1;; ++attempt) {
-    MPI_Barrier(MPI_COMM_WORLD);
-    std::unique_ptr<Comm> made;
-    std::string why;
-    try {
-      made = std::make_unique<Comm>(MPI_COMM_WORLD, o);
-    } catch (const Error& e) {
-      why = e.what();
-    }
-    int ok = made ? 1 : 0, all = 0;
-    MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-    if (all) return made;
-    made.reset();  // its teardown times out where a peer has none; bounded
-    if (attempt == 3) {
-      ADD_FAILURE() << "a Comm with a " << kTimeout.count() << " ms timeout could not be made on every rank in 3 tries"
-                    << (why.empty() ? "" : ": " + why);
-      return nullptr;
-    }
-  }
+  std::string why;
+  auto made = made_on_every_rank<Error>([&] { return Comm(MPI_COMM_WORLD, o); }, 3, &why);
+  if (!made)
+    ADD_FAILURE() << "a Comm with a " << kTimeout.count() << " ms timeout could not be made on every rank in 3 tries"
+                  << (why.empty() ? "" : ": " + why);
+  return made;
 }
 
 // Waits until `counter(point)` (faults_taken, faults_over) reaches `count` (bounded); false if

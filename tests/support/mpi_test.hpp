@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -80,6 +81,31 @@ inline long long first_not(const void* a, unsigned char value, std::size_t bytes
   for (std::size_t i = 0; i < bytes; ++i)
     if (x[i] != value) return static_cast<long long>(i);
   return -1;
+}
+
+// `make()` on every rank, or every rank tries again, up to `tries` times; null on every rank
+// after the last (`why`: this rank's last Failure). For setup steps bounded by a short timeout
+// (a Comm's construction, its first alloc): on a loaded machine such a step can expire on one
+// rank, and ranks that parted ways there would hang in different collectives, so they agree
+// over plain MPI instead. What a failed try made on the other ranks is torn down before the
+// next (its teardown times out where a peer has none; bounded).
+template <class Failure, class Make>
+auto made_on_every_rank(Make make, int tries, std::string* why) -> std::unique_ptr<decltype(make())> {
+  for (int attempt = 1;; ++attempt) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    why->clear();
+    std::unique_ptr<decltype(make())> made;
+    try {
+      made = std::make_unique<decltype(make())>(make());
+    } catch (const Failure& e) {
+      *why = e.what();
+    }
+    int ok = made ? 1 : 0, all = 0;
+    MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    if (all) return made;
+    made.reset();
+    if (attempt == tries) return nullptr;
+  }
 }
 
 // Open descriptors of this process (for leak checks).
