@@ -37,6 +37,12 @@ if(MESHMEM_HAVE_CUDA)
   add_executable(staging_memory_lab staging_memory_lab.cu)
   target_link_libraries(staging_memory_lab PRIVATE meshmem::meshmem)
 endif()
+# queue_lab: does a waiting stream hold back another stream's work (the study behind
+# comm/src/cuda/gpu_queues.hpp)? CUDA only, no meshmem.
+if(MESHMEM_HAVE_CUDA)
+  add_executable(queue_lab queue_lab.cu)
+  target_link_libraries(queue_lab PRIVATE CUDA::cuda_driver CUDA::cudart ${CMAKE_DL_LIBS})
+endif()
 # staged_bench: the staged transport (forced with MESHMEM_TRANSPORTS=staged,shm,mpi) against
 # D2H / H2D copies and the driver's host-staged cudaMemcpyPeerAsync (bench/README.md).
 if(MESHMEM_HAVE_CUDA)

@@ -213,6 +213,15 @@ void CommImpl::select_transports() {
   std::vector<Transport*> tried;
   for (const auto& t : made) tried.push_back(t.get());
   routes = std::make_unique<RouteTable>(tried, left_out, topo.size);
+  if (device) {
+    for (int r = 0; r < topo.size; ++r) {
+      const Transport* t = routes->find(r, Memory::Device);
+      if (r != topo.rank && t != nullptr && t->capabilities().own_streams) {
+        device->note_own_stream_route("rank " + std::to_string(r) + " through " + std::string(to_string(t->kind())));
+        break;
+      }
+    }
+  }
   for (auto& t : made) {
     const std::vector<bool> routed = routes->ranks_through(t.get());
     const bool any = std::find(routed.begin(), routed.end(), true) != routed.end();

@@ -112,6 +112,10 @@ class DeviceRuntime {
   virtual void retire_all(const std::vector<WindowState*>& states, const char* call) noexcept = 0;
   // Collective: the barrier(stream) variant of this Comm.
   virtual std::unique_ptr<StreamBarrier> make_barrier(const CommContext& ctx, const BarrierContext& bctx) = 0;
+  // The Comm routes `route` ("rank 3 through nccl") through a transport whose data moves on
+  // streams of this process (Capabilities::own_streams), which a waiting stream of the caller
+  // can hold back where they share a GPU queue: warns where the process has few queues.
+  virtual void note_own_stream_route(const std::string& route) { (void)route; }
 };
 
 }  // namespace meshmem::detail

@@ -55,6 +55,9 @@ struct Capabilities {
   bool signal_add = true;       // SignalOp::Add is supported
   bool capturable = false;      // put / get / signals can be captured into a CUDA graph and
                                 // are correct on every replay (stream work, host nodes included)
+  bool own_streams = false;     // streams of this process (an agent's, a proxy thread's) move the
+                                // data after the caller's stream waits for it, so they must not
+                                // share its GPU queue (cuda/gpu_queues.hpp)
 };
 
 // Where a signal update goes: word `index` of a signals window.

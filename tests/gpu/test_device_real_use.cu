@@ -549,6 +549,57 @@ TEST_F(RealUse, EarlyLaunchedCopyWaitsForThePreviousCopy) {
 
 #endif  // MESHMEM_TEST_NEW_API
 
+// ---- streams that wait while meshmem's own streams move the data ----
+
+// A stream that waits (a stream memory wait, or a polling kernel with work behind it) holds
+// the GPU queue it shares with other streams of its process, and the staged, nccl and
+// mpi-device transfers run on such streams of meshmem's. Eight waiting streams fill CUDA's
+// default eight queues; each waits for a put_signal from the left that this rank's own agent
+// or proxy stream completes, with a memset behind the wait. meshmem asks for 32 queues when
+// the program starts (MESHMEM_GPU_QUEUES): every put must land and every wait end. Run with
+// CUDA_DEVICE_MAX_CONNECTIONS=8 on a staged, nccl or mpi-device route, the transfers stall
+// until MESHMEM_TIMEOUT (on ipc the writes come from the peer's process and it passes).
+TEST_F(RealUse, TransfersRunWhileEightStreamsWait) {
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  constexpr int kWaiting = 8;
+  constexpr std::size_t kBytes = (64 << 10) + 24;
+  Window win = comm->alloc(kWaiting * kBytes);
+  Signals sig = comm->alloc_signals(kWaiting);
+  DeviceBuffer src(kWaiting * kBytes), marks(kWaiting);
+  const auto mine = pattern(seed, key(0, me, 8), kWaiting * kBytes);
+  CUDA_OK(upload(src.p, mine.data(), mine.size()));
+  CUDA_OK(fill_now(win.local(), kPoison, kWaiting * kBytes));
+  CUDA_OK(fill_now(marks.p, 0, kWaiting));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  std::vector<cudaStream_t> waiting(kWaiting, nullptr);
+  for (int i = 0; i < kWaiting; ++i) {
+    CUDA_OK(cudaStreamCreateWithFlags(&waiting[i], cudaStreamNonBlocking));
+    comm->wait_until(sig, static_cast<std::size_t>(i), Cmp::GE, 1, waiting[i]);
+    CUDA_OK(cudaMemsetAsync(static_cast<char*>(marks.p) + i, 1, 1, waiting[i]));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);  // every rank's waits are queued before any put starts
+  for (int i = 0; i < kWaiting; ++i)
+    comm->put_signal(win, right, i * kBytes, static_cast<const char*>(src.p) + i * kBytes, kBytes, sig,
+                     static_cast<std::size_t>(i), 1, SignalOp::Set, s1);
+  bool ended = finishes(s1, 90);
+  for (int i = 0; i < kWaiting; ++i) ended = finishes(waiting[i], 90) && ended;
+  EXPECT_TRUE(ended) << "rank " << me << ": the puts to rank " << right << " or the waits for rank " << left
+                     << "'s did not end (route " << to_string(comm->transport(right, Memory::Device)) << ")";
+  if (ended) {
+    const auto got = to_host(win.local(), kWaiting * kBytes);
+    const auto want = pattern(seed, key(0, left, 8), kWaiting * kBytes);
+    const long long bad = first_difference(got.data(), want.data(), kWaiting * kBytes);
+    EXPECT_LT(bad, 0) << "rank " << me << ": byte " << bad << " from rank " << left << " differs";
+    const auto m = to_host(marks.p, kWaiting);
+    for (int i = 0; i < kWaiting; ++i) EXPECT_EQ(m[i], 1) << "the work behind wait " << i << " did not run";
+  }
+  for (cudaStream_t s : waiting) cudaStreamDestroy(s);
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+}
+
 // ---- Signals::read, teardown, late and missing peers ----
 
 TEST_F(RealUse, SignalsReadOnDeviceSignals) {

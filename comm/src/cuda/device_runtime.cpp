@@ -2,6 +2,7 @@
 #include "device_runtime.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 
@@ -12,6 +13,7 @@
 #include "../log.hpp"
 #include "../topology.hpp"
 #include "device_window.hpp"
+#include "gpu_queues.hpp"
 #include "kernels.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
 #include "stream_barrier.hpp"
@@ -34,11 +36,8 @@ const TuningKnob<StreamWait> kStreamWait{
     "`wait_until` cannot time out; a transfer is still ended at the timeout, by the staging agent or by the proxy "
     "thread's watchdog; staged transfers through a hidden peer's channel keep the kernel, as only that peer "
     "ends them); `auto` = `kernel`, or `memop` where this rank's GPU is shared (a polling kernel would "
-    "hold the time-sliced GPU from the ranks it waits for). Known limitation of `memop`: a memop wait holds its "
-    "GPU queue, which the staging agent's and the proxy's streams of the same process may share "
-    "(CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), until its word changes; with staged, nccl or mpi-device routes "
-    "a transfer can then never start (seen once on 1 x H100; CUDA_DEVICE_MAX_CONNECTIONS=32, set before CUDA "
-    "starts, avoided it there)"};
+    "hold the time-sliced GPU from the ranks it waits for). Either wait stalls its GPU queue (a kernel once work is "
+    "queued behind it): see MESHMEM_GPU_QUEUES"};
 
 enum class EarlyLaunch { Auto, Off };
 constexpr std::pair<const char*, EarlyLaunch> kEarlyLaunches[] = {{"auto", EarlyLaunch::Auto}, {"off", EarlyLaunch::Off}};
@@ -196,7 +195,20 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
   const StreamWait wait = kStreamWait.get(ctx.options);
   wait_kernel_ = wait == StreamWait::Kernel || (wait == StreamWait::Auto && !shared_gpu_);
   description_ += std::string(", stream waits ") + (wait_kernel_ ? "kernel" : "memop") +
-                  (shared_gpu_ ? " (GPU shared with other ranks)" : "") + (early_launch_ ? ", early launch" : "");
+                  (shared_gpu_ ? " (GPU shared with other ranks)" : "") + (early_launch_ ? ", early launch" : "") +
+                  ", " + describe_gpu_queues();
+}
+
+void CudaDeviceRuntime::note_own_stream_route(const std::string& route) {
+  const GpuQueues& q = gpu_queues();
+  if (q.count >= GpuQueues::kMost) return;
+  static std::atomic<bool> said{false};  // once per process: every Comm would say the same
+  if (said.exchange(true)) return;
+  log(LogLevel::Warn, "rank " + std::to_string(rank_) + " reaches " + route +
+                          ", whose transfers run on streams of this process, with " + std::to_string(q.count) +
+                          " GPU queues (CUDA_DEVICE_MAX_CONNECTIONS, " + q.how +
+                          "): a stream that waits holds the queue it shares, so such a transfer can stall until "
+                          "MESHMEM_TIMEOUT; leave the variable unset (meshmem then sets 32 at load) or set it to 32");
 }
 
 void CudaDeviceRuntime::create_local(WindowState& state, const std::string& what) {

@@ -92,6 +92,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   void retire(WindowState& state, const char* call) override;
   void retire_all(const std::vector<WindowState*>& states, const char* call) noexcept override;
   std::unique_ptr<StreamBarrier> make_barrier(const CommContext& ctx, const BarrierContext& bctx) override;
+  void note_own_stream_route(const std::string& route) override;
 
   // Every rank's window parts are rounded to this (the largest granularity of the ranks).
   std::size_t granularity() const { return granularity_; }

@@ -7,6 +7,7 @@
 #include "../backoff.hpp"
 #include "../log.hpp"
 #include "device_runtime.hpp"
+#include "gpu_queues.hpp"
 #include "meshmem/error.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
 
@@ -522,7 +523,7 @@ bool StagingAgent::pump() {
     if (moved) t.moved = Clock::now();
     if (!left && stalled(t.moved)) {
       abandon_visible(r, what + ": no staging slot came free within " + describe_timeout(timeout_) + " (" +
-                             slot_holders() + ")");
+                             slot_holders() + ")" + gpu_queue_hint());
       left = true;
     }
     any = any || moved || left;
@@ -545,7 +546,7 @@ bool StagingAgent::pump() {
       if (moved) o.moved = Clock::now();
       if (!left && stalled(o.moved)) {
         abandon_outgoing(o, o.what + ": rank " + std::to_string(o.reader) + " took nothing from this rank's channel within " +
-                                describe_timeout(timeout_) + " (" + slot_holders() + ")");
+                                describe_timeout(timeout_) + " (" + slot_holders() + ")" + gpu_queue_hint());
         left = true;
       }
       any = any || moved || left;

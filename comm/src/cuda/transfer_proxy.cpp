@@ -19,6 +19,7 @@
 #include "../topology.hpp"
 #include "captured_handoff.hpp"
 #include "event_pool.hpp"
+#include "gpu_queues.hpp"
 #include "kernels.hpp"
 #include "meshmem/error.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
@@ -560,7 +561,7 @@ class TransferProxy {
     next_watch_ = now + std::chrono::milliseconds(50);
     const auto late = [&](std::chrono::steady_clock::time_point t) { return now - t > timeout_; };
     const std::string after = " did not end within " + describe_timeout(timeout_) +
-                              "; its stream was released (its data may be incomplete)";
+                              "; its stream was released (its data may be incomplete)" + gpu_queue_hint();
     for (auto& [peer, list] : puts_)
       for (auto it = list.begin(); it != list.end();) {
         if (!late(it->second.started)) {

@@ -37,7 +37,7 @@ class MpiDeviceTransport final : public ProxyTransport {
  public:
   explicit MpiDeviceTransport(const CommContext& ctx);
   TransportKind kind() const override { return TransportKind::MpiDevice; }
-  Capabilities capabilities() const override { return Capabilities{true, false, true, true}; }
+  Capabilities capabilities() const override { return Capabilities{true, false, true, true, true}; }
   // Collective: MPI communicators for the headers and the data, the pinned slots, then the
   // proxy thread.
   void connect(const std::vector<bool>& routed) override;

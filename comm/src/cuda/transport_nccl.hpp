@@ -47,7 +47,7 @@ class NcclTransport final : public ProxyTransport {
   // Collective when the Comm spans several nodes: loads NCCL and learns which ranks could.
   explicit NcclTransport(const CommContext& ctx);
   TransportKind kind() const override { return TransportKind::Nccl; }
-  Capabilities capabilities() const override { return Capabilities{true, false, true, true}; }
+  Capabilities capabilities() const override { return Capabilities{true, false, true, true, true}; }
   // Collective: an MPI communicator for the headers, two NCCL communicators per routed peer,
   // their connections, then the proxy thread.
   void connect(const std::vector<bool>& routed) override;

@@ -72,7 +72,7 @@ class StagedTransport final : public Transport {
   explicit StagedTransport(const CommContext& ctx);
   ~StagedTransport() override;
   TransportKind kind() const override { return TransportKind::Staged; }
-  Capabilities capabilities() const override { return Capabilities{true, false, true, true}; }
+  Capabilities capabilities() const override { return Capabilities{true, false, true, true, true}; }
   bool serves(Memory memory) const override { return memory == Memory::Device && device_ != nullptr; }
   Reach reach(int rank, Memory memory) const override;
   // Collective: makes the node's staging pool and starts the agent.

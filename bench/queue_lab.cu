@@ -1,0 +1,388 @@
+// queue_lab: the study behind cuda/gpu_queues.hpp. Does a stream that waits hold back the
+// work of another stream of the same process, and does a second context escape it?
+//   queue_lab all            every case below, each in a child process (a held-back case can
+//                            leave its process stuck: the child is killed after 15 s)
+//   queue_lab queue BLOCKER VICTIM WORK
+//     BLOCKER: memop (cuStreamWaitValue64 on a pinned word), kernel (a polling kernel), and
+//              either followed by a tiny kernel on the same stream (memop+tail, kernel+tail),
+//              on N streams (N = CUDA_DEVICE_MAX_CONNECTIONS, or BLOCKERS=N)
+//     VICTIM:  a stream made before the blockers: same (primary context), hiprio (greatest
+//              priority), green (a green context of all SMs), ctx (a context of cuCtxCreate)
+//     WORK:    copy (64 MiB device to device; VMM=1: VMM memory) or kernel (a copy kernel)
+//     -> "ran in X ms" or "HELD BACK" (not done after 2 s; then the blockers are released)
+//   queue_lab access green|ctx   a kernel of that context copies primary-context memory
+//   queue_lab cost               device memory a green context and a cuCtxCreate context take
+//   queue_lab nccl primary|green|ctx   a one-rank NCCL send/recv with that context current
+// No meshmem: the lab is about CUDA. Results: bench/results/*-queue-lab-*.txt.
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#define CK(x)                                                                               \
+  do {                                                                                      \
+    CUresult r_ = (x);                                                                      \
+    if (r_ != CUDA_SUCCESS) {                                                               \
+      const char* s_ = "?";                                                                 \
+      cuGetErrorString(r_, &s_);                                                            \
+      printf("RESULT FAIL %s: %s (line %d)\n", #x, s_, __LINE__);                           \
+      exit(3);                                                                              \
+    }                                                                                       \
+  } while (0)
+#define CR(x)                                                                               \
+  do {                                                                                      \
+    cudaError_t r_ = (x);                                                                   \
+    if (r_ != cudaSuccess) {                                                                \
+      printf("RESULT FAIL %s: %s (line %d)\n", #x, cudaGetErrorString(r_), __LINE__);       \
+      exit(3);                                                                              \
+    }                                                                                       \
+  } while (0)
+
+__global__ void spin(volatile unsigned long long* w, unsigned long long v) {
+  if (w == nullptr) return;
+  while (*w < v) __nanosleep(1000);
+}
+__global__ void copyk(const int4* s, int4* d, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) d[i] = s[i];
+}
+static double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+static CUcontext primary;
+static CUdevice dev;
+static void init() {
+  CR(cudaSetDevice(0));
+  CR(cudaFree(nullptr));
+  CK(cuCtxGetCurrent(&primary));
+  CK(cuDeviceGet(&dev, 0));
+}
+
+struct Victim {
+  CUcontext ctx = nullptr;  // context to make current for the victim's work
+  CUstream stream = nullptr;
+};
+
+static Victim make_victim(const std::string& kind) {
+  Victim v;
+  if (kind == "same" || kind == "hiprio") {
+    int lo, hi;
+    CR(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+    cudaStream_t s;
+    CR(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, kind == "hiprio" ? hi : 0));
+    v.ctx = primary;
+    v.stream = s;
+  } else if (kind == "ctx") {
+    CK(cuCtxCreate(&v.ctx, nullptr, 0, dev));  // becomes current
+    CK(cuStreamCreate(&v.stream, CU_STREAM_NON_BLOCKING));
+    CK(cuCtxSetCurrent(primary));
+  } else if (kind == "green") {
+    CUdevResource res;
+    CK(cuDeviceGetDevResource(dev, &res, CU_DEV_RESOURCE_TYPE_SM));
+    CUdevResourceDesc desc;
+    CK(cuDevResourceGenerateDesc(&desc, &res, 1));
+    CUgreenCtx g;
+    CK(cuGreenCtxCreate(&g, desc, dev, CU_GREEN_CTX_DEFAULT_STREAM));
+    CK(cuCtxFromGreenCtx(&v.ctx, g));
+    CK(cuGreenCtxStreamCreate(&v.stream, g, CU_STREAM_NON_BLOCKING, 0));
+  } else {
+    printf("RESULT FAIL unknown victim %s\n", kind.c_str());
+    exit(2);
+  }
+  return v;
+}
+
+__global__ void tiny() {}
+static CUdeviceptr vmm_alloc(size_t bytes) {
+  CUmemAllocationProp prop = {};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = 0;
+  size_t g = 0;
+  CK(cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  bytes = (bytes + g - 1) / g * g;
+  CUmemGenericAllocationHandle h;
+  CK(cuMemCreate(&h, bytes, &prop, 0));
+  CUdeviceptr p;
+  CK(cuMemAddressReserve(&p, bytes, 0, 0, 0));
+  CK(cuMemMap(p, bytes, 0, h, 0));
+  CUmemAccessDesc a = {};
+  a.location = prop.location;
+  a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  CK(cuMemSetAccess(p, bytes, &a, 1));
+  return p;
+}
+static int queue_test(const std::string& blocker, const std::string& victim_kind, const std::string& op) {
+  init();
+  const char* env = getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  int conns = env ? atoi(env) : 8;
+  if (getenv("BLOCKERS")) conns = atoi(getenv("BLOCKERS"));
+  const bool vmm = getenv("VMM") != nullptr;
+  // Load the kernels first: a first launch under lazy loading waits for the device.
+  copyk<<<1, 1>>>(nullptr, nullptr, 0);
+  spin<<<1, 1>>>(nullptr, 0);
+  tiny<<<1, 1>>>();
+  CR(cudaDeviceSynchronize());
+  unsigned long long* word = nullptr;
+  CR(cudaHostAlloc((void**)&word, 8, cudaHostAllocMapped));
+  *word = 0;
+  unsigned long long* dword = nullptr;
+  CR(cudaHostGetDevicePointer((void**)&dword, word, 0));
+  const size_t bytes = 64 << 20;
+  void *src, *dst;
+  if (vmm) {
+    src = (void*)vmm_alloc(bytes);
+    dst = (void*)vmm_alloc(bytes);
+  } else {
+    CR(cudaMalloc(&src, bytes));
+    CR(cudaMalloc(&dst, bytes));
+  }
+  std::vector<unsigned> h(bytes / 4);
+  for (size_t i = 0; i < h.size(); ++i) h[i] = (unsigned)(i * 2654435761u + 17);
+  CR(cudaMemcpy(src, h.data(), bytes, cudaMemcpyHostToDevice));
+  CR(cudaMemset(dst, 0xAB, bytes));
+  // The victim exists before the blockers, as meshmem's proxy streams exist before a user's
+  // later waits; the blockers fill every connection.
+  Victim v = make_victim(victim_kind);
+  if (v.ctx != primary) {  // load the victim's kernel in its context too
+    CK(cuCtxSetCurrent(v.ctx));
+    copyk<<<1, 1, 0, (cudaStream_t)v.stream>>>(nullptr, nullptr, 0);
+    CK(cuStreamSynchronize(v.stream));
+    CK(cuCtxSetCurrent(primary));
+  }
+  std::vector<cudaStream_t> blockers(conns);
+  for (auto& s : blockers) {
+    CR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    if (blocker.rfind("memop", 0) == 0)
+      CK(cuStreamWaitValue64((CUstream)s, (CUdeviceptr)dword, 1, CU_STREAM_WAIT_VALUE_GEQ));
+    else
+      spin<<<1, 1, 0, s>>>(dword, 1);
+    if (blocker == "kernel+tail" || blocker == "memop+tail") tiny<<<1, 1, 0, s>>>();
+    CR(cudaGetLastError());
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CK(cuCtxSetCurrent(v.ctx));
+  CUevent done;
+  CK(cuEventCreate(&done, CU_EVENT_DISABLE_TIMING));
+  double t0 = now();
+  if (op == "copy") {
+    CK(cuMemcpyAsync((CUdeviceptr)dst, (CUdeviceptr)src, bytes, v.stream));
+  } else {
+    copyk<<<264, 512, 0, (cudaStream_t)v.stream>>>((const int4*)src, (int4*)dst, bytes / 16);
+    CR(cudaGetLastError());
+  }
+  CK(cuEventRecord(done, v.stream));
+  bool finished = false;
+  double t_end = 0;
+  while (now() - t0 < 2.0) {
+    CUresult q = cuEventQuery(done);
+    if (q == CUDA_SUCCESS) {
+      finished = true;
+      t_end = now();
+      break;
+    }
+    if (q != CUDA_ERROR_NOT_READY) CK(q);
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  *word = 1;  // release the blockers
+  CK(cuEventSynchronize(done));
+  CK(cuCtxSetCurrent(primary));
+  CR(cudaDeviceSynchronize());
+  std::vector<unsigned> out(bytes / 4);
+  CR(cudaMemcpy(out.data(), dst, bytes, cudaMemcpyDeviceToHost));
+  size_t bad = 0;
+  for (size_t i = 0; i < out.size(); ++i) bad += out[i] != h[i];
+  printf("RESULT queue connections=%s%s blockers=%d blocker=%s victim=%s op=%s: %s%s, wrong words %zu\n", env ? env : "(unset)", vmm ? " vmm" : "", conns, blocker.c_str(),
+         victim_kind.c_str(), op.c_str(), finished ? "ran in " : "HELD BACK (not done after 2 s)",
+         finished ? (std::to_string((t_end - t0) * 1e3) + " ms").c_str() : "", bad);
+  return finished && bad == 0 ? 0 : 1;
+}
+
+// A kernel of the other context reads primary cudaMalloc memory and writes primary memory.
+static int access_test(const std::string& kind) {
+  init();
+  const size_t bytes = 16 << 20;
+  void *src, *dst;
+  CR(cudaMalloc(&src, bytes));
+  CR(cudaMalloc(&dst, bytes));
+  std::vector<unsigned> h(bytes / 4);
+  for (size_t i = 0; i < h.size(); ++i) h[i] = (unsigned)(i * 40503u + 3);
+  CR(cudaMemcpy(src, h.data(), bytes, cudaMemcpyHostToDevice));
+  CR(cudaMemset(dst, 0, bytes));
+  Victim v = make_victim(kind);
+  CK(cuCtxSetCurrent(v.ctx));
+  copyk<<<132, 512, 0, (cudaStream_t)v.stream>>>((const int4*)src, (int4*)dst, bytes / 16);
+  cudaError_t le = cudaGetLastError();
+  CUresult sr = cuStreamSynchronize(v.stream);
+  const char* s = "ok";
+  if (sr != CUDA_SUCCESS) cuGetErrorString(sr, &s);
+  CK(cuCtxSetCurrent(primary));
+  std::vector<unsigned> out(bytes / 4);
+  CR(cudaMemcpy(out.data(), dst, bytes, cudaMemcpyDeviceToHost));
+  size_t bad = 0;
+  for (size_t i = 0; i < out.size(); ++i) bad += out[i] != h[i];
+  printf("RESULT access %s: launch %s, sync %s, wrong words %zu of %zu\n", kind.c_str(), cudaGetErrorString(le), s,
+         bad, out.size());
+  // Copy bandwidth in that context between primary buffers, vs the primary context.
+  for (int pass = 0; pass < 2; ++pass) {
+    CUcontext c = pass == 0 ? primary : v.ctx;
+    CUstream st = nullptr;
+    CK(cuCtxSetCurrent(c));
+    if (pass == 1) st = v.stream; else CK(cuStreamCreate(&st, CU_STREAM_NON_BLOCKING));
+    CK(cuMemcpyAsync((CUdeviceptr)dst, (CUdeviceptr)src, bytes, st));
+    CK(cuStreamSynchronize(st));
+    double t0 = now();
+    for (int i = 0; i < 20; ++i) CK(cuMemcpyAsync((CUdeviceptr)dst, (CUdeviceptr)src, bytes, st));
+    CK(cuStreamSynchronize(st));
+    double t = (now() - t0) / 20;
+    printf("RESULT copy-bw %s in %s: %.1f GB/s\n", kind.c_str(), pass == 0 ? "primary" : kind.c_str(), bytes / t / 1e9);
+  }
+  return bad == 0 && sr == CUDA_SUCCESS ? 0 : 1;
+}
+
+static int cost_test() {
+  init();
+  size_t f0, f1, f2, t;
+  CR(cudaMemGetInfo(&f0, &t));
+  Victim g = make_victim("green");
+  // Force its resources into being: one kernel in it.
+  CK(cuCtxSetCurrent(g.ctx));
+  spin<<<1, 1, 0, (cudaStream_t)g.stream>>>(nullptr, 0);
+  CK(cuStreamSynchronize(g.stream));
+  CK(cuCtxSetCurrent(primary));
+  CR(cudaMemGetInfo(&f1, &t));
+  Victim c = make_victim("ctx");
+  CK(cuCtxSetCurrent(c.ctx));
+  spin<<<1, 1, 0, (cudaStream_t)c.stream>>>(nullptr, 0);
+  CK(cuStreamSynchronize(c.stream));
+  CK(cuCtxSetCurrent(primary));
+  CR(cudaMemGetInfo(&f2, &t));
+  printf("RESULT cost: green context %.1f MiB, cuCtxCreate context %.1f MiB of device memory\n",
+         (double)(f0 - f1) / (1 << 20), (double)(f1 - f2) / (1 << 20));
+  return 0;
+}
+
+// A one-rank NCCL communicator made with `kind` current: send to self from primary memory.
+typedef int ncclResult_t_;
+struct ncclUniqueId_ { char internal[128]; };
+static int nccl_test(const std::string& kind) {
+  init();
+  void* lib = dlopen("libnccl.so.2", RTLD_NOW);
+  if (!lib) {
+    printf("RESULT nccl %s: cannot load libnccl.so.2 (%s)\n", kind.c_str(), dlerror());
+    return 1;
+  }
+  auto getid = (ncclResult_t_(*)(ncclUniqueId_*))dlsym(lib, "ncclGetUniqueId");
+  auto init_rank = (ncclResult_t_(*)(void**, int, ncclUniqueId_, int))dlsym(lib, "ncclCommInitRank");
+  auto send = (ncclResult_t_(*)(const void*, size_t, int, int, void*, cudaStream_t))dlsym(lib, "ncclSend");
+  auto recv = (ncclResult_t_(*)(void*, size_t, int, int, void*, cudaStream_t))dlsym(lib, "ncclRecv");
+  auto gs = (ncclResult_t_(*)())dlsym(lib, "ncclGroupStart");
+  auto ge = (ncclResult_t_(*)())dlsym(lib, "ncclGroupEnd");
+  auto err = (const char* (*)(ncclResult_t_))dlsym(lib, "ncclGetErrorString");
+  const size_t bytes = 8 << 20;
+  void *src, *dst;
+  CR(cudaMalloc(&src, bytes));
+  CR(cudaMalloc(&dst, bytes));
+  std::vector<unsigned> h(bytes / 4);
+  for (size_t i = 0; i < h.size(); ++i) h[i] = (unsigned)(i * 7919u + 1);
+  CR(cudaMemcpy(src, h.data(), bytes, cudaMemcpyHostToDevice));
+  CR(cudaMemset(dst, 0, bytes));
+  Victim v;
+  if (kind == "primary") {
+    v.ctx = primary;
+    CK(cuStreamCreate(&v.stream, CU_STREAM_NON_BLOCKING));
+  } else {
+    v = make_victim(kind);
+  }
+  CK(cuCtxSetCurrent(v.ctx));
+  ncclUniqueId_ id;
+  void* comm = nullptr;
+  int r = getid(&id);
+  if (r == 0) r = init_rank(&comm, 1, id, 0);
+  if (r != 0) {
+    printf("RESULT nccl %s: init failed: %s\n", kind.c_str(), err(r));
+    return 1;
+  }
+  gs();
+  send(src, bytes, /*ncclInt8*/ 0, 0, comm, (cudaStream_t)v.stream);
+  recv(dst, bytes, 0, 0, comm, (cudaStream_t)v.stream);
+  r = ge();
+  CUresult sr = cuStreamSynchronize(v.stream);
+  const char* s = "ok";
+  if (sr != CUDA_SUCCESS) cuGetErrorString(sr, &s);
+  CK(cuCtxSetCurrent(primary));
+  std::vector<unsigned> out(bytes / 4);
+  CR(cudaMemcpy(out.data(), dst, bytes, cudaMemcpyDeviceToHost));
+  size_t bad = 0;
+  for (size_t i = 0; i < out.size(); ++i) bad += out[i] != h[i];
+  printf("RESULT nccl %s: group %s, sync %s, wrong words %zu\n", kind.c_str(), err(r), s, bad);
+  return bad == 0 ? 0 : 1;
+}
+
+// Runs `args` of this program in a child with `env` added; kills it after 15 s.
+static void run_case(const char* self, const std::vector<std::string>& env, const std::vector<std::string>& args) {
+  fflush(stdout);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    for (const auto& e : env) putenv(const_cast<char*>(e.c_str()));
+    std::vector<char*> argv{const_cast<char*>(self)};
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execv(self, argv.data());
+    _exit(127);
+  }
+  int status = 0;
+  for (int i = 0; i < 1500; ++i) {
+    if (waitpid(pid, &status, WNOHANG) == pid) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, &status, 0);
+  std::string line;
+  for (const auto& e : env) line += e + " ";
+  for (const auto& a : args) line += a + " ";
+  printf("RESULT %s: process stuck after 15 s (killed): HELD BACK\n", line.c_str());
+}
+
+static int all(const char* self) {
+  const std::vector<std::string> c8{"CUDA_DEVICE_MAX_CONNECTIONS=8"};
+  for (const char* work : {"copy", "kernel"})
+    for (const char* blocker : {"memop", "memop+tail", "kernel", "kernel+tail"})
+      for (const char* victim : {"same", "hiprio", "green", "ctx"}) run_case(self, c8, {"queue", blocker, victim, work});
+  for (const char* victim : {"same", "green", "ctx"})
+    run_case(self, {"CUDA_DEVICE_MAX_CONNECTIONS=8", "VMM=1"}, {"queue", "memop", victim, "copy"});
+  for (const char* victim : {"same", "ctx"})
+    run_case(self, {"CUDA_DEVICE_MAX_CONNECTIONS=1"}, {"queue", "memop", victim, "copy"});
+  for (const char* blocker : {"memop+tail", "kernel+tail"})
+    run_case(self, {"CUDA_DEVICE_MAX_CONNECTIONS=8", "BLOCKERS=1"}, {"queue", blocker, "same", "copy"});
+  for (const char* blocker : {"memop+tail", "kernel+tail"})
+    run_case(self, {"CUDA_DEVICE_MAX_CONNECTIONS=32"}, {"queue", blocker, "same", "copy"});
+  for (const char* blocker : {"memop+tail", "kernel+tail"})
+    run_case(self, {"CUDA_DEVICE_MAX_CONNECTIONS=32", "BLOCKERS=8"}, {"queue", blocker, "same", "copy"});
+  run_case(self, {}, {"access", "green"});
+  run_case(self, {}, {"access", "ctx"});
+  run_case(self, {}, {"cost"});
+  for (const char* k : {"primary", "green", "ctx"}) run_case(self, {}, {"nccl", k});
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  std::string what = argc > 1 ? argv[1] : "";
+  if (what == "all") return all(argv[0]);
+  if (what == "queue" && argc == 5) return queue_test(argv[2], argv[3], argv[4]);
+  if (what == "access" && argc == 3) return access_test(argv[2]);
+  if (what == "cost") return cost_test();
+  if (what == "nccl" && argc == 3) return nccl_test(argv[2]);
+  printf("usage: queue_lab all | queue BLOCKER VICTIM WORK | access green|ctx | cost | nccl primary|green|ctx\n");
+  return 2;
+}

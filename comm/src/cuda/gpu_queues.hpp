@@ -1,0 +1,41 @@
+// GpuQueues: how many hardware work queues CUDA gives this process per device, and why
+// meshmem asks for the most (32) when the process starts.
+//
+// Streams share CUDA_DEVICE_MAX_CONNECTIONS queues per device (8 by default), read when a
+// context is created. A stream that stalls (a stream memory wait, or a polling kernel with
+// work behind it) stalls its queue, and with it every other stream of the process on that
+// queue, in any context made with the primary one (green contexts included). The staged,
+// nccl and mpi-device transports move data on streams of this process (the staging agent's,
+// the proxy thread's) after the caller's stream already waits for that data: if they share
+// a queue with the waiting stream, the transfer never starts and ends in MESHMEM_TIMEOUT.
+// Measured on 1 x H100 (bench/queue_lab.cu): waits on 8 streams hold back copies and kernels
+// of another stream; with 32 queues the soak's graph round that timed out passes.
+//
+// So at load (before main, where no context exists yet) this sets CUDA_DEVICE_MAX_CONNECTIONS
+// to 32 unless the variable is set or MESHMEM_GPU_QUEUES=keep. It lowers the chance, it does
+// not remove it: more streams than queues share them again.
+//
+// CUDA-free.
+#pragma once
+
+#include <string>
+
+namespace meshmem::detail {
+
+struct GpuQueues {
+  int count;          // queues per device this process's contexts get (CUDA's default 8 when unset)
+  std::string how;    // "set by meshmem at load", "the user's", "CUDA's default (MESHMEM_GPU_QUEUES=keep)"
+  static constexpr int kMost = 32;  // CUDA's limit for CUDA_DEVICE_MAX_CONNECTIONS
+};
+
+// What the process got: the variable as it was after meshmem's load-time setting.
+const GpuQueues& gpu_queues();
+
+// "GPU queues 32 (CUDA_DEVICE_MAX_CONNECTIONS, set by meshmem at load)".
+std::string describe_gpu_queues();
+
+// For the message of a transfer on meshmem's own streams that did not end: where the process
+// has fewer than 32 queues, "; ... a waiting stream may have held it back ...", else "".
+std::string gpu_queue_hint();
+
+}  // namespace meshmem::detail
