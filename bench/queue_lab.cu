@@ -13,6 +13,7 @@
 //   queue_lab access green|ctx   a kernel of that context copies primary-context memory
 //   queue_lab cost               device memory a green context and a cuCtxCreate context take
 //   queue_lab nccl primary|green|ctx   a one-rank NCCL send/recv with that context current
+//   queue_lab blocking       which releasing calls (cudaFree, ...) wait for a running kernel
 // No meshmem: the lab is about CUDA. Results: bench/results/*-queue-lab-*.txt.
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -329,6 +330,63 @@ static int nccl_test(const std::string& kind) {
   return bad == 0 ? 0 : 1;
 }
 
+// Which releasing calls wait for a kernel that runs on another (non-blocking) stream: each
+// call's host time while a polling kernel runs for 3 s (a call that waits takes about that).
+static int blocking_test() {
+  init();
+  unsigned long long* word = nullptr;
+  CR(cudaHostAlloc((void**)&word, 8, cudaHostAllocMapped));
+  unsigned long long* dword = nullptr;
+  CR(cudaHostGetDevicePointer((void**)&dword, word, 0));
+  spin<<<1, 1>>>(nullptr, 0);
+  CR(cudaDeviceSynchronize());
+  cudaStream_t busy;
+  CR(cudaStreamCreateWithFlags(&busy, cudaStreamNonBlocking));
+  auto timed = [&](const char* name, auto&& prepare, auto&& call) {
+    prepare();
+    CR(cudaDeviceSynchronize());
+    *word = 0;
+    spin<<<1, 1, 0, busy>>>(dword, 1);
+    std::thread release([&] {
+      std::this_thread::sleep_for(std::chrono::seconds(3));
+      __atomic_store_n(word, 1ull, __ATOMIC_RELEASE);
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    const double t0 = now();
+    call();
+    const double t = now() - t0;
+    __atomic_store_n(word, 1ull, __ATOMIC_RELEASE);
+    release.join();
+    CR(cudaStreamSynchronize(busy));
+    printf("RESULT blocking %-34s %8.3f ms%s\n", name, t * 1e3, t > 1.0 ? "  WAITS for the kernel" : "");
+  };
+  void* d = nullptr;
+  void* h = nullptr;
+  cudaEvent_t e = nullptr;
+  cudaStream_t s = nullptr;
+  CUdeviceptr v = 0;
+  timed("cudaFree", [&] { CR(cudaMalloc(&d, 1 << 20)); }, [&] { CR(cudaFree(d)); });
+  timed("cudaFreeAsync (own stream) + nothing", [&] { CR(cudaMalloc(&d, 1 << 20)); CR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); },
+        [&] { CR(cudaFreeAsync(d, s)); });
+  CR(cudaStreamDestroy(s));
+  timed("cudaFreeHost", [&] { CR(cudaHostAlloc(&h, 1 << 20, cudaHostAllocMapped)); }, [&] { CR(cudaFreeHost(h)); });
+  timed("cudaHostUnregister", [&] { h = malloc(1 << 20); CR(cudaHostRegister(h, 1 << 20, 0)); },
+        [&] { CR(cudaHostUnregister(h)); });
+  free(h);
+  timed("cudaEventDestroy", [&] { CR(cudaEventCreate(&e)); }, [&] { CR(cudaEventDestroy(e)); });
+  timed("cudaStreamDestroy", [&] { CR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); },
+        [&] { CR(cudaStreamDestroy(s)); });
+  timed("cuMemUnmap + cuMemAddressFree (VMM)", [&] { v = vmm_alloc(2 << 20); }, [&] {
+    CK(cuMemUnmap(v, 2 << 20));
+    CK(cuMemAddressFree(v, 2 << 20));
+  });
+  timed("cudaMalloc", [&] {}, [&] { CR(cudaMalloc(&d, 1 << 20)); });
+  CR(cudaFree(d));
+  timed("cudaMemset (legacy stream)", [&] { CR(cudaMalloc(&d, 1 << 20)); }, [&] { CR(cudaMemset(d, 0, 1 << 20)); });
+  CR(cudaFree(d));
+  return 0;
+}
+
 // Runs `args` of this program in a child with `env` added; kills it after 15 s.
 static void run_case(const char* self, const std::vector<std::string>& env, const std::vector<std::string>& args) {
   fflush(stdout);
@@ -372,6 +430,7 @@ static int all(const char* self) {
   run_case(self, {}, {"access", "green"});
   run_case(self, {}, {"access", "ctx"});
   run_case(self, {}, {"cost"});
+  run_case(self, {}, {"blocking"});
   for (const char* k : {"primary", "green", "ctx"}) run_case(self, {}, {"nccl", k});
   return 0;
 }
@@ -382,7 +441,8 @@ int main(int argc, char** argv) {
   if (what == "queue" && argc == 5) return queue_test(argv[2], argv[3], argv[4]);
   if (what == "access" && argc == 3) return access_test(argv[2]);
   if (what == "cost") return cost_test();
+  if (what == "blocking") return blocking_test();
   if (what == "nccl" && argc == 3) return nccl_test(argv[2]);
-  printf("usage: queue_lab all | queue BLOCKER VICTIM WORK | access green|ctx | cost | nccl primary|green|ctx\n");
+  printf("usage: queue_lab all | queue BLOCKER VICTIM WORK | access green|ctx | cost | blocking | nccl primary|green|ctx\n");
   return 2;
 }

@@ -70,6 +70,12 @@ __global__ void spin_kernel(const std::uint64_t* ns, std::uint64_t fixed) {
   }
 }
 
+// Runs until the host sets *flag (mapped pinned memory).
+__global__ void wait_for_host_flag(const std::uint64_t* flag) {
+  while (*reinterpret_cast<const volatile std::uint64_t*>(flag) == 0) {
+  }
+}
+
 // Writes `value` into word `index` of `target`'s part of a window through the device API.
 __global__ void store_into_peer(device::WindowView view, int target, std::size_t offset, std::uint64_t value) {
   *device::peer_ptr<std::uint64_t>(view, target, offset) = value;
@@ -551,15 +557,20 @@ TEST_F(RealUse, EarlyLaunchedCopyWaitsForThePreviousCopy) {
 
 // ---- streams that wait while meshmem's own streams move the data ----
 
-// A stream that waits (a stream memory wait, or a polling kernel with work behind it) holds
+// A stream that waits (a polling kernel with work behind it, or a stream memory wait) holds
 // the GPU queue it shares with other streams of its process, and the staged, nccl and
-// mpi-device transfers run on such streams of meshmem's. Eight waiting streams fill CUDA's
-// default eight queues; each waits for a put_signal from the left that this rank's own agent
-// or proxy stream completes, with a memset behind the wait. meshmem asks for 32 queues when
-// the program starts (MESHMEM_GPU_QUEUES): every put must land and every wait end. Run with
-// CUDA_DEVICE_MAX_CONNECTIONS=8 on a staged, nccl or mpi-device route, the transfers stall
-// until MESHMEM_TIMEOUT (on ipc the writes come from the peer's process and it passes).
+// mpi-device transfers run on such streams of meshmem's (the agent's, the proxy's) once the
+// caller's stream waits for them. Each rank puts eight rows with put_signal to its right on
+// s1, behind a 200 ms kernel, then makes eight streams that each wait for one row's signal
+// from the left with a memset behind the wait: eight waiting streams fill CUDA's default eight
+// queues by the time meshmem's streams move the rows. The test's own s1 is older than the
+// waiting streams, so its work is ahead of theirs in any queue they share, and on ipc (copy
+// kernels on s1) this passes with any number of queues. meshmem asks for 32 queues when the
+// program starts (MESHMEM_GPU_QUEUES): every row must land and every wait end. Kernel waits,
+// so that a stall ends in MESHMEM_TIMEOUT (10 s) rather than hanging the test.
 TEST_F(RealUse, TransfersRunWhileEightStreamsWait) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "10");
+  ScopedEnv wait("MESHMEM_STREAM_WAIT", "kernel");
   make_comm();
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   constexpr int kWaiting = 8;
@@ -573,31 +584,49 @@ TEST_F(RealUse, TransfersRunWhileEightStreamsWait) {
   CUDA_OK(fill_now(marks.p, 0, kWaiting));
   comm->barrier(s0);
   CUDA_OK(cudaStreamSynchronize(s0));
-  std::vector<cudaStream_t> waiting(kWaiting, nullptr);
-  for (int i = 0; i < kWaiting; ++i) {
-    CUDA_OK(cudaStreamCreateWithFlags(&waiting[i], cudaStreamNonBlocking));
-    comm->wait_until(sig, static_cast<std::size_t>(i), Cmp::GE, 1, waiting[i]);
-    CUDA_OK(cudaMemsetAsync(static_cast<char*>(marks.p) + i, 1, 1, waiting[i]));
-  }
-  MPI_Barrier(MPI_COMM_WORLD);  // every rank's waits are queued before any put starts
+  struct Streams {  // destroyed on every path out of the test
+    std::vector<cudaStream_t> s;
+    ~Streams() {
+      for (cudaStream_t x : s) cudaStreamDestroy(x);
+    }
+  } waiting;
+  spin_kernel<<<1, 1, 0, s1>>>(nullptr, 200'000'000);
+  CUDA_OK(cudaGetLastError());
   for (int i = 0; i < kWaiting; ++i)
     comm->put_signal(win, right, i * kBytes, static_cast<const char*>(src.p) + i * kBytes, kBytes, sig,
                      static_cast<std::size_t>(i), 1, SignalOp::Set, s1);
-  bool ended = finishes(s1, 90);
-  for (int i = 0; i < kWaiting; ++i) ended = finishes(waiting[i], 90) && ended;
-  EXPECT_TRUE(ended) << "rank " << me << ": the puts to rank " << right << " or the waits for rank " << left
-                     << "'s did not end (route " << to_string(comm->transport(right, Memory::Device)) << ")";
-  if (ended) {
-    const auto got = to_host(win.local(), kWaiting * kBytes);
-    const auto want = pattern(seed, key(0, left, 8), kWaiting * kBytes);
-    const long long bad = first_difference(got.data(), want.data(), kWaiting * kBytes);
-    EXPECT_LT(bad, 0) << "rank " << me << ": byte " << bad << " from rank " << left << " differs";
-    const auto m = to_host(marks.p, kWaiting);
-    for (int i = 0; i < kWaiting; ++i) EXPECT_EQ(m[i], 1) << "the work behind wait " << i << " did not run";
+  for (int i = 0; i < kWaiting; ++i) {
+    cudaStream_t s = nullptr;
+    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    waiting.s.push_back(s);
+    comm->wait_until(sig, static_cast<std::size_t>(i), Cmp::GE, 1, s);
+    CUDA_OK(cudaMemsetAsync(static_cast<char*>(marks.p) + i, 1, 1, s));
   }
-  for (cudaStream_t s : waiting) cudaStreamDestroy(s);
-  comm->barrier(s0);
-  CUDA_OK(cudaStreamSynchronize(s0));
+  // One deadline for all: the waits time out on the GPU after 10 s, the transfers by then too.
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  const auto seconds_left = [&] {
+    const auto left_s = std::chrono::duration_cast<std::chrono::seconds>(end - std::chrono::steady_clock::now());
+    return std::max(1, static_cast<int>(left_s.count()));
+  };
+  bool ended = true;
+  for (cudaStream_t s : waiting.s) ended = finishes(s, seconds_left()) && ended;
+  ended = finishes(s1, seconds_left()) && ended;
+  ASSERT_TRUE(ended) << "rank " << me << ": the puts to rank " << right << " or the waits for rank " << left
+                     << "'s did not end within 60 s (route " << to_string(comm->transport(right, Memory::Device)) << ")";
+  std::string error;
+  try {
+    comm->quiet(s0);  // raises a wait's or a transfer's timeout, if one came
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  EXPECT_EQ(error, "") << "rank " << me << ": route " << to_string(comm->transport(right, Memory::Device));
+  const auto got = to_host(win.local(), kWaiting * kBytes);
+  const auto want = pattern(seed, key(0, left, 8), kWaiting * kBytes);
+  const long long bad = first_difference(got.data(), want.data(), kWaiting * kBytes);
+  EXPECT_LT(bad, 0) << "rank " << me << ": byte " << bad << " from rank " << left << " differs";
+  const auto m = to_host(marks.p, kWaiting);
+  for (int i = 0; i < kWaiting; ++i) EXPECT_EQ(m[i], 1) << "the work behind wait " << i << " did not run";
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 // ---- Signals::read, teardown, late and missing peers ----
@@ -643,6 +672,44 @@ TEST_F(RealUse, FreeBehindAPendingWaitIsBounded) {
   CUDA_OK(cudaStreamSynchronize(s1));
   comm->barrier(s0);
   CUDA_OK(cudaStreamSynchronize(s0));
+}
+
+// ~Comm while a stream of the user's still runs (a kernel that waits for the test's host
+// flag) must not wait for it for ever: README says every part of ~Comm that waits for the
+// device is bounded by MESHMEM_TIMEOUT (here 2 s; a barrier proxy's by twice that).
+// DISABLED: an open defect (issue 11 note, stop 31). On 1 x H100 at 7f51411 ~Comm returned only
+// when the kernel ended (40 s, when the test sets the flag) on every route: ipc, staged,
+// nccl, mpi-device. cudaFree and cudaFreeHost wait for such a kernel (bench/queue_lab
+// blocking), and StreamBarrierProxy's cudaDeviceSynchronize is unbounded, but routing those
+// frees through a thread of their own and bounding the proxy's wait did not shorten it: some
+// other call of the teardown waits too, not yet found. Enable with --gtest_also_run_disabled_tests.
+TEST_F(RealUse, DISABLED_DestroyingTheCommBehindARunningKernelIsBounded) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  const std::string route = to_string(comm->transport(right, Memory::Device));
+  std::uint64_t* flag = nullptr;
+  CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&flag), sizeof(std::uint64_t), cudaHostAllocMapped));
+  *flag = 0;
+  std::uint64_t* flag_device = nullptr;
+  CUDA_OK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&flag_device), flag, 0));
+  wait_for_host_flag<<<1, 1, 0, s1>>>(flag_device);
+  CUDA_OK(cudaGetLastError());
+  std::thread release([flag] {
+    std::this_thread::sleep_for(std::chrono::seconds(40));
+    __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  comm.reset();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
+  release.join();
+  EXPECT_TRUE(finishes(s1, 30)) << "the user's kernel did not end after its flag was set";
+  CUDA_OK(cudaFreeHost(flag));
+  EXPECT_LT(seconds, 20.0) << "~Comm behind a running kernel took " << seconds << " s (route to rank " << right << ": " << route << ")";
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 // A signal that never comes: the device wait gives up after MESHMEM_TIMEOUT, the stream goes

@@ -1,6 +1,7 @@
-// meshmem's load-time choice of CUDA_DEVICE_MAX_CONNECTIONS (comm/src/cuda/gpu_queues.hpp):
-// each case runs in a process of its own, started with the environment its name says
-// (tests/unit/CMakeLists.txt), and checks what the process sees once main runs. No GPU.
+// meshmem's load-time request for CUDA_DEVICE_MAX_CONNECTIONS (comm/src/cuda/gpu_queues.hpp):
+// each case runs in a process of its own, started with the environment it needs and with
+// MESHMEM_TEST_GPU_QUEUES_CASE naming it (tests/unit/CMakeLists.txt), and checks what the
+// process sees once main runs; without that marker a case skips. No GPU.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -16,25 +17,42 @@ std::string env(const char* name) {
   const char* v = std::getenv(name);
   return v ? v : "(unset)";
 }
+bool started_for_this_case() {
+  return env("MESHMEM_TEST_GPU_QUEUES_CASE") == ::testing::UnitTest::GetInstance()->current_test_info()->name();
+}
 }  // namespace
 
-// Started with neither variable set: meshmem asked CUDA for 32 queues before main.
+#define SKIP_UNLESS_STARTED_FOR_IT()                                                                   \
+  if (!started_for_this_case())                                                                        \
+  GTEST_SKIP() << "needs its own process and environment: run it through ctest (unit.gpu_queues.*)"
+
+// Neither variable set: meshmem asked CUDA for 32 queues before main.
 TEST(GpuQueues, SetTo32AtLoadWhereUnset) {
+  SKIP_UNLESS_STARTED_FOR_IT();
   EXPECT_EQ(env("CUDA_DEVICE_MAX_CONNECTIONS"), "32");
   EXPECT_EQ(gpu_queues().count, 32);
-  EXPECT_EQ(describe_gpu_queues(), "GPU queues 32 (CUDA_DEVICE_MAX_CONNECTIONS, set by meshmem at load)");
+  EXPECT_EQ(describe_gpu_queues(), "GPU queues 32 (CUDA_DEVICE_MAX_CONNECTIONS, requested by meshmem at load)");
 }
 
-// Started with CUDA_DEVICE_MAX_CONNECTIONS=4: the user's value stays.
+// CUDA_DEVICE_MAX_CONNECTIONS set but empty: counts as unset.
+TEST(GpuQueues, EmptyCountsAsUnset) {
+  SKIP_UNLESS_STARTED_FOR_IT();
+  EXPECT_EQ(env("CUDA_DEVICE_MAX_CONNECTIONS"), "32");
+  EXPECT_EQ(gpu_queues().count, 32);
+}
+
+// CUDA_DEVICE_MAX_CONNECTIONS=4: the user's value stays.
 TEST(GpuQueues, UsersValueIsKept) {
+  SKIP_UNLESS_STARTED_FOR_IT();
   EXPECT_EQ(env("CUDA_DEVICE_MAX_CONNECTIONS"), "4");
   EXPECT_EQ(gpu_queues().count, 4);
-  EXPECT_EQ(gpu_queues().how, "the user's");
+  EXPECT_STREQ(gpu_queues().how, "the user's");
 }
 
-// Started with MESHMEM_GPU_QUEUES=keep and the variable unset: left unset, CUDA's 8.
+// MESHMEM_GPU_QUEUES=keep and the variable unset: left unset, CUDA's 8.
 TEST(GpuQueues, KeepLeavesTheVariableAlone) {
+  SKIP_UNLESS_STARTED_FOR_IT();
   EXPECT_EQ(env("CUDA_DEVICE_MAX_CONNECTIONS"), "(unset)");
   EXPECT_EQ(gpu_queues().count, 8);
-  EXPECT_EQ(gpu_queues().how, "CUDA's default, MESHMEM_GPU_QUEUES=keep");
+  EXPECT_STREQ(gpu_queues().how, "CUDA's default, MESHMEM_GPU_QUEUES=keep");
 }

@@ -206,9 +206,10 @@ void CudaDeviceRuntime::note_own_stream_route(const std::string& route) {
   if (said.exchange(true)) return;
   log(LogLevel::Warn, "rank " + std::to_string(rank_) + " reaches " + route +
                           ", whose transfers run on streams of this process, with " + std::to_string(q.count) +
-                          " GPU queues (CUDA_DEVICE_MAX_CONNECTIONS, " + q.how +
+                          " GPU queues (CUDA_DEVICE_MAX_CONNECTIONS, " + std::string(q.how) +
                           "): a stream that waits holds the queue it shares, so such a transfer can stall until "
-                          "MESHMEM_TIMEOUT; leave the variable unset (meshmem then sets 32 at load) or set it to 32");
+                          "MESHMEM_TIMEOUT; export CUDA_DEVICE_MAX_CONNECTIONS=32 before the program starts "
+                          "(see MESHMEM_GPU_QUEUES)");
 }
 
 void CudaDeviceRuntime::create_local(WindowState& state, const std::string& what) {

@@ -1,6 +1,9 @@
 #include "gpu_queues.hpp"
 
+#include <dirent.h>
+
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "../knobs.hpp"
@@ -21,10 +24,24 @@ const TuningKnob<QueueSetting> kGpuQueues{
     "`auto`: when the program starts, meshmem sets CUDA_DEVICE_MAX_CONNECTIONS=32 (CUDA's most hardware queues per "
     "device; 8 by default) unless the variable is set: a stream that waits stalls the queue it shares with other "
     "streams of its process, and the staged, nccl and mpi-device transfers that such a wait waits for run on "
-    "meshmem's own streams of the same process (with 8 queues a transfer was seen never to start). `keep`: leave "
-    "the variable alone. Read from the environment at load, before any Comm; a Comm that routes a peer through "
-    "those transports with fewer than 32 queues logs a warning",
+    "meshmem's own streams of the same process (with 8 queues, on 1 x H100, a soak's transfers did not start within "
+    "MESHMEM_TIMEOUT). `keep`: leave "
+    "the variable alone. Read from the environment when meshmem is loaded (Options cannot change it); nothing is "
+    "set where other threads already run then (a library loaded by dlopen), and where CUDA started before meshmem "
+    "was loaded the request comes too late: export CUDA_DEVICE_MAX_CONNECTIONS=32 yourself there. A Comm that "
+    "routes a peer through those transports with fewer than 32 queues logs a warning (once per process)",
     false};
+
+// Threads of this process now (1 where only the loading thread runs).
+int threads_running() {
+  DIR* d = opendir("/proc/self/task");
+  if (d == nullptr) return 0;  // unknown
+  int n = 0;
+  while (const dirent* e = readdir(d))
+    if (e->d_name[0] != '.') ++n;
+  closedir(d);
+  return n;
+}
 
 int parse_count(const char* raw) {
   char* end = nullptr;
@@ -37,12 +54,12 @@ GpuQueues settle_at_load() {
   const char* mode = std::getenv("MESHMEM_GPU_QUEUES");
   const bool keep = mode != nullptr && lower_trimmed(mode) == "keep";
   const char* user = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-  if (user != nullptr) return GpuQueues{parse_count(user), "the user's"};
+  if (user != nullptr && *user != '\0') return GpuQueues{parse_count(user), "the user's"};
   if (keep) return GpuQueues{8, "CUDA's default, MESHMEM_GPU_QUEUES=keep"};
-  // Before main no other thread runs, so setenv is safe here.
-  if (setenv("CUDA_DEVICE_MAX_CONNECTIONS", std::to_string(GpuQueues::kMost).c_str(), 0) != 0)
-    return GpuQueues{8, "CUDA's default: setenv failed"};
-  return GpuQueues{GpuQueues::kMost, "set by meshmem at load"};
+  // setenv beside another thread's getenv is undefined: only where this thread runs alone.
+  if (threads_running() != 1) return GpuQueues{8, "CUDA's default: other threads ran when meshmem was loaded"};
+  if (setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 1) != 0) return GpuQueues{8, "CUDA's default: setenv failed"};
+  return GpuQueues{GpuQueues::kMost, "requested by meshmem at load"};
 }
 
 // A namespace-scope object: runs when the program (or the shared object) is loaded.
@@ -53,13 +70,14 @@ const GpuQueues kAtLoad = settle_at_load();
 const GpuQueues& gpu_queues() { return kAtLoad; }
 
 std::string describe_gpu_queues() {
-  return "GPU queues " + std::to_string(kAtLoad.count) + " (CUDA_DEVICE_MAX_CONNECTIONS, " + kAtLoad.how + ")";
+  return "GPU queues " + std::to_string(kAtLoad.count) + " (CUDA_DEVICE_MAX_CONNECTIONS, " + std::string(kAtLoad.how) +
+         ")";
 }
 
 std::string gpu_queue_hint() {
   if (kAtLoad.count >= GpuQueues::kMost) return {};
   return "; this process has " + std::to_string(kAtLoad.count) +
-         " GPU queues (CUDA_DEVICE_MAX_CONNECTIONS, " + kAtLoad.how +
+         " GPU queues (CUDA_DEVICE_MAX_CONNECTIONS, " + std::string(kAtLoad.how) +
          "): a stream of it that waits may have held this transfer's stream back (32 make that less likely)";
 }
 

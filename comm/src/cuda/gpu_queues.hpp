@@ -8,12 +8,17 @@
 // nccl and mpi-device transports move data on streams of this process (the staging agent's,
 // the proxy thread's) after the caller's stream already waits for that data: if they share
 // a queue with the waiting stream, the transfer never starts and ends in MESHMEM_TIMEOUT.
-// Measured on 1 x H100 (bench/queue_lab.cu): waits on 8 streams hold back copies and kernels
-// of another stream; with 32 queues the soak's graph round that timed out passes.
+// Measured on 1 x H100 (bench/queue_lab.cu, bench/results/*queue-lab*): waits on 8 streams
+// hold back copies and kernels of another stream; with 32 queues and 8 waiting streams a copy
+// of another stream ran, and the soak's graph round that timed out with 8 passed.
 //
-// So at load (before main, where no context exists yet) this sets CUDA_DEVICE_MAX_CONNECTIONS
-// to 32 unless the variable is set or MESHMEM_GPU_QUEUES=keep. It lowers the chance, it does
-// not remove it: more streams than queues share them again.
+// So at static initialisation this asks for 32 (sets CUDA_DEVICE_MAX_CONNECTIONS) unless the
+// variable is set (empty counts as unset), MESHMEM_GPU_QUEUES=keep, or other threads already
+// run (setenv is not safe beside them: a library loaded by dlopen into a running program).
+// For a program linked with meshmem that is before main, before any CUDA context; where CUDA
+// started earlier (dlopen after CUDA use, a static constructor of another file) the request
+// comes too late and the user must export the variable. It lowers the chance, it does not
+// remove it: more streams than queues share them again.
 //
 // CUDA-free.
 #pragma once
@@ -23,15 +28,16 @@
 namespace meshmem::detail {
 
 struct GpuQueues {
-  int count;          // queues per device this process's contexts get (CUDA's default 8 when unset)
-  std::string how;    // "set by meshmem at load", "the user's", "CUDA's default (MESHMEM_GPU_QUEUES=keep)"
+  int count;        // queues per device the variable asks for (CUDA's default 8 when unset)
+  const char* how;  // "requested by meshmem at load", "the user's", ... (a literal: read by
+                    // threads that may outlive static destruction)
   static constexpr int kMost = 32;  // CUDA's limit for CUDA_DEVICE_MAX_CONNECTIONS
 };
 
-// What the process got: the variable as it was after meshmem's load-time setting.
+// The variable as meshmem left it at load (what CUDA reads where no context existed before).
 const GpuQueues& gpu_queues();
 
-// "GPU queues 32 (CUDA_DEVICE_MAX_CONNECTIONS, set by meshmem at load)".
+// "GPU queues 32 (CUDA_DEVICE_MAX_CONNECTIONS, requested by meshmem at load)".
 std::string describe_gpu_queues();
 
 // For the message of a transfer on meshmem's own streams that did not end: where the process
