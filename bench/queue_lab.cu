@@ -123,6 +123,34 @@ static CUdeviceptr vmm_alloc(size_t bytes) {
   CK(cuMemSetAccess(p, bytes, &a, 1));
   return p;
 }
+// A source of `bytes` holding a pattern and a destination of zeros, in primary-context
+// memory (VMM memory with `vmm`); wrong_words() counts the destination's words that differ.
+struct CopyPair {
+  size_t bytes;
+  void* src = nullptr;
+  void* dst = nullptr;
+  std::vector<unsigned> pattern;
+  CopyPair(size_t b, bool vmm) : bytes(b), pattern(b / 4) {
+    if (vmm) {
+      src = (void*)vmm_alloc(bytes);
+      dst = (void*)vmm_alloc(bytes);
+    } else {
+      CR(cudaMalloc(&src, bytes));
+      CR(cudaMalloc(&dst, bytes));
+    }
+    for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = (unsigned)(i * 2654435761u + 17);
+    CR(cudaMemcpy(src, pattern.data(), bytes, cudaMemcpyHostToDevice));
+    CR(cudaMemset(dst, 0, bytes));
+  }
+  size_t wrong_words() const {  // with the primary context current
+    std::vector<unsigned> out(bytes / 4);
+    CR(cudaMemcpy(out.data(), dst, bytes, cudaMemcpyDeviceToHost));
+    size_t bad = 0;
+    for (size_t i = 0; i < out.size(); ++i) bad += out[i] != pattern[i];
+    return bad;
+  }
+};
+
 static int queue_test(const std::string& blocker, const std::string& victim_kind, const std::string& op) {
   init();
   const char* env = getenv("CUDA_DEVICE_MAX_CONNECTIONS");
@@ -140,18 +168,9 @@ static int queue_test(const std::string& blocker, const std::string& victim_kind
   unsigned long long* dword = nullptr;
   CR(cudaHostGetDevicePointer((void**)&dword, word, 0));
   const size_t bytes = 64 << 20;
-  void *src, *dst;
-  if (vmm) {
-    src = (void*)vmm_alloc(bytes);
-    dst = (void*)vmm_alloc(bytes);
-  } else {
-    CR(cudaMalloc(&src, bytes));
-    CR(cudaMalloc(&dst, bytes));
-  }
-  std::vector<unsigned> h(bytes / 4);
-  for (size_t i = 0; i < h.size(); ++i) h[i] = (unsigned)(i * 2654435761u + 17);
-  CR(cudaMemcpy(src, h.data(), bytes, cudaMemcpyHostToDevice));
-  CR(cudaMemset(dst, 0xAB, bytes));
+  const CopyPair pair(bytes, vmm);
+  void* src = pair.src;
+  void* dst = pair.dst;
   // The victim exists before the blockers, as meshmem's proxy streams exist before a user's
   // later waits; the blockers fill every connection.
   Victim v = make_victim(victim_kind);
@@ -199,10 +218,7 @@ static int queue_test(const std::string& blocker, const std::string& victim_kind
   CK(cuEventSynchronize(done));
   CK(cuCtxSetCurrent(primary));
   CR(cudaDeviceSynchronize());
-  std::vector<unsigned> out(bytes / 4);
-  CR(cudaMemcpy(out.data(), dst, bytes, cudaMemcpyDeviceToHost));
-  size_t bad = 0;
-  for (size_t i = 0; i < out.size(); ++i) bad += out[i] != h[i];
+  const size_t bad = pair.wrong_words();
   printf("RESULT queue connections=%s%s blockers=%d blocker=%s victim=%s op=%s: %s%s, wrong words %zu\n", env ? env : "(unset)", vmm ? " vmm" : "", conns, blocker.c_str(),
          victim_kind.c_str(), op.c_str(), finished ? "ran in " : "HELD BACK (not done after 2 s)",
          finished ? (std::to_string((t_end - t0) * 1e3) + " ms").c_str() : "", bad);
@@ -213,13 +229,9 @@ static int queue_test(const std::string& blocker, const std::string& victim_kind
 static int access_test(const std::string& kind) {
   init();
   const size_t bytes = 16 << 20;
-  void *src, *dst;
-  CR(cudaMalloc(&src, bytes));
-  CR(cudaMalloc(&dst, bytes));
-  std::vector<unsigned> h(bytes / 4);
-  for (size_t i = 0; i < h.size(); ++i) h[i] = (unsigned)(i * 40503u + 3);
-  CR(cudaMemcpy(src, h.data(), bytes, cudaMemcpyHostToDevice));
-  CR(cudaMemset(dst, 0, bytes));
+  const CopyPair pair(bytes, false);
+  void* src = pair.src;
+  void* dst = pair.dst;
   Victim v = make_victim(kind);
   CK(cuCtxSetCurrent(v.ctx));
   copyk<<<132, 512, 0, (cudaStream_t)v.stream>>>((const int4*)src, (int4*)dst, bytes / 16);
@@ -228,12 +240,9 @@ static int access_test(const std::string& kind) {
   const char* s = "ok";
   if (sr != CUDA_SUCCESS) cuGetErrorString(sr, &s);
   CK(cuCtxSetCurrent(primary));
-  std::vector<unsigned> out(bytes / 4);
-  CR(cudaMemcpy(out.data(), dst, bytes, cudaMemcpyDeviceToHost));
-  size_t bad = 0;
-  for (size_t i = 0; i < out.size(); ++i) bad += out[i] != h[i];
+  const size_t bad = pair.wrong_words();
   printf("RESULT access %s: launch %s, sync %s, wrong words %zu of %zu\n", kind.c_str(), cudaGetErrorString(le), s,
-         bad, out.size());
+         bad, bytes / 4);
   // Copy bandwidth in that context between primary buffers, vs the primary context.
   for (int pass = 0; pass < 2; ++pass) {
     CUcontext c = pass == 0 ? primary : v.ctx;
@@ -291,13 +300,7 @@ static int nccl_test(const std::string& kind) {
   auto ge = (ncclResult_t_(*)())dlsym(lib, "ncclGroupEnd");
   auto err = (const char* (*)(ncclResult_t_))dlsym(lib, "ncclGetErrorString");
   const size_t bytes = 8 << 20;
-  void *src, *dst;
-  CR(cudaMalloc(&src, bytes));
-  CR(cudaMalloc(&dst, bytes));
-  std::vector<unsigned> h(bytes / 4);
-  for (size_t i = 0; i < h.size(); ++i) h[i] = (unsigned)(i * 7919u + 1);
-  CR(cudaMemcpy(src, h.data(), bytes, cudaMemcpyHostToDevice));
-  CR(cudaMemset(dst, 0, bytes));
+  const CopyPair pair(bytes, false);
   Victim v;
   if (kind == "primary") {
     v.ctx = primary;
@@ -315,17 +318,14 @@ static int nccl_test(const std::string& kind) {
     return 1;
   }
   gs();
-  send(src, bytes, /*ncclInt8*/ 0, 0, comm, (cudaStream_t)v.stream);
-  recv(dst, bytes, 0, 0, comm, (cudaStream_t)v.stream);
+  send(pair.src, bytes, /*ncclInt8*/ 0, 0, comm, (cudaStream_t)v.stream);
+  recv(pair.dst, bytes, 0, 0, comm, (cudaStream_t)v.stream);
   r = ge();
   CUresult sr = cuStreamSynchronize(v.stream);
   const char* s = "ok";
   if (sr != CUDA_SUCCESS) cuGetErrorString(sr, &s);
   CK(cuCtxSetCurrent(primary));
-  std::vector<unsigned> out(bytes / 4);
-  CR(cudaMemcpy(out.data(), dst, bytes, cudaMemcpyDeviceToHost));
-  size_t bad = 0;
-  for (size_t i = 0; i < out.size(); ++i) bad += out[i] != h[i];
+  const size_t bad = pair.wrong_words();
   printf("RESULT nccl %s: group %s, sync %s, wrong words %zu\n", kind.c_str(), err(r), s, bad);
   return bad == 0 ? 0 : 1;
 }
