@@ -3,7 +3,6 @@
 #include <dirent.h>
 
 #include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "../knobs.hpp"
@@ -25,8 +24,7 @@ const TuningKnob<QueueSetting> kGpuQueues{
     "device; 8 by default) unless the variable is set: a stream that waits stalls the queue it shares with other "
     "streams of its process, and the staged, nccl and mpi-device transfers that such a wait waits for run on "
     "meshmem's own streams of the same process (with 8 queues, on 1 x H100, a soak's transfers did not start within "
-    "MESHMEM_TIMEOUT). `keep`: leave "
-    "the variable alone. Read from the environment when meshmem is loaded (Options cannot change it); nothing is "
+    "MESHMEM_TIMEOUT). `keep`: leave the variable alone. Read from the environment when meshmem is loaded (Options cannot change it); nothing is "
     "set where other threads already run then (a library loaded by dlopen), and where CUDA started before meshmem "
     "was loaded the request comes too late: export CUDA_DEVICE_MAX_CONNECTIONS=32 yourself there. A Comm that "
     "routes a peer through those transports with fewer than 32 queues logs a warning (once per process)",
