@@ -77,14 +77,10 @@ std::string print_int(const int& n) { return std::to_string(n); }
 
 constexpr std::pair<const char*, FdPassing> kFdPassing[] = {
     {"auto", FdPassing::Auto}, {"pidfd", FdPassing::Pidfd}, {"socket", FdPassing::Socket}};
-FdPassing parse_fd_passing(const char* n, const std::string& raw) { return parse_choice(n, raw, kFdPassing); }
-std::string print_fd_passing(const FdPassing& m) { return choice_name(m, kFdPassing); }
 
 constexpr std::pair<const char*, LogLevel> kLogLevels[] = {{"error", LogLevel::Error}, {"warn", LogLevel::Warn},
                                                           {"warning", LogLevel::Warn}, {"info", LogLevel::Info},
                                                           {"debug", LogLevel::Debug}};
-LogLevel parse_log_level(const char* n, const std::string& raw) { return parse_choice(n, raw, kLogLevels); }
-std::string print_log_level(const LogLevel& l) { return choice_name(l, kLogLevels); }
 
 std::vector<TransportKind> parse_transports(const char* var, const std::string& raw) {
   std::vector<TransportKind> kinds;
@@ -123,7 +119,7 @@ const OptionKnob<int> kSimulateNodes{
     "split each real node into N simulated nodes (contiguous blocks of ranks); ranks of different simulated "
     "nodes are treated exactly like ranks of different real nodes"};
 const OptionKnob<FdPassing> kFdPassingKnob{
-    "MESHMEM_FD_PASSING", &Options::fd_passing, parse_fd_passing, print_fd_passing,
+    "MESHMEM_FD_PASSING", &Options::fd_passing, parse_named<kFdPassing>, print_named<kFdPassing>,
     "`pidfd` (pidfd_getfd; needs ptrace permission), `socket` (SCM_RIGHTS over an abstract Unix socket named "
     "with a random per-job token; the sender's pid and uid are checked with SO_PEERCRED), or `auto` (pidfd "
     "where every node peer permits it)"};
@@ -140,7 +136,7 @@ const OptionKnob<std::vector<TransportKind>> kTransports{
     "`mpi-device` no rank of another node"};
 
 const OptionKnob<LogLevel> kLogLevel{
-    "MESHMEM_LOG_LEVEL", &Options::log_level, parse_log_level, print_log_level,
+    "MESHMEM_LOG_LEVEL", &Options::log_level, parse_named<kLogLevels>, print_named<kLogLevels>,
     "`error`, `warn`, `info`, `debug` (stderr, prefixed with the rank); may differ between ranks",
     /*must_agree=*/false};
 

@@ -110,8 +110,8 @@ std::string print_micros(const std::chrono::microseconds& t);  // "0", "250us", 
 
 // Enumerated knobs: a table of names, the first name of a value being the one printed.
 //   constexpr std::pair<const char*, Mode> kModes[] = {{"auto", Mode::Auto}, {"fast", Mode::Fast}};
-//   Mode parse_mode(const char* n, const std::string& raw) { return parse_choice(n, raw, kModes); }
-//   std::string print_mode(const Mode& m) { return choice_name(m, kModes); }
+//   const TuningKnob<Mode> kMode{"foo", "MESHMEM_FOO_MODE", Mode::Auto, parse_named<kModes>,
+//                                print_named<kModes>, "..."};
 template <class E, std::size_t N>
 E parse_choice(const char* name, const std::string& raw, const std::pair<const char*, E> (&names)[N]) {
   const std::string m = lower_trimmed(raw);
@@ -127,6 +127,15 @@ std::string choice_name(const E& v, const std::pair<const char*, E> (&names)[N])
   for (const auto& [text, value] : names)
     if (value == v) return text;
   return "?";
+}
+// The parser and printer of a knob whose names are the table `Names` (a KnobParser / KnobPrinter).
+template <const auto& Names>
+auto parse_named(const char* name, const std::string& raw) {
+  return parse_choice(name, raw, Names);
+}
+template <const auto& Names, class E>
+std::string print_named(const E& v) {
+  return choice_name(v, Names);
 }
 
 }  // namespace meshmem::detail

@@ -25,11 +25,9 @@ namespace {
 enum class StreamWait { Auto, Memop, Kernel };
 constexpr std::pair<const char*, StreamWait> kStreamWaits[] = {
     {"auto", StreamWait::Auto}, {"memop", StreamWait::Memop}, {"kernel", StreamWait::Kernel}};
-StreamWait parse_stream_wait(const char* n, const std::string& raw) { return parse_choice(n, raw, kStreamWaits); }
-std::string print_stream_wait(const StreamWait& w) { return choice_name(w, kStreamWaits); }
 
 const TuningKnob<StreamWait> kStreamWait{
-    "device", "MESHMEM_STREAM_WAIT", StreamWait::Auto, parse_stream_wait, print_stream_wait,
+    "device", "MESHMEM_STREAM_WAIT", StreamWait::Auto, parse_named<kStreamWaits>, print_named<kStreamWaits>,
     "device `wait_until`, and the stream's wait for the end of a staged, nccl or mpi-device transfer: `kernel` (a "
     "polling kernel that gives up after MESHMEM_TIMEOUT and reports it; about 2x lower put_signal latency than "
     "memop), `memop` (cuStreamWaitValue64: holds no SM, so it is faster where ranks share a GPU, but a "
@@ -41,11 +39,9 @@ const TuningKnob<StreamWait> kStreamWait{
 
 enum class EarlyLaunch { Auto, Off };
 constexpr std::pair<const char*, EarlyLaunch> kEarlyLaunches[] = {{"auto", EarlyLaunch::Auto}, {"off", EarlyLaunch::Off}};
-EarlyLaunch parse_early_launch(const char* n, const std::string& raw) { return parse_choice(n, raw, kEarlyLaunches); }
-std::string print_early_launch(const EarlyLaunch& e) { return choice_name(e, kEarlyLaunches); }
 
 const TuningKnob<EarlyLaunch> kEarlyLaunch{
-    "device", "MESHMEM_EARLY_LAUNCH", EarlyLaunch::Auto, parse_early_launch, print_early_launch,
+    "device", "MESHMEM_EARLY_LAUNCH", EarlyLaunch::Auto, parse_named<kEarlyLaunches>, print_named<kEarlyLaunches>,
     "meshmem's barrier, wait, halo and put kernels as programmatic dependent launches: `auto` where the GPU has them "
     "(compute capability 9.0+ and kernels built for it): such a kernel is set up while the kernel before it on the "
     "stream runs and waits on the GPU for it to finish; the copy kernels also let the next programmatic launch start "

@@ -13,13 +13,11 @@ namespace {
 enum class QueueSetting { Auto, Keep };
 constexpr std::pair<const char*, QueueSetting> kQueueSettings[] = {{"auto", QueueSetting::Auto},
                                                                    {"keep", QueueSetting::Keep}};
-QueueSetting parse_queue_setting(const char* n, const std::string& raw) { return parse_choice(n, raw, kQueueSettings); }
-std::string print_queue_setting(const QueueSetting& q) { return choice_name(q, kQueueSettings); }
 
 // Read at load, not through Options (which exist only once a Comm is made, too late for
 // CUDA); declared here so that it is in the knob table and checked like every other.
 const TuningKnob<QueueSetting> kGpuQueues{
-    "device", "MESHMEM_GPU_QUEUES", QueueSetting::Auto, parse_queue_setting, print_queue_setting,
+    "device", "MESHMEM_GPU_QUEUES", QueueSetting::Auto, parse_named<kQueueSettings>, print_named<kQueueSettings>,
     "`auto`: when the program starts, meshmem sets CUDA_DEVICE_MAX_CONNECTIONS=32 (CUDA's most hardware queues per "
     "device; 8 by default) unless the variable is set: a stream that waits stalls the queue it shares with other "
     "streams of its process, and the staged, nccl and mpi-device transfers that such a wait waits for run on "

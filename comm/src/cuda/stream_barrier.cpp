@@ -28,11 +28,9 @@ constexpr std::pair<const char*, BarrierKind> kBarrierKinds[] = {{"auto", Barrie
                                                                  {"meeting", BarrierKind::Meeting},
                                                                  {"flag", BarrierKind::Flag},
                                                                  {"event", BarrierKind::Event}};
-BarrierKind parse_barrier(const char* n, const std::string& raw) { return parse_choice(n, raw, kBarrierKinds); }
-std::string print_barrier(const BarrierKind& b) { return choice_name(b, kBarrierKinds); }
 
 const TuningKnob<BarrierKind> kBarrier{
-    "device", "MESHMEM_BARRIER", BarrierKind::Auto, parse_barrier, print_barrier,
+    "device", "MESHMEM_BARRIER", BarrierKind::Auto, parse_named<kBarrierKinds>, print_named<kBarrierKinds>,
     "`barrier(stream)` on one node: `kernel` (a one-block kernel on flag words mapped between the ranks; its "
     "barrier count lives on the GPU, so it is capturable; its waits time out) never blocks the host. `meeting` meets "
     "the node's ranks on the host first and enqueues nothing when every stream was idle, else the kernel "
@@ -47,11 +45,10 @@ const TuningKnob<BarrierKind> kBarrier{
 enum class AcrossNodes { Auto, Nccl, Proxy };
 constexpr std::pair<const char*, AcrossNodes> kAcrossNodesKinds[] = {
     {"auto", AcrossNodes::Auto}, {"nccl", AcrossNodes::Nccl}, {"proxy", AcrossNodes::Proxy}};
-AcrossNodes parse_across(const char* n, const std::string& raw) { return parse_choice(n, raw, kAcrossNodesKinds); }
-std::string print_across(const AcrossNodes& a) { return choice_name(a, kAcrossNodesKinds); }
 
 const TuningKnob<AcrossNodes> kAcrossNodes{
-    "device", "MESHMEM_BARRIER_ACROSS_NODES", AcrossNodes::Auto, parse_across, print_across,
+    "device", "MESHMEM_BARRIER_ACROSS_NODES", AcrossNodes::Auto, parse_named<kAcrossNodesKinds>,
+    print_named<kAcrossNodesKinds>,
     "`barrier(stream)` where ranks span nodes: `nccl` is hierarchical, all on the stream: the node's ranks meet "
     "in the barrier kernel, the node leaders (lowest rank of each node) run an ncclAllReduce of one word, and the "
     "node's ranks meet again; a watchdog aborts the leaders' communicator when the all-reduce did not end within "
@@ -472,7 +469,7 @@ std::unique_ptr<StreamBarrier> make_stream_barrier(const CommContext& ctx, const
     if (staged == nullptr || !staged->has_pool())
       throw Error(ErrorCode::Internal, what + ": the staged transport's pool is missing on rank " + std::to_string(topo.rank));
     if (kBarrier.get(ctx.options) != BarrierKind::Auto && kBarrier.get(ctx.options) != BarrierKind::Kernel)
-      log(LogLevel::Info, "barrier(stream): MESHMEM_BARRIER=" + print_barrier(kBarrier.get(ctx.options)) +
+      log(LogLevel::Info, "barrier(stream): MESHMEM_BARRIER=" + print_named<kBarrierKinds>(kBarrier.get(ctx.options)) +
                               " needs every node peer mapped; some are staged: the kernel barrier over the staging "
                               "pool is used");
     auto kernel = std::make_unique<KernelBarrier>(topo, *staged, device);

@@ -34,17 +34,15 @@ const TuningKnob<std::size_t> kFusedSignalMax{
 // Both ipc checks below: `auto` (ask the driver, probe) or `off`.
 enum class AutoOff { Auto, Off };
 constexpr std::pair<const char*, AutoOff> kAutoOffChoices[] = {{"auto", AutoOff::Auto}, {"off", AutoOff::Off}};
-AutoOff parse_auto_off(const char* n, const std::string& raw) { return parse_choice(n, raw, kAutoOffChoices); }
-std::string print_auto_off(const AutoOff& c) { return choice_name(c, kAutoOffChoices); }
 const TuningKnob<AutoOff> kPeerAtomics{
-    "ipc", "MESHMEM_PEER_ATOMICS", AutoOff::Auto, parse_auto_off, print_auto_off,
+    "ipc", "MESHMEM_PEER_ATOMICS", AutoOff::Auto, parse_named<kAutoOffChoices>, print_named<kAutoOffChoices>,
     "signal `Add` into another GPU is a remote atomic, which can lose updates between GPUs without native peer "
     "atomics (PCIe): `auto` asks the driver per pair (CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED) and refuses "
     "`Add` with Error(Unsupported) where they are absent (where the peer's GPU is hidden from this process it "
     "cannot be asked: allowed, logged at info); `off` treats every other GPU as lacking them (to test the refusal)"};
 
 const TuningKnob<AutoOff> kPeerAccess{
-    "ipc", "MESHMEM_PEER_ACCESS", AutoOff::Auto, parse_auto_off, print_auto_off,
+    "ipc", "MESHMEM_PEER_ACCESS", AutoOff::Auto, parse_named<kAutoOffChoices>, print_named<kAutoOffChoices>,
     "`auto`: ipc maps a node peer's GPU memory where the driver grants peer access (cudaDeviceCanAccessPeer, where "
     "the peer's GPU is visible) and a probe mapping works; `off`: ipc reaches only ranks sharing this GPU, so pairs "
     "of different GPUs go through `staged` as on a node without peer access (for peer access that the driver "
@@ -55,10 +53,8 @@ const TuningKnob<AutoOff> kPeerAccess{
 enum class PeerVerify { On, Off, Corrupt };
 constexpr std::pair<const char*, PeerVerify> kPeerVerifyChoices[] = {
     {"on", PeerVerify::On}, {"off", PeerVerify::Off}, {"corrupt", PeerVerify::Corrupt}};
-PeerVerify parse_peer_verify(const char* n, const std::string& raw) { return parse_choice(n, raw, kPeerVerifyChoices); }
-std::string print_peer_verify(const PeerVerify& c) { return choice_name(c, kPeerVerifyChoices); }
 const TuningKnob<PeerVerify> kPeerVerify{
-    "ipc", "MESHMEM_PEER_VERIFY", PeerVerify::On, parse_peer_verify, print_peer_verify,
+    "ipc", "MESHMEM_PEER_VERIFY", PeerVerify::On, parse_named<kPeerVerifyChoices>, print_named<kPeerVerifyChoices>,
     "`on`: when a Comm is made, every rank writes a pattern through each peer mapping and reads it back, and the "
     "peer checks in its own memory that it arrived; a pair where it did not (peer access granted but broken: some "
     "IOMMU/ACS and virtualised setups) is not reached by ipc and goes through `staged`; `off`: no check; `corrupt`: "

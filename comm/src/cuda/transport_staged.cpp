@@ -57,10 +57,8 @@ const TuningKnob<std::size_t> kStagingSlots{
 enum class Channels { Always, WhenHidden };
 constexpr std::pair<const char*, Channels> kChannelChoices[] = {{"always", Channels::Always},
                                                                 {"when-hidden", Channels::WhenHidden}};
-Channels parse_channels(const char* n, const std::string& raw) { return parse_choice(n, raw, kChannelChoices); }
-std::string print_channels(const Channels& c) { return choice_name(c, kChannelChoices); }
 const TuningKnob<Channels> kStagingChannels{
-    "staged", "MESHMEM_STAGING_CHANNELS", Channels::Always, parse_channels, print_channels,
+    "staged", "MESHMEM_STAGING_CHANNELS", Channels::Always, parse_named<kChannelChoices>, print_named<kChannelChoices>,
     "staged transport: `always`: each rank's agent drives only its own GPU, and the two ranks' agents share every "
     "transfer through a channel in the pool (the device-to-host copy on the source's GPU, the host-to-device copy, "
     "signal and done word by the target's agent); `when-hidden`: where this process sees both GPUs its agent drives "
