@@ -260,25 +260,24 @@ static int access_test(const std::string& kind) {
   return bad == 0 && sr == CUDA_SUCCESS ? 0 : 1;
 }
 
+// Device memory (MiB) that a context of `kind` takes once a kernel ran in it (kept alive).
+static double context_cost_mib(const char* kind) {
+  size_t before, after, total;
+  CR(cudaMemGetInfo(&before, &total));
+  Victim v = make_victim(kind);
+  CK(cuCtxSetCurrent(v.ctx));
+  spin<<<1, 1, 0, (cudaStream_t)v.stream>>>(nullptr, 0);  // its resources come into being
+  CK(cuStreamSynchronize(v.stream));
+  CK(cuCtxSetCurrent(primary));
+  CR(cudaMemGetInfo(&after, &total));
+  return (double)(before - after) / (1 << 20);
+}
+
 static int cost_test() {
   init();
-  size_t f0, f1, f2, t;
-  CR(cudaMemGetInfo(&f0, &t));
-  Victim g = make_victim("green");
-  // Force its resources into being: one kernel in it.
-  CK(cuCtxSetCurrent(g.ctx));
-  spin<<<1, 1, 0, (cudaStream_t)g.stream>>>(nullptr, 0);
-  CK(cuStreamSynchronize(g.stream));
-  CK(cuCtxSetCurrent(primary));
-  CR(cudaMemGetInfo(&f1, &t));
-  Victim c = make_victim("ctx");
-  CK(cuCtxSetCurrent(c.ctx));
-  spin<<<1, 1, 0, (cudaStream_t)c.stream>>>(nullptr, 0);
-  CK(cuStreamSynchronize(c.stream));
-  CK(cuCtxSetCurrent(primary));
-  CR(cudaMemGetInfo(&f2, &t));
-  printf("RESULT cost: green context %.1f MiB, cuCtxCreate context %.1f MiB of device memory\n",
-         (double)(f0 - f1) / (1 << 20), (double)(f1 - f2) / (1 << 20));
+  const double green = context_cost_mib("green");
+  const double ctx = context_cost_mib("ctx");
+  printf("RESULT cost: green context %.1f MiB, cuCtxCreate context %.1f MiB of device memory\n", green, ctx);
   return 0;
 }
 

@@ -697,8 +697,11 @@ TEST_F(RealUse, DISABLED_DestroyingTheCommBehindARunningKernelIsBounded) {
   CUDA_OK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&flag_device), flag, 0));
   wait_for_host_flag<<<1, 1, 0, s1>>>(flag_device);
   CUDA_OK(cudaGetLastError());
+  // Sets the flag after 40 s at the latest: ends as soon as the test set it itself.
   std::thread release([flag] {
-    std::this_thread::sleep_for(std::chrono::seconds(40));
+    const auto latest = std::chrono::steady_clock::now() + std::chrono::seconds(40);
+    while (__atomic_load_n(flag, __ATOMIC_ACQUIRE) == 0 && std::chrono::steady_clock::now() < latest)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
     __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
   });
   const auto t0 = std::chrono::steady_clock::now();
@@ -708,7 +711,8 @@ TEST_F(RealUse, DISABLED_DestroyingTheCommBehindARunningKernelIsBounded) {
   release.join();
   EXPECT_TRUE(finishes(s1, 30)) << "the user's kernel did not end after its flag was set";
   CUDA_OK(cudaFreeHost(flag));
-  EXPECT_LT(seconds, 20.0) << "~Comm behind a running kernel took " << seconds << " s (route to rank " << right << ": " << route << ")";
+  EXPECT_LT(seconds, 20.0) << "~Comm behind a running kernel took " << seconds << " s (route to rank " << right
+                           << ": " << route << ")";
   MPI_Barrier(MPI_COMM_WORLD);
 }
 

@@ -196,16 +196,9 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
 }
 
 void CudaDeviceRuntime::note_own_stream_route(const std::string& route) {
-  const GpuQueues& q = gpu_queues();
-  if (q.count >= GpuQueues::kMost) return;
+  const std::string warning = few_gpu_queues_warning(rank_, route);
   static std::atomic<bool> said{false};  // once per process: every Comm would say the same
-  if (said.exchange(true)) return;
-  log(LogLevel::Warn, "rank " + std::to_string(rank_) + " reaches " + route +
-                          ", whose transfers run on streams of this process, with " + std::to_string(q.count) +
-                          " GPU queues (CUDA_DEVICE_MAX_CONNECTIONS, " + std::string(q.how) +
-                          "): a stream that waits holds the queue it shares, so such a transfer can stall until "
-                          "MESHMEM_TIMEOUT; export CUDA_DEVICE_MAX_CONNECTIONS=32 before the program starts "
-                          "(see MESHMEM_GPU_QUEUES)");
+  if (!warning.empty() && !said.exchange(true)) log(LogLevel::Warn, warning);
 }
 
 void CudaDeviceRuntime::create_local(WindowState& state, const std::string& what) {

@@ -22,8 +22,8 @@ const TuningKnob<QueueSetting> kGpuQueues{
     "device; 8 by default) unless the variable is set: a stream that waits stalls the queue it shares with other "
     "streams of its process, and the staged, nccl and mpi-device transfers that such a wait waits for run on "
     "meshmem's own streams of the same process (with 8 queues, on 1 x H100, a soak's transfers did not start within "
-    "MESHMEM_TIMEOUT). `keep`: leave the variable alone. Read from the environment when meshmem is loaded (Options cannot change it); nothing is "
-    "set where other threads already run then (a library loaded by dlopen), and where CUDA started before meshmem "
+    "MESHMEM_TIMEOUT). `keep`: leave the variable alone. Read from the environment when meshmem is loaded "
+    "(Options cannot change it); nothing is set where other threads already run then (a library loaded by dlopen), and where CUDA started before meshmem "
     "was loaded the request comes too late: export CUDA_DEVICE_MAX_CONNECTIONS=32 yourself there. A Comm that "
     "routes a peer through those transports with fewer than 32 queues logs a warning (once per process)",
     false};
@@ -46,9 +46,20 @@ int parse_count(const char* raw) {
   return v > GpuQueues::kMost ? GpuQueues::kMost : static_cast<int>(v);
 }
 
+// MESHMEM_GPU_QUEUES=keep, read with the knob's own names; a value it refuses counts as auto
+// here (static initialisation cannot raise) and is raised when a Comm parses its Options.
+bool keep_requested() {
+  const char* mode = std::getenv(kGpuQueues.name());
+  if (mode == nullptr) return false;
+  try {
+    return parse_named<kQueueSettings>(kGpuQueues.name(), mode) == QueueSetting::Keep;
+  } catch (...) {
+    return false;
+  }
+}
+
 GpuQueues settle_at_load() {
-  const char* mode = std::getenv("MESHMEM_GPU_QUEUES");
-  const bool keep = mode != nullptr && lower_trimmed(mode) == "keep";
+  const bool keep = keep_requested();
   const char* user = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   if (user != nullptr && *user != '\0') return GpuQueues{parse_count(user), "the user's"};
   if (keep) return GpuQueues{8, "CUDA's default, MESHMEM_GPU_QUEUES=keep"};
@@ -61,20 +72,27 @@ GpuQueues settle_at_load() {
 // A namespace-scope object: runs when the program (or the shared object) is loaded.
 const GpuQueues kAtLoad = settle_at_load();
 
+// "(CUDA_DEVICE_MAX_CONNECTIONS, the user's)": where the count comes from.
+std::string source() { return "(CUDA_DEVICE_MAX_CONNECTIONS, " + std::string(kAtLoad.how) + ")"; }
+
 }  // namespace
 
 const GpuQueues& gpu_queues() { return kAtLoad; }
 
-std::string describe_gpu_queues() {
-  return "GPU queues " + std::to_string(kAtLoad.count) + " (CUDA_DEVICE_MAX_CONNECTIONS, " + std::string(kAtLoad.how) +
-         ")";
-}
+std::string describe_gpu_queues() { return "GPU queues " + std::to_string(kAtLoad.count) + " " + source(); }
 
 std::string gpu_queue_hint() {
   if (kAtLoad.count >= GpuQueues::kMost) return {};
-  return "; this process has " + std::to_string(kAtLoad.count) +
-         " GPU queues (CUDA_DEVICE_MAX_CONNECTIONS, " + std::string(kAtLoad.how) +
-         "): a stream of it that waits may have held this transfer's stream back (32 make that less likely)";
+  return "; this process has " + std::to_string(kAtLoad.count) + " GPU queues " + source() +
+         ": a stream of it that waits may have held this transfer's stream back (32 make that less likely)";
+}
+
+std::string few_gpu_queues_warning(int rank, const std::string& route) {
+  if (kAtLoad.count >= GpuQueues::kMost) return {};
+  return "rank " + std::to_string(rank) + " reaches " + route + ", whose transfers run on streams of this process, with " +
+         std::to_string(kAtLoad.count) + " GPU queues " + source() +
+         ": a stream that waits holds the queue it shares, so such a transfer can stall until MESHMEM_TIMEOUT; export "
+         "CUDA_DEVICE_MAX_CONNECTIONS=32 before the program starts (see MESHMEM_GPU_QUEUES)";
 }
 
 }  // namespace meshmem::detail

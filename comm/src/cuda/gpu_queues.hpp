@@ -44,4 +44,9 @@ std::string describe_gpu_queues();
 // has fewer than 32 queues, "; ... a waiting stream may have held it back ...", else "".
 std::string gpu_queue_hint();
 
+// Where `rank` reaches `route` ("rank 3 through nccl") through a transport whose transfers run
+// on streams of this process and the process has fewer than 32 queues: the warning to log;
+// else "".
+std::string few_gpu_queues_warning(int rank, const std::string& route);
+
 }  // namespace meshmem::detail

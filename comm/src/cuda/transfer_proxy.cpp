@@ -560,15 +560,18 @@ class TransferProxy {
     if (now < next_watch_) return;
     next_watch_ = now + std::chrono::milliseconds(50);
     const auto late = [&](std::chrono::steady_clock::time_point t) { return now - t > timeout_; };
-    const std::string after = " did not end within " + describe_timeout(timeout_) +
-                              "; its stream was released (its data may be incomplete)" + gpu_queue_hint();
+    // Built for a late transfer only: this runs every 50 ms.
+    const auto after = [&] {
+      return " did not end within " + describe_timeout(timeout_) +
+             "; its stream was released (its data may be incomplete)" + gpu_queue_hint();
+    };
     for (auto& [peer, list] : puts_)
       for (auto it = list.begin(); it != list.end();) {
         if (!late(it->second.started)) {
           ++it;
           continue;
         }
-        note_error(where() + ": a put to rank " + std::to_string(peer) + after, ErrorCode::Timeout);
+        note_error(where() + ": a put to rank " + std::to_string(peer) + after(), ErrorCode::Timeout);
         end(it->second.word, it->second.ticket);
         abandoned_puts_[peer].insert(it->first);
         it = list.erase(it);
@@ -580,7 +583,7 @@ class TransferProxy {
           continue;
         }
         note_error(where() + ": a get of " + std::to_string(it->second.bytes) + " bytes from rank " +
-                       std::to_string(peer) + after,
+                       std::to_string(peer) + after(),
                    ErrorCode::Timeout);
         end(it->second.word, it->second.ticket);
         it = list.erase(it);
@@ -590,7 +593,7 @@ class TransferProxy {
     for (auto& [peer, list] : incoming_)
       for (Incoming& in : list) {
         if (in.is_put || in.dropped || in.ended || in.settled || !late(in.started)) continue;
-        note_error(where() + ": a get from rank " + std::to_string(peer) + after, ErrorCode::Timeout);
+        note_error(where() + ": a get from rank " + std::to_string(peer) + after(), ErrorCode::Timeout);
         end(in.word, in.ticket);
         in.ended = true;
       }
