@@ -14,6 +14,9 @@
 //   queue_lab cost               device memory a green context and a cuCtxCreate context take
 //   queue_lab nccl primary|green|ctx   a one-rank NCCL send/recv with that context current
 //   queue_lab blocking       which releasing calls (cudaFree, ...) wait for a running kernel
+//   queue_lab contention HOLDER   while another thread is inside HOLDER (devsync, free,
+//                            freehost, streamsync, eventsync), held there by a running kernel,
+//                            which calls of this thread wait too
 // No meshmem: the lab is about CUDA. Results: bench/results/*-queue-lab-*.txt.
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -379,6 +382,59 @@ static int blocking_test() {
     CK(cuMemUnmap(v, 2 << 20));
     CK(cuMemAddressFree(v, 2 << 20));
   });
+  // What a teardown could use instead, and the allocations.
+  CUmemGenericAllocationHandle vh = 0;
+  auto vmm_make = [&](CUmemLocationType where, bool through_fd) {
+    CUmemAllocationProp prop = {};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = where;
+    prop.location.id = 0;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    CK(cuMemCreate(&vh, 2 << 20, &prop, 0));
+    if (through_fd) {
+      int fd = -1;
+      CK(cuMemExportToShareableHandle(&fd, vh, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+      CUmemGenericAllocationHandle imported = 0;
+      CK(cuMemImportFromShareableHandle(&imported, (void*)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+      close(fd);
+      CK(cuMemRelease(vh));
+      vh = imported;
+    }
+    CK(cuMemAddressReserve(&v, 2 << 20, 0, 0, 0));
+    CK(cuMemMap(v, 2 << 20, 0, vh, 0));
+    CUmemAccessDesc a = {};
+    a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    a.location.id = 0;
+    a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CK(cuMemSetAccess(v, 2 << 20, &a, 1));
+  };
+  auto vmm_drop = [&] {
+    CK(cuMemUnmap(v, 2 << 20));
+    CK(cuMemRelease(vh));
+    CK(cuMemAddressFree(v, 2 << 20));
+  };
+  timed("VMM device: unmap+release+free", [&] { vmm_make(CU_MEM_LOCATION_TYPE_DEVICE, false); }, vmm_drop);
+  timed("VMM device via fd: unmap+release", [&] { vmm_make(CU_MEM_LOCATION_TYPE_DEVICE, true); }, vmm_drop);
+  timed("VMM host NUMA: unmap+release+free", [&] { vmm_make(CU_MEM_LOCATION_TYPE_HOST_NUMA, false); }, vmm_drop);
+  timed("cudaEventDestroy (interprocess)",
+        [&] { CR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventInterprocess)); },
+        [&] { CR(cudaEventDestroy(e)); });
+  timed("cudaFreeAsync (pool) + own sync", [&] {
+    CR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    CR(cudaMallocAsync(&d, 1 << 20, s));
+    CR(cudaStreamSynchronize(s));
+  }, [&] { CR(cudaFreeAsync(d, s)); CR(cudaStreamSynchronize(s)); });
+  timed("cudaMallocAsync (pool) + own sync", [&] {}, [&] { CR(cudaMallocAsync(&d, 1 << 20, s)); CR(cudaStreamSynchronize(s)); });
+  CR(cudaFreeAsync(d, s));
+  CR(cudaStreamSynchronize(s));
+  timed("cudaStreamSynchronize (own idle stream)", [&] {}, [&] { CR(cudaStreamSynchronize(s)); });
+  CR(cudaStreamDestroy(s));
+  timed("cudaHostAlloc", [&] {}, [&] { CR(cudaHostAlloc(&h, 1 << 20, cudaHostAllocMapped)); });
+  CR(cudaFreeHost(h));
+  timed("cudaHostRegister", [&] { h = malloc(1 << 20); }, [&] { CR(cudaHostRegister(h, 1 << 20, 0)); });
+  CR(cudaHostUnregister(h));
+  free(h);
+  timed("cudaDeviceSynchronize (control: must wait)", [&] {}, [&] { CR(cudaDeviceSynchronize()); });
   timed("cudaMalloc", [&] {}, [&] { CR(cudaMalloc(&d, 1 << 20)); });
   CR(cudaFree(d));
   timed("cudaMemset (legacy stream)", [&] { CR(cudaMalloc(&d, 1 << 20)); }, [&] { CR(cudaMemset(d, 0, 1 << 20)); });
@@ -386,8 +442,119 @@ static int blocking_test() {
   return 0;
 }
 
-// Runs `args` of this program in a child with `env` added; kills it after 15 s.
-static void run_case(const char* self, const std::vector<std::string>& env, const std::vector<std::string>& args) {
+// A kernel polls a pinned word on a stream of its own for 1.5 s; a second thread enters
+// `holder` (which waits for that kernel), and this thread times each call: "WAITS" when it
+// returned only after the kernel ended. A call that waits only here takes a lock that the
+// holder keeps while it waits.
+static int contention_test(const std::string& holder) {
+  init();
+  unsigned long long* word = nullptr;
+  CR(cudaHostAlloc((void**)&word, 8, cudaHostAllocMapped));
+  unsigned long long* dword = nullptr;
+  CR(cudaHostGetDevicePointer((void**)&dword, word, 0));
+  cudaStream_t busy, own;
+  CR(cudaStreamCreateWithFlags(&busy, cudaStreamNonBlocking));
+  CR(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
+  void* a = nullptr;
+  void* b = nullptr;
+  CR(cudaMalloc(&a, 1 << 20));
+  CR(cudaMalloc(&b, 1 << 20));
+  auto timed = [&](const char* name, auto&& prepare, auto&& call) {
+    void* held_device = nullptr;
+    void* held_host = nullptr;
+    cudaEvent_t busy_done = nullptr;
+    prepare();
+    if (holder == "free") CR(cudaMalloc(&held_device, 1 << 20));
+    if (holder == "freehost") CR(cudaHostAlloc(&held_host, 1 << 20, 0));
+    if (holder == "eventsync") CR(cudaEventCreateWithFlags(&busy_done, cudaEventDisableTiming));
+    CR(cudaDeviceSynchronize());
+    *word = 0;
+    spin<<<1, 1, 0, busy>>>(dword, 1);
+    if (busy_done != nullptr) CR(cudaEventRecord(busy_done, busy));
+    std::thread hold([&] {
+      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      CR(cudaThreadExchangeStreamCaptureMode(&mode));
+      if (holder == "devsync") CR(cudaDeviceSynchronize());
+      if (holder == "free") CR(cudaFree(held_device));
+      if (holder == "freehost") CR(cudaFreeHost(held_host));
+      if (holder == "streamsync") CR(cudaStreamSynchronize(busy));
+      if (holder == "eventsync") CR(cudaEventSynchronize(busy_done));
+    });
+    std::thread release([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      __atomic_store_n(word, 1ull, __ATOMIC_RELEASE);
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the holder is inside
+    const double t0 = now();
+    call();
+    const double t = now() - t0;
+    release.join();
+    hold.join();
+    CR(cudaStreamSynchronize(busy));
+    if (busy_done != nullptr) CR(cudaEventDestroy(busy_done));
+    printf("RESULT contention %-10s %-36s %8.3f ms%s\n", holder.c_str(), name, t * 1e3,
+           t > 0.7 ? "  WAITS" : "");
+  };
+  cudaEvent_t e = nullptr;
+  cudaStream_t s = nullptr;
+  void* d = nullptr;
+  void* h = nullptr;
+  CUdeviceptr v = 0;
+  CUmemGenericAllocationHandle vh = 0;
+  timed("cudaEventDestroy (never recorded)", [&] { CR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming)); },
+        [&] { CR(cudaEventDestroy(e)); });
+  timed("cudaEventDestroy (recorded, done)", [&] {
+    CR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    CR(cudaEventRecord(e, own));
+  }, [&] { CR(cudaEventDestroy(e)); });
+  timed("cudaEventCreate", [&] {}, [&] { CR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming)); });
+  CR(cudaEventDestroy(e));
+  timed("cudaStreamDestroy", [&] { CR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); },
+        [&] { CR(cudaStreamDestroy(s)); });
+  timed("cudaStreamCreate", [&] {}, [&] { CR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); });
+  CR(cudaStreamDestroy(s));
+  CR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  timed("cudaEventRecord (own stream)", [&] {}, [&] { CR(cudaEventRecord(e, own)); });
+  timed("cudaEventQuery (done)", [&] {}, [&] { CR(cudaEventQuery(e)); });
+  timed("kernel launch (own stream)", [&] {}, [&] { tiny<<<1, 1, 0, own>>>(); CR(cudaGetLastError()); });
+  timed("cudaMemcpyAsync D2D (own stream)", [&] {}, [&] { CR(cudaMemcpyAsync(b, a, 1 << 20, cudaMemcpyDeviceToDevice, own)); });
+  timed("cudaStreamSynchronize (own, idle)", [&] {}, [&] { CR(cudaStreamSynchronize(own)); });
+  timed("cudaStreamQuery (own, idle)", [&] {}, [&] { (void)cudaStreamQuery(own); });
+  timed("cudaMallocAsync+cudaFreeAsync (own)", [&] {}, [&] {
+    CR(cudaMallocAsync(&d, 4096, own));
+    CR(cudaFreeAsync(d, own));
+  });
+  timed("cudaMalloc", [&] {}, [&] { CR(cudaMalloc(&d, 1 << 20)); });
+  CR(cudaFree(d));
+  timed("cudaHostAlloc", [&] {}, [&] { CR(cudaHostAlloc(&h, 1 << 20, 0)); });
+  CR(cudaFreeHost(h));
+  timed("VMM device: unmap+release+free", [&] {
+    CUmemAllocationProp prop = {};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    CK(cuMemCreate(&vh, 2 << 20, &prop, 0));
+    CK(cuMemAddressReserve(&v, 2 << 20, 0, 0, 0));
+    CK(cuMemMap(v, 2 << 20, 0, vh, 0));
+    CUmemAccessDesc acc = {};
+    acc.location = prop.location;
+    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CK(cuMemSetAccess(v, 2 << 20, &acc, 1));
+  }, [&] {
+    CK(cuMemUnmap(v, 2 << 20));
+    CK(cuMemRelease(vh));
+    CK(cuMemAddressFree(v, 2 << 20));
+  });
+  timed("cuStreamWaitValue64 (own, met)", [&] {}, [&] {
+    CK(cuStreamWaitValue64((CUstream)own, (CUdeviceptr)dword, 0, CU_STREAM_WAIT_VALUE_GEQ));
+  });
+  CR(cudaStreamSynchronize(own));
+  CR(cudaEventDestroy(e));
+  return 0;
+}
+
+// Runs `args` of this program in a child with `env` added; kills it after `limit_s`.
+static void run_case(const char* self, const std::vector<std::string>& env, const std::vector<std::string>& args,
+                     int limit_s = 15) {
   fflush(stdout);
   const pid_t pid = fork();
   if (pid == 0) {
@@ -399,7 +566,7 @@ static void run_case(const char* self, const std::vector<std::string>& env, cons
     _exit(127);
   }
   int status = 0;
-  for (int i = 0; i < 1500; ++i) {
+  for (int i = 0; i < limit_s * 100; ++i) {
     if (waitpid(pid, &status, WNOHANG) == pid) return;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -408,7 +575,7 @@ static void run_case(const char* self, const std::vector<std::string>& env, cons
   std::string line;
   for (const auto& e : env) line += e + " ";
   for (const auto& a : args) line += a + " ";
-  printf("RESULT %s: process stuck after 15 s (killed): HELD BACK\n", line.c_str());
+  printf("RESULT %s: process stuck after %d s (killed): HELD BACK\n", line.c_str(), limit_s);
 }
 
 static int all(const char* self) {
@@ -429,7 +596,9 @@ static int all(const char* self) {
   run_case(self, {}, {"access", "green"});
   run_case(self, {}, {"access", "ctx"});
   run_case(self, {}, {"cost"});
-  run_case(self, {}, {"blocking"});
+  run_case(self, {}, {"blocking"}, 120);
+  for (const char* holder : {"devsync", "free", "freehost", "streamsync", "eventsync"})
+    run_case(self, {}, {"contention", holder}, 120);
   for (const char* k : {"primary", "green", "ctx"}) run_case(self, {}, {"nccl", k});
   return 0;
 }
@@ -441,7 +610,8 @@ int main(int argc, char** argv) {
   if (what == "access" && argc == 3) return access_test(argv[2]);
   if (what == "cost") return cost_test();
   if (what == "blocking") return blocking_test();
+  if (what == "contention" && argc == 3) return contention_test(argv[2]);
   if (what == "nccl" && argc == 3) return nccl_test(argv[2]);
-  printf("usage: queue_lab all | queue BLOCKER VICTIM WORK | access green|ctx | cost | blocking | nccl primary|green|ctx\n");
+  printf("usage: queue_lab all | queue BLOCKER VICTIM WORK | access green|ctx | cost | blocking | contention HOLDER | nccl primary|green|ctx\n");
   return 2;
 }
