@@ -10,10 +10,12 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <thread>
 
 #include <meshmem/meshmem.hpp>
 
 #include "bootstrap.hpp"
+#include "cuda/block_pool.hpp"
 #include "cuda/staging_pool.hpp"
 #include "fd_exchange.hpp"
 #include "gpu_test.hpp"
@@ -154,6 +156,155 @@ TEST_F(StagingPoolTest, CyclesReturnToBaseline) {
   // Other ranks sharing this GPU free theirs at about the same time: allow one granule each.
   EXPECT_LE(free0 > free1 ? free0 - free1 : 0, static_cast<std::size_t>(s.topo.node_ranks.size()) * (2u << 20))
       << "GPU memory after 200 cycles: " << free0 << " -> " << free1 << " bytes free";
+}
+
+
+// ---- The block pool (cuda/block_pool.hpp): meshmem's small GPU memory, given back without
+// cudaFree or cudaFreeHost. Each rank on its own (no collective calls).
+
+using detail::BlockMemory;
+using detail::PooledBlock;
+
+__global__ void wait_for_word(volatile unsigned long long* word) {
+  while (*word == 0) __nanosleep(1000);
+}
+
+// A device synchronisation as the window releaser runs it: the blocks given back before it
+// began are free afterwards.
+void quiesce(int device) {
+  const std::uint64_t mark = detail::device_quiescence_began(device);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  detail::device_quiescence_ended(device, mark);
+}
+
+// Blocks of every size class hold fresh random bytes (device blocks: through fill_block and
+// back; host blocks: zeroed when taken, written by the CPU and read through the GPU), none
+// overlaps another, and all are 256-byte aligned.
+TEST_F(StagingPoolTest, PoolBlocksHoldTheirBytes) {
+  const std::size_t sizes[] = {1, 8, 255, 256, 4097, 65536, 300000, (3u << 20) + 17};
+  std::vector<PooledBlock> blocks;
+  std::vector<std::vector<unsigned char>> data;
+  for (BlockMemory kind : {BlockMemory::Device, BlockMemory::MappedHost})
+    for (std::size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); ++i) {
+      const std::size_t bytes = sizes[i];
+      blocks.push_back(detail::take_block(kind, device, bytes, "test"));
+      PooledBlock& b = blocks.back();
+      ASSERT_TRUE(b);
+      EXPECT_GE(b.size(), bytes);
+      EXPECT_EQ(reinterpret_cast<std::uintptr_t>(b.get()) % 256, 0u);
+      data.push_back(pattern(seed, 1000 + blocks.size(), bytes));
+      if (kind == BlockMemory::MappedHost) {
+        const auto* p = static_cast<const unsigned char*>(b.get());
+        EXPECT_EQ(std::count(p, p + bytes, 0), static_cast<std::ptrdiff_t>(bytes)) << "host block not zeroed";
+        std::memcpy(b.get(), data.back().data(), bytes);
+      } else {
+        detail::fill_block(b, data.back().data(), bytes, "test");
+      }
+    }
+  for (std::size_t i = 0; i < blocks.size(); ++i)
+    for (std::size_t j = i + 1; j < blocks.size(); ++j) {
+      const auto* a = static_cast<const char*>(blocks[i].get());
+      const auto* b = static_cast<const char*>(blocks[j].get());
+      EXPECT_TRUE(a + blocks[i].size() <= b || b + blocks[j].size() <= a) << "blocks " << i << " and " << j << " overlap";
+    }
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    std::vector<unsigned char> back(data[i].size(), 0xAB);
+    CUDA_OK(cudaMemcpy(back.data(), blocks[i].get(), back.size(), cudaMemcpyDefault));
+    EXPECT_EQ(first_difference(back.data(), data[i].data(), back.size()), -1) << "block " << i;
+  }
+}
+
+// A block given back is not reused, and its chunk not unmapped, before a device
+// synchronisation that began after it was given back has ended; then the pool is back to
+// what it held before.
+TEST_F(StagingPoolTest, GivenBackBlocksWaitForADeviceSynchronisation) {
+  quiesce(device);
+  const std::size_t before = detail::block_pool_bytes(device);
+  void* first = nullptr;
+  {
+    PooledBlock b = detail::take_block(BlockMemory::Device, device, 4096, "test");
+    first = b.get();
+  }
+  EXPECT_TRUE(detail::blocks_in_quarantine(device));
+  const std::uint64_t early = detail::device_quiescence_began(device);  // began before the next give-back
+  {
+    PooledBlock again = detail::take_block(BlockMemory::Device, device, 4096, "test");
+    EXPECT_NE(again.get(), first) << "a quarantined block was handed out again";
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  detail::device_quiescence_ended(device, early);
+  EXPECT_TRUE(detail::blocks_in_quarantine(device)) << "a block given back after the synchronisation began was freed";
+  quiesce(device);
+  EXPECT_FALSE(detail::blocks_in_quarantine(device));
+  EXPECT_EQ(detail::block_pool_bytes(device), before);
+}
+
+// 1,000 take/give-back cycles of both kinds, with a synchronisation every 10: the pool's
+// chunks, the descriptors and the GPU's free memory are back where they were.
+TEST_F(StagingPoolTest, PoolCyclesReturnToBaseline) {
+  { PooledBlock warm = detail::take_block(BlockMemory::MappedHost, device, 64, "test"); }
+  quiesce(device);
+  const std::size_t pool0 = detail::block_pool_bytes(device);
+  std::size_t free0 = 0, total = 0;
+  CUDA_OK(cudaMemGetInfo(&free0, &total));
+  const int fds0 = open_fds();
+  for (int i = 0; i < 1000; ++i) {
+    PooledBlock d = detail::take_block(BlockMemory::Device, device, 64 + i, "test");
+    PooledBlock h = detail::take_block(BlockMemory::MappedHost, device, 4096 + i, "test");
+    static_cast<volatile unsigned char*>(h.get())[i] = 1;
+    if (i % 10 == 9) {
+      d = PooledBlock();
+      h = PooledBlock();
+      quiesce(device);
+    }
+  }
+  quiesce(device);
+  std::size_t free1 = 0;
+  CUDA_OK(cudaMemGetInfo(&free1, &total));
+  EXPECT_EQ(detail::block_pool_bytes(device), pool0);
+  EXPECT_EQ(open_fds(), fds0);
+  // Other ranks sharing this GPU run the same cycles at about the same time.
+  EXPECT_LE(free0 > free1 ? free0 - free1 : 0, std::size_t{8} << 20) << free0 << " -> " << free1 << " bytes free";
+}
+
+// The point of the pool: giving blocks back while a kernel of another stream runs returns at
+// once, and so does another thread's launch meanwhile (cudaFree and cudaFreeHost would wait
+// for the kernel and hold up the other thread's CUDA calls with them: bench/queue_lab).
+TEST_F(StagingPoolTest, GivingBackDoesNotWaitForARunningKernel) {
+  PooledBlock word = detail::take_block(BlockMemory::MappedHost, device, 8, "test");
+  auto* flag = static_cast<unsigned long long*>(word.get());
+  std::vector<PooledBlock> blocks;
+  for (int i = 0; i < 8; ++i) {
+    blocks.push_back(detail::take_block(BlockMemory::Device, device, 1 << 16, "test"));
+    blocks.push_back(detail::take_block(BlockMemory::MappedHost, device, 1 << 16, "test"));
+  }
+  cudaStream_t busy = nullptr, other = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&busy, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+  wait_for_word<<<1, 1, 0, busy>>>(flag);
+  CUDA_OK(cudaGetLastError());
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto t0 = std::chrono::steady_clock::now();
+  blocks.clear();
+  const double give_back = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  PooledBlock target = detail::take_block(BlockMemory::Device, device, 4096, "test");
+  double launch = 0;
+  cudaError_t launched = cudaSuccess;
+  std::thread([&] {
+    (void)cudaSetDevice(device);
+    const auto t1 = std::chrono::steady_clock::now();
+    launched = cudaMemsetAsync(target.get(), 1, 4096, other);
+    launch = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  }).join();
+  EXPECT_EQ(launched, cudaSuccess);
+  __atomic_store_n(flag, 1ull, __ATOMIC_RELEASE);
+  CUDA_OK(cudaStreamSynchronize(busy));
+  CUDA_OK(cudaStreamSynchronize(other));
+  CUDA_OK(cudaStreamDestroy(busy));
+  CUDA_OK(cudaStreamDestroy(other));
+  EXPECT_LT(give_back, 1.0) << "giving 16 blocks back behind a running kernel took " << give_back << " s";
+  EXPECT_LT(launch, 1.0) << "another thread's copy waited " << launch << " s";
+  quiesce(device);
 }
 
 }  // namespace

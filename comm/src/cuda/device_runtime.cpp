@@ -68,13 +68,9 @@ class KernelHaloPlan final : public DeviceHaloPlan {
     sync_.nwaits = static_cast<int>(spec.waits.size());
     sync_.window = spec.signals_window;
     // The exchange number and the count of finished copy blocks: zero, on the device.
-    void* p = nullptr;
-    ipc::check_cuda(cudaMalloc(&p, 2 * sizeof(std::uint64_t)), "cudaMalloc", what);
-    counters_.reset(p);
-    ipc::check_cuda(cudaMemset(p, 0, 2 * sizeof(std::uint64_t)), "cudaMemset", what);
-    ipc::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", what);
-    sync_.epoch = static_cast<std::uint64_t*>(p);
-    sync_.arrived = reinterpret_cast<unsigned*>(static_cast<std::uint64_t*>(p) + 1);
+    std::uint64_t* p = device_array(counters_, std::vector<std::uint64_t>(2, 0), what);
+    sync_.epoch = p;
+    sync_.arrived = reinterpret_cast<unsigned*>(p + 1);
   }
   void begin(Stream stream, bool capturing, const char* call) override { sequence_.before(stream, capturing, call, rank_); }
   void run(Stream stream, bool copy, bool capturing, const char* call) override {
@@ -89,7 +85,7 @@ class KernelHaloPlan final : public DeviceHaloPlan {
   cuda::WaitLimit limit_;
   bool early_;
   StreamSequence sequence_;
-  DevicePtr table_memory_, stores_, waits_, wait_ranks_, counters_;
+  PooledBlock table_memory_, stores_, waits_, wait_ranks_, counters_;
   const cuda::Copy2D* table_ = nullptr;
   int count_ = 0;
   std::uint64_t largest_ = 0;
@@ -156,8 +152,8 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
       device_(device),
       timeout_(ctx.options.timeout),
       setup_stream_("meshmem::Comm (device setup)"),
-      fault_(ctx.options.timeout, "meshmem::Comm (device setup)"),
-      releaser_(device) {
+      releaser_(device, ctx.options.timeout),
+      fault_(device, ctx.options.timeout, "meshmem::Comm (device setup)") {
   const std::string what = "meshmem::Comm (device setup)";
   std::string bus_id;
   agreed_step(ctx.boot, what, [&] {

@@ -14,28 +14,11 @@
 
 #include "../device_runtime.hpp"
 #include "../transport.hpp"
+#include "block_pool.hpp"
 #include "device_sync.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
 
 namespace meshmem::detail {
-
-struct CudaFree {
-  void operator()(void* p) const noexcept {
-    if (p != nullptr) (void)cudaFree(p);
-  }
-};
-using DevicePtr = std::unique_ptr<void, CudaFree>;
-
-// `values` copied into device memory that `owner` holds (null for none).
-template <class T>
-T* device_array(DevicePtr& owner, const std::vector<T>& values, const std::string& what) {
-  if (values.empty()) return nullptr;
-  void* p = nullptr;
-  ipc::check_cuda(cudaMalloc(&p, values.size() * sizeof(T)), "cudaMalloc", what);
-  owner.reset(p);
-  ipc::check_cuda(cudaMemcpy(p, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy", what);
-  return static_cast<T*>(p);
-}
 
 // Enqueues stream memory operations in order, 256 per driver call (the driver's limit).
 // The error message (call, rank) is built only when a call fails: this is a hot path.
@@ -138,8 +121,8 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   bool early_launch_ = false;
   std::chrono::milliseconds timeout_;
   OwnedStream setup_stream_;
+  WindowReleaser releaser_;  // before fault_: its last synchronisation frees fault_'s memory
   DeviceFaultRecord fault_;
-  WindowReleaser releaser_;
 };
 
 }  // namespace meshmem::detail

@@ -20,32 +20,24 @@ namespace {
 constexpr std::size_t kAwakeOffset = (sizeof(cuda::DeviceFault) + 63) / 64 * 64;
 }  // namespace
 
-DeviceFaultRecord::DeviceFaultRecord(std::chrono::milliseconds timeout, const std::string& what)
-    : timeout_(timeout),
+DeviceFaultRecord::DeviceFaultRecord(int device, std::chrono::milliseconds timeout, const std::string& what)
+    : memory_(take_block(BlockMemory::MappedHost, device, kAwakeOffset + sizeof(std::int64_t), what)),
+      timeout_(timeout),
       timeout_ns_(static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(timeout).count())) {
-  void* p = nullptr;
-  ipc::check_cuda(cudaHostAlloc(&p, kAwakeOffset + sizeof(std::int64_t), cudaHostAllocMapped | cudaHostAllocPortable),
-                  "cudaHostAlloc", what);
+  void* p = memory_.get();  // one address for the CPU and the GPU
   host_ = static_cast<cuda::DeviceFault*>(p);
   *host_ = cuda::DeviceFault{};
-  void* d = nullptr;
-  const cudaError_t rc = cudaHostGetDevicePointer(&d, p, 0);
-  if (rc != cudaSuccess) {
-    (void)cudaFreeHost(p);
-    ipc::check_cuda(rc, "cudaHostGetDevicePointer", what);
-  }
-  device_ = static_cast<cuda::DeviceFault*>(d);
+  device_ = host_;
   // Without a watcher (it could not start) the waits keep the GPU's clock.
   auto* awake = reinterpret_cast<std::int64_t*>(static_cast<char*>(p) + kAwakeOffset);
   if (ipc::AwakeClock::publish(awake)) {
     awake_host_ = awake;
-    awake_device_ = reinterpret_cast<const std::int64_t*>(static_cast<char*>(d) + kAwakeOffset);
+    awake_device_ = awake;
   }
 }
 
 DeviceFaultRecord::~DeviceFaultRecord() {
   if (awake_host_ != nullptr) ipc::AwakeClock::unpublish(awake_host_);  // before the memory goes
-  if (host_ != nullptr) (void)cudaFreeHost(host_);
 }
 
 void DeviceFaultRecord::report_host_barrier(const std::string& failure) {
@@ -130,7 +122,7 @@ void StreamSequence::after(cudaStream_t stream, bool capturing, const char* call
   recorded_ = true;
 }
 
-WindowReleaser::WindowReleaser(int device) : device_(device) {}
+WindowReleaser::WindowReleaser(int device, std::chrono::milliseconds bound) : device_(device), bound_(bound) {}
 
 WindowReleaser::~WindowReleaser() {
   {
@@ -138,19 +130,27 @@ WindowReleaser::~WindowReleaser() {
     shared_->stop = true;
   }
   shared_->wake.notify_all();
-  if (!thread_.joinable()) return;
-  bool pending = false;
-  {
-    std::lock_guard<std::mutex> lock(shared_->mutex);
-    pending = shared_->released < shared_->submitted;
+  if (!thread_.joinable()) {
+    if (!blocks_in_quarantine(device_)) return;
+    thread_ = std::thread(&WindowReleaser::serve, shared_, device_);  // for the last synchronisation
   }
-  if (pending && stuck_) {
-    // Its cudaDeviceSynchronize waits for a stream that never finishes: joining would hang
-    // the caller; the thread keeps the memory (and itself) until the process ends.
+  std::unique_lock<std::mutex> lock(shared_->mutex);
+  auto finished = [&] { return shared_->finished; };
+  if (stuck_) {
+    // Its cudaDeviceSynchronize waits for a stream that never finishes: waiting would hang
+    // the caller; the thread keeps the memory (and itself) until the device's work ends.
+  } else if (bound_.count() == 0) {
+    shared_->done.wait(lock, finished);
+  } else if (!shared_->done.wait_for(lock, bound_, finished)) {
+    log(LogLevel::Warn, "meshmem: work issued on GPU " + std::to_string(device_) + " has not finished after " +
+                            describe_timeout(bound_) + "; the Comm's GPU memory is released once that work ends");
+  }
+  const bool done = shared_->finished;
+  lock.unlock();
+  if (done)
+    thread_.join();
+  else
     thread_.detach();
-    return;
-  }
-  thread_.join();
 }
 
 std::uint64_t WindowReleaser::submit(WindowState& state) {
@@ -181,38 +181,52 @@ bool WindowReleaser::wait(std::uint64_t ticket, std::chrono::milliseconds timeou
   return ok;
 }
 
+void WindowReleaser::quiesce(int device, const char* why) {
+  const std::uint64_t mark = device_quiescence_began(device);
+  // A device synchronisation is refused while any stream of the device captures a graph
+  // (and, measured on H200 with CUDA 13, that capture is invalidated whatever this
+  // thread's capture mode): the memory stays mapped until the capture ends, or the
+  // waiter's timeout reports it.
+  cudaError_t rc = cudaDeviceSynchronize();
+  while (rc == cudaErrorStreamCaptureUnsupported || rc == cudaErrorStreamCaptureImplicit) {
+    (void)cudaGetLastError();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    rc = cudaDeviceSynchronize();
+  }
+  if (rc != cudaSuccess)
+    log(LogLevel::Error, std::string(why) + ": cudaDeviceSynchronize: " + cudaGetErrorString(rc) + "; unmapping anyway");
+  device_quiescence_ended(device, mark);
+}
+
 void WindowReleaser::serve(std::shared_ptr<Shared> shared, int device) {
   (void)cudaSetDevice(device);
   std::unique_lock<std::mutex> lock(shared->mutex);
   for (;;) {
     shared->wake.wait(lock, [&] { return shared->stop || !shared->jobs.empty(); });
-    if (shared->jobs.empty()) return;  // stopping
+    if (shared->jobs.empty()) break;  // stopping
     std::deque<Job> jobs;
     jobs.swap(shared->jobs);
     const std::uint64_t upto = shared->submitted;
     lock.unlock();
-    // A device synchronisation is refused while any stream of the device captures a graph
-    // (and, measured on H200 with CUDA 13, that capture is invalidated whatever this
-    // thread's capture mode): the memory stays mapped until the capture ends, or the
-    // waiter's timeout reports it.
-    cudaError_t rc = cudaDeviceSynchronize();
-    while (rc == cudaErrorStreamCaptureUnsupported || rc == cudaErrorStreamCaptureImplicit) {
-      (void)cudaGetLastError();
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      rc = cudaDeviceSynchronize();
+    quiesce(device, "releasing window memory");
+    {
+      QuiescedRelease covered(device);  // the jobs' blocks: the synchronisation covered them
+      for (Job& job : jobs) {
+        while (!job.attachments.empty()) job.attachments.pop_back();  // last attached first
+        job.storage.reset();
+      }
+      jobs.clear();
     }
-    if (rc != cudaSuccess)
-      log(LogLevel::Error, std::string("releasing window memory: cudaDeviceSynchronize: ") + cudaGetErrorString(rc) +
-                               "; unmapping anyway");
-    for (Job& job : jobs) {
-      while (!job.attachments.empty()) job.attachments.pop_back();  // last attached first
-      job.storage.reset();
-    }
-    jobs.clear();
     lock.lock();
     shared->released = upto;
     shared->done.notify_all();
   }
+  // The blocks that the Comm's objects gave back after the last window went.
+  lock.unlock();
+  if (blocks_in_quarantine(device)) quiesce(device, "releasing meshmem's GPU memory");
+  lock.lock();
+  shared->finished = true;
+  shared->done.notify_all();
 }
 
 }  // namespace meshmem::detail

@@ -18,13 +18,14 @@
 #include <vector>
 
 #include "../window_state.hpp"
+#include "block_pool.hpp"
 #include "kernels.hpp"
 
 namespace meshmem::detail {
 
 class DeviceFaultRecord {
  public:
-  DeviceFaultRecord(std::chrono::milliseconds timeout, const std::string& what);
+  DeviceFaultRecord(int device, std::chrono::milliseconds timeout, const std::string& what);
   ~DeviceFaultRecord();
   DeviceFaultRecord(const DeviceFaultRecord&) = delete;
   DeviceFaultRecord& operator=(const DeviceFaultRecord&) = delete;
@@ -46,6 +47,7 @@ class DeviceFaultRecord {
 
  private:
   [[noreturn]] void raise(const std::string& where);
+  PooledBlock memory_;  // the record, then the AwakeClock word (mapped host memory)
   cuda::DeviceFault* host_ = nullptr;
   std::mutex host_failure_m_;
   std::string host_failure_;  // HostBarrier's message
@@ -79,11 +81,16 @@ class StreamSequence {
 // Window memory (transport attachments, then this rank's part) released on a thread of its
 // own after cudaDeviceSynchronize: memory may be unmapped only once no kernel or copy
 // issued before the free can still touch it, and a stream that waits for a peer that
-// never comes must bound the caller (MESHMEM_TIMEOUT), not hang it.
+// never comes must bound the caller (MESHMEM_TIMEOUT), not hang it. Each synchronisation
+// also frees the device's quarantined pool blocks (block_pool.hpp).
 class WindowReleaser {
  public:
-  explicit WindowReleaser(int device);
-  ~WindowReleaser();  // waits at most the last wait()'s timeout, then leaves the thread be
+  WindowReleaser(int device, std::chrono::milliseconds bound);
+  // Blocks given back before this (the Comm's barrier, transports, fault record) are freed
+  // by one more synchronisation on the thread. Waits for it at most `bound` (not at all
+  // after a wait() that timed out), then leaves the thread be: it frees the memory once
+  // the device's work allows.
+  ~WindowReleaser();
   // Takes the memory out of `state`; returns a ticket for wait().
   std::uint64_t submit(WindowState& state);
   // Whether every job up to `ticket` is released within `timeout` (0: waits for ever).
@@ -99,10 +106,13 @@ class WindowReleaser {
     std::condition_variable wake, done;
     std::deque<Job> jobs;
     std::uint64_t submitted = 0, released = 0;
-    bool stop = false;
+    bool stop = false, finished = false;
   };
   static void serve(std::shared_ptr<Shared> shared, int device);
+  // A synchronisation, then the quarantined blocks of `device` freed.
+  static void quiesce(int device, const char* why);
   int device_;
+  std::chrono::milliseconds bound_;
   std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
   std::thread thread_;
   bool stuck_ = false;

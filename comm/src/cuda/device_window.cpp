@@ -42,12 +42,7 @@ std::vector<ipc::UniqueFd> exchange_part_fds(const CommContext& ctx, const Windo
 
 void publish_peer_table(WindowState& state, const std::string& what) {
   auto& memory = static_cast<DeviceWindowMemory&>(*state.storage);
-  void* table = nullptr;
-  const std::size_t table_bytes = state.peer.size() * sizeof(void*);
-  ipc::check_cuda(cudaMalloc(&table, table_bytes), "cudaMalloc", what);
-  memory.table.reset(table);
-  ipc::check_cuda(cudaMemcpy(table, state.peer.data(), table_bytes, cudaMemcpyHostToDevice), "cudaMemcpy", what);
-  state.device_peer_table = table;
+  state.device_peer_table = device_array(memory.table, state.peer, what);
 }
 
 }  // namespace meshmem::detail

@@ -20,7 +20,7 @@ class DeviceWindowMemory final : public WindowMemory {
   }
   ipc::VmmAllocation mine;
   std::size_t bytes = 0;  // as allocated (rounded to the granularity)
-  DevicePtr table;        // device copy of WindowState::peer
+  PooledBlock table;      // device copy of WindowState::peer
 };
 
 // This rank's part (state.local, state.peer[rank], state.storage), zeroed and complete

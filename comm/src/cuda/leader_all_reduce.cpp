@@ -67,17 +67,9 @@ LeaderAllReduce::LeaderAllReduce(const CommContext& ctx, const NcclLibrary* lib,
 
   agreed_step(ctx.boot, what, [&] {
     if (!leader_) return;
-    void* word = nullptr;
-    ipc::check_cuda(cudaHostAlloc(&word, sizeof(std::uint64_t), cudaHostAllocMapped | cudaHostAllocPortable),
-                    "cudaHostAlloc", what);
-    passed_.reset(static_cast<std::uint64_t*>(word));
-    *passed_ = 0;
-    void* device = nullptr;
-    ipc::check_cuda(cudaHostGetDevicePointer(&device, word, 0), "cudaHostGetDevicePointer", what);
-    passed_device_ = static_cast<std::uint64_t*>(device);
-    ipc::check_cuda(cudaMalloc(&word, sizeof(std::uint64_t)), "cudaMalloc", what);
-    word_.reset(word);
-    ipc::check_cuda(cudaMemset(word, 0, sizeof(std::uint64_t)), "cudaMemset", what);
+    passed_memory_ = take_block(BlockMemory::MappedHost, -1, sizeof(std::uint64_t), what);  // zeroed
+    passed_ = static_cast<std::uint64_t*>(passed_memory_.get());
+    device_array(word_, std::vector<std::uint64_t>(1, 0), what);
 
     // The split's child: NCCL writes it when its split job ends, also after a failure or an
     // abort of the root, so it outlives that abort.
@@ -139,7 +131,7 @@ LeaderAllReduce::~LeaderAllReduce() {
                                                  : std::chrono::milliseconds(0));
     Backoff backoff;
     for (;;) {
-      const std::uint64_t passed = __atomic_load_n(passed_.get(), __ATOMIC_ACQUIRE);
+      const std::uint64_t passed = __atomic_load_n(passed_, __ATOMIC_ACQUIRE);
       {
         std::lock_guard<std::mutex> lock(mutex_);
         if (!failure_.empty()) break;
@@ -169,6 +161,10 @@ LeaderAllReduce::~LeaderAllReduce() {
   } else {
     comm_.reset(false);
     root_.reset(false);
+    if (!nccl_destroys_done_within(timeout_))
+      log(LogLevel::Warn, "barrier(stream) across nodes on rank " + std::to_string(rank_) +
+                              ": work issued on this GPU has not finished after " + describe_timeout(timeout_) +
+                              "; the leaders' NCCL communicator is destroyed once that work ends");
   }
 }
 
@@ -196,7 +192,7 @@ void LeaderAllReduce::watch() {
     // A few milliseconds of precision are enough for a timeout of seconds.
     wake_.wait_for(lock, std::chrono::milliseconds(5));
     if (stop_) return;
-    const std::uint64_t passed = __atomic_load_n(passed_.get(), __ATOMIC_ACQUIRE);
+    const std::uint64_t passed = __atomic_load_n(passed_, __ATOMIC_ACQUIRE);
     if (passed % 2 == 0) {
       deadline.reset();
       continue;

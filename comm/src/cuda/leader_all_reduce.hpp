@@ -62,7 +62,7 @@ class LeaderAllReduce {
   bool leader() const { return leader_; }
   // Device address of the pinned word the node barrier's kernels store their numbers into;
   // null on ranks that are not leaders.
-  std::uint64_t* passed_word() const { return passed_device_; }
+  std::uint64_t* passed_word() const { return passed_; }
   // Raises the failure of an earlier all-reduce (the communicator is gone since).
   void raise_failure(const std::string& what);
   // On a leader: the all-reduce on `stream` (captured too, where `capturing`). Raises the
@@ -79,19 +79,15 @@ class LeaderAllReduce {
   // there for the user's graphs.
   void release_detached(bool abort);
 
-  struct FreeHost {
-    void operator()(std::uint64_t* p) const noexcept { (void)cudaFreeHost(p); }
-  };
-
   const NcclLibrary* lib_;
   std::chrono::milliseconds timeout_;
   std::function<void(const std::string&)> on_failure_;
   bool leader_ = false;
   std::vector<int> leaders_;  // the leaders' ranks, in NCCL rank order
   int rank_ = 0;
-  std::unique_ptr<std::uint64_t, FreeHost> passed_;  // pinned: the node kernels' numbers
-  std::uint64_t* passed_device_ = nullptr;
-  DevicePtr word_;  // the word the leaders all-reduce (its value means nothing)
+  PooledBlock passed_memory_;  // mapped host memory: the node kernels' numbers
+  std::uint64_t* passed_ = nullptr;
+  PooledBlock word_;  // the word the leaders all-reduce (its value means nothing)
 
   std::mutex mutex_;  // the communicator, failure_ and stop_ (abort must not race an enqueue)
   std::condition_variable wake_;

@@ -5,9 +5,13 @@
 
 #include <cstddef>
 
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 #include "meshmem/error.hpp"
 
@@ -115,11 +119,91 @@ void NcclLibrary::check(int rc, const char* call, const std::string& what) const
                                    std::to_string(rc) + ")");
 }
 
+namespace {
+
+// The destroying thread (NcclComm): started on first use, never stopped (it sleeps while it
+// has nothing to do; communicators given to it at exit may stay undestroyed, as the process
+// ends).
+struct NcclDestroyer {
+  struct Job {
+    const NcclLibrary* lib;
+    NcclCommHandle comm;
+    int device;
+  };
+  std::mutex m;
+  std::condition_variable wake, done;
+  std::deque<Job> jobs;
+  std::uint64_t given = 0, destroyed = 0;
+  std::uint64_t late = 0;  // a job a waiter gave up on: while it is not destroyed, nobody waits
+  bool started = false;
+
+  void give(const Job& job) {
+    {
+      std::lock_guard<std::mutex> lock(m);
+      jobs.push_back(job);
+      ++given;
+      if (!started) {
+        started = true;
+        std::thread([this] { serve(); }).detach();
+      }
+    }
+    wake.notify_all();
+  }
+
+  void serve() {
+    std::unique_lock<std::mutex> lock(m);
+    for (;;) {
+      wake.wait(lock, [&] { return !jobs.empty(); });
+      const Job job = jobs.front();
+      jobs.pop_front();
+      lock.unlock();
+      if (job.device >= 0) (void)cudaSetDevice(job.device);
+      // Refused while a stream of the device captures a graph: tried again until it ends.
+      cudaError_t rc = cudaDeviceSynchronize();
+      while (rc == cudaErrorStreamCaptureUnsupported || rc == cudaErrorStreamCaptureImplicit) {
+        (void)cudaGetLastError();
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        rc = cudaDeviceSynchronize();
+      }
+      (void)job.lib->comm_destroy(job.comm);
+      lock.lock();
+      ++destroyed;
+      done.notify_all();
+    }
+  }
+
+  bool done_within(std::chrono::milliseconds bound) {
+    std::unique_lock<std::mutex> lock(m);
+    if (late > destroyed) return false;
+    const std::uint64_t want = given;
+    auto all = [&] { return destroyed >= want; };
+    if (bound.count() == 0) {
+      done.wait(lock, all);
+      return true;
+    }
+    if (done.wait_for(lock, bound, all)) return true;
+    late = want;
+    return false;
+  }
+};
+
+NcclDestroyer& destroyer() {
+  static auto* d = new NcclDestroyer();  // never destroyed: its thread outlives static destruction
+  return *d;
+}
+
+}  // namespace
+
+NcclComm::NcclComm(const NcclLibrary* lib, NcclCommHandle c) : lib_(lib), comm_(c) {
+  if (cudaGetDevice(&device_) != cudaSuccess) device_ = -1;
+}
+
 NcclComm& NcclComm::operator=(NcclComm&& o) noexcept {
   if (this != &o) {
     reset(false);
     lib_ = o.lib_;
     comm_ = o.comm_;
+    device_ = o.device_;
     o.comm_ = nullptr;
   }
   return *this;
@@ -127,11 +211,18 @@ NcclComm& NcclComm::operator=(NcclComm&& o) noexcept {
 
 void NcclComm::reset(bool abort) noexcept {
   if (comm_ == nullptr) return;
-  if (abort)
+  if (abort) {
     (void)lib_->comm_abort(comm_);
-  else
-    (void)lib_->comm_destroy(comm_);
+  } else {
+    try {
+      destroyer().give({lib_, comm_, device_});
+    } catch (...) {
+      (void)lib_->comm_destroy(comm_);  // no thread: here, as before
+    }
+  }
   comm_ = nullptr;
 }
+
+bool nccl_destroys_done_within(std::chrono::milliseconds bound) { return destroyer().done_within(bound); }
 
 }  // namespace meshmem::detail

@@ -6,6 +6,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstddef>
 #include <string>
 
@@ -67,11 +68,17 @@ class NcclLibrary {
 
 // One communicator: destroyed with its owner (ncclCommDestroy), or aborted (ncclCommAbort:
 // a peer may never come, so a destroy that waits for it would hang).
+// A destroy is carried out by a thread of meshmem's once the device's earlier work has ended
+// (cudaDeviceSynchronize, which holds up no other thread): ncclCommDestroy frees NCCL's
+// memory, and cudaFree and cudaFreeHost wait for every kernel of the device (a user's too)
+// and hold up the other threads' CUDA calls while they wait (bench/queue_lab contention). An
+// abort runs at once: it is what ends NCCL kernels that wait for a peer that never comes.
 class NcclComm {
  public:
   NcclComm() = default;
-  NcclComm(const NcclLibrary* lib, NcclCommHandle c) : lib_(lib), comm_(c) {}
-  NcclComm(NcclComm&& o) noexcept : lib_(o.lib_), comm_(o.comm_) { o.comm_ = nullptr; }
+  // `c` was made on the current device.
+  NcclComm(const NcclLibrary* lib, NcclCommHandle c);
+  NcclComm(NcclComm&& o) noexcept : lib_(o.lib_), comm_(o.comm_), device_(o.device_) { o.comm_ = nullptr; }
   NcclComm& operator=(NcclComm&& o) noexcept;
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
@@ -82,6 +89,12 @@ class NcclComm {
  private:
   const NcclLibrary* lib_ = nullptr;
   NcclCommHandle comm_ = nullptr;
+  int device_ = -1;
 };
+
+// Whether every communicator handed to the destroying thread so far is destroyed within
+// `bound` (0: waits for ever). Returns at once while one that an earlier call gave up on is
+// still waiting for the device: a teardown waits one bound, not one per communicator.
+bool nccl_destroys_done_within(std::chrono::milliseconds bound);
 
 }  // namespace meshmem::detail

@@ -83,7 +83,7 @@ class ProxyBarrier final : public StreamBarrier {
  public:
   ProxyBarrier(const CommContext& ctx, const std::string& what, CudaDeviceRuntime& device)
       : topo_(ctx.topo),
-        proxy_(ctx.boot.comm(), ctx.boot.timeout(), what,
+        proxy_(ctx.boot.comm(), device.device(), ctx.boot.timeout(), what,
                [&device](const std::string& failure) { device.report_barrier_failure(failure); },
                device.wait_limit(), device.early_launch()) {}
   void arrive(Stream stream, bool capturing) override {
@@ -212,17 +212,11 @@ class KernelBarrier final : public StreamBarrier, FlagWords {
   }
 
  private:
-  void make_counter() {
-    void* p = nullptr;
-    ipc::check_cuda(cudaMalloc(&p, sizeof(std::uint64_t)), "cudaMalloc", where(topo_));
-    counter_.reset(p);
-    ipc::check_cuda(cudaMemset(p, 0, sizeof(std::uint64_t)), "cudaMemset", where(topo_));
-    ipc::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", where(topo_));
-  }
+  void make_counter() { device_array(counter_, std::vector<std::uint64_t>(1, 0), where(topo_)); }
   cuda::WaitLimit limit_;
   bool early_;
   StreamSequence sequence_;
-  DevicePtr counter_, table_;
+  PooledBlock counter_, table_;
   std::uint64_t* const* peer_flags_ = nullptr;
   std::uint64_t* my_flags_ = nullptr;
   std::uint64_t* passed_ = nullptr;

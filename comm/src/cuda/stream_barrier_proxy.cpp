@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "../backoff.hpp"
+#include "../log.hpp"
 #include "captured_handoff.hpp"
 #include "meshmem/error.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
@@ -24,10 +25,12 @@ struct BarrierHandoff {
 
 }  // namespace
 
-StreamBarrierProxy::StreamBarrierProxy(MPI_Comm parent, std::chrono::milliseconds timeout, const std::string& what,
-                                       std::function<void(const std::string&)> on_failure, cuda::WaitLimit limit,
-                                       bool early)
+StreamBarrierProxy::StreamBarrierProxy(MPI_Comm parent, int device, std::chrono::milliseconds timeout,
+                                       const std::string& what, std::function<void(const std::string&)> on_failure,
+                                       cuda::WaitLimit limit, bool early)
     : boot_(parent, timeout),
+      device_(device),
+      timeout_(timeout),
       on_failure_(std::move(on_failure)),
       limit_(limit),
       early_(early),
@@ -40,45 +43,87 @@ StreamBarrierProxy::StreamBarrierProxy(MPI_Comm parent, std::chrono::millisecond
                   "barrier(stream) between ranks that cannot map each other's GPU memory meets them from a "
                   "proxy thread and needs MPI_THREAD_MULTIPLE, but MPI was initialised with thread level " +
                       std::to_string(provided) + "; call MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)");
-    void* word = nullptr;
-    const std::size_t bytes = (1 + kTicketWords) * sizeof(std::uint64_t);
-    ipc::check_cuda(cudaHostAlloc(&word, bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc", what);
-    released_.reset(static_cast<std::uint64_t*>(word));
-    std::memset(word, 0, bytes);
+    shared_->memory = take_block(BlockMemory::MappedHost, device, (1 + kTicketWords) * sizeof(std::uint64_t), what);
+    shared_->released = static_cast<std::uint64_t*>(shared_->memory.get());  // zeroed
     for (std::size_t i = kTicketWords; i > 0; --i) free_tickets_.push_back(i);
-    void* device = nullptr;
-    ipc::check_cuda(cudaHostGetDevicePointer(&device, word, 0), "cudaHostGetDevicePointer", what);
-    released_device_ = reinterpret_cast<std::uint64_t>(device);
+    released_device_ = reinterpret_cast<std::uint64_t>(shared_->released);  // one address for CPU and GPU
   });
   board_->set(this);
   thread_ = std::thread([this] { serve(); });
 }
 
+namespace {
+
+// cudaDeviceSynchronize on a thread of its own, which keeps `keep` alive until it returned.
+// Whether it returned within `limit` (0: waits for ever).
+template <class Keep>
+bool device_idle_within(int device, std::chrono::milliseconds limit, std::shared_ptr<Keep> keep) {
+  struct Done {
+    std::mutex m;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto done = std::make_shared<Done>();
+  std::thread([device, done, keep = std::move(keep)]() mutable {
+    if (cudaSetDevice(device) == cudaSuccess && cudaDeviceSynchronize() == cudaSuccess) {
+      QuiescedRelease covered(device);  // the synchronisation covered the word's last use
+      keep.reset();
+    }
+    keep.reset();  // quarantined (block_pool.hpp) where the synchronisation failed
+    std::lock_guard<std::mutex> lock(done->m);
+    done->done = true;
+    done->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(done->m);
+  if (limit.count() == 0) {
+    done->cv.wait(lock, [&] { return done->done; });
+    return true;
+  }
+  return done->cv.wait_for(lock, limit, [&] { return done->done; });
+}
+
+}  // namespace
+
 StreamBarrierProxy::~StreamBarrierProxy() {
   // Streams may still wait for barriers that this rank's proxy must meet: let them pass.
   // Graphs launched before are among that work; graphs replayed later find the proxy gone.
-  (void)cudaDeviceSynchronize();
+  // The proxy thread keeps meeting meanwhile; each meeting is bounded by MESHMEM_TIMEOUT.
+  const bool idle = device_idle_within(device_, 2 * timeout_, shared_);
   board_->set(nullptr);
+  std::size_t unmet = 0;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(shared_->mutex);
     stop_ = true;
+    unmet = shared_->pending.size();
   }
-  wake_.notify_all();
+  shared_->wake.notify_all();
   if (thread_.joinable()) thread_.join();
+  if (idle) return;
+  // The device's work did not end (a stream that waits for ever, or a kernel that runs on):
+  // no barrier given to this proxy may keep a stream waiting from now on. The thread above
+  // frees the shared state once the device is idle; host functions still to run touch only it.
+  __atomic_store_n(shared_->released, UINT64_MAX, __ATOMIC_RELEASE);
+  log(LogLevel::Warn, "barrier(stream) proxy: this device's work did not end within " +
+                          describe_timeout(2 * timeout_) + " (twice MESHMEM_TIMEOUT) at ~Comm; " +
+                          std::to_string(unmet) +
+                          " barrier(s) given to the proxy and not met were released unmet, and its mapped word is "
+                          "freed once the device's work ends");
 }
 
 void CUDART_CB StreamBarrierProxy::reached(void* arrival) {
   auto* a = static_cast<Arrival*>(arrival);
+  Shared* shared = a->shared;
   {
-    std::lock_guard<std::mutex> lock(a->proxy->mutex_);
+    std::lock_guard<std::mutex> lock(shared->mutex);
     a->reached = true;
   }
-  a->proxy->wake_.notify_all();
+  shared->wake.notify_all();
 }
 
 void StreamBarrierProxy::serve() {
-  std::unique_lock<std::mutex> lock(mutex_);
-  auto ready = [&] { return stop_ || (!pending_.empty() && pending_.front().reached); };
+  Shared& sh = *shared_;
+  std::unique_lock<std::mutex> lock(sh.mutex);
+  auto ready = [&] { return stop_ || (!sh.pending.empty() && sh.pending.front().reached); };
   for (;;) {
     // Barriers come in bursts: poll for a while (a condition variable's wake-up costs
     // microseconds on every barrier), then sleep until a host function wakes us.
@@ -89,9 +134,9 @@ void StreamBarrierProxy::serve() {
       backoff.pause();
       lock.lock();
     }
-    wake_.wait(lock, ready);
-    if (pending_.empty() || !pending_.front().reached) return;  // stopping
-    const std::uint64_t number = pending_.front().number;
+    sh.wake.wait(lock, ready);
+    if (stop_ || sh.pending.empty() || !sh.pending.front().reached) return;  // stopping
+    const std::uint64_t number = sh.pending.front().number;
     lock.unlock();
     std::string failed;
     try {
@@ -104,17 +149,17 @@ void StreamBarrierProxy::serve() {
     // Released even after a failure: a stream that waited forever would hang the user's
     // synchronisation without a word; the next call on the Comm raises the failure.
     if (!failed.empty() && on_failure_) on_failure_(failed);
-    __atomic_store_n(released_.get(), number, __ATOMIC_RELEASE);
+    __atomic_store_n(sh.released, number, __ATOMIC_RELEASE);
     lock.lock();
     if (!failed.empty() && failure_.empty()) failure_ = failed;
-    pending_.pop_front();
+    sh.pending.pop_front();
   }
 }
 
 void StreamBarrierProxy::raise_failure(const std::string& what) {
   std::string failed;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(shared_->mutex);
     failed.swap(failure_);
   }
   if (!failed.empty())
@@ -127,15 +172,15 @@ void StreamBarrierProxy::enqueue(cudaStream_t stream, const std::string& what) {
   boot_.ensure_usable(what);
   Arrival* arrival = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    pending_.push_back(Arrival{this, ++enqueued_});
-    arrival = &pending_.back();
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    shared_->pending.push_back(Arrival{shared_.get(), ++enqueued_});
+    arrival = &shared_->pending.back();
   }
   const cudaError_t rc = cudaLaunchHostFunc(stream, &StreamBarrierProxy::reached, arrival);
   if (rc != cudaSuccess) {
     {
-      std::lock_guard<std::mutex> lock(mutex_);
-      pending_.pop_back();  // never handed to the stream
+      std::lock_guard<std::mutex> lock(shared_->mutex);
+      shared_->pending.pop_back();  // never handed to the stream
       --enqueued_;
     }
     ipc::check_cuda(rc, "cudaLaunchHostFunc", what);
@@ -148,16 +193,16 @@ void StreamBarrierProxy::enqueue(cudaStream_t stream, const std::string& what) {
 std::uint64_t StreamBarrierProxy::arrive_captured() {
   std::uint64_t number = 0;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    pending_.push_back(Arrival{this, ++enqueued_, true});  // the host node runs once the stream reached it
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    shared_->pending.push_back(Arrival{shared_.get(), ++enqueued_, true});  // the host node runs once the stream reached it
     number = enqueued_;
   }
-  wake_.notify_all();
+  shared_->wake.notify_all();
   return number;
 }
 
 void StreamBarrierProxy::release_ticket_word(std::size_t word) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(shared_->mutex);
   free_tickets_.push_back(word);
 }
 
@@ -166,7 +211,7 @@ void StreamBarrierProxy::capture(cudaStream_t stream, cudaGraph_t graph, const s
   boot_.ensure_usable(what);
   BarrierHandoff::Request request;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(shared_->mutex);
     if (free_tickets_.empty())
       throw Error(ErrorCode::Unsupported, what + ": all " + std::to_string(kTicketWords) +
                                               " ticket words of this rank's barrier proxy are held by barriers "
@@ -177,7 +222,7 @@ void StreamBarrierProxy::capture(cudaStream_t stream, cudaGraph_t graph, const s
   }
   TicketWait wait;
   wait.done = reinterpret_cast<const std::uint64_t*>(released_device_);
-  wait.ticket_at = released_.get() + request.ticket_word;
+  wait.ticket_at = shared_->released + request.ticket_word;
   wait.fault = cuda::FaultKind::ProxyRelease;
   wait.peer = -1;  // the proxy's meeting names the late ranks (FaultKind::HostBarrier)
   // Twice the device's limit: the proxy's meeting, bounded by MESHMEM_TIMEOUT from a little

@@ -6,6 +6,13 @@
 // barrier's number into a pinned host word; the stream waits for that word
 // (cuStreamWaitValue64) before it goes on. Under capture (CapturedHandoff) a host node hands
 // the barrier over on every replay and a wait kernel waits for the number it got.
+//
+// Destruction waits for the device's work (a stream may wait for a barrier only this proxy
+// meets), bounded by twice MESHMEM_TIMEOUT: a stream that never finishes (a user's kernel, a
+// stream memory wait for a signal that never comes) must not hang ~Comm. Past that bound the
+// proxy releases every barrier it was given, unmet, and leaves what host functions and stream
+// waits still read (the mapped word, the queue of arrivals) to a thread that frees it once the
+// device is idle.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -22,6 +29,7 @@
 #include <vector>
 
 #include "../bootstrap.hpp"
+#include "block_pool.hpp"
 #include "kernels.hpp"
 
 namespace meshmem::detail {
@@ -35,12 +43,12 @@ class StreamBarrierProxy {
   // `on_failure` hears each failed meeting's message (from the proxy thread), so that the
   // Comm's next call raises it, not only the next barrier.
   // `limit` and `early` are the device's, for the wait kernels of captured barriers.
-  StreamBarrierProxy(MPI_Comm parent, std::chrono::milliseconds timeout, const std::string& what,
+  StreamBarrierProxy(MPI_Comm parent, int device, std::chrono::milliseconds timeout, const std::string& what,
                      std::function<void(const std::string&)> on_failure, cuda::WaitLimit limit, bool early);
   StreamBarrierProxy(const StreamBarrierProxy&) = delete;
   StreamBarrierProxy& operator=(const StreamBarrierProxy&) = delete;
-  // Waits for this device's work (every barrier enqueued here must have been met), then
-  // stops the proxy thread.
+  // Waits for this device's work (every barrier enqueued here must have been met), at most
+  // twice MESHMEM_TIMEOUT, then stops the proxy thread (see the top of this file).
   ~StreamBarrierProxy();
 
   // Enqueues one barrier on `stream`. Raises first the error of an earlier barrier whose
@@ -60,33 +68,38 @@ class StreamBarrierProxy {
   static constexpr std::size_t kTicketWords = 256;
 
  private:
+  struct Shared;
   struct Arrival {
-    StreamBarrierProxy* proxy;
+    Shared* shared;
     std::uint64_t number;
     bool reached = false;  // the stream passed its earlier work
+  };
+  // What host functions and the streams' waits read: it outlives the proxy where the
+  // device's work did not end in time (then freed once it did).
+  struct Shared {
+    std::mutex mutex;
+    std::condition_variable wake;
+    std::deque<Arrival> pending;  // in barrier order; references stay valid at both ends
+    // Mapped host words: [0] the last barrier met, then kTicketWords ticket words of captured
+    // barriers (each written by its host node, read by its wait kernel).
+    PooledBlock memory;
+    std::uint64_t* released = nullptr;
   };
   static void CUDART_CB reached(void* arrival);
   void serve();
   void raise_failure(const std::string& what);
 
-  struct FreeHost {
-    void operator()(std::uint64_t* p) const noexcept { (void)cudaFreeHost(p); }
-  };
-
   Bootstrap boot_;
-  // Pinned host words: [0] the last barrier met, then kTicketWords ticket words of captured
-  // barriers (each written by its host node, read by its wait kernel).
-  std::unique_ptr<std::uint64_t, FreeHost> released_;
-  std::uint64_t released_device_ = 0;  // its address for the stream (CUdeviceptr)
-  std::uint64_t enqueued_ = 0;
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::deque<Arrival> pending_;        // in barrier order; references stay valid at both ends
-  std::string failure_;                // a failed meeting's message, raised once
+  int device_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
+  std::uint64_t released_device_ = 0;  // shared_->released for the stream (CUdeviceptr)
+  std::uint64_t enqueued_ = 0;         // under shared_->mutex
+  std::string failure_;                // a failed meeting's message, raised once (under shared_->mutex)
   std::function<void(const std::string&)> on_failure_;
   cuda::WaitLimit limit_;
   bool early_;
-  std::vector<std::size_t> free_tickets_;  // under mutex_
+  std::vector<std::size_t> free_tickets_;  // under shared_->mutex
   std::shared_ptr<HandoffBoard<StreamBarrierProxy>> board_;  // shared with captured graphs
   bool stop_ = false;
   std::thread thread_;

@@ -104,20 +104,14 @@ class TransferProxy {
         watchdog_(watchdog && timeout.count() > 0),
         faults_(std::move(faults)) {
     const std::string what = "meshmem::Comm (" + std::string(name_) + " transport) on rank " + std::to_string(rank);
-    void* p = nullptr;
-    ipc::check_cuda(cudaHostAlloc(&p, kDoneWords * sizeof(std::uint64_t), cudaHostAllocMapped | cudaHostAllocPortable),
-                    "cudaHostAlloc (done words)", what);
-    words_ = static_cast<std::uint64_t*>(p);
-    std::memset(words_, 0, kDoneWords * sizeof(std::uint64_t));
+    words_memory_ = take_block(BlockMemory::MappedHost, device, kDoneWords * sizeof(std::uint64_t), what);  // zeroed
+    words_ = static_cast<std::uint64_t*>(words_memory_.get());
     for (std::size_t i = kDoneWords; i-- > 0;) free_words_.push_back(i);
     thread_ = std::thread([this] { run(); });
   }
   TransferProxy(const TransferProxy&) = delete;
   TransferProxy& operator=(const TransferProxy&) = delete;
-  ~TransferProxy() {
-    stop(false);
-    if (words_ != nullptr) (void)cudaFreeHost(words_);
-  }
+  ~TransferProxy() { stop(false); }
 
   // Stops the thread, then the wire; with `abort` (transfers still in flight) the wire waits
   // for nothing (NCCL's destroy would wait for them: its communicators are aborted).
@@ -750,6 +744,7 @@ class TransferProxy {
   std::chrono::milliseconds timeout_;
   bool watchdog_;  // ends transfers that outlive timeout_ (the callers' streams cannot time out)
   FaultPlan faults_;
+  PooledBlock words_memory_;  // mapped host memory: the done words
   std::uint64_t* words_ = nullptr;
 
   // The proxy thread's own.

@@ -29,16 +29,15 @@ constexpr int kTagData = 1;
 class MpiWire final : public ProxyWire {
  public:
   // `peers`: the ranks this wire talks to.
-  MpiWire(MpiComm data, const std::vector<int>& peers, std::chrono::milliseconds timeout, const std::string& what)
+  MpiWire(MpiComm data, const std::vector<int>& peers, int device, std::chrono::milliseconds timeout,
+          const std::string& what)
       : data_(std::move(data)), timeout_(timeout) {
     const std::size_t send_slots = MpiDeviceTransport::kSlots;
     const std::size_t recv_slots = std::max<std::size_t>(MpiDeviceTransport::kSlots, peers.size());
     for (int p : peers) recv_held_[p] = 0;
     const std::size_t count = send_slots + recv_slots;
-    void* p = nullptr;
-    ipc::check_cuda(cudaHostAlloc(&p, count * MpiDeviceTransport::kChunk, cudaHostAllocPortable),
-                    "cudaHostAlloc (mpi-device slots)", what);
-    memory_ = static_cast<char*>(p);
+    slot_memory_ = take_block(BlockMemory::MappedHost, device, count * MpiDeviceTransport::kChunk, what + " (slots)");
+    memory_ = static_cast<char*>(slot_memory_.get());
     slots_.resize(count);
     for (std::size_t i = 0; i < count; ++i) {
       Slot& s = slots_[i];
@@ -110,6 +109,7 @@ class MpiWire final : public ProxyWire {
       if (s.event != nullptr) (void)cudaEventSynchronize(s.event);  // copies of the proxy's streams
     if (leak) {
       log(LogLevel::Warn, "mpi-device transport: MPI still held messages at stop; their pinned slots are kept");
+      slot_memory_.abandon();
       memory_ = nullptr;
     }
     release();
@@ -155,7 +155,8 @@ class MpiWire final : public ProxyWire {
   void release() noexcept {
     for (Slot& s : slots_)
       if (s.event != nullptr) (void)cudaEventDestroy(std::exchange(s.event, nullptr));
-    if (memory_ != nullptr) (void)cudaFreeHost(std::exchange(memory_, nullptr));
+    slot_memory_ = PooledBlock();
+    memory_ = nullptr;
   }
   static std::size_t chunk(std::size_t left) { return std::min(left, MpiDeviceTransport::kChunk); }
 
@@ -312,7 +313,8 @@ class MpiWire final : public ProxyWire {
 
   MpiComm data_;
   std::chrono::milliseconds timeout_;
-  char* memory_ = nullptr;  // kSlots chunks each way, pinned
+  PooledBlock slot_memory_;  // mapped host memory
+  char* memory_ = nullptr;   // kSlots chunks each way, in slot_memory_
   std::vector<Slot> slots_;
   std::vector<Slot*> send_free_, recv_free_;
   std::map<int, std::deque<SendJob>> sends_;
@@ -343,7 +345,7 @@ void MpiDeviceTransport::connect(const std::vector<bool>& routed) {
     if (streams.empty()) return;  // some other ranks use it, this one does not
     std::vector<int> peers;
     for (const auto& [r, st] : streams) peers.push_back(r);
-    auto wire = std::make_unique<MpiWire>(std::move(data), peers, ctx_.options.timeout, what);
+    auto wire = std::make_unique<MpiWire>(std::move(data), peers, device_->device(), ctx_.options.timeout, what);
     start_proxy(std::move(control), std::move(streams), std::move(wire));
   });
   if (proxy_) log(LogLevel::Info, "mpi-device transport: " + describe());

@@ -121,7 +121,8 @@ struct NcclPeer {
 // receive's follow-up is enqueued at once.
 class NcclWire final : public ProxyWire {
  public:
-  NcclWire(const NcclLibrary* lib, std::map<int, NcclPeer> peers) : lib_(lib), peers_(std::move(peers)) {}
+  NcclWire(const NcclLibrary* lib, std::map<int, NcclPeer> peers, std::chrono::milliseconds timeout)
+      : lib_(lib), timeout_(timeout), peers_(std::move(peers)) {}
   ~NcclWire() override { stop(false); }
   void send(int peer, const void* src, std::size_t bytes, cudaStream_t stream, std::function<void()> after_read,
             const std::string& what) override {
@@ -142,10 +143,14 @@ class NcclWire final : public ProxyWire {
       p.out_root.reset(abort);
       p.in_root.reset(abort);
     }
+    if (!abort && !peers_.empty() && !nccl_destroys_done_within(timeout_))
+      log(LogLevel::Warn, "nccl transport: work issued on this GPU has not finished after " + describe_timeout(timeout_) +
+                              "; its NCCL communicators are destroyed once that work ends");
   }
 
  private:
   const NcclLibrary* lib_;
+  std::chrono::milliseconds timeout_;
   std::map<int, NcclPeer> peers_;
 };
 
@@ -210,7 +215,7 @@ void NcclTransport::connect(const std::vector<bool>& routed) {
   if (!peers.empty()) (void)cuda::preload_kernels();  // see the lazy-loading note of transport_staged.hpp
   std::map<int, PeerStreams> streams;
   std::map<int, NcclPeer> comms;
-  DevicePtr scratch;
+  PooledBlock scratch;  // the connection transfers' bytes
   agreed_step(ctx_.boot, "meshmem::Comm (nccl transport)", [&] {
     if (peers.empty()) return;  // some other ranks use nccl, this one does not
     // The sender of each direction makes its unique id and gives it to the receiver.
@@ -281,9 +286,8 @@ void NcclTransport::connect(const std::vector<bool>& routed) {
     }
     end_group("ncclGroupEnd (communicator initialisation)");
     wait_for_nccl(*lib_, handles, peers, deadline, "initialisation", what);
-    void* bytes = nullptr;
-    ipc::check_cuda(cudaMalloc(&bytes, 2 * std::max<std::size_t>(1, peers.size())), "cudaMalloc", what);
-    scratch.reset(bytes);
+    scratch = take_block(BlockMemory::Device, -1, 2 * peers.size(), what);
+    void* bytes = scratch.get();
     for (int peer : peers) {
       PeerStreams& p = streams[peer];
       p.out = std::make_unique<OwnedStream>(what);
@@ -326,7 +330,7 @@ void NcclTransport::connect(const std::vector<bool>& routed) {
       p.in_root = std::move(roots[2 * i + 1]);
     }
     abort_on_exit.kept = true;  // `comms` owns every communicator now
-    start_proxy(std::move(control), std::move(streams), std::make_unique<NcclWire>(lib_, std::move(comms)));
+    start_proxy(std::move(control), std::move(streams), std::make_unique<NcclWire>(lib_, std::move(comms), ctx_.options.timeout));
   });
   if (proxy_)
     log(LogLevel::Info, "nccl transport: NCCL " + lib_->version_text() + " (" + lib_->path + "), " +
