@@ -267,9 +267,10 @@ TEST_F(StagingPoolTest, PoolCyclesReturnToBaseline) {
   EXPECT_LE(free0 > free1 ? free0 - free1 : 0, std::size_t{8} << 20) << free0 << " -> " << free1 << " bytes free";
 }
 
-// The point of the pool: giving blocks back while a kernel of another stream runs returns at
-// once, and so does another thread's launch meanwhile (cudaFree and cudaFreeHost would wait
-// for the kernel and hold up the other thread's CUDA calls with them: bench/queue_lab).
+// The point of the pool: giving blocks back, their chunks unmapped at once, while a kernel of
+// another stream runs returns at once, and so does another thread's launch meanwhile
+// (cudaFree and cudaFreeHost would wait for the kernel and hold up the other thread's CUDA
+// calls with them: bench/queue_lab).
 TEST_F(StagingPoolTest, GivingBackDoesNotWaitForARunningKernel) {
   PooledBlock word = detail::take_block(BlockMemory::MappedHost, device, 8, "test");
   auto* flag = static_cast<unsigned long long*>(word.get());
@@ -278,6 +279,10 @@ TEST_F(StagingPoolTest, GivingBackDoesNotWaitForARunningKernel) {
     blocks.push_back(detail::take_block(BlockMemory::Device, device, 1 << 16, "test"));
     blocks.push_back(detail::take_block(BlockMemory::MappedHost, device, 1 << 16, "test"));
   }
+  // Chunks of their own (larger than any free space): emptied and unmapped below.
+  blocks.push_back(detail::take_block(BlockMemory::Device, device, 3u << 20, "test"));
+  blocks.push_back(detail::take_block(BlockMemory::MappedHost, device, 3u << 20, "test"));
+  const std::size_t mapped = detail::block_pool_bytes(device);
   cudaStream_t busy = nullptr, other = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&busy, cudaStreamNonBlocking));
   CUDA_OK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
@@ -285,8 +290,12 @@ TEST_F(StagingPoolTest, GivingBackDoesNotWaitForARunningKernel) {
   CUDA_OK(cudaGetLastError());
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   const auto t0 = std::chrono::steady_clock::now();
-  blocks.clear();
+  {
+    detail::QuiescedRelease covered(device);  // as if synchronised: freed, not quarantined
+    blocks.clear();
+  }
   const double give_back = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LE(detail::block_pool_bytes(device) + (8u << 20), mapped) << "the large blocks' chunks were not unmapped";
   PooledBlock target = detail::take_block(BlockMemory::Device, device, 4096, "test");
   double launch = 0;
   cudaError_t launched = cudaSuccess;

@@ -115,11 +115,12 @@ class BlockPool {
   }
 
   void give_back(void* chunk, std::size_t offset, std::size_t bytes) noexcept {
+    std::unique_ptr<Chunk> gone;  // unmapped after the lock is let go
     std::lock_guard<std::mutex> lock(m_);
     auto* c = static_cast<Chunk*>(chunk);
     if (quiesced_device == device_) {
       c->put(offset, bytes);
-      if (c->held == 0) drop(c);
+      if (c->held == 0) gone = detach(c);
       return;
     }
     quarantine_.push_back({c, offset, bytes, marks_});
@@ -131,6 +132,7 @@ class BlockPool {
   }
 
   void ended(std::uint64_t mark) noexcept {
+    std::vector<std::unique_ptr<Chunk>> gone;  // unmapped after the lock is let go
     std::lock_guard<std::mutex> lock(m_);
     std::vector<Quarantined> still;
     for (const Quarantined& q : quarantine_) {
@@ -139,7 +141,7 @@ class BlockPool {
         continue;
       }
       q.chunk->put(q.offset, q.bytes);
-      if (q.chunk->held == 0) drop(q.chunk);
+      if (q.chunk->held == 0) gone.push_back(detach(q.chunk));
     }
     quarantine_.swap(still);
   }
@@ -186,14 +188,17 @@ class BlockPool {
     return chunk;
   }
 
-  // Unmaps an empty chunk (m_ held).
-  void drop(Chunk* chunk) noexcept {
+  // An empty chunk out of its list (m_ held), for the caller to unmap once m_ is let go:
+  // the cudaFreeHost of the fallback waits for the device's kernels.
+  std::unique_ptr<Chunk> detach(Chunk* chunk) noexcept {
     for (auto& list : chunks_)
       for (auto it = list.begin(); it != list.end(); ++it)
         if (it->get() == chunk) {
+          std::unique_ptr<Chunk> out = std::move(*it);
           list.erase(it);
-          return;
+          return out;
         }
+    return nullptr;
   }
 
   const int device_;
@@ -248,7 +253,7 @@ PooledBlock take_block(BlockMemory kind, int device, std::size_t bytes, const st
 }
 
 void fill_block(const PooledBlock& block, const void* source, std::size_t bytes, const std::string& what) {
-  OwnedStream stream(what);  // of the current device: copies reach any device's memory
+  OwnedStream stream(what);  // of the current device (device blocks: mapped for their own device only)
   ipc::check_cuda(cudaMemcpyAsync(block.get(), source, bytes, cudaMemcpyHostToDevice, stream.get()), "cudaMemcpyAsync",
                   what);
   ipc::check_cuda(cudaStreamSynchronize(stream.get()), "cudaStreamSynchronize", what);

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -12,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "meshmem/error.hpp"
 
@@ -80,15 +82,17 @@ std::unique_ptr<NcclLibrary> load(const std::string& path, std::string* why) {
 }  // namespace
 
 const NcclLibrary* NcclLibrary::get(const std::string& path, std::string* why) {
-  // Per path, once per process; the libraries stay loaded until exit (NCCL's own threads).
+  // Per path, once per process; the libraries stay loaded until exit (NCCL's own threads), and
+  // so do their tables: never destroyed, as the destroying thread (below) may still use one
+  // while the process exits.
   static std::mutex m;
-  static std::map<std::string, std::pair<std::unique_ptr<NcclLibrary>, std::string>> loaded;
+  static auto* loaded = new std::map<std::string, std::pair<std::unique_ptr<NcclLibrary>, std::string>>();
   std::lock_guard<std::mutex> lock(m);
-  auto it = loaded.find(path);
-  if (it == loaded.end()) {
+  auto it = loaded->find(path);
+  if (it == loaded->end()) {
     std::string reason;
     auto lib = load(path, &reason);
-    it = loaded.emplace(path, std::make_pair(std::move(lib), reason)).first;
+    it = loaded->emplace(path, std::make_pair(std::move(lib), reason)).first;
   }
   if (!it->second.first) *why = it->second.second;
   return it->second.first.get();
@@ -137,37 +141,49 @@ struct NcclDestroyer {
   std::uint64_t late = 0;  // a job a waiter gave up on: while it is not destroyed, nobody waits
   bool started = false;
 
+  // Throws (and queues nothing) where the thread cannot start.
   void give(const Job& job) {
     {
       std::lock_guard<std::mutex> lock(m);
+      if (!started) {
+        std::thread([this] { serve(); }).detach();
+        started = true;
+      }
       jobs.push_back(job);
       ++given;
-      if (!started) {
-        started = true;
-        std::thread([this] { serve(); }).detach();
-      }
     }
     wake.notify_all();
   }
 
+  // Everything queued is taken at once: one synchronisation per device for all its
+  // communicators, then the destroys in the order given (a split's children before the
+  // communicator they were split from).
   void serve() {
     std::unique_lock<std::mutex> lock(m);
     for (;;) {
       wake.wait(lock, [&] { return !jobs.empty(); });
-      const Job job = jobs.front();
-      jobs.pop_front();
+      std::deque<Job> batch;
+      batch.swap(jobs);
       lock.unlock();
-      if (job.device >= 0) (void)cudaSetDevice(job.device);
-      // Refused while a stream of the device captures a graph: tried again until it ends.
-      cudaError_t rc = cudaDeviceSynchronize();
-      while (rc == cudaErrorStreamCaptureUnsupported || rc == cudaErrorStreamCaptureImplicit) {
-        (void)cudaGetLastError();
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        rc = cudaDeviceSynchronize();
+      std::vector<int> synced;
+      for (const Job& job : batch) {
+        if (std::find(synced.begin(), synced.end(), job.device) != synced.end()) continue;
+        synced.push_back(job.device);
+        if (job.device >= 0) (void)cudaSetDevice(job.device);
+        // Refused while a stream of the device captures a graph: tried again until it ends.
+        cudaError_t rc = cudaDeviceSynchronize();
+        while (rc == cudaErrorStreamCaptureUnsupported || rc == cudaErrorStreamCaptureImplicit) {
+          (void)cudaGetLastError();
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          rc = cudaDeviceSynchronize();
+        }
       }
-      (void)job.lib->comm_destroy(job.comm);
+      for (const Job& job : batch) {
+        if (job.device >= 0) (void)cudaSetDevice(job.device);
+        (void)job.lib->comm_destroy(job.comm);
+      }
       lock.lock();
-      ++destroyed;
+      destroyed += batch.size();
       done.notify_all();
     }
   }

@@ -1,6 +1,7 @@
 #include "stream_barrier_proxy.hpp"
 
 #include <cstring>
+#include <system_error>
 
 #include "../backoff.hpp"
 #include "../log.hpp"
@@ -55,31 +56,40 @@ StreamBarrierProxy::StreamBarrierProxy(MPI_Comm parent, int device, std::chrono:
 namespace {
 
 // cudaDeviceSynchronize on a thread of its own, which keeps `keep` alive until it returned.
-// Whether it returned within `limit` (0: waits for ever).
+// Whether it returned, and succeeded, within `limit` (0: waits for ever). A synchronisation
+// that failed (refused while a graph capture is open on the device, or a device error) says
+// nothing about the streams: not idle.
 template <class Keep>
 bool device_idle_within(int device, std::chrono::milliseconds limit, std::shared_ptr<Keep> keep) {
   struct Done {
     std::mutex m;
     std::condition_variable cv;
-    bool done = false;
+    bool done = false, idle = false;
   };
   auto done = std::make_shared<Done>();
-  std::thread([device, done, keep = std::move(keep)]() mutable {
-    if (cudaSetDevice(device) == cudaSuccess && cudaDeviceSynchronize() == cudaSuccess) {
-      QuiescedRelease covered(device);  // the synchronisation covered the word's last use
-      keep.reset();
-    }
-    keep.reset();  // quarantined (block_pool.hpp) where the synchronisation failed
-    std::lock_guard<std::mutex> lock(done->m);
-    done->done = true;
-    done->cv.notify_all();
-  }).detach();
-  std::unique_lock<std::mutex> lock(done->m);
-  if (limit.count() == 0) {
-    done->cv.wait(lock, [&] { return done->done; });
-    return true;
+  try {
+    std::thread([device, done, keep = std::move(keep)]() mutable {
+      const bool idle = cudaSetDevice(device) == cudaSuccess && cudaDeviceSynchronize() == cudaSuccess;
+      if (idle) {
+        QuiescedRelease covered(device);  // the synchronisation covered the word's last use
+        keep.reset();
+      }
+      keep.reset();  // quarantined (block_pool.hpp) where the synchronisation failed
+      std::lock_guard<std::mutex> lock(done->m);
+      done->done = true;
+      done->idle = idle;
+      done->cv.notify_all();
+    }).detach();
+  } catch (const std::system_error&) {
+    return false;  // no thread: the caller releases the streams instead of waiting
   }
-  return done->cv.wait_for(lock, limit, [&] { return done->done; });
+  std::unique_lock<std::mutex> lock(done->m);
+  auto ended = [&] { return done->done; };
+  if (limit.count() == 0)
+    done->cv.wait(lock, ended);
+  else if (!done->cv.wait_for(lock, limit, ended))
+    return false;
+  return done->idle;
 }
 
 }  // namespace
@@ -104,7 +114,9 @@ StreamBarrierProxy::~StreamBarrierProxy() {
   // frees the shared state once the device is idle; host functions still to run touch only it.
   __atomic_store_n(shared_->released, UINT64_MAX, __ATOMIC_RELEASE);
   log(LogLevel::Warn, "barrier(stream) proxy: this device's work did not end within " +
-                          describe_timeout(2 * timeout_) + " (twice MESHMEM_TIMEOUT) at ~Comm; " +
+                          describe_timeout(2 * timeout_) +
+                          " (twice MESHMEM_TIMEOUT), or could not be waited for (a graph capture open on this GPU), "
+                          "at ~Comm; " +
                           std::to_string(unmet) +
                           " barrier(s) given to the proxy and not met were released unmet, and its mapped word is "
                           "freed once the device's work ends");
