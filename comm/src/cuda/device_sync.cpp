@@ -181,18 +181,21 @@ bool WindowReleaser::wait(std::uint64_t ticket, std::chrono::milliseconds timeou
   return ok;
 }
 
-void WindowReleaser::quiesce(int device, const char* why) {
-  const std::uint64_t mark = device_quiescence_began(device);
-  // A device synchronisation is refused while any stream of the device captures a graph
-  // (and, measured on H200 with CUDA 13, that capture is invalidated whatever this
-  // thread's capture mode): the memory stays mapped until the capture ends, or the
-  // waiter's timeout reports it.
+cudaError_t synchronize_device_between_captures() {
   cudaError_t rc = cudaDeviceSynchronize();
   while (rc == cudaErrorStreamCaptureUnsupported || rc == cudaErrorStreamCaptureImplicit) {
     (void)cudaGetLastError();
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
     rc = cudaDeviceSynchronize();
   }
+  return rc;
+}
+
+void WindowReleaser::quiesce(int device, const char* why) {
+  const std::uint64_t mark = device_quiescence_began(device);
+  // The memory stays mapped until a capture open on the device ends, or the waiter's
+  // timeout reports it.
+  const cudaError_t rc = synchronize_device_between_captures();
   if (rc != cudaSuccess)
     log(LogLevel::Error, std::string(why) + ": cudaDeviceSynchronize: " + cudaGetErrorString(rc) + "; unmapping anyway");
   device_quiescence_ended(device, mark);

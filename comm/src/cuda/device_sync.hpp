@@ -58,6 +58,12 @@ class DeviceFaultRecord {
   std::uint64_t timeout_ns_;
 };
 
+// cudaDeviceSynchronize of the current device, tried again every millisecond while CUDA
+// refuses it because a stream of the device captures a graph (and, measured on H200 with
+// CUDA 13, that capture is invalidated whatever this thread's capture mode). For meshmem's
+// threads that give memory or communicators back once the device's earlier work is done.
+cudaError_t synchronize_device_between_captures();
+
 // The k-th call of an object (a barrier, a halo plan) must run on the GPU after the
 // (k-1)-th, whatever streams they were given: otherwise a later call's flags could release
 // an earlier one. An event after each call; a call on another stream than the last waits

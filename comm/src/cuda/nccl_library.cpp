@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "device_sync.hpp"
 #include "meshmem/error.hpp"
 
 // Where nccl.h is at hand (it is not needed to build), the config's layout is checked against
@@ -170,13 +171,7 @@ struct NcclDestroyer {
         if (std::find(synced.begin(), synced.end(), job.device) != synced.end()) continue;
         synced.push_back(job.device);
         if (job.device >= 0) (void)cudaSetDevice(job.device);
-        // Refused while a stream of the device captures a graph: tried again until it ends.
-        cudaError_t rc = cudaDeviceSynchronize();
-        while (rc == cudaErrorStreamCaptureUnsupported || rc == cudaErrorStreamCaptureImplicit) {
-          (void)cudaGetLastError();
-          std::this_thread::sleep_for(std::chrono::milliseconds(1));
-          rc = cudaDeviceSynchronize();
-        }
+        (void)synchronize_device_between_captures();  // destroyed after an error too
       }
       for (const Job& job : batch) {
         if (job.device >= 0) (void)cudaSetDevice(job.device);
