@@ -1,5 +1,7 @@
 #include "device_sync.hpp"
 
+#include <system_error>
+
 #include "../backoff.hpp"
 #include "../log.hpp"
 #include "meshmem/error.hpp"
@@ -132,7 +134,11 @@ WindowReleaser::~WindowReleaser() {
   shared_->wake.notify_all();
   if (!thread_.joinable()) {
     if (!blocks_in_quarantine(device_)) return;
-    thread_ = std::thread(&WindowReleaser::serve, shared_, device_);  // for the last synchronisation
+    try {
+      thread_ = std::thread(&WindowReleaser::serve, shared_, device_);  // for the last synchronisation
+    } catch (const std::system_error&) {
+      return;  // the blocks stay quarantined until another synchronisation of this device
+    }
   }
   std::unique_lock<std::mutex> lock(shared_->mutex);
   auto finished = [&] { return shared_->finished; };
