@@ -3,12 +3,12 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
-#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <vector>
 
+#include "../free_ranges.hpp"
 #include "../log.hpp"
 #include "device_runtime.hpp"
 #include "meshmem/error.hpp"
@@ -27,44 +27,14 @@ struct Chunk {
   ipc::SharedHostMemory host_memory;
   void* fallback_host = nullptr;  // cudaHostAlloc, where the device has no host-NUMA VMM
   char* base = nullptr;
-  std::size_t bytes = 0;
-  std::map<std::size_t, std::size_t> free;  // offset -> bytes, coalesced
-  std::size_t held = 0;                     // bytes taken or quarantined
+  FreeRanges ranges;  // taken or quarantined bytes count as held
 
-  Chunk() = default;
+  explicit Chunk(std::size_t bytes) : ranges(bytes) {}
   Chunk(const Chunk&) = delete;
   Chunk& operator=(const Chunk&) = delete;
   ~Chunk() {
     // The one path that can wait for the device's kernels: documented (README, GPU memory).
     if (fallback_host != nullptr) (void)cudaFreeHost(fallback_host);
-  }
-  // First fit; the offset, or bytes when none fits.
-  std::size_t take(std::size_t want) {
-    for (auto it = free.begin(); it != free.end(); ++it) {
-      if (it->second < want) continue;
-      const std::size_t offset = it->first, left = it->second - want;
-      free.erase(it);
-      if (left > 0) free.emplace(offset + want, left);
-      held += want;
-      return offset;
-    }
-    return bytes;
-  }
-  void put(std::size_t offset, std::size_t size) {
-    held -= size;
-    auto next = free.lower_bound(offset);
-    if (next != free.end() && offset + size == next->first) {
-      size += next->second;
-      next = free.erase(next);
-    }
-    if (next != free.begin()) {
-      auto prev = std::prev(next);
-      if (prev->first + prev->second == offset) {
-        prev->second += size;
-        return;
-      }
-    }
-    free.emplace(offset, size);
   }
 };
 
@@ -93,8 +63,8 @@ class BlockPool {
       Chunk* chunk = nullptr;
       std::size_t offset = 0;
       for (auto& c : list) {
-        offset = c->take(want);
-        if (offset != c->bytes) {
+        offset = c->ranges.take(want);
+        if (offset != c->ranges.size()) {
           chunk = c.get();
           break;
         }
@@ -102,7 +72,7 @@ class BlockPool {
       if (chunk == nullptr) {
         list.push_back(make_chunk(kind, want, what));
         chunk = list.back().get();
-        offset = chunk->take(want);
+        offset = chunk->ranges.take(want);
       }
       block.pool_ = this;
       block.chunk_ = chunk;
@@ -119,8 +89,8 @@ class BlockPool {
     std::lock_guard<std::mutex> lock(m_);
     auto* c = static_cast<Chunk*>(chunk);
     if (quiesced_device == device_) {
-      c->put(offset, bytes);
-      if (c->held == 0) gone = detach(c);
+      c->ranges.put(offset, bytes);
+      if (c->ranges.held() == 0) gone = detach(c);
       return;
     }
     quarantine_.push_back({c, offset, bytes, marks_});
@@ -140,8 +110,8 @@ class BlockPool {
         still.push_back(q);
         continue;
       }
-      q.chunk->put(q.offset, q.bytes);
-      if (q.chunk->held == 0) gone.push_back(detach(q.chunk));
+      q.chunk->ranges.put(q.offset, q.bytes);
+      if (q.chunk->ranges.held() == 0) gone.push_back(detach(q.chunk));
     }
     quarantine_.swap(still);
   }
@@ -155,7 +125,7 @@ class BlockPool {
     std::lock_guard<std::mutex> lock(m_);
     std::size_t total = 0;
     for (const auto& list : chunks_)
-      for (const auto& c : list) total += c->bytes;
+      for (const auto& c : list) total += c->ranges.size();
     return total;
   }
 
@@ -163,28 +133,27 @@ class BlockPool {
 
  private:
   std::unique_ptr<Chunk> make_chunk(BlockMemory kind, std::size_t want, const std::string& what) {
-    auto chunk = std::make_unique<Chunk>();
+    std::unique_ptr<Chunk> chunk;
     if (kind == BlockMemory::Device) {
       if (granularity_[0] == 0) granularity_[0] = ipc::vmm_granularity(device_);
-      chunk->bytes = round_up(want, granularity_[0]);
-      chunk->device_memory = ipc::VmmAllocation::create(chunk->bytes, device_);
+      chunk = std::make_unique<Chunk>(round_up(want, granularity_[0]));
+      chunk->device_memory = ipc::VmmAllocation::create(chunk->ranges.size(), device_);
       chunk->base = static_cast<char*>(chunk->device_memory.data());
-    } else {
-      if (numa_ == -2) numa_ = ipc::host_numa_node_of(device_);
-      if (numa_ >= 0) {
-        if (granularity_[1] == 0) granularity_[1] = ipc::host_numa_granularity(numa_);
-        chunk->bytes = round_up(want, granularity_[1]);
-        chunk->host_memory = ipc::SharedHostMemory::create(chunk->bytes, numa_, {device_});
-        chunk->base = static_cast<char*>(chunk->host_memory.data());
-      } else {
-        chunk->bytes = round_up(want, 64 * 1024);
-        CurrentDevice current(device_);
-        ipc::check_cuda(cudaHostAlloc(&chunk->fallback_host, chunk->bytes, cudaHostAllocMapped | cudaHostAllocPortable),
-                        "cudaHostAlloc", what + " (device " + std::to_string(device_) + " has no host-NUMA VMM)");
-        chunk->base = static_cast<char*>(chunk->fallback_host);
-      }
+      return chunk;
     }
-    chunk->free.emplace(0, chunk->bytes);
+    if (numa_ == -2) numa_ = ipc::host_numa_node_of(device_);
+    if (numa_ >= 0) {
+      if (granularity_[1] == 0) granularity_[1] = ipc::host_numa_granularity(numa_);
+      chunk = std::make_unique<Chunk>(round_up(want, granularity_[1]));
+      chunk->host_memory = ipc::SharedHostMemory::create(chunk->ranges.size(), numa_, {device_});
+      chunk->base = static_cast<char*>(chunk->host_memory.data());
+      return chunk;
+    }
+    chunk = std::make_unique<Chunk>(round_up(want, 64 * 1024));
+    CurrentDevice current(device_);
+    ipc::check_cuda(cudaHostAlloc(&chunk->fallback_host, chunk->ranges.size(), cudaHostAllocMapped | cudaHostAllocPortable),
+                    "cudaHostAlloc", what + " (device " + std::to_string(device_) + " has no host-NUMA VMM)");
+    chunk->base = static_cast<char*>(chunk->fallback_host);
     return chunk;
   }
 
