@@ -129,8 +129,6 @@ class BlockPool {
     return total;
   }
 
-  int device() const { return device_; }
-
  private:
   std::unique_ptr<Chunk> make_chunk(BlockMemory kind, std::size_t want, const std::string& what) {
     std::unique_ptr<Chunk> chunk;

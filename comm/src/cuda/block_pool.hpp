@@ -36,7 +36,11 @@ class PooledBlock {
  public:
   PooledBlock() = default;
   PooledBlock(PooledBlock&& o) noexcept
-      : pool_(std::exchange(o.pool_, nullptr)), chunk_(o.chunk_), offset_(o.offset_), bytes_(o.bytes_), data_(o.data_) {}
+      : pool_(std::exchange(o.pool_, nullptr)),
+        chunk_(o.chunk_),
+        offset_(o.offset_),
+        bytes_(o.bytes_),
+        data_(std::exchange(o.data_, nullptr)) {}
   PooledBlock& operator=(PooledBlock&& o) noexcept;
   PooledBlock(const PooledBlock&) = delete;
   PooledBlock& operator=(const PooledBlock&) = delete;
