@@ -17,6 +17,7 @@
 #include "bootstrap.hpp"
 #include "cuda/block_pool.hpp"
 #include "cuda/staging_pool.hpp"
+#include "cuda/transport_mpi_device.hpp"
 #include "fd_exchange.hpp"
 #include "gpu_test.hpp"
 #include "mpi_test.hpp"
@@ -314,6 +315,60 @@ TEST_F(StagingPoolTest, GivingBackDoesNotWaitForARunningKernel) {
   EXPECT_LT(give_back, 1.0) << "giving 16 blocks back behind a running kernel took " << give_back << " s";
   EXPECT_LT(launch, 1.0) << "another thread's copy waited " << launch << " s";
   quiesce(device);
+}
+
+// Pinned slots that MPI sent from or received into stay mapped after their Comm (an MPI
+// library may still hold a registration of their pages, found by address, and would use it
+// for whatever is mapped there later) and serve the next Comm of the process: after each of
+// two Comms whose device windows went through mpi-device (every rank a simulated node), the
+// pool holds the slots' bytes once, neither none nor twice; and the puts carried every byte.
+TEST_F(StagingPoolTest, MpiDeviceSlotsStayMappedForTheNextComm) {
+  int n = 0, me = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  MPI_Comm_rank(MPI_COMM_WORLD, &me);
+  if (n < 2) GTEST_SKIP() << "needs 2 ranks or more";
+  Options o = Options::from_environment();
+  o.simulate_nodes = n;  // every rank a node of its own (ranks of one real node)
+  o.transports = {TransportKind::MpiDevice, TransportKind::Shm, TransportKind::Mpi};
+  // The wire's slots: kSlots each way (max(kSlots, peers) receiving), kChunk each.
+  const std::size_t slots = detail::MpiDeviceTransport::kChunk *
+                            (detail::MpiDeviceTransport::kSlots +
+                             std::max<std::size_t>(detail::MpiDeviceTransport::kSlots, static_cast<std::size_t>(n - 1)));
+  quiesce(device);
+  const std::size_t base = detail::block_pool_bytes(device);
+  std::vector<std::size_t> after;
+  for (int cycle = 0; cycle < 2; ++cycle) {
+    {
+      Comm comm(MPI_COMM_WORLD, o);
+      const int to = (me + 1) % n, from = (me + n - 1) % n;
+      ASSERT_EQ(comm.transport(to, Memory::Device), TransportKind::MpiDevice);
+      const std::size_t bytes = (9u << 20) + 3;  // three chunks, the last one short
+      Window win = comm.alloc(bytes + 64);
+      cudaStream_t s = nullptr;
+      CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      CUDA_OK(fill_now(win.local(), kPoison, bytes + 64));
+      const std::vector<unsigned char> mine = pattern(seed, 100 * cycle + me, bytes);
+      DeviceBuffer src(bytes);
+      CUDA_OK(upload(src.p, mine.data(), bytes));
+      comm.barrier(s);
+      comm.put(win, to, 5, src.p, bytes, s);
+      comm.barrier(s);
+      CUDA_OK(cudaStreamSynchronize(s));
+      std::vector<unsigned char> want(bytes + 64, kPoison);
+      const std::vector<unsigned char> theirs = pattern(seed, 100 * cycle + from, bytes);
+      std::memcpy(want.data() + 5, theirs.data(), bytes);
+      const auto got = to_host(win.local(), bytes + 64);
+      EXPECT_EQ(first_difference(got.data(), want.data(), want.size()), -1) << "cycle " << cycle << ", rank " << me;
+      comm.barrier(s);
+      CUDA_OK(cudaStreamSynchronize(s));
+      CUDA_OK(cudaStreamDestroy(s));
+    }
+    quiesce(device);
+    after.push_back(detail::block_pool_bytes(device));
+  }
+  EXPECT_GE(after[0], base + slots) << "the mpi-device slots' chunks were unmapped with their Comm (" << base << " -> "
+                                    << after[0] << " bytes mapped)";
+  EXPECT_EQ(after[1], after[0]) << "the second Comm did not reuse the first one's slots";
 }
 
 }  // namespace

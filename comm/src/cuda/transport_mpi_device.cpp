@@ -9,6 +9,7 @@
 #include <functional>
 #include <list>
 #include <map>
+#include <mutex>
 #include <utility>
 
 #include "../backoff.hpp"
@@ -24,6 +25,46 @@ namespace {
 
 constexpr int kTagData = 1;
 
+// Pinned slots that MPI has sent from or received into are never unmapped while the process
+// lives: an MPI library may keep its registration of their pages, found by address, after
+// the messages ended (UCX's and Open MPI's registration caches; UCX learns of cuMemUnmap only
+// since 1.17, openucx/ucx#9857, and of cudaFreeHost, munmap and the like before), and memory
+// mapped later at the same address would be read and written through that stale
+// registration. So a wire's slots, once every message and copy of theirs ended, wait here for
+// the next wire of the process on that device (a later Comm's), not in the block pool. Slots
+// MPI may still hold are abandoned instead (MpiWire::stop). Leaked on purpose: nothing of it
+// runs at exit.
+class RegisteredSlots {
+ public:
+  static RegisteredSlots& instance() {
+    static RegisteredSlots* slots = new RegisteredSlots;
+    return *slots;
+  }
+  // A kept block of `device` of at least `bytes` (the smallest), else a new one.
+  PooledBlock take(int device, std::size_t bytes, const std::string& what) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const auto it = kept_.lower_bound({device, bytes});
+      if (it != kept_.end() && it->first.first == device) {
+        PooledBlock block = std::move(it->second);
+        kept_.erase(it);
+        return block;
+      }
+    }
+    return take_block(BlockMemory::MappedHost, device, bytes, what);
+  }
+  // Takes `block` (left as it was where this raises).
+  void keep(int device, PooledBlock& block) {
+    if (!block) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    kept_.emplace(std::make_pair(device, block.size()), std::move(block));
+  }
+
+ private:
+  std::mutex mutex_;
+  std::multimap<std::pair<int, std::size_t>, PooledBlock> kept_;
+};
+
 // Chunked MPI messages through pinned host slots (transport_mpi_device.hpp). All but
 // pending() run on the proxy thread (and stop() once it has ended).
 class MpiWire final : public ProxyWire {
@@ -31,12 +72,12 @@ class MpiWire final : public ProxyWire {
   // `peers`: the ranks this wire talks to.
   MpiWire(MpiComm data, const std::vector<int>& peers, int device, std::chrono::milliseconds timeout,
           const std::string& what)
-      : data_(std::move(data)), timeout_(timeout) {
+      : data_(std::move(data)), timeout_(timeout), device_(device) {
     const std::size_t send_slots = MpiDeviceTransport::kSlots;
     const std::size_t recv_slots = std::max<std::size_t>(MpiDeviceTransport::kSlots, peers.size());
     for (int p : peers) recv_held_[p] = 0;
     const std::size_t count = send_slots + recv_slots;
-    slot_memory_ = take_block(BlockMemory::MappedHost, device, count * MpiDeviceTransport::kChunk, what + " (slots)");
+    slot_memory_ = RegisteredSlots::instance().take(device, count * MpiDeviceTransport::kChunk, what + " (slots)");
     memory_ = static_cast<char*>(slot_memory_.get());
     slots_.resize(count);
     for (std::size_t i = 0; i < count; ++i) {
@@ -152,10 +193,15 @@ class MpiWire final : public ProxyWire {
     std::string what;
   };
 
+  // Every message and copy of the slots ended (or the slots were abandoned).
   void release() noexcept {
     for (Slot& s : slots_)
       if (s.event != nullptr) (void)cudaEventDestroy(std::exchange(s.event, nullptr));
-    slot_memory_ = PooledBlock();
+    try {
+      RegisteredSlots::instance().keep(device_, slot_memory_);
+    } catch (...) {  // no memory for the list's node: the block is never given back either
+      slot_memory_.abandon();
+    }
     memory_ = nullptr;
   }
   static std::size_t chunk(std::size_t left) { return std::min(left, MpiDeviceTransport::kChunk); }
@@ -313,7 +359,8 @@ class MpiWire final : public ProxyWire {
 
   MpiComm data_;
   std::chrono::milliseconds timeout_;
-  PooledBlock slot_memory_;  // mapped host memory
+  int device_;
+  PooledBlock slot_memory_;  // mapped host memory, from RegisteredSlots and back there
   char* memory_ = nullptr;   // kSlots chunks each way, in slot_memory_
   std::vector<Slot> slots_;
   std::vector<Slot*> send_free_, recv_free_;
