@@ -702,7 +702,8 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
 void StagingAgent::abandon_outgoing(const Outgoing& o, const std::string& message) {
   log(LogLevel::Error, message);
   if (o.answer) {
-    __atomic_add_fetch(control_.failed(local_index(o.reader)), 1, __ATOMIC_RELEASE);
+    // Once per transfer: a refused get was counted when it was refused (carry_out).
+    if (!o.failure_counted) __atomic_add_fetch(control_.failed(local_index(o.reader)), 1, __ATOMIC_RELEASE);
   } else {
     std::lock_guard<std::mutex> lock(m_);
     if (error_.empty()) error_ = message;
@@ -878,6 +879,7 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
       o.src_window = d.window;
       o.src = d.src_offset;
       o.width = readable ? d.width : 0;
+      o.failure_counted = !readable;  // counted below, at the request's end
       o.rows = d.rows;
       o.src_pitch = d.src_pitch;
       o.dst_pitch = d.dst_pitch;
@@ -904,6 +906,7 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
   } catch (const std::exception& e) {
     problem = e.what();
     refused_[from] = true;
+    if (answered) outgoing_[from].back().failure_counted = true;  // counted below
     if (d.kind() == Descriptor::kGet && !answered) __atomic_store_n(done, d.ticket, __ATOMIC_RELEASE);  // no answer comes
     try {  // the channel and the initiator's wait still move on
       auto end = end_ops();

@@ -205,6 +205,7 @@ class StagingAgent {
     bool get_request = false;  // a get's request: one descriptor, no data
     bool answer = false;       // answers the reader's get (not one of this rank's transfers)
     bool host_source = false;  // the source is pageable host memory: copied by this thread
+    bool failure_counted = false;  // an answer to a refused get: its reader was told already
     // The source: this rank's window (answers) or kAddress and an address; no data when
     // `width` is 0 (a signal alone, or a refused get).
     std::uint64_t src_window = StagedRequest::kAddress, src = 0;
