@@ -56,3 +56,21 @@ TEST(GpuQueues, KeepLeavesTheVariableAlone) {
   EXPECT_EQ(gpu_queues().count, 8);
   EXPECT_STREQ(gpu_queues().how, "CUDA's default, MESHMEM_GPU_QUEUES=keep");
 }
+
+// A transport with more streams of its own than queues (the proxy's two per peer on another
+// node, 17 such peers): warned once at its start, and named in a stalled transfer's message;
+// as many streams as queues: neither.
+TEST(GpuQueues, TransportStreamsBeyondTheQueues) {
+  SKIP_UNLESS_STARTED_FOR_IT();
+  using meshmem::detail::gpu_queue_hint;
+  using meshmem::detail::note_transport_streams;
+  ASSERT_EQ(gpu_queues().count, 32);
+  EXPECT_EQ(note_transport_streams(3, "nccl", 32), "");
+  EXPECT_EQ(gpu_queue_hint(), "");
+  const std::string warning = note_transport_streams(3, "nccl", 34);
+  EXPECT_NE(warning.find("rank 3: the nccl transport runs 34 streams of its own"), std::string::npos) << warning;
+  EXPECT_NE(warning.find("on 32 GPU queues"), std::string::npos) << warning;
+  EXPECT_NE(gpu_queue_hint().find("runs 34 streams of its own on 32 GPU queues"), std::string::npos) << gpu_queue_hint();
+  EXPECT_EQ(note_transport_streams(3, "mpi-device", 4), "");  // the most seen stays
+  EXPECT_NE(gpu_queue_hint().find("34 streams"), std::string::npos);
+}

@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <string>
 
@@ -81,8 +82,29 @@ const GpuQueues& gpu_queues() { return kAtLoad; }
 
 std::string describe_gpu_queues() { return "GPU queues " + std::to_string(kAtLoad.count) + " " + source(); }
 
+namespace {
+std::atomic<int> most_transport_streams{0};  // the most any transport of this process ran
+}  // namespace
+
+std::string note_transport_streams(int rank, const std::string& transport, int streams) {
+  int seen = most_transport_streams.load();
+  while (streams > seen && !most_transport_streams.compare_exchange_weak(seen, streams)) {
+  }
+  if (streams <= kAtLoad.count) return {};
+  return "rank " + std::to_string(rank) + ": the " + transport + " transport runs " + std::to_string(streams) +
+         " streams of its own (two per peer on another node) on " + std::to_string(kAtLoad.count) + " GPU queues " +
+         source() + ": streams share queues, so a transfer's stream can wait behind another that waits for its peer, "
+         "and a transfer can stall until MESHMEM_TIMEOUT (32 queues are CUDA's most; fewer peers on other nodes per "
+         "Comm avoid it)";
+}
+
 std::string gpu_queue_hint() {
-  if (kAtLoad.count >= GpuQueues::kMost) return {};
+  const int streams = most_transport_streams.load();
+  if (kAtLoad.count >= GpuQueues::kMost && streams <= kAtLoad.count) return {};
+  if (streams > kAtLoad.count)
+    return "; a transport of this process runs " + std::to_string(streams) + " streams of its own on " +
+           std::to_string(kAtLoad.count) + " GPU queues " + source() +
+           ": a stream sharing this transfer's queue that waits may have held it back";
   return "; this process has " + std::to_string(kAtLoad.count) + " GPU queues " + source() +
          ": a stream of it that waits may have held this transfer's stream back (32 make that less likely)";
 }

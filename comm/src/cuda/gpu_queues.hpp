@@ -41,8 +41,14 @@ const GpuQueues& gpu_queues();
 std::string describe_gpu_queues();
 
 // For the message of a transfer on meshmem's own streams that did not end: where the process
-// has fewer than 32 queues, "; ... a waiting stream may have held it back ...", else "".
+// has fewer than 32 queues, or a transport more streams than queues, "; ... a waiting stream
+// may have held it back ...", else "".
 std::string gpu_queue_hint();
+
+// A transport of this process now runs `streams` streams of its own on its device (the proxy's
+// two per peer on another node): remembered for gpu_queue_hint. Where they are more than the
+// queues, they share queues whatever else runs: the warning to log; else "".
+std::string note_transport_streams(int rank, const std::string& transport, int streams);
 
 // Where `rank` reaches `route` ("rank 3 through nccl") through a transport whose transfers run
 // on streams of this process and the process has fewer than 32 queues: the warning to log;

@@ -873,6 +873,8 @@ int ProxyTransport::stop_on_finalize(MPI_Comm, int, void* transport, void*) {
 }
 
 void ProxyTransport::start_proxy(MpiComm control, std::map<int, PeerStreams> streams, std::unique_ptr<ProxyWire> wire) {
+  const std::string crowded = note_transport_streams(ctx_.topo.rank, name_, 2 * static_cast<int>(streams.size()));
+  if (!crowded.empty()) log(LogLevel::Warn, crowded);
   proxy_ = std::make_shared<TransferProxy>(name_, std::move(control), std::move(streams), std::move(wire),
                                            ctx_.topo.rank, device_->device(), ctx_.options.timeout,
                                            !device_->waits_with_kernel(), ctx_.faults);
