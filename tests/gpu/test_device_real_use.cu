@@ -969,6 +969,55 @@ TEST_F(RealUse, KilledPeerGivesErrorsNotHangs) {
   std::_Exit(failed ? 1 : 0);
 }
 
+// Two (simulated) nodes of two ranks each; the leader of node 1 (rank 2) comes to a
+// barrier(stream) only after node 0's leader gave its all-reduce among the leaders up (twice
+// MESHMEM_TIMEOUT). Every rank's stream ends within the bound and every rank's next call
+// reports the barrier, naming the right rank: node 0's leader the leader that did not come,
+// node 0's other rank its leader (its node kernel after the all-reduce times out first, at
+// one MESHMEM_TIMEOUT), node 1's other rank its late leader, and the late leader node 0's
+// leader, gone by then. Run by gpu.late_leader_across_nodes.
+TEST_F(RealUse, LateLeaderAcrossNodesIsReportedOnEveryRank) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+  ScopedEnv wait("MESHMEM_STREAM_WAIT", "kernel");
+  ScopedEnv barrier("MESHMEM_BARRIER", "kernel");
+  ScopedEnv across("MESHMEM_BARRIER_ACROSS_NODES", "nccl");
+  const char* simulated = std::getenv("MESHMEM_SIMULATE_NODES");
+  int size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (simulated == nullptr || std::string(simulated) != "2" || size != 4)
+    GTEST_SKIP() << "run by gpu.late_leader_across_nodes (4 ranks, MESHMEM_SIMULATE_NODES=2)";
+  make_comm();
+  if (n != 4 || comm->node_count() != 2 || comm->node_of(1) != comm->node_of(0) || comm->node_of(2) == comm->node_of(0) ||
+      comm->node_of(3) != comm->node_of(2))
+    GTEST_SKIP() << "written for ranks 0, 1 on one node and 2, 3 on another";
+  comm->barrier(s0);  // a good one first: the leaders' communicator works
+  ASSERT_TRUE(finishes(s0, 30));
+  comm->quiet(s0);
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto t0 = std::chrono::steady_clock::now();
+  if (me == 2) std::this_thread::sleep_for(std::chrono::seconds(7));  // node 0's leader gives up at 4 s
+  comm->barrier(s0);
+  EXPECT_TRUE(finishes(s0, 40)) << "rank " << me << ": barrier(stream) with a late leader did not end";
+  const std::vector<std::vector<std::string>> needles = {
+      {"leader rank(s) 2 did not come"},
+      {"waited for rank 0 of this node"},
+      {"leader rank(s) 0 did not come", "ncclAllReduce"},
+      {"waited for rank 2"}};
+  try {
+    comm->quiet(s0);
+    ADD_FAILURE() << "rank " << me << " passed a barrier(stream) across nodes whose leaders' all-reduce failed, unaware";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+    const std::string m = e.what();
+    EXPECT_TRUE(std::any_of(needles[me].begin(), needles[me].end(),
+                            [&](const std::string& x) { return m.find(x) != std::string::npos; }))
+        << "rank " << me << ": " << m;
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 40.0);
+  MPI_Barrier(MPI_COMM_WORLD);
+  comm.reset();  // bounded, the leaders' communicator gone
+}
+
 // ---- another device current, a stream of another device ----
 
 TEST_F(RealUse, EveryCallWorksWithAnotherDeviceCurrent) {
