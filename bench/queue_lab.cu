@@ -17,6 +17,12 @@
 //   queue_lab contention HOLDER   while another thread is inside HOLDER (devsync, free,
 //                            freehost, streamsync, eventsync), held there by a running kernel,
 //                            which calls of this thread wait too
+//   queue_lab capture CAPTURE SYNCER CALL   this thread captures a kernel on a stream of
+//                            its own in mode CAPTURE (global, thread, relaxed); meanwhile
+//                            another thread in mode SYNCER calls CALL (devsync, ctxsync,
+//                            streamsync and eventsync of a stream of its own, unmap of a VMM
+//                            chunk, free): that call's result, the capture's end, and whether
+//                            the graph then replays
 // No meshmem: the lab is about CUDA. Results: bench/results/*-queue-lab-*.txt.
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -552,6 +558,85 @@ static int contention_test(const std::string& holder) {
   return 0;
 }
 
+static cudaStreamCaptureMode capture_mode(const std::string& m) {
+  if (m == "global") return cudaStreamCaptureModeGlobal;
+  if (m == "thread") return cudaStreamCaptureModeThreadLocal;
+  return cudaStreamCaptureModeRelaxed;
+}
+
+// What a thread of a library (a releaser's device synchronisation, a pool's unmap) does to a
+// capture another thread of the program has open, and what it is told.
+static int capture_test(const std::string& capture, const std::string& syncer, const std::string& call) {
+  init();
+  cudaStream_t cap, own;
+  CR(cudaStreamCreateWithFlags(&cap, cudaStreamNonBlocking));
+  CR(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
+  cudaEvent_t ev;
+  CR(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  void* freed = nullptr;
+  CR(cudaMalloc(&freed, 1 << 20));
+  CUdeviceptr v = 0;
+  CUmemGenericAllocationHandle vh = 0;
+  {
+    CUmemAllocationProp prop = {};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    CK(cuMemCreate(&vh, 2 << 20, &prop, 0));
+    CK(cuMemAddressReserve(&v, 2 << 20, 0, 0, 0));
+    CK(cuMemMap(v, 2 << 20, 0, vh, 0));
+    CUmemAccessDesc acc = {};
+    acc.location = prop.location;
+    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CK(cuMemSetAccess(v, 2 << 20, &acc, 1));
+  }
+  tiny<<<1, 1, 0, own>>>();  // the own stream has done work
+  CR(cudaDeviceSynchronize());
+  CR(cudaStreamBeginCapture(cap, capture_mode(capture)));
+  tiny<<<1, 1, 0, cap>>>();
+  std::string result = "?";
+  std::thread other([&] {
+    cudaStreamCaptureMode mode = capture_mode(syncer);
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    cudaError_t rc = cudaSuccess;
+    CUresult cu = CUDA_SUCCESS;
+    if (call == "devsync") rc = cudaDeviceSynchronize();
+    if (call == "ctxsync") cu = cuCtxSynchronize();
+    if (call == "streamsync") rc = cudaStreamSynchronize(own);
+    if (call == "eventsync") {
+      rc = cudaEventRecord(ev, own);
+      if (rc == cudaSuccess) rc = cudaEventSynchronize(ev);
+    }
+    if (call == "unmap") {
+      cu = cuMemUnmap(v, 2 << 20);
+      if (cu == CUDA_SUCCESS) cu = cuMemRelease(vh);
+      if (cu == CUDA_SUCCESS) cu = cuMemAddressFree(v, 2 << 20);
+    }
+    if (call == "free") rc = cudaFree(freed);
+    const char* s = "no error";
+    if (cu != CUDA_SUCCESS) cuGetErrorName(cu, &s);
+    result = rc != cudaSuccess ? cudaGetErrorName(rc) : s;
+    (void)cudaGetLastError();
+  });
+  other.join();
+  tiny<<<1, 1, 0, cap>>>();
+  const cudaError_t launched = cudaGetLastError();
+  cudaGraph_t g = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(cap, &g);
+  std::string replay = "no graph";
+  if (ended == cudaSuccess && g != nullptr) {
+    cudaGraphExec_t x = nullptr;
+    cudaError_t rc = cudaGraphInstantiate(&x, g, 0);
+    if (rc == cudaSuccess) rc = cudaGraphLaunch(x, cap);
+    if (rc == cudaSuccess) rc = cudaStreamSynchronize(cap);
+    replay = rc == cudaSuccess ? "replays" : cudaGetErrorName(rc);
+  }
+  (void)cudaGetLastError();
+  printf("RESULT capture %-7s syncer %-7s %-10s -> %-36s later launch into capture: %-28s end: %-32s %s\n",
+         capture.c_str(), syncer.c_str(), call.c_str(), result.c_str(), cudaGetErrorName(launched),
+         cudaGetErrorName(ended), replay.c_str());
+  return 0;
+}
+
 // Runs `args` of this program in a child with `env` added; kills it after `limit_s`.
 static void run_case(const char* self, const std::vector<std::string>& env, const std::vector<std::string>& args,
                      int limit_s = 15) {
@@ -600,6 +685,10 @@ static int all(const char* self) {
   for (const char* holder : {"devsync", "free", "freehost", "streamsync", "eventsync"})
     run_case(self, {}, {"contention", holder}, 120);
   for (const char* k : {"primary", "green", "ctx"}) run_case(self, {}, {"nccl", k});
+  for (const char* capture : {"global", "thread", "relaxed"})
+    for (const char* syncer : {"global", "thread", "relaxed"})
+      for (const char* call : {"devsync", "ctxsync", "streamsync", "eventsync", "unmap", "free"})
+        run_case(self, {}, {"capture", capture, syncer, call}, 20);
   return 0;
 }
 
@@ -612,6 +701,7 @@ int main(int argc, char** argv) {
   if (what == "blocking") return blocking_test();
   if (what == "contention" && argc == 3) return contention_test(argv[2]);
   if (what == "nccl" && argc == 3) return nccl_test(argv[2]);
-  printf("usage: queue_lab all | queue BLOCKER VICTIM WORK | access green|ctx | cost | blocking | contention HOLDER | nccl primary|green|ctx\n");
+  if (what == "capture" && argc == 5) return capture_test(argv[2], argv[3], argv[4]);
+  printf("usage: queue_lab all | queue BLOCKER VICTIM WORK | access green|ctx | cost | blocking | contention HOLDER | nccl primary|green|ctx | capture MODE MODE CALL\n");
   return 2;
 }
