@@ -448,6 +448,20 @@ static int blocking_test() {
   return 0;
 }
 
+// 2 MiB of device memory through VMM: reserved, created, mapped, readable and writable.
+static void map_device_chunk(CUdeviceptr* v, CUmemGenericAllocationHandle* vh) {
+  CUmemAllocationProp prop = {};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  CK(cuMemCreate(vh, 2 << 20, &prop, 0));
+  CK(cuMemAddressReserve(v, 2 << 20, 0, 0, 0));
+  CK(cuMemMap(*v, 2 << 20, 0, *vh, 0));
+  CUmemAccessDesc acc = {};
+  acc.location = prop.location;
+  acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  CK(cuMemSetAccess(*v, 2 << 20, &acc, 1));
+}
+
 // A kernel polls a pinned word on a stream of its own for 1.5 s; a second thread enters
 // `holder` (which waits for that kernel), and this thread times each call: "WAITS" when it
 // returned only after the kernel ended. A call that waits only here takes a lock that the
@@ -534,18 +548,7 @@ static int contention_test(const std::string& holder) {
   CR(cudaFree(d));
   timed("cudaHostAlloc", [&] {}, [&] { CR(cudaHostAlloc(&h, 1 << 20, 0)); });
   CR(cudaFreeHost(h));
-  timed("VMM device: unmap+release+free", [&] {
-    CUmemAllocationProp prop = {};
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    CK(cuMemCreate(&vh, 2 << 20, &prop, 0));
-    CK(cuMemAddressReserve(&v, 2 << 20, 0, 0, 0));
-    CK(cuMemMap(v, 2 << 20, 0, vh, 0));
-    CUmemAccessDesc acc = {};
-    acc.location = prop.location;
-    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    CK(cuMemSetAccess(v, 2 << 20, &acc, 1));
-  }, [&] {
+  timed("VMM device: unmap+release+free", [&] { map_device_chunk(&v, &vh); }, [&] {
     CK(cuMemUnmap(v, 2 << 20));
     CK(cuMemRelease(vh));
     CK(cuMemAddressFree(v, 2 << 20));
@@ -577,18 +580,7 @@ static int capture_test(const std::string& capture, const std::string& syncer, c
   CR(cudaMalloc(&freed, 1 << 20));
   CUdeviceptr v = 0;
   CUmemGenericAllocationHandle vh = 0;
-  {
-    CUmemAllocationProp prop = {};
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    CK(cuMemCreate(&vh, 2 << 20, &prop, 0));
-    CK(cuMemAddressReserve(&v, 2 << 20, 0, 0, 0));
-    CK(cuMemMap(v, 2 << 20, 0, vh, 0));
-    CUmemAccessDesc acc = {};
-    acc.location = prop.location;
-    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    CK(cuMemSetAccess(v, 2 << 20, &acc, 1));
-  }
+  map_device_chunk(&v, &vh);
   tiny<<<1, 1, 0, own>>>();  // the own stream has done work
   CR(cudaDeviceSynchronize());
   CR(cudaStreamBeginCapture(cap, capture_mode(capture)));
