@@ -36,8 +36,8 @@
 // Limits: a transfer costs one MPI round trip for its acknowledgement and puts to one peer
 // run one after another; past 16 peers on other nodes the two streams per peer outnumber
 // CUDA's 32 GPU queues and share them (a transfer may then wait behind another stream's;
-// warned at start, gpu_queues.hpp); two instantiations of one captured graph running at once share
-// their transfers' words (their waits can stall until the timeout); an application kernel
+// warned at start, gpu_queues.hpp); two instantiations of one captured graph running at once
+// share their transfers' words (their waits can stall until the timeout); an application kernel
 // launched for the first time while a transfer is in flight stalls until MESHMEM_TIMEOUT
 // under CUDA's lazy loading, as on the staged route (CUDA_MODULE_LOADING=EAGER avoids it).
 #pragma once

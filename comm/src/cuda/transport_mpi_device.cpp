@@ -27,8 +27,8 @@ constexpr int kTagData = 1;
 
 // Pinned slots that MPI has sent from or received into are never unmapped while the process
 // lives: an MPI library may keep its registration of their pages, found by address, after
-// the messages ended (UCX's and Open MPI's registration caches; UCX learns of cuMemUnmap only
-// since 1.17, openucx/ucx#9857, and of cudaFreeHost, munmap and the like before), and memory
+// the messages ended (UCX's and Open MPI's registration caches; UCX hooks cuMemUnmap only since
+// openucx/ucx#9857 of 2024, cudaFreeHost, munmap and the like long before), and memory
 // mapped later at the same address would be read and written through that stale
 // registration. So a wire's slots, once every message and copy of theirs ended, wait here for
 // the next wire of the process on that device (a later Comm's), not in the block pool. Slots

@@ -22,8 +22,8 @@
 //
 // Limits of this version: the pinned slots are this process's own (kSlots x kChunk each way),
 // not the node's staging pool, and stay mapped until the process ends (for the next Comm:
-// RegisteredSlots in the .cpp says why); device pointers are never given to MPI, even where the MPI
-// library could take them (MPIX_Query_cuda_support); no barrier(stream) of its own (the
+// RegisteredSlots in the .cpp says why); device pointers are never given to MPI, even where
+// the MPI library could take them (MPIX_Query_cuda_support); no barrier(stream) of its own (the
 // cross-node proxy barrier serves every route).
 #pragma once
 
