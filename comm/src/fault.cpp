@@ -24,6 +24,7 @@ struct PointInfo {
   FaultPoint point;
   const char* name;
   const char* where;  // for the knob's documentation
+  bool can_fail = false;  // the code there fails its call on `fail`
 };
 // The one list of points: names for the parser, the printer and the documentation.
 constexpr PointInfo kPoints[kFaultPointCount] = {
@@ -44,6 +45,10 @@ constexpr PointInfo kPoints[kFaultPointCount] = {
     {FaultPoint::ProxyHeader, "proxy.header",
      "a proxy thread of the nccl or mpi-device transport has a peer's header (a put, a get's request or answer, an "
      "acknowledgement), before it handles it"},
+    {FaultPoint::LeadersEnqueue, "leaders.enqueue",
+     "a node leader's barrier(stream) across nodes, before it enqueues the all-reduce among the node leaders; "
+     "`fail` makes that ncclAllReduce fail",
+     true},
 };
 
 constexpr int kMaxRank = 1 << 20;
@@ -61,8 +66,8 @@ std::string point_names() {
 [[noreturn]] void refuse(const char* var, const std::string& raw, const std::string& problem) {
   throw Error(ErrorCode::InvalidArgument,
               std::string(var) + "='" + raw + "' is not valid: " + problem +
-                  "; expected comma-separated <rank>:<point>:<action>[:hit=<n>] with <action> kill, delay=<ms> or "
-                  "stop=<ms>, and <point> one of: " +
+                  "; expected comma-separated <rank>:<point>:<action>[:hit=<n>] with <action> kill, delay=<ms>, "
+                  "stop=<ms> or fail (where the point can fail), and <point> one of: " +
                   point_names());
 }
 
@@ -105,6 +110,9 @@ FaultEntry parse_entry(const char* var, const std::string& raw, const std::strin
   const std::string value = eq == std::string::npos ? std::string() : action.substr(eq + 1);
   if (action == "kill") {
     e.action = FaultAction::Kill;
+  } else if (action == "fail") {
+    if (!found->can_fail) refuse(var, raw, quoted + ": '" + fields[1] + "' cannot fail (only delay, stop or kill)");
+    e.action = FaultAction::Fail;
   } else if ((verb == "delay" || verb == "stop") && eq != std::string::npos) {
     e.action = verb == "delay" ? FaultAction::Delay : FaultAction::Stop;
     if (!parse_number(value, e.action == FaultAction::Stop ? 1 : 0, kMaxMilliseconds, &n))
@@ -129,6 +137,7 @@ std::string entry_text(const FaultEntry& e) {
     case FaultAction::Kill: s += "kill"; break;
     case FaultAction::Delay: s += "delay=" + std::to_string(e.duration.count()); break;
     case FaultAction::Stop: s += "stop=" + std::to_string(e.duration.count()); break;
+    case FaultAction::Fail: s += "fail"; break;
   }
   if (e.hit != 1) s += ":hit=" + std::to_string(e.hit);
   return s;
@@ -139,8 +148,9 @@ std::string knob_doc() {
       "**test only**: fault injection, to test dead and stalled peers (issue 13). Comma-separated "
       "`<rank>:<point>:<action>[:hit=<n>]`: when a thread of that rank of the Comm reaches the point (the n-th "
       "time; default the first) it takes the action once: `kill` (the process dies at once, as in a crash), "
-      "`delay=<ms>` (the thread sleeps, then goes on) or `stop=<ms>` (the thread stops until the test resumes it, "
-      "at most that long). Points: ";
+      "`delay=<ms>` (the thread sleeps, then goes on), `stop=<ms>` (the thread stops until the test resumes it, "
+      "at most that long) or, where the point says so, `fail` (the call made there fails as if its library had "
+      "returned an error). Points: ";
   for (std::size_t i = 0; i < kFaultPointCount; ++i)
     doc += std::string(i ? "; " : "") + "`" + kPoints[i].name + "` (" + kPoints[i].where + ")";
   doc += ". An unknown point, a rank outside the Comm or a malformed action fails the Comm's construction; "
@@ -220,8 +230,9 @@ FaultPlan::FaultPlan(const Options& options, int rank, int size) {
   armed_->entries = std::move(mine);
 }
 
-void FaultPlan::take(FaultPoint point) const {
+bool FaultPlan::take(FaultPoint point) const {
   const unsigned hit = armed_->hits[index_of(point)].fetch_add(1, std::memory_order_relaxed) + 1;
+  bool fail = false;
   for (const FaultEntry& e : armed_->entries) {
     if (e.point != point || e.hit != hit) continue;
     const std::string what = "fault injected (MESHMEM_FAULT) at " + std::string(to_string(point)) + " on rank " +
@@ -253,8 +264,15 @@ void FaultPlan::take(FaultPoint point) const {
         process.over[index_of(point)].fetch_add(1, std::memory_order_release);
         break;
       }
+      case FaultAction::Fail:
+        log(LogLevel::Warn, what + ": the call made here fails");
+        process.taken[index_of(point)].fetch_add(1, std::memory_order_release);
+        process.over[index_of(point)].fetch_add(1, std::memory_order_release);
+        fail = true;
+        break;
     }
   }
+  return fail;
 }
 
 std::uint64_t faults_taken(FaultPoint point) {

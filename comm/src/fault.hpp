@@ -9,6 +9,8 @@
 //     delay=<ms>  the thread sleeps that long, then goes on
 //     stop=<ms>   the thread stops until the program resumes it (resume_stopped_faults(): tests
 //                 that link the library's internals) or <ms> have passed
+//     fail        the library call made at that point fails as if it had returned an error
+//                 (only at points that say so: the parser refuses it elsewhere)
 //     hit=<n>     on the n-th time that rank reaches the point (default: the first); each entry
 //                 acts once
 //
@@ -47,14 +49,16 @@ enum class FaultPoint : unsigned {
   ProxyHeader,        // "proxy.header": a proxy thread of the nccl or mpi-device transport has a
                       // peer's header (a put, a get's request or answer, an acknowledgement),
                       // before it handles it
+  LeadersEnqueue,     // "leaders.enqueue": a node leader's barrier(stream) across nodes, before it
+                      // enqueues the all-reduce among the leaders (`fail`: ncclAllReduce fails)
 };
-constexpr unsigned kFaultPointCount = 9;
-static_assert(static_cast<unsigned>(FaultPoint::ProxyHeader) + 1 == kFaultPointCount,
+constexpr unsigned kFaultPointCount = 10;
+static_assert(static_cast<unsigned>(FaultPoint::LeadersEnqueue) + 1 == kFaultPointCount,
               "a point added to FaultPoint is added to the count and to fault.cpp's list of names");
 
 const char* to_string(FaultPoint point) noexcept;
 
-enum class FaultAction { Kill, Delay, Stop };
+enum class FaultAction { Kill, Delay, Stop, Fail };
 
 struct FaultEntry {
   int rank = 0;
@@ -76,15 +80,14 @@ class FaultPlan {
   // the variable where an entry names a rank outside [0, size).
   FaultPlan(const Options& options, int rank, int size);
 
-  // A thread of this rank reached `point`.
-  void hit(FaultPoint point) const {
-    if (armed_) take(point);
-  }
+  // A thread of this rank reached `point`. True where the action taken is `fail`: the caller
+  // fails its call there.
+  bool hit(FaultPoint point) const { return armed_ ? take(point) : false; }
   bool armed() const { return armed_ != nullptr; }
 
  private:
   struct Armed;
-  void take(FaultPoint point) const;
+  bool take(FaultPoint point) const;
   std::shared_ptr<Armed> armed_;
 };
 

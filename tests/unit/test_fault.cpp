@@ -87,6 +87,22 @@ TEST(Fault, MalformedValuesAreRefusedNamingTheProblem) {
   expect_refused("1:comm.start:kill,", "an entry is empty");
   expect_refused(",1:comm.start:kill", "an entry is empty");
   expect_refused(" ", "it is empty");
+  expect_refused("1:comm.start:fail", "'comm.start' cannot fail");
+  expect_refused("1:leaders.enqueue:fail=1", "'fail=1' is not an action");
+}
+
+// `fail` (only where the point can fail): hit() says so on its hit, once; other hits and
+// delays do not.
+TEST(Fault, FailTellsTheCallerOnItsHit) {
+  EXPECT_EQ(canonical("0:leaders.enqueue:fail:hit=2"), "0:leaders.enqueue:fail:hit=2");
+  const FaultPlan plan(with_faults("0:leaders.enqueue:fail:hit=2,0:proxy.header:delay=1"), 0, 2);
+  const std::uint64_t before = faults_taken(FaultPoint::LeadersEnqueue);
+  EXPECT_FALSE(plan.hit(FaultPoint::LeadersEnqueue));
+  EXPECT_TRUE(plan.hit(FaultPoint::LeadersEnqueue));
+  EXPECT_FALSE(plan.hit(FaultPoint::LeadersEnqueue));
+  EXPECT_FALSE(plan.hit(FaultPoint::ProxyHeader));
+  EXPECT_EQ(faults_taken(FaultPoint::LeadersEnqueue), before + 1);
+  EXPECT_FALSE(FaultPlan().hit(FaultPoint::LeadersEnqueue));
 }
 
 TEST(Fault, ARankOutsideTheCommIsRefusedWhenThePlanIsMade) {
