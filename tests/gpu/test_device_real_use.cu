@@ -975,7 +975,7 @@ TEST_F(RealUse, KilledPeerGivesErrorsNotHangs) {
 // reports the barrier, naming the right rank: node 0's leader the leader that did not come,
 // node 0's other rank its leader (its node kernel after the all-reduce times out first, at
 // one MESHMEM_TIMEOUT), node 1's other rank its late leader, and the late leader node 0's
-// leader, gone by then. Run by gpu.late_leader_across_nodes.
+// leader, gone by then. Run by gpu.leaders_across_nodes.
 TEST_F(RealUse, LateLeaderAcrossNodesIsReportedOnEveryRank) {
   ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
   ScopedEnv wait("MESHMEM_STREAM_WAIT", "kernel");
@@ -985,7 +985,7 @@ TEST_F(RealUse, LateLeaderAcrossNodesIsReportedOnEveryRank) {
   int size = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   if (simulated == nullptr || std::string(simulated) != "2" || size != 4)
-    GTEST_SKIP() << "run by gpu.late_leader_across_nodes (4 ranks, MESHMEM_SIMULATE_NODES=2)";
+    GTEST_SKIP() << "run by gpu.leaders_across_nodes (4 ranks, MESHMEM_SIMULATE_NODES=2)";
   make_comm();
   if (n != 4 || comm->node_count() != 2 || comm->node_of(1) != comm->node_of(0) || comm->node_of(2) == comm->node_of(0) ||
       comm->node_of(3) != comm->node_of(2))
@@ -1016,6 +1016,57 @@ TEST_F(RealUse, LateLeaderAcrossNodesIsReportedOnEveryRank) {
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 40.0);
   MPI_Barrier(MPI_COMM_WORLD);
   comm.reset();  // bounded, the leaders' communicator gone
+}
+
+// The same layout; node 0's leader (rank 0) cannot enqueue its all-reduce among the leaders
+// at the second barrier (MESHMEM_FAULT leaders.enqueue:fail: ncclAllReduce fails, as after
+// NCCL saw a remote failure). Its barrier call raises, yet its stream runs the node kernel
+// after the all-reduce (the node kernels stay paired), which lets rank 1 through at once:
+// rank 1 must learn that its barrier did not wait for node 1 (it used to pass unaware). Node
+// 1's leader waits for rank 0 and names it; rank 3 names its leader. Run by
+// gpu.leaders_across_nodes.
+TEST_F(RealUse, FailedLeaderAcrossNodesIsReportedOnItsNode) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+  ScopedEnv wait("MESHMEM_STREAM_WAIT", "kernel");
+  ScopedEnv barrier("MESHMEM_BARRIER", "kernel");
+  ScopedEnv across("MESHMEM_BARRIER_ACROSS_NODES", "nccl");
+  ScopedEnv fault("MESHMEM_FAULT", "0:leaders.enqueue:fail:hit=2");
+  const char* simulated = std::getenv("MESHMEM_SIMULATE_NODES");
+  int size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (simulated == nullptr || std::string(simulated) != "2" || size != 4)
+    GTEST_SKIP() << "run by gpu.leaders_across_nodes (4 ranks, MESHMEM_SIMULATE_NODES=2)";
+  make_comm();
+  if (comm->node_count() != 2 || comm->node_of(1) != comm->node_of(0) || comm->node_of(2) == comm->node_of(0) ||
+      comm->node_of(3) != comm->node_of(2))
+    GTEST_SKIP() << "written for ranks 0, 1 on one node and 2, 3 on another";
+  comm->barrier(s0);  // the first all-reduce works
+  ASSERT_TRUE(finishes(s0, 30));
+  comm->quiet(s0);
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (me == 0) {
+    try {
+      comm->barrier(s0);
+      ADD_FAILURE() << "the barrier whose all-reduce could not be enqueued returned";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("injected by MESHMEM_FAULT"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(finishes(s0, 40));
+  } else {
+    comm->barrier(s0);
+    EXPECT_TRUE(finishes(s0, 40)) << "rank " << me << ": barrier(stream) did not end";
+    const std::vector<std::string> needles = {"", "rank 0, which leads this node, gave up its all-reduce",
+                                              "leader rank(s) 0 did not come", "waited for rank 2 of this node"};
+    try {
+      comm->quiet(s0);
+      ADD_FAILURE() << "rank " << me << " passed a barrier(stream) across nodes whose leaders' all-reduce failed, unaware";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needles[me]), std::string::npos) << "rank " << me << ": " << e.what();
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  comm.reset();
 }
 
 // ---- another device current, a stream of another device ----

@@ -71,6 +71,13 @@ void DeviceFaultRecord::raise(const std::string& where) {
              (f.expected % 2 == 0 ? "; if it leads this node, it waits for the leaders of other nodes" : "") + ")" +
              after;
       break;
+    case cuda::FaultKind::LeadersFailed:
+      msg += "an earlier barrier(stream) across nodes (barrier " + std::to_string((f.expected + 1) / 2) +
+             " of this rank) did not wait for the other nodes: rank " + std::to_string(f.peer) +
+             ", which leads this node, gave up its all-reduce among the node leaders (its error names the leader "
+             "that did not come) and its NCCL communicator is gone, so this rank's later barriers across nodes "
+             "fail too; the stream went on";
+      break;
     case cuda::FaultKind::Halo:
       msg += "the halos of exchange " + std::to_string(f.expected) + " from rank " + std::to_string(f.peer) +
              " did not arrive (its signal word is at exchange " + std::to_string(f.seen) + ", signals window #" +

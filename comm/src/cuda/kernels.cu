@@ -136,8 +136,8 @@ __global__ void ticket_wait_kernel(const std::uint64_t* word, std::uint64_t sequ
 }
 
 __global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
-                               int rank, int size, std::uint64_t* passed, FaultKind fault, WaitLimit limit,
-                               bool early) {
+                               int rank, int size, std::uint64_t* passed, const std::uint64_t* leaders_failed,
+                               FaultKind fault, WaitLimit limit, bool early) {
   __shared__ std::uint64_t epoch;
   after_previous_kernel(early);
   if (threadIdx.x == 0) {
@@ -156,6 +156,23 @@ __global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* 
   for (int r = static_cast<int>(threadIdx.x); r < size; r += static_cast<int>(blockDim.x)) {
     if (r == rank || peer_flags[r] == nullptr) continue;
     wait_word(my_flags + r, Cmp::GE, epoch, limit, fault, r, 0, static_cast<std::uint64_t>(r));
+  }
+  if (leaders_failed != nullptr) {
+    __syncthreads();  // every wait ended (the leader's flag seen: its mark was stored before)
+    const std::uint64_t leader = device::SignalWord(*const_cast<std::uint64_t*>(leaders_failed))
+                                     .load(::cuda::memory_order_acquire);
+    DeviceFault* f = limit.fault;
+    if (threadIdx.x == 0 && leader != 0 && atomicCAS(&f->claimed, 0u, 1u) == 0u) {
+      f->peer = static_cast<int>(leader - 1);
+      f->cmp = 0;
+      f->window = 0;
+      f->index = 0;
+      f->seen = leader;
+      f->expected = epoch;
+      __threadfence_system();
+      ::cuda::atomic_ref<unsigned, ::cuda::thread_scope_system>(f->code).store(
+          static_cast<unsigned>(FaultKind::LeadersFailed), ::cuda::memory_order_release);
+    }
   }
   if (passed == nullptr || (epoch & 1) == 0) return;
   __syncthreads();
@@ -240,11 +257,11 @@ bool early_launch_compiled() {
 }
 
 cudaError_t launch_barrier(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
-                           int rank, int size, std::uint64_t* passed, FaultKind fault, WaitLimit limit,
-                           cudaStream_t stream, bool early) {
+                           int rank, int size, std::uint64_t* passed, const std::uint64_t* leaders_failed,
+                           FaultKind fault, WaitLimit limit, cudaStream_t stream, bool early) {
   const unsigned threads = static_cast<unsigned>(std::min(1024, (size + 31) / 32 * 32));
-  return launch(barrier_kernel, 1, threads, stream, early, peer_flags, my_flags, counter, rank, size, passed, fault,
-                limit, early);
+  return launch(barrier_kernel, 1, threads, stream, early, peer_flags, my_flags, counter, rank, size, passed,
+                leaders_failed, fault, limit, early);
 }
 
 cudaError_t launch_halo(const Copy2D* table, int count, std::uint64_t largest, const HaloSync& sync, WaitLimit limit,

@@ -15,9 +15,12 @@ namespace meshmem::detail::cuda {
 // `code` is written last, so the host reads the other fields once it sees code != 0.
 // HostBarrier: reported from the host (a barrier(stream) across nodes whose proxy meeting
 // timed out; DeviceFaultRecord keeps its message). ProxyRelease: a captured barrier(stream)
-// across nodes that its proxy thread did not release in time.
+// across nodes that its proxy thread did not release in time. LeadersFailed: a hierarchical
+// barrier's node kernel found that this node's leader gave up its all-reduce (`peer`: the
+// leader; `expected`: the kernel's number).
 enum class FaultKind : unsigned {
-  None = 0, WaitUntil = 1, Barrier = 2, Halo = 3, Transfer = 4, HostBarrier = 5, ProxyRelease = 6, NodeBarrier = 7
+  None = 0, WaitUntil = 1, Barrier = 2, Halo = 3, Transfer = 4, HostBarrier = 5, ProxyRelease = 6, NodeBarrier = 7,
+  LeadersFailed = 8
 };
 struct DeviceFault {
   unsigned claimed;
@@ -85,10 +88,14 @@ cudaError_t launch_ticket_wait(const std::uint64_t* word, std::uint64_t sequence
 // that times out reports `fault`. Where `passed` is not null (pinned host memory), the number
 // is stored there so that a host thread can see where the stream is: an odd number once the
 // waits end, an even one as soon as the kernel starts (the hierarchical barrier's kernels
-// before and after its all-reduce: odd means the stream is at the all-reduce).
+// before and after its all-reduce: odd means the stream is at the all-reduce). Where
+// `leaders_failed` is not null (the node part on a rank that does not lead its node), a
+// non-zero word there once the waits end (the leader's rank + 1, stored before its stream
+// went on past an all-reduce it gave up) reports LeadersFailed: the barrier did not wait
+// for the other nodes.
 cudaError_t launch_barrier(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
-                           int rank, int size, std::uint64_t* passed, FaultKind fault, WaitLimit limit,
-                           cudaStream_t stream, bool early);
+                           int rank, int size, std::uint64_t* passed, const std::uint64_t* leaders_failed,
+                           FaultKind fault, WaitLimit limit, cudaStream_t stream, bool early);
 
 // Runs `count` 2-D copies described by `table` (device memory) in one launch: blockIdx.y
 // picks the copy, 16-byte accesses where the copy's layout allows.

@@ -6,6 +6,7 @@
 
 #include "../backoff.hpp"
 #include "../bootstrap.hpp"
+#include "../fault.hpp"
 #include "../log.hpp"
 #include "../topology.hpp"
 #include "meshmem/error.hpp"
@@ -45,7 +46,8 @@ void wait_for_stream(cudaStream_t stream, const Deadline& deadline, const char* 
 
 LeaderAllReduce::LeaderAllReduce(const CommContext& ctx, const NcclLibrary* lib,
                                  std::function<void(const std::string&)> on_failure)
-    : lib_(lib), timeout_(ctx.options.timeout), on_failure_(std::move(on_failure)), rank_(ctx.topo.rank) {
+    : lib_(lib), faults_(ctx.faults), timeout_(ctx.options.timeout), on_failure_(std::move(on_failure)),
+      rank_(ctx.topo.rank) {
   const Topology& topo = ctx.topo;
   std::vector<bool> seen(static_cast<std::size_t>(topo.node_count), false);
   for (int r = 0; r < topo.size; ++r)
@@ -155,6 +157,7 @@ LeaderAllReduce::~LeaderAllReduce() {
     log(LogLevel::Warn, "barrier(stream) across nodes on rank " + std::to_string(rank_) +
                             ": at ~Comm this rank's stream had not passed its last all-reduce among the node leaders "
                             "within twice MESHMEM_TIMEOUT; the leaders' NCCL communicator is aborted");
+    if (before_giving_up_) before_giving_up_();
     release_detached(true);
   } else if (captured_) {
     release_detached(false);  // graphs that captured the all-reduce may still exist
@@ -178,8 +181,10 @@ void LeaderAllReduce::release_detached(bool abort) {
 void LeaderAllReduce::fail(const std::string& failure) {
   failure_ = failure;
   // Reported before the abort lets the stream go on: a caller that synchronises with the
-  // stream, then calls the Comm, must find the failure there.
+  // stream, then calls the Comm, must find the failure there; and the node's other ranks
+  // must find their mark once this rank's node kernel after the all-reduce lets them pass.
   if (on_failure_) on_failure_(failure_);
+  if (before_giving_up_) before_giving_up_();
   release_detached(true);
 }
 
@@ -228,14 +233,20 @@ void LeaderAllReduce::raise_failure(const std::string& what) {
 void LeaderAllReduce::enqueue(cudaStream_t stream, bool capturing, const std::string& what) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!failure_.empty()) raise(what, failure_);
-  const int rc = lib_->all_reduce(word_.get(), word_.get(), 1, NcclLibrary::kUint64, NcclLibrary::kSum, comm_.get(),
-                                  stream);
+  const bool injected = faults_.hit(FaultPoint::LeadersEnqueue);
+  const int rc = injected ? kInjectedFailure
+                          : lib_->all_reduce(word_.get(), word_.get(), 1, NcclLibrary::kUint64, NcclLibrary::kSum,
+                                             comm_.get(), stream);
   if (rc != 0) {
     // Raised here; later barriers raise it again (the communicator is gone).
     const std::string failure = what + ": ncclAllReduce (barrier(stream) among the node leaders) failed: " +
                                 lib_->error_string(rc) + " (ncclResult_t " + std::to_string(rc) +
+                                (injected ? ", injected by MESHMEM_FAULT" : "") +
                                 "); the leaders' NCCL communicator was aborted";
     failure_ = failure;
+    // The node kernel after it still runs (HierarchicalBarrier keeps the pairs): the node's
+    // other ranks learn of it there.
+    if (before_giving_up_) before_giving_up_();
     release_detached(true);
     throw Error(ErrorCode::Cuda, failure);
   }

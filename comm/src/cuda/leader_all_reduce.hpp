@@ -15,8 +15,11 @@
 // barrier that waits for a dead rank of its node, bounded by the timeout, reports first and
 // names that rank). The all-reduce then ends, the stream goes on (so that no synchronisation
 // hangs) and the Comm's next call raises Timeout, naming the other leaders (which of them is
-// late is not known to NCCL; with two nodes it is the other one). The communicator is gone
-// from then on: this rank's barriers raise that error, and the node's other ranks time out
+// late is not known to NCCL; with two nodes it is the other one). Before the abort the
+// leader marks a word of each node peer's barrier flags, so that their node kernel after the
+// all-reduce, which the leader's stream now reaches, reports the failure (naming their
+// leader) instead of passing as if the other nodes had come. The communicator is gone from
+// then on: this rank's barriers raise that error, and the node's other ranks time out
 // waiting for their leader.
 //
 // Since NCCL 2.26 an abort or destroy waits until every CUDA graph that captured an operation
@@ -41,6 +44,7 @@
 #include <thread>
 #include <vector>
 
+#include "../fault.hpp"
 #include "../transport.hpp"
 #include "device_runtime.hpp"
 #include "nccl_library.hpp"
@@ -69,6 +73,10 @@ class LeaderAllReduce {
   // failure of an earlier one first; a failure of its own ends the communicator too.
   void enqueue(cudaStream_t stream, bool capturing, const std::string& what);
   std::string describe() const;
+  // Runs (under the lock, on the watchdog's thread or the caller's) when this leader gives up
+  // an all-reduce, before the abort lets its stream go on: the node part marks the node's
+  // other ranks (HierarchicalBarrier). Set once, before any barrier.
+  void before_giving_up(std::function<void()> mark) { before_giving_up_ = std::move(mark); }
 
  private:
   void watch();
@@ -79,9 +87,12 @@ class LeaderAllReduce {
   // there for the user's graphs.
   void release_detached(bool abort);
 
+  static constexpr int kInjectedFailure = 3;  // ncclInternalError, for MESHMEM_FAULT's `fail`
   const NcclLibrary* lib_;
+  FaultPlan faults_;  // leaders.enqueue
   std::chrono::milliseconds timeout_;
   std::function<void(const std::string&)> on_failure_;
+  std::function<void()> before_giving_up_;
   bool leader_ = false;
   std::vector<int> leaders_;  // the leaders' ranks, in NCCL rank order
   int rank_ = 0;

@@ -91,7 +91,8 @@ struct StagedRequest {
 
 // The control words after the slots in each rank's region of the pool (1 MiB):
 //   lane counters   one per lane: transfers that ended on it (the host takes words back)
-//   barrier flags   one per rank of the Comm (the stream barrier's, stream_barrier.cpp)
+//   barrier flags   one per rank of the Comm, then the leaders' mark (the stream barrier's,
+//                   stream_barrier.cpp)
 //   posted          per node rank: descriptors this rank posted to it (written by this GPU)
 //   consumed        per node rank: its descriptors this rank consumed (written by this GPU)
 //   failed          per node rank: its descriptors this rank could not carry out (host)
@@ -111,7 +112,7 @@ struct ControlWords {
   static std::size_t round8(std::size_t n) { return (n + 7) / 8 * 8; }
   std::uint64_t* lane_done(std::size_t lane) const { return base + lane; }
   std::uint64_t* barrier_flags() const { return base + kLanes; }
-  std::uint64_t* posted(std::size_t to) const { return barrier_flags() + round8(ranks) + to; }
+  std::uint64_t* posted(std::size_t to) const { return barrier_flags() + round8(ranks + 1) + to; }
   std::uint64_t* consumed(std::size_t from) const { return posted(0) + round8(node_ranks) + from; }
   std::uint64_t* failed(std::size_t from) const { return consumed(0) + round8(node_ranks) + from; }
   std::uint64_t* ring(std::size_t to) const { return failed(0) + round8(node_ranks) + to * kRing * kDescriptorWords; }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "../backoff.hpp"
 #include "../bootstrap.hpp"
 #include "../fd_exchange.hpp"
 #include "../knobs.hpp"
@@ -111,9 +112,10 @@ class FlagWords {
   FlagWords(const Topology& topo, const BarrierContext& bctx) : FlagWords(topo, alloc_flags(topo, bctx)) {}
   FlagWords(const Topology& topo, std::shared_ptr<WindowState> window) : topo_(topo), window_(std::move(window)) {}
   explicit FlagWords(const Topology& topo) : topo_(topo) {}  // the flags live elsewhere
-  // Collective over the Comm.
+  // Collective over the Comm. A word per rank, then the hierarchical barrier's mark that this
+  // node's leader gave up its all-reduce (KernelBarrier::mark_leaders_failed).
   static std::shared_ptr<WindowState> alloc_flags(const Topology& topo, const BarrierContext& bctx) {
-    return bctx.alloc_signals(static_cast<std::size_t>(topo.size) * sizeof(std::uint64_t));
+    return bctx.alloc_signals((static_cast<std::size_t>(topo.size) + 1) * sizeof(std::uint64_t));
   }
   std::uint64_t next() { return ++epoch_; }
 
@@ -173,21 +175,27 @@ class KernelBarrier final : public StreamBarrier, FlagWords {
   // Flags in `window` (alloc_flags).
   KernelBarrier(const Topology& topo, std::shared_ptr<WindowState> window, const CudaDeviceRuntime& device)
       : FlagWords(topo, std::move(window)), limit_(device.wait_limit()), early_(device.early_launch()),
-        sequence_("barrier(stream) setup") {
+        device_(device.device()), sequence_("barrier(stream) setup") {
     peer_flags_ = static_cast<std::uint64_t* const*>(window_->device_peer_table);
     my_flags_ = static_cast<std::uint64_t*>(window_->local);
+    for (int r : topo.node_ranks)
+      if (r != topo.rank) peer_marks_.push_back(static_cast<std::uint64_t*>(window_->peer[r]) + topo.size);
     make_counter();
   }
   // A rank alone on its node (the hierarchical barrier's node part): no flags, a counter only.
   KernelBarrier(const Topology& topo, const CudaDeviceRuntime& device)
-      : FlagWords(topo), limit_(device.wait_limit()), early_(device.early_launch()), sequence_("barrier(stream) setup") {
+      : FlagWords(topo), limit_(device.wait_limit()), early_(device.early_launch()), device_(device.device()),
+        sequence_("barrier(stream) setup") {
     peer_flags_ = device_array(table_, std::vector<std::uint64_t*>(static_cast<std::size_t>(topo.size), nullptr), where(topo));
     make_counter();
   }
   KernelBarrier(const Topology& topo, const StagedTransport& pool, const CudaDeviceRuntime& device)
-      : FlagWords(topo), limit_(device.wait_limit()), early_(device.early_launch()), sequence_("barrier(stream) setup") {
+      : FlagWords(topo), limit_(device.wait_limit()), early_(device.early_launch()), device_(device.device()),
+        sequence_("barrier(stream) setup") {
     std::vector<std::uint64_t*> table(static_cast<std::size_t>(topo.size), nullptr);
     for (int r : topo.node_ranks) table[r] = pool.barrier_flags(r);
+    for (int r : topo.node_ranks)
+      if (r != topo.rank) peer_marks_.push_back(pool.barrier_flags(r) + topo.size);
     peer_flags_ = device_array(table_, table, where(topo));
     my_flags_ = pool.barrier_flags(topo.rank);
     make_counter();
@@ -195,8 +203,9 @@ class KernelBarrier final : public StreamBarrier, FlagWords {
   void arrive(Stream stream, bool capturing) override {
     const char* call = "comm.barrier(stream)";
     sequence_.before(stream, capturing, call, topo_.rank);
-    const cudaError_t rc = cuda::launch_barrier(peer_flags_, my_flags_, static_cast<std::uint64_t*>(counter_.get()),
-                                                topo_.rank, topo_.size, passed_, fault_, limit_, stream, early_);
+    const cudaError_t rc =
+        cuda::launch_barrier(peer_flags_, my_flags_, static_cast<std::uint64_t*>(counter_.get()), topo_.rank,
+                             topo_.size, passed_, leaders_failed_, fault_, limit_, stream, early_);
     if (rc != cudaSuccess) ipc::check_cuda(rc, "barrier kernel launch", where(topo_));
     sequence_.after(stream, capturing, call, topo_.rank);
   }
@@ -209,14 +218,54 @@ class KernelBarrier final : public StreamBarrier, FlagWords {
   void as_node_part(std::uint64_t* passed) {
     passed_ = passed;
     fault_ = cuda::FaultKind::NodeBarrier;
+    // A rank that does not lead its node reads its leader's mark (none where it is alone).
+    if (passed == nullptr && my_flags_ != nullptr) leaders_failed_ = my_flags_ + topo_.size;
+  }
+  // On a node leader that gives up an all-reduce among the leaders, before its stream goes on
+  // past it: marks every node peer's word, so that their node kernel after the all-reduce
+  // reports the failure instead of passing as if the other nodes had come. The writes run on
+  // a stream of this object's and are waited for (bounded: a GPU that does not run them
+  // leaves the peers unmarked, and says so).
+  void mark_leaders_failed() {
+    if (peer_marks_.empty()) return;
+    const std::string what = where(topo_) + " (marking the node peers: the leaders' all-reduce was given up)";
+    try {
+      CurrentDevice current(device_);
+      if (!mark_stream_) mark_stream_ = std::make_unique<OwnedStream>(what);
+      std::vector<CUstreamBatchMemOpParams> ops;
+      for (std::uint64_t* word : peer_marks_) {
+        CUstreamBatchMemOpParams op{};
+        op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+        op.writeValue.address = reinterpret_cast<CUdeviceptr>(word);
+        op.writeValue.value64 = static_cast<std::uint64_t>(topo_.rank) + 1;
+        ops.push_back(op);
+      }
+      run_stream_batch(ops, mark_stream_->get(), "barrier(stream) across nodes", topo_.rank);
+      const Deadline deadline(std::chrono::milliseconds(2000));
+      Backoff backoff;
+      for (;;) {
+        const cudaError_t rc = cudaStreamQuery(mark_stream_->get());
+        if (rc == cudaSuccess) return;
+        if (rc != cudaErrorNotReady) ipc::check_cuda(rc, "cudaStreamQuery", what);
+        (void)cudaGetLastError();
+        if (deadline.expired()) throw Error(ErrorCode::Timeout, what + ": the writes did not run within 2 s");
+        backoff.pause();
+      }
+    } catch (const std::exception& e) {
+      log(LogLevel::Error, std::string(e.what()) + "; the node's other ranks may pass this barrier unaware");
+    }
   }
 
  private:
   void make_counter() { device_array(counter_, std::vector<std::uint64_t>(1, 0), where(topo_)); }
   cuda::WaitLimit limit_;
   bool early_;
+  int device_;
   StreamSequence sequence_;
   PooledBlock counter_, table_;
+  std::vector<std::uint64_t*> peer_marks_;  // the node peers' leaders_failed words (device addresses)
+  const std::uint64_t* leaders_failed_ = nullptr;  // this rank's, read by its node kernels
+  std::unique_ptr<OwnedStream> mark_stream_;
   std::uint64_t* const* peer_flags_ = nullptr;
   std::uint64_t* my_flags_ = nullptr;
   std::uint64_t* passed_ = nullptr;
@@ -233,6 +282,8 @@ class HierarchicalBarrier final : public StreamBarrier {
   HierarchicalBarrier(const Topology& topo, std::unique_ptr<KernelBarrier> node, std::unique_ptr<LeaderAllReduce> leaders)
       : topo_(topo), node_(std::move(node)), leaders_(std::move(leaders)) {
     node_->as_node_part(leaders_->passed_word());  // the leader's watchdog sees where its stream is
+    // Destroyed before node_ (declared after it): the watchdog never outlives the node part.
+    leaders_->before_giving_up([node = node_.get()] { node->mark_leaders_failed(); });
   }
   void arrive(Stream stream, bool capturing) override {
     const bool leader = leaders_->leader();
