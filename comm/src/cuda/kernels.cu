@@ -85,6 +85,22 @@ __device__ inline std::uint64_t limit_ns(const WaitLimit& limit) {
   return static_cast<std::uint64_t>(*reinterpret_cast<const volatile std::int64_t*>(limit.awake_ns));
 }
 
+// Writes the fault record unless another report claimed it first; `code` last, so that the
+// host reads the other fields once it sees it.
+__device__ void record_fault(DeviceFault* f, FaultKind kind, int peer, unsigned cmp, std::uint64_t window,
+                             std::uint64_t index, std::uint64_t seen, std::uint64_t expected) {
+  if (atomicCAS(&f->claimed, 0u, 1u) != 0u) return;
+  f->peer = peer;
+  f->cmp = cmp;
+  f->window = window;
+  f->index = index;
+  f->seen = seen;
+  f->expected = expected;
+  __threadfence_system();
+  ::cuda::atomic_ref<unsigned, ::cuda::thread_scope_system>(f->code).store(static_cast<unsigned>(kind),
+                                                                         ::cuda::memory_order_release);
+}
+
 // Polls `word` until it compares true; false once the limit passed (the fault is written).
 __device__ bool wait_word(const std::uint64_t* word, Cmp cmp, std::uint64_t value, const WaitLimit& limit,
                           FaultKind kind, int peer, std::uint64_t window, std::uint64_t index) {
@@ -99,18 +115,7 @@ __device__ bool wait_word(const std::uint64_t* word, Cmp cmp, std::uint64_t valu
     if (limit.timeout_ns == 0 || (spins & 255) != 255) continue;
     if (start == 0) start = limit_ns(limit);
     if (limit_ns(limit) - start > limit.timeout_ns) {
-      DeviceFault* f = limit.fault;
-      if (atomicCAS(&f->claimed, 0u, 1u) == 0u) {
-        f->peer = peer;
-        f->cmp = static_cast<unsigned>(cmp);
-        f->window = window;
-        f->index = index;
-        f->seen = v;
-        f->expected = value;
-        __threadfence_system();
-        ::cuda::atomic_ref<unsigned, ::cuda::thread_scope_system>(f->code).store(static_cast<unsigned>(kind),
-                                                                               ::cuda::memory_order_release);
-      }
+      record_fault(limit.fault, kind, peer, static_cast<unsigned>(cmp), window, index, v, value);
       return false;
     }
   }
@@ -161,18 +166,8 @@ __global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* 
     __syncthreads();  // every wait ended (the leader's flag seen: its mark was stored before)
     const std::uint64_t leader = device::SignalWord(*const_cast<std::uint64_t*>(leaders_failed))
                                      .load(::cuda::memory_order_acquire);
-    DeviceFault* f = limit.fault;
-    if (threadIdx.x == 0 && leader != 0 && atomicCAS(&f->claimed, 0u, 1u) == 0u) {
-      f->peer = static_cast<int>(leader - 1);
-      f->cmp = 0;
-      f->window = 0;
-      f->index = 0;
-      f->seen = leader;
-      f->expected = epoch;
-      __threadfence_system();
-      ::cuda::atomic_ref<unsigned, ::cuda::thread_scope_system>(f->code).store(
-          static_cast<unsigned>(FaultKind::LeadersFailed), ::cuda::memory_order_release);
-    }
+    if (threadIdx.x == 0 && leader != 0)
+      record_fault(limit.fault, FaultKind::LeadersFailed, static_cast<int>(leader - 1), 0, 0, 0, leader, epoch);
   }
   if (passed == nullptr || (epoch & 1) == 0) return;
   __syncthreads();

@@ -241,16 +241,8 @@ class KernelBarrier final : public StreamBarrier, FlagWords {
         ops.push_back(op);
       }
       run_stream_batch(ops, mark_stream_->get(), "barrier(stream) across nodes", topo_.rank);
-      const Deadline deadline(std::chrono::milliseconds(2000));
-      Backoff backoff;
-      for (;;) {
-        const cudaError_t rc = cudaStreamQuery(mark_stream_->get());
-        if (rc == cudaSuccess) return;
-        if (rc != cudaErrorNotReady) ipc::check_cuda(rc, "cudaStreamQuery", what);
-        (void)cudaGetLastError();
-        if (deadline.expired()) throw Error(ErrorCode::Timeout, what + ": the writes did not run within 2 s");
-        backoff.pause();
-      }
+      if (!stream_ends_by(mark_stream_->get(), Deadline(std::chrono::milliseconds(2000)), "cudaStreamQuery", what))
+        throw Error(ErrorCode::Timeout, what + ": the writes did not run within 2 s");
     } catch (const std::exception& e) {
       log(LogLevel::Error, std::string(e.what()) + "; the node's other ranks may pass this barrier unaware");
     }
