@@ -1035,7 +1035,8 @@ TEST_F(LeaderAcrossNodes, LateLeaderIsReportedOnEveryRank) {
 // NCCL saw a remote failure). Its barrier call raises, yet its stream runs the node kernel
 // after the all-reduce (the node kernels stay paired), which lets rank 1 through at once:
 // rank 1 must learn that its barrier did not wait for node 1 (it used to pass unaware). Node
-// 1's leader waits for rank 0 and names it; rank 3 names its leader. Run by
+// 1's leader waits for rank 0 and names it; rank 3 names its leader. At the barrier after
+// it the leaders raise at once and the others report their leader at once. Run by
 // gpu.leaders_across_nodes.
 TEST_F(LeaderAcrossNodes, FailedLeaderIsReportedOnItsNode) {
   ScopedEnv fault("MESHMEM_FAULT", "0:leaders.enqueue:fail:hit=2");  // the first all-reduce works
@@ -1060,6 +1061,30 @@ TEST_F(LeaderAcrossNodes, FailedLeaderIsReportedOnItsNode) {
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
       EXPECT_NE(std::string(e.what()).find(needles[me]), std::string::npos) << "rank " << me << ": " << e.what();
+    }
+  }
+  // The next barrier: both leaders' communicators are gone, so they raise at the call and
+  // never come to their node kernels; their node's other ranks are marked, so their waits
+  // end at once and the error names the leader that gave up (they used to wait one timeout
+  // for that leader and name its missing flag).
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (me == 0 || me == 2) {
+    try {
+      comm->barrier(s0);
+      ADD_FAILURE() << "rank " << me << ": a barrier after the leaders' communicator was gone returned";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("an earlier barrier(stream) across nodes failed"), std::string::npos)
+          << "rank " << me << ": " << e.what();
+    }
+  } else {
+    comm->barrier(s0);
+    EXPECT_TRUE(finishes(s0, 40)) << "rank " << me << ": the barrier after a failed leader did not end";
+    const std::string leader = "rank " + std::to_string(me - 1) + ", which leads this node, gave up its all-reduce";
+    try {
+      comm->quiet(s0);
+      ADD_FAILURE() << "rank " << me << " passed a barrier(stream) across nodes after its leader gave up, unaware";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(leader), std::string::npos) << "rank " << me << ": " << e.what();
     }
   }
   MPI_Barrier(MPI_COMM_WORLD);

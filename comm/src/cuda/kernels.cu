@@ -101,9 +101,11 @@ __device__ void record_fault(DeviceFault* f, FaultKind kind, int peer, unsigned 
                                                                          ::cuda::memory_order_release);
 }
 
-// Polls `word` until it compares true; false once the limit passed (the fault is written).
+// Polls `word` until it compares true; false once the limit passed (the fault is written),
+// or, without a fault, once `give_up` (where not null) is non-zero: the caller reports why.
 __device__ bool wait_word(const std::uint64_t* word, Cmp cmp, std::uint64_t value, const WaitLimit& limit,
-                          FaultKind kind, int peer, std::uint64_t window, std::uint64_t index) {
+                          FaultKind kind, int peer, std::uint64_t window, std::uint64_t index,
+                          const std::uint64_t* give_up = nullptr) {
   device::SignalWord w(*const_cast<std::uint64_t*>(word));
   // The clock is first read at the first check (spin 255), not before the first poll: a
   // barrier's wait is usually over sooner, and the deadline moves by those few microseconds.
@@ -112,7 +114,10 @@ __device__ bool wait_word(const std::uint64_t* word, Cmp cmp, std::uint64_t valu
     const std::uint64_t v = w.load(::cuda::memory_order_acquire);
     if (device::compare(v, cmp, value)) return true;
     if (spins >= 64) __nanosleep(100);  // a first burst without sleeping: most waits are short
-    if (limit.timeout_ns == 0 || (spins & 255) != 255) continue;
+    if ((spins & 255) != 255) continue;
+    if (give_up != nullptr && device::SignalWord(*const_cast<std::uint64_t*>(give_up)).load(::cuda::memory_order_relaxed) != 0)
+      return false;
+    if (limit.timeout_ns == 0) continue;
     if (start == 0) start = limit_ns(limit);
     if (limit_ns(limit) - start > limit.timeout_ns) {
       record_fault(limit.fault, kind, peer, static_cast<unsigned>(cmp), window, index, v, value);
@@ -160,10 +165,11 @@ __global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* 
       device::SignalWord(peer_flags[r][rank]).store(epoch, ::cuda::memory_order_release);
   for (int r = static_cast<int>(threadIdx.x); r < size; r += static_cast<int>(blockDim.x)) {
     if (r == rank || peer_flags[r] == nullptr) continue;
-    wait_word(my_flags + r, Cmp::GE, epoch, limit, fault, r, 0, static_cast<std::uint64_t>(r));
+    // A marked rank stops waiting: its leader will not come to later barriers either.
+    wait_word(my_flags + r, Cmp::GE, epoch, limit, fault, r, 0, static_cast<std::uint64_t>(r), leaders_failed);
   }
   if (leaders_failed != nullptr) {
-    __syncthreads();  // every wait ended (the leader's flag seen: its mark was stored before)
+    __syncthreads();  // every wait ended (the leader's flag seen, its mark stored before, or the mark)
     const std::uint64_t leader = device::SignalWord(*const_cast<std::uint64_t*>(leaders_failed))
                                      .load(::cuda::memory_order_acquire);
     if (threadIdx.x == 0 && leader != 0)

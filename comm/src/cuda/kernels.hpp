@@ -92,7 +92,8 @@ cudaError_t launch_ticket_wait(const std::uint64_t* word, std::uint64_t sequence
 // `leaders_failed` is not null (the node part on a rank that does not lead its node), a
 // non-zero word there once the waits end (the leader's rank + 1, stored before its stream
 // went on past an all-reduce it gave up) reports LeadersFailed: the barrier did not wait
-// for the other nodes.
+// for the other nodes. The waits also end once that word is set, so that the barriers after
+// it (which the leader never comes to) report at once instead of timing out.
 cudaError_t launch_barrier(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
                            int rank, int size, std::uint64_t* passed, const std::uint64_t* leaders_failed,
                            FaultKind fault, WaitLimit limit, cudaStream_t stream, bool early);

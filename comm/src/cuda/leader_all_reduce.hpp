@@ -19,8 +19,8 @@
 // leader marks a word of each node peer's barrier flags, so that their node kernel after the
 // all-reduce, which the leader's stream now reaches, reports the failure (naming their
 // leader) instead of passing as if the other nodes had come. The communicator is gone from
-// then on: this rank's barriers raise that error, and the node's other ranks time out
-// waiting for their leader.
+// then on: this rank's barriers raise that error, and the node's other ranks, whose mark
+// stays set, report LeadersFailed at each later barrier without waiting for their leader.
 //
 // Since NCCL 2.26 an abort or destroy waits until every CUDA graph that captured an operation
 // of the communicator is destroyed; so communicators that may be held by graphs, or that a
