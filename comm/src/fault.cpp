@@ -49,6 +49,9 @@ constexpr PointInfo kPoints[kFaultPointCount] = {
      "a node leader's barrier(stream) across nodes, before it enqueues the all-reduce among the node leaders; "
      "`fail` makes that ncclAllReduce fail",
      true},
+    {FaultPoint::StagedCarry, "staged.carry",
+     "a staged transport agent has a node peer's descriptor (a chunk, or a get's request) from its channel, before it "
+     "carries it out"},
 };
 
 constexpr int kMaxRank = 1 << 20;

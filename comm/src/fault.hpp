@@ -51,9 +51,11 @@ enum class FaultPoint : unsigned {
                       // before it handles it
   LeadersEnqueue,     // "leaders.enqueue": a node leader's barrier(stream) across nodes, before it
                       // enqueues the all-reduce among the leaders (`fail`: ncclAllReduce fails)
+  StagedCarry,        // "staged.carry": a staged transport agent has a node peer's descriptor (a
+                      // chunk, or a get's request) from its channel, before it carries it out
 };
-constexpr unsigned kFaultPointCount = 10;
-static_assert(static_cast<unsigned>(FaultPoint::LeadersEnqueue) + 1 == kFaultPointCount,
+constexpr unsigned kFaultPointCount = 11;
+static_assert(static_cast<unsigned>(FaultPoint::StagedCarry) + 1 == kFaultPointCount,
               "a point added to FaultPoint is added to the count and to fault.cpp's list of names");
 
 const char* to_string(FaultPoint point) noexcept;

@@ -1,6 +1,7 @@
 #include "meshmem/ipc/pidfd.hpp"
 
 #include <errno.h>
+#include <poll.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -77,6 +78,21 @@ UniqueFd try_fetch_fd(pid_t pid, int remote_fd, int* err) noexcept {
   UniqueFd fd = fetch(pid, remote_fd, &failed, &local_err);
   if (err != nullptr) *err = local_err;
   return fd;
+}
+
+ProcessWatch::ProcessWatch(pid_t pid) noexcept : pid_(pid) {
+  const long fd = ::syscall(SYS_pidfd_open, pid, 0);
+  if (fd >= 0) fd_ = UniqueFd(static_cast<int>(fd));
+}
+
+bool ProcessWatch::ended() const noexcept {
+  if (!fd_) return false;
+  pollfd p{fd_.get(), POLLIN, 0};
+  int rc = 0;
+  do {
+    rc = ::poll(&p, 1, 0);
+  } while (rc < 0 && errno == EINTR);
+  return rc > 0 && (p.revents & POLLIN) != 0;
 }
 
 }  // namespace meshmem::ipc

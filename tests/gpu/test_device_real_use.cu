@@ -969,6 +969,102 @@ TEST_F(RealUse, KilledPeerGivesErrorsNotHangs) {
   std::_Exit(failed ? 1 : 0);
 }
 
+// Three ranks of one node through the staged transport; rank 2 dies (MESHMEM_FAULT
+// 2:staged.carry:kill: as its agent takes the first chunk of rank 0's 32 MiB put) while rank
+// 0's staging slots hold that put's chunks. Rank 0's put is reported; its next put, to rank 1,
+// arrives whole (fresh data, poisoned window, every byte checked); a later put to rank 2 is
+// reported again. Before, the slots a dead reader held stayed held for good: every later
+// staged transfer of rank 0, to any peer, timed out. Both survivors print a verdict line
+// (mpirun --enable-recovery exits 0 whatever the ranks return). Run by
+// gpu.killed_reader_staged.
+TEST_F(RealUse, KilledReaderLeavesTheStagingSlotsToOthers) {
+  const char* enabled = std::getenv("MESHMEM_TEST_KILL_READER");
+  if (enabled == nullptr || std::string(enabled) != "1")
+    GTEST_SKIP() << "kills a rank: run by gpu.killed_reader_staged (MESHMEM_TEST_KILL_READER=1, mpirun "
+                    "--enable-recovery)";
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+  ScopedEnv wait("MESHMEM_STREAM_WAIT", "kernel");
+  ScopedEnv fault("MESHMEM_FAULT", "2:staged.carry:kill");
+  make_comm();
+  ASSERT_EQ(n, 3) << "written for three ranks (rank 2 is killed)";
+  for (int r = 0; r < n; ++r)
+    if (r != me) ASSERT_EQ(comm->transport(r, Memory::Device), TransportKind::Staged) << "rank " << r;
+  constexpr std::size_t kBig = std::size_t(32) << 20, kSmall = (std::size_t(12) << 20) + 5, kOffset = 3;
+  constexpr std::size_t kBytes = kBig + 64;
+  Window win = comm->alloc(kBytes);
+  Signals sig = comm->alloc_signals(1);
+  CUDA_OK(fill_now(win.local(), kPoison, kBytes));
+  DeviceBuffer src(kBig);
+  const auto data = pattern(seed, key(1, 0, 1), kSmall);
+  CUDA_OK(upload(src.p, data.data(), kSmall));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  MPI_Barrier(MPI_COMM_WORLD);  // the last collective: rank 2 dies at rank 0's first chunk
+  if (me == 2) {
+    std::this_thread::sleep_for(std::chrono::seconds(60));  // killed long before
+    std::_Exit(0);
+  }
+  // Everything from here runs under a catch-all: a call that raises must not leave the test
+  // body for TearDown, whose MPI_Allgather would wait for the dead rank for ever.
+  const auto survivor = [&] {
+    auto expect_reported = [&](const char* what) {
+      try {
+        comm->quiet(s0);
+        ADD_FAILURE() << what << " was not reported";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("rank 2's process"), std::string::npos) << what << ": " << e.what();
+      }
+    };
+    if (me == 0) {
+      comm->put(win, 2, 0, src.p, kBig, s0);
+      EXPECT_TRUE(finishes(s0, 30)) << "the put to the killed rank did not end";
+      expect_reported("the put to the killed rank");
+      comm->put_signal(win, 1, kOffset, src.p, kSmall, sig, 0, 1, SignalOp::Set, s0);
+      EXPECT_TRUE(finishes(s0, 30)) << "the put to rank 1 did not end";
+      EXPECT_NO_THROW(comm->quiet(s0)) << "the put to rank 1, after rank 2 died holding staging slots";
+      comm->put(win, 2, 0, src.p, 1 << 20, s0);
+      EXPECT_TRUE(finishes(s0, 30)) << "the second put to the killed rank did not end";
+      expect_reported("the second put to the killed rank");
+    } else {
+      const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (sig.read(0) != 1 && std::chrono::steady_clock::now() < end)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      EXPECT_EQ(sig.read(0), 1u) << "rank 0's put_signal did not arrive within 30 s";
+      const auto got = to_host(win.local(), kBytes);
+      std::size_t wrong = 0, first = kBytes;
+      for (std::size_t i = 0; i < kBytes; ++i) {
+        const bool inside = i >= kOffset && i < kOffset + kSmall;
+        const unsigned char want = inside ? data[i - kOffset] : static_cast<unsigned char>(kPoison);
+        if (got[i] != want && wrong++ == 0) first = i;
+      }
+      EXPECT_EQ(wrong, 0u) << "bytes wrong in rank 1's window, the first at " << first;
+    }
+    // Teardown with a dead peer: bounded.
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      win.free();
+    } catch (const Error&) {  // the dead rank did not arrive: reported, and freed
+    }
+    try {
+      sig.free();
+    } catch (const Error&) {
+    }
+    comm.reset();
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0)
+        << "free and ~Comm with a killed peer";
+  };
+  try {
+    survivor();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "rank " << me << " raised: " << e.what();
+  }
+  const bool failed = HasFailure();
+  std::printf("[ killed reader ] rank %d %s\n", me, failed ? "FAILED" : "PASSED");
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::_Exit(failed ? 1 : 0);
+}
+
 // The leader tests' layout: 4 ranks, MESHMEM_SIMULATE_NODES=2 (ranks 0, 1 on one node and 2, 3
 // on the other), the hierarchical NCCL barrier, kernel waits, a 2 s timeout. The Comm is made
 // (the environment is set first); "" where it is, else why the test skips.

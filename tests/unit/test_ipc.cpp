@@ -448,6 +448,46 @@ TEST(Pidfd, BogusFdGivesEbadfAndAnEmptyFd) {
   }
 }
 
+// A watch made while the process lives says it ended once it is killed, before anyone reaps
+// it (a zombie has ended): what the staged transport relies on to take back the slots that a
+// dead reader held.
+TEST(ProcessWatch, SeesAKilledChildEndBeforeItIsReaped) {
+  Pipe to_child = make_pipe();
+  Child child([&]() {
+    to_child.write.reset();
+    char c;
+    (void)read_all(to_child.read.get(), &c, 1);  // until the parent kills it
+    return 0;
+  });
+  to_child.read.reset();
+  meshmem::ipc::ProcessWatch watch(child.pid());
+  if (!watch.watching()) GTEST_SKIP() << "pidfd_open is not available here: " << strerror(errno);
+  EXPECT_EQ(watch.pid(), child.pid());
+  EXPECT_FALSE(watch.ended()) << "a child blocked in read() was said to have ended";
+  ASSERT_EQ(::kill(child.pid(), SIGKILL), 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!watch.ended() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_TRUE(watch.ended()) << "a killed child was not seen to end within 10 s";
+  siginfo_t info{};
+  ASSERT_EQ(::waitid(P_PID, static_cast<id_t>(child.pid()), &info, WEXITED | WNOHANG | WNOWAIT), 0);
+  EXPECT_EQ(info.si_pid, child.pid()) << "the child was not a zombie yet, though the watch said it ended";
+  (void)child.wait();
+  EXPECT_TRUE(watch.ended()) << "reaped, the child no longer counted as ended";
+}
+
+TEST(ProcessWatch, ItselfHasNotEndedAndNoProcessIsNotWatched) {
+  meshmem::ipc::ProcessWatch self(::getpid());
+  if (!self.watching()) GTEST_SKIP() << "pidfd_open is not available here: " << strerror(errno);
+  EXPECT_FALSE(self.ended());
+  meshmem::ipc::ProcessWatch none(-1);
+  EXPECT_FALSE(none.watching());
+  EXPECT_FALSE(none.ended());
+  meshmem::ipc::ProcessWatch moved = std::move(self);
+  EXPECT_TRUE(moved.watching());
+  EXPECT_FALSE(moved.ended());
+}
+
 TEST(Pidfd, FetchesFromItself) {
   // ptrace access to one's own thread group is always granted, so this works wherever
   // pidfd_getfd exists.

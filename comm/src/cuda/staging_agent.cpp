@@ -67,7 +67,8 @@ StagingAgent::StagingAgent(Setup setup)
       device_(setup.devices.front()),
       local_of_(static_cast<std::size_t>(setup.ranks), 0),
       timeout_(setup.timeout),
-      limit_(setup.limit) {
+      limit_(setup.limit),
+      faults_(std::move(setup.faults)) {
   const std::string what = "staged transport on rank " + std::to_string(rank_);
   for (std::size_t i = 0; i < setup.node_ranks.size(); ++i) {
     local_of_[static_cast<std::size_t>(setup.node_ranks[i])] = i;
@@ -87,6 +88,11 @@ StagingAgent::StagingAgent(Setup setup)
   current_.assign(setup.node_ranks.size(), {~std::uint64_t(0), 0});
   refused_.assign(setup.node_ranks.size(), false);
   broken_.assign(setup.node_ranks.size(), false);
+  gone_.assign(setup.node_ranks.size(), false);
+  watches_.resize(setup.node_ranks.size());
+  for (int peer : hidden_)
+    if (static_cast<std::size_t>(peer) < setup.pids.size())
+      watches_[local_index(peer)] = ipc::ProcessWatch(setup.pids[static_cast<std::size_t>(peer)]);
   for (int d : setup.devices) {
     if (lanes_.count(d)) continue;
     if (lanes_.size() == ControlWords::kLanes)
@@ -349,6 +355,10 @@ void StagingAgent::run() {
         return;
       }
     }
+    if (!hidden_.empty() && Clock::now() >= next_watch_) {
+      watch_readers();
+      next_watch_ = Clock::now() + std::chrono::milliseconds(10);
+    }
     const bool started = start_ready(waiting);
     const bool carried = poll_incoming();
     const bool pumped = pump();
@@ -489,7 +499,8 @@ void StagingAgent::execute(const StagedRequest& r) {
   }
   if (r.word_is_lent) {
     std::lock_guard<std::mutex> lock(m_);
-    remote_lent_.push_back(RemoteEnd{r.done, r.ticket, r.word});
+    remote_lent_.push_back(
+        RemoteEnd{r.done, r.ticket, r.word, r.route == StagedRequest::Route::ToHidden ? r.peer : rank_});
   }
   outgoing_[local_index(r.peer)].push_back(std::move(o));
 }
@@ -537,11 +548,17 @@ bool StagingAgent::pump() {
       Outgoing& o = queue.front();
       bool moved = false;
       bool left = false;
-      try {
-        left = advance_outgoing(o, &moved);
-      } catch (const std::exception& e) {
-        abandon_outgoing(o, e.what());
+      if (gone_[local_index(o.reader)]) {
+        abandon_outgoing(o, o.what + ": rank " + std::to_string(o.reader) + "'s process (pid " +
+                                std::to_string(watches_[local_index(o.reader)].pid()) + ") has ended");
         left = true;
+      } else {
+        try {
+          left = advance_outgoing(o, &moved);
+        } catch (const std::exception& e) {
+          abandon_outgoing(o, e.what());
+          left = true;
+        }
       }
       if (moved) o.moved = Clock::now();
       if (!left && stalled(o.moved)) {
@@ -711,6 +728,36 @@ void StagingAgent::abandon_outgoing(const Outgoing& o, const std::string& messag
   __atomic_store_n(control_of(o.done_rank).transfer(o.done_word), o.ticket, __ATOMIC_RELEASE);
 }
 
+void StagingAgent::watch_readers() {
+  for (int peer : hidden_) {
+    const std::size_t i = local_index(peer);
+    if (gone_[i] || !watches_[i].ended()) continue;
+    gone_[i] = true;
+    // Its context, and every copy it had enqueued out of these slots, went with the process.
+    std::size_t slots = 0;
+    Lane& own = lanes_.at(device_);
+    for (std::size_t s = 0; s < slot_use_.size(); ++s) {
+      if (slot_use_[s].reader != peer) continue;
+      if (consumed_by(peer) < slot_use_[s].sequence) ++slots;
+      slot_use_[s] = SlotUse{own.copied[s], -1, 0};  // after this rank's own copy into it
+    }
+    // Puts it was to end: nothing will write their done words now. The error is recorded
+    // before they end, so that a caller whose stream goes on then finds it.
+    std::lock_guard<std::mutex> lock(m_);
+    std::vector<const RemoteEnd*> unended;
+    for (const RemoteEnd& e : remote_lent_)
+      if (e.writer == peer && __atomic_load_n(e.done, __ATOMIC_ACQUIRE) < e.ticket) unended.push_back(&e);
+    const std::string message = "staged transport on rank " + std::to_string(rank_) + ": rank " + std::to_string(peer) +
+                                "'s process (pid " + std::to_string(watches_[i].pid()) + ") has ended; " +
+                                std::to_string(slots) + " staging slot(s) it held are taken back, " +
+                                std::to_string(unended.size()) + " put(s) to it ended unfinished, and transfers to it fail";
+    log(LogLevel::Warn, message);
+    if (unended.empty()) continue;
+    if (error_.empty()) error_ = message;
+    for (const RemoteEnd* e : unended) __atomic_store_n(const_cast<std::uint64_t*>(e->done), e->ticket, __ATOMIC_RELEASE);
+  }
+}
+
 // A slot that may be written now, the next in turn first: one a hidden reader consumed (as
 // the host sees), or one whose last copy out was a visible transfer's (its event: waited for
 // on the GPU, or, `on_host`, seen done). False if none.
@@ -811,6 +858,7 @@ bool StagingAgent::poll_incoming() {
         __atomic_add_fetch(control_.failed(from), 1, __ATOMIC_RELEASE);
         break;
       }
+      faults_.hit(FaultPoint::StagedCarry);
       carry_out(writer, n, d);
     }
   }

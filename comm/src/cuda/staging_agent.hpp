@@ -24,6 +24,13 @@
 // stalled reader delays transfers that need the slots it holds, for at most MESHMEM_TIMEOUT,
 // and never holds the agent itself: it keeps taking its peers' chunks meanwhile.
 //
+// A reader whose process has ended (killed, crashed: a ProcessWatch of it says so) gives its
+// slots back at once: its GPU context went with it, so nothing reads them any more. Without
+// that, slots posted to a dead reader would stay held for good, and every later transfer of
+// this rank, to any peer, would time out waiting for one. Transfers to it then fail at once,
+// and the puts it was to end are ended from here (with an error). A reader that lives but
+// takes nothing keeps its slots: it may still copy out of them.
+//
 // Transfers start in the order their sources become ready (the agent polls each one's ready
 // event), never in call order, so a transfer whose stream waits holds no other back. Each has
 // a done word of its own (lent per transfer and taken back once it ended), which the caller's
@@ -45,10 +52,12 @@
 #include <utility>
 #include <vector>
 
+#include "../fault.hpp"
 #include "../piece_cursor.hpp"
 #include "event_pool.hpp"
 #include "kernels.hpp"
 #include "meshmem/ipc/awake_clock.hpp"
+#include "meshmem/ipc/pidfd.hpp"
 #include "meshmem/types.hpp"
 #include "staging_pool.hpp"
 
@@ -132,6 +141,10 @@ class StagingAgent {
     int ranks = 0;
     std::vector<int> node_ranks;  // Topology::node_ranks
     std::vector<bool> hidden;     // by rank: a node peer whose GPU this process cannot see
+    // By rank: process ids (those of hidden peers are watched). Node peers share this
+    // process's pid namespace: the descriptor exchange checked each one's id (fd_exchange.cpp).
+    std::vector<pid_t> pids;
+    FaultPlan faults;  // staged.carry
     std::chrono::milliseconds timeout{0};
     cuda::WaitLimit limit{};
   };
@@ -236,6 +249,9 @@ class StagingAgent {
   void abandon_visible(const StagedRequest& r, const std::string& message);
   bool advance_outgoing(Outgoing& o, bool* moved);
   void abandon_outgoing(const Outgoing& o, const std::string& message);
+  // Every ~10 ms: hidden readers whose process ended give their slots back, and the puts
+  // they were to end are ended here (see the header comment).
+  void watch_readers();
   bool take_slot(bool on_host, std::size_t* s);
   std::string slot_holders() const;
   std::uint64_t consumed_by(int reader) const;
@@ -261,6 +277,7 @@ class StagingAgent {
   std::vector<int> hidden_;            // node peers whose GPU this process cannot see
   std::chrono::milliseconds timeout_;
   cuda::WaitLimit limit_;
+  FaultPlan faults_;
   std::map<int, Lane> lanes_;
   cudaStream_t incoming_ = nullptr;    // chunks from hidden peers, onto this rank's GPU
   std::vector<SlotUse> slot_use_;
@@ -271,6 +288,9 @@ class StagingAgent {
   std::vector<bool> refused_;             // by node index: a chunk of its current transfer was refused here
   std::vector<std::pair<std::uint64_t, std::uint64_t>> current_;  // by node index: (done rank, ticket) of that transfer
   std::vector<bool> broken_;              // by node index: its channel held a wrong entry; no longer read
+  std::vector<ipc::ProcessWatch> watches_;  // by node index: hidden peers' processes
+  std::vector<bool> gone_;                // by node index: its process ended; nothing more goes to it
+  Clock::time_point next_watch_{};
   std::deque<VisibleTransfer> visible_;          // oldest first; only the oldest takes slots
   std::vector<std::deque<Outgoing>> outgoing_;   // by node index of the reader: oldest first, one at a time on a channel
 
@@ -286,6 +306,7 @@ class StagingAgent {
     const std::uint64_t* done;
     std::uint64_t ticket;
     std::size_t word;
+    int writer;  // whose GPU writes the done word: a put's reader, or this rank (a get's answer)
   };
   std::vector<RemoteEnd> remote_lent_;  // words of transfers a hidden peer (or the answer to a get) ends
   std::uint64_t submitted_ = 0;

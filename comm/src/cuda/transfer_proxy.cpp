@@ -991,6 +991,14 @@ bool pageable(const void* p) {
 }
 }  // namespace
 
+void ProxyTransport::quiet(Stream) {
+  if (!proxy_) return;
+  ErrorCode code = ErrorCode::Cuda;
+  const std::string error = proxy_->take_error(&code);
+  if (!error.empty())
+    throw Error(code, std::string(name_) + " transport on rank " + std::to_string(ctx_.topo.rank) + ": an earlier transfer failed: " + error);
+}
+
 void ProxyTransport::transfer(ProxyRequest r, Stream stream, const char* name) {
   if (!proxy_) throw Error(ErrorCode::Internal, what(name, r.peer) + ": the transport is not connected");
   ErrorCode code = ErrorCode::Cuda;

@@ -106,8 +106,9 @@ class ProxyTransport : public Transport {
                    std::size_t src_pitch, std::size_t width, std::size_t height, Stream stream) override;
   void get(void* dst, const WindowState& win, int target, std::size_t offset, std::size_t bytes,
            Stream stream) override;
-  // The caller's stream waits for each transfer's end: nothing to add.
-  void quiet(Stream) override {}
+  // The caller's stream waits for each transfer's end: nothing to enqueue. Raises what the
+  // proxy knows failed, as the next transfer would.
+  void quiet(Stream) override;
   void settle() noexcept override;
   void stop() noexcept override;
 

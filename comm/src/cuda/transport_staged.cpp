@@ -193,6 +193,8 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
     setup.ranks = topo.size;
     setup.node_ranks = topo.node_ranks;
     setup.hidden = hidden;
+    setup.pids = topo.pid_of;
+    setup.faults = ctx_.faults;
     setup.timeout = ctx_.options.timeout;
     setup.limit = device_->wait_limit();
     agent_ = std::make_shared<StagingAgent>(std::move(setup));
@@ -242,6 +244,14 @@ void* StagedTransport::mapped_part(const WindowState& win, int rank, const char*
     if (const auto* s = dynamic_cast<const StagedAttachment*>(a.get()))
       if (void* p = s->parts[static_cast<std::size_t>(rank)].data()) return p;
   throw Error(ErrorCode::Internal, what(op, rank) + ": window #" + std::to_string(win.id) + " is not attached here");
+}
+
+void StagedTransport::quiet(Stream) {
+  if (!agent_) return;
+  const std::string error = agent_->take_error();
+  if (!error.empty())
+    throw Error(ErrorCode::Cuda, "staged transport on rank " + std::to_string(ctx_.topo.rank) +
+                                     ": an earlier transfer failed: " + error);
 }
 
 void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const char* name) {

@@ -86,8 +86,9 @@ class StagedTransport final : public Transport {
   // One transfer (2D copies through the slots), not one per row.
   void put_strided(const WindowState& win, int target, std::size_t dst_offset, std::size_t dst_pitch, const void* src,
                    std::size_t src_pitch, std::size_t width, std::size_t height, Stream stream) override;
-  // The caller's stream waits for each transfer's end: nothing to add.
-  void quiet(Stream) override {}
+  // The caller's stream waits for each transfer's end: nothing to enqueue. Raises what the
+  // agent knows failed (a transfer abandoned, a peer gone), as the next transfer would.
+  void quiet(Stream) override;
   void stop() noexcept override;
   // Waits (bounded) for this rank's transfers, those to hidden peers included.
   void settle() noexcept override;
