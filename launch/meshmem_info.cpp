@@ -172,11 +172,7 @@ int main(int argc, char** argv) {
     const meshmem::Options options = meshmem::Options::from_environment();  // a bad MESHMEM_* value: exit 1
 
     // One report per node, made by its lowest rank before anything else touches the GPUs.
-    MPI_Comm node_comm = MPI_COMM_NULL;
-    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, me, MPI_INFO_NULL, &node_comm);
-    int node_rank = 0;
-    MPI_Comm_rank(node_comm, &node_rank);
-    MPI_Comm_free(&node_comm);
+    const int node_rank = meshmem::node_local_rank(MPI_COMM_WORLD);
     std::string node_text, node_json;
     int problems = 0;
     if (node_rank == 0) {

@@ -9,6 +9,7 @@
 #include "host_window.hpp"
 #include "log.hpp"
 #include "memory_limits.hpp"
+#include "topology.hpp"
 #include "meshmem/comm.hpp"
 
 namespace meshmem {
@@ -27,14 +28,29 @@ bool gpu_available(std::string* why) {
   return detail::gpu_available(why);
 }
 
+int node_local_rank(MPI_Comm comm) {
+  const char* what = "meshmem::node_local_rank";
+  int rank = 0, size = 0;
+  detail::check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank", what);
+  detail::check_mpi(MPI_Comm_size(comm, &size), "MPI_Comm_size", what);
+  constexpr std::size_t kBytes = detail::kNodeKeyBytes;
+  std::vector<char> mine(kBytes, '\0');
+  const std::string key = detail::node_key();
+  std::memcpy(mine.data(), key.data(), key.size());
+  std::vector<char> all(kBytes * static_cast<std::size_t>(size));
+  detail::check_mpi(MPI_Allgather(mine.data(), static_cast<int>(kBytes), MPI_CHAR, all.data(), static_cast<int>(kBytes),
+                                  MPI_CHAR, comm),
+                    "MPI_Allgather", what);
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) {
+    const char* k = all.data() + kBytes * static_cast<std::size_t>(r);
+    keys.emplace_back(k, strnlen(k, kBytes));
+  }
+  return detail::place_by_key(keys)[static_cast<std::size_t>(rank)].local_rank;
+}
+
 int select_local_device(MPI_Comm comm) {
-  MPI_Comm node = MPI_COMM_NULL;
-  detail::check_mpi(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
-                    "MPI_Comm_split_type", "select_local_device");
-  int local = 0;
-  const int rc = MPI_Comm_rank(node, &local);
-  MPI_Comm_free(&node);
-  detail::check_mpi(rc, "MPI_Comm_rank", "select_local_device");
+  const int local = node_local_rank(comm);
   return detail::gpu_set_device_modulo != nullptr ? detail::gpu_set_device_modulo(local) : -1;
 }
 

@@ -3,7 +3,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
+#include <fstream>
 #include <map>
+#include <string>
 #include <utility>
 
 #include "bootstrap.hpp"
@@ -23,44 +26,54 @@ std::vector<int> assign_nodes(const std::vector<RealPlacement>& placement, int s
   return node;
 }
 
+std::string node_key() {
+  char name[kNodeKeyBytes] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) name[0] = '\0';
+  std::string key = name;
+  std::ifstream boot_id("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  if (boot_id >> id) key += "/" + id;
+  if (key.size() >= kNodeKeyBytes) key.resize(kNodeKeyBytes - 1);
+  return key;
+}
+
+std::vector<RealPlacement> place_by_key(const std::vector<std::string>& keys) {
+  std::vector<RealPlacement> placement(keys.size());
+  std::map<std::string, std::vector<int>> nodes;  // key -> its ranks, ascending
+  for (std::size_t r = 0; r < keys.size(); ++r) nodes[keys[r]].push_back(static_cast<int>(r));
+  for (const auto& [key, ranks] : nodes)
+    for (std::size_t i = 0; i < ranks.size(); ++i)
+      placement[static_cast<std::size_t>(ranks[i])] =
+          RealPlacement{ranks.front(), static_cast<int>(i), static_cast<int>(ranks.size())};
+  return placement;
+}
+
 Topology Topology::discover(Bootstrap& boot, int simulate_nodes) {
   const std::string what = "meshmem::Comm (topology)";
   Topology t;
   t.rank = boot.rank();
   t.size = boot.size();
 
-  // MPI_Comm_split_type and the node's MPI_Allreduce cannot be bounded: every rank enters them
-  // only once all have met here. A rank late past the timeout, whose partners gave up on an
-  // earlier step of the construction (a bounded collective that it then completed alone
-  // against their abandoned parts), raises Timeout here instead of waiting in them for ever.
-  boot.arrive(what);
-  MPI_Comm shared = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_split_type(boot.comm(), MPI_COMM_TYPE_SHARED, boot.rank(), MPI_INFO_NULL,
-                                &shared),
-            "MPI_Comm_split_type", what);
-  RealPlacement mine;
-  int host = boot.rank();
-  int rc = MPI_Comm_rank(shared, &mine.local_rank);
-  if (rc == MPI_SUCCESS) rc = MPI_Comm_size(shared, &mine.local_size);
-  if (rc == MPI_SUCCESS) rc = MPI_Allreduce(&host, &mine.host, 1, MPI_INT, MPI_MIN, shared);
-  MPI_Comm_free(&shared);
-  check_mpi(rc, "MPI_Comm_rank/size/Allreduce on the node communicator", what);
-
   struct Record {
-    RealPlacement placement;
+    char key[kNodeKeyBytes];
     std::int64_t pid;
     std::int64_t uid;
-  } me{mine, static_cast<std::int64_t>(getpid()), static_cast<std::int64_t>(geteuid())};
+  } me{};
+  const std::string key = node_key();
+  std::memcpy(me.key, key.data(), key.size());  // zero-terminated: me is zeroed, key is short
+  me.pid = static_cast<std::int64_t>(getpid());
+  me.uid = static_cast<std::int64_t>(geteuid());
   std::vector<Record> all(static_cast<std::size_t>(t.size));
   boot.allgather(&me, all.data(), sizeof(Record), what);
 
-  std::vector<RealPlacement> placement;
+  std::vector<std::string> keys;
   for (const Record& rec : all) {
-    placement.push_back(rec.placement);
-    t.host_of.push_back(rec.placement.host);
+    keys.emplace_back(rec.key, strnlen(rec.key, sizeof(rec.key)));
     t.pid_of.push_back(static_cast<pid_t>(rec.pid));
     t.uid_of.push_back(static_cast<int>(rec.uid));
   }
+  const std::vector<RealPlacement> placement = place_by_key(keys);
+  for (const RealPlacement& p : placement) t.host_of.push_back(p.host);
   t.node_of = assign_nodes(placement, simulate_nodes);
   t.node_count = 1 + *std::max_element(t.node_of.begin(), t.node_of.end());
   for (int r = 0; r < t.size; ++r)

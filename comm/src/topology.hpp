@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstddef>
+#include <string>
 #include <vector>
 
 namespace meshmem::detail {
@@ -15,10 +16,23 @@ class Bootstrap;
 
 // Where one rank runs, as read on the real machine.
 struct RealPlacement {
-  int host = 0;         // lowest rank of its real node (MPI_COMM_TYPE_SHARED)
+  int host = 0;         // lowest rank of its real node
   int local_rank = 0;   // its rank within the real node
   int local_size = 1;   // ranks on the real node
 };
+
+// What names this process's real node: its host name (its UTS namespace's) and the kernel's
+// boot id, as NCCL tells hosts apart. Ranks with equal keys share a node. MPI_COMM_TYPE_SHARED
+// is not asked: some Open MPI 4.1 builds put ranks of one node in nodes of their own
+// (open-mpi/ompi#11585, PMIx 4.2.3; seen with Open MPI 4.1.6 on the GPU machines for the
+// ranks that a remote daemon starts), which would turn node peers into remote ones.
+// At most kNodeKeyBytes - 1 bytes.
+constexpr std::size_t kNodeKeyBytes = 256;
+std::string node_key();
+
+// Each rank's real placement from every rank's key: its node is the ranks with its key, its
+// host the lowest of them, its local rank its place among them.
+std::vector<RealPlacement> place_by_key(const std::vector<std::string>& keys);
 
 // Node index per rank: ranks of one real node are split into `simulate` contiguous groups
 // of (nearly) equal size (at most one group per rank); nodes are numbered in rank order.

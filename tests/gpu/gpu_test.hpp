@@ -34,6 +34,21 @@ struct DeviceBuffer {
 
 // cudaMemcpy from pageable memory may return before the DMA into `dev` is done, and the
 // tests' streams do not synchronise with the legacy stream: wait for it.
+// Selects this rank's GPU (node-local rank modulo the visible GPUs) only where every rank has
+// one, so that the collective steps after it (select_local_device's own gather, a fixture's)
+// are entered by every rank or by none: a host that sees no GPU (two namespace hosts with one
+// GPU per host on a one-GPU machine) makes every rank skip. "" where the GPU is selected,
+// else why not.
+inline std::string select_gpu_on_every_rank() {
+  std::string why;
+  int usable = meshmem::gpu_available(&why) ? 1 : 0;
+  int all = 0;
+  MPI_Allreduce(&usable, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (all == 0) return usable ? "another rank has no usable GPU" : "no usable GPU: " + why;
+  if (meshmem::select_local_device(MPI_COMM_WORLD) < 0) return "no usable GPU";
+  return "";
+}
+
 inline cudaError_t upload(void* dev, const void* host, std::size_t bytes) {
   const cudaError_t rc = cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice);
   return rc != cudaSuccess ? rc : cudaDeviceSynchronize();

@@ -98,8 +98,8 @@ bool finishes(cudaStream_t stream, int seconds) {
 class RealUse : public meshmem::test::MpiTest {
  protected:
   void SetUp() override {
-    std::string why;
-    if (!gpu_available(&why) || select_local_device(MPI_COMM_WORLD) < 0) GTEST_SKIP() << "no usable GPU: " << why;
+    const std::string why = meshmem::test::select_gpu_on_every_rank();
+    if (!why.empty()) GTEST_SKIP() << why;
     cudaGetDevice(&device);
     seed = meshmem::test::shared_seed();
     ASSERT_EQ(cudaStreamCreateWithFlags(&s0, cudaStreamNonBlocking), cudaSuccess);

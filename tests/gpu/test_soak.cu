@@ -71,8 +71,8 @@ const char* route_name(int kind) { return to_string(static_cast<TransportKind>(k
 class DeviceSoak : public meshmem::test::MpiTest {
  protected:
   void SetUp() override {
-    std::string why;
-    if (!gpu_available(&why) || select_local_device(MPI_COMM_WORLD) < 0) GTEST_SKIP() << "no usable GPU: " << why;
+    const std::string why = meshmem::test::select_gpu_on_every_rank();
+    if (!why.empty()) GTEST_SKIP() << why;
     comm_ = std::make_unique<Comm>(MPI_COMM_WORLD);
     me_ = comm_->rank(), n_ = comm_->size();
     seed_ = meshmem::test::shared_seed();

@@ -27,8 +27,8 @@ namespace {
 class Staged : public meshmem::test::MpiTest {
  protected:
   void SetUp() override {
-    std::string why;
-    if (!gpu_available(&why) || select_local_device(MPI_COMM_WORLD) < 0) GTEST_SKIP() << "no usable GPU: " << why;
+    const std::string why = meshmem::test::select_gpu_on_every_rank();
+    if (!why.empty()) GTEST_SKIP() << why;
     Options o = Options::from_environment();
     o.set("MESHMEM_TRANSPORTS", "staged,shm,mpi");
     comm = std::make_unique<Comm>(MPI_COMM_WORLD, o);

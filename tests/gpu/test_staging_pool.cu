@@ -56,8 +56,8 @@ int open_fds() {
 class StagingPoolTest : public MpiTest {
  protected:
   void SetUp() override {
-    std::string why;
-    if (!gpu_available(&why) || select_local_device(MPI_COMM_WORLD) < 0) GTEST_SKIP() << "no usable GPU: " << why;
+    const std::string why = meshmem::test::select_gpu_on_every_rank();
+    if (!why.empty()) GTEST_SKIP() << why;
     cudaGetDevice(&device);
     seed = shared_seed();
   }

@@ -1,3 +1,5 @@
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include <map>
@@ -197,6 +199,34 @@ TEST(Topology, AssignNodes) {
   std::vector<RealPlacement> two = {{0, 0, 2}, {1, 0, 2}, {0, 1, 2}, {1, 1, 2}};
   EXPECT_EQ(assign_nodes(two, 1), (std::vector<int>{0, 1, 0, 1}));
   EXPECT_EQ(assign_nodes(two, 2), (std::vector<int>{0, 1, 2, 3}));
+}
+
+// Nodes from host name and boot id keys: ranks with equal keys form a node whatever their
+// order, its host is its lowest rank, local ranks follow rank order; two hosts whose names are
+// equal but whose kernels differ are two nodes.
+TEST(Topology, PlaceByKey) {
+  using meshmem::detail::place_by_key;
+  using meshmem::detail::RealPlacement;
+  const auto placement = place_by_key({"h2/b", "h1/a", "h2/b", "h1/a", "h1/c"});
+  ASSERT_EQ(placement.size(), 5u);
+  const std::vector<std::vector<int>> want = {{0, 0, 2}, {1, 0, 2}, {0, 1, 2}, {1, 1, 2}, {4, 0, 1}};
+  for (std::size_t r = 0; r < want.size(); ++r) {
+    EXPECT_EQ(placement[r].host, want[r][0]) << "rank " << r;
+    EXPECT_EQ(placement[r].local_rank, want[r][1]) << "rank " << r;
+    EXPECT_EQ(placement[r].local_size, want[r][2]) << "rank " << r;
+  }
+  EXPECT_EQ(meshmem::detail::assign_nodes(placement, 1), (std::vector<int>{0, 1, 0, 1, 2}));
+  EXPECT_TRUE(place_by_key({}).empty());
+}
+
+TEST(Topology, NodeKeyNamesThisHostAndItsBoot) {
+  const std::string key = meshmem::detail::node_key();
+  char name[256] = {};
+  ASSERT_EQ(gethostname(name, sizeof(name) - 1), 0);
+  EXPECT_EQ(key.rfind(name, 0), 0u) << key;  // starts with the host name
+  EXPECT_LT(key.size(), meshmem::detail::kNodeKeyBytes);
+  EXPECT_GT(key.size(), std::string(name).size() + 1) << "no boot id in '" << key << "'";
+  EXPECT_EQ(meshmem::detail::node_key(), key) << "the key changed between two calls";
 }
 
 // Every transport of the table has its factory in a program that links the GPU part: a GPU

@@ -195,4 +195,9 @@ bool gpu_available(std::string* why = nullptr);
 // Collective over `comm` (it finds the node-local rank).
 int select_local_device(MPI_Comm comm);
 
+// This rank's place among the ranks of `comm` on its node, found as a Comm finds nodes: by
+// host name and the kernel's boot id (not MPI_COMM_TYPE_SHARED, which some Open MPI 4.1
+// builds get wrong). Collective over `comm`; raises Error(Mpi) naming the call that failed.
+int node_local_rank(MPI_Comm comm);
+
 }  // namespace meshmem

@@ -33,8 +33,9 @@ const TuningKnob<StreamWait> kStreamWait{
     "memop), `memop` (cuStreamWaitValue64: holds no SM, so it is faster where ranks share a GPU, but a "
     "`wait_until` cannot time out; a transfer is still ended at the timeout, by the staging agent or by the proxy "
     "thread's watchdog; staged transfers through a hidden peer's channel keep the kernel, as only that peer "
-    "ends them); `auto` = `kernel`, or `memop` where this rank's GPU is shared (a polling kernel would "
-    "hold the time-sliced GPU from the ranks it waits for). Either wait stalls its GPU queue (a kernel once work is "
+    "ends them); `auto` = `kernel`, or `memop` where this rank's GPU is shared (another rank of the Comm uses "
+    "the same GPU, by UUID: on this node, or in another container of this machine given the same GPU; a polling "
+    "kernel would hold the time-sliced GPU from the ranks it waits for). Either wait stalls its GPU queue (a kernel once work is "
     "queued behind it): see MESHMEM_GPU_QUEUES"};
 
 enum class EarlyLaunch { Auto, Off };
@@ -104,17 +105,30 @@ void run_stream_batch(std::vector<CUstreamBatchMemOpParams>& ops, Stream stream,
 }
 
 // Collective: every rank's GPU as a PCI bus id, by rank.
-static std::vector<std::string> gather_bus_ids(const CommContext& ctx, int device, const std::string& what) {
-  struct BusId {
-    char text[32];
+// Every rank's GPU: its PCI bus id (where node peers look for each other's GPU) and its UUID
+// (one physical GPU, or MIG instance, whatever machine or container it is seen from).
+struct GpuIds {
+  std::vector<std::string> bus;
+  std::vector<std::string> uuid;
+};
+static GpuIds gather_gpu_ids(const CommContext& ctx, int device, const std::string& what) {
+  struct Ids {
+    char bus[32];
+    unsigned char uuid[16];
   } mine{};
   agreed_step(ctx.boot, what, [&] {
-    ipc::check_cuda(cudaDeviceGetPCIBusId(mine.text, sizeof(mine.text), device), "cudaDeviceGetPCIBusId", what);
+    ipc::check_cuda(cudaDeviceGetPCIBusId(mine.bus, sizeof(mine.bus), device), "cudaDeviceGetPCIBusId", what);
+    cudaDeviceProp prop{};
+    ipc::check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties", what);
+    std::memcpy(mine.uuid, prop.uuid.bytes, sizeof(mine.uuid));
   });
-  std::vector<BusId> all(static_cast<std::size_t>(ctx.topo.size));
-  ctx.boot.allgather(&mine, all.data(), sizeof(BusId), what);
-  std::vector<std::string> ids;
-  for (const BusId& b : all) ids.emplace_back(b.text, strnlen(b.text, sizeof(b.text)));
+  std::vector<Ids> all(static_cast<std::size_t>(ctx.topo.size));
+  ctx.boot.allgather(&mine, all.data(), sizeof(Ids), what);
+  GpuIds ids;
+  for (const Ids& i : all) {
+    ids.bus.emplace_back(i.bus, strnlen(i.bus, sizeof(i.bus)));
+    ids.uuid.emplace_back(reinterpret_cast<const char*>(i.uuid), sizeof(i.uuid));
+  }
   return ids;
 }
 
@@ -155,7 +169,6 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
       releaser_(device, ctx.options.timeout),
       fault_(device, ctx.options.timeout, "meshmem::Comm (device setup)") {
   const std::string what = "meshmem::Comm (device setup)";
-  std::string bus_id;
   agreed_step(ctx.boot, what, [&] {
     ipc::check_cuda(cudaSetDevice(device_), "cudaSetDevice", what);
     ipc::check_cuda(cudaFree(nullptr), "cudaFree(nullptr) (context creation)", what);
@@ -167,7 +180,6 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
     ipc::check_cuda(cudaDeviceGetPCIBusId(bus, sizeof(bus), device_), "cudaDeviceGetPCIBusId", what);
     description_ = "device " + std::to_string(device_) + " (" + prop.name + ", " + bus + ")";
     early_launch_ = kEarlyLaunch.get(ctx.options) == EarlyLaunch::Auto && prop.major >= 9 && cuda::early_launch_compiled();
-    bus_id = bus;
     granularity_ = ipc::vmm_granularity(device_);
     CUdevice dev = 0;
     ipc::check_cu(ipc::cuda_driver().cuDeviceGet(&dev, device_), "cuDeviceGet", what);
@@ -179,10 +191,14 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
   // Granularities are powers of two: the largest is a multiple of all, so every rank
   // rounds a window to the same size.
   granularity_ = ctx.boot.allreduce_max(granularity_, what);
-  // Which node peers share this rank's GPU (same PCI bus id): polling kernels would hold a
-  // time-sliced GPU from the very ranks they wait for, so the Auto choices avoid them then.
-  bus_ids_ = gather_bus_ids(ctx, device_, what);
-  for (int r : ctx.topo.node_ranks) shared_gpu_ = shared_gpu_ || (r != ctx.topo.rank && bus_ids_[r] == bus_id);
+  // Which ranks share this rank's GPU: polling kernels would hold a time-sliced GPU from the
+  // very ranks they wait for, so the Auto choices avoid them then. By UUID, so that ranks of
+  // different nodes count too where those nodes are containers of one machine given the same
+  // GPU (their NCCL transfers hung behind polling kernels: 2 namespace hosts on 1 x H100).
+  GpuIds ids = gather_gpu_ids(ctx, device_, what);
+  bus_ids_ = std::move(ids.bus);
+  for (int r = 0; r < ctx.topo.size; ++r)
+    shared_gpu_ = shared_gpu_ || (r != ctx.topo.rank && ids.uuid[r] == ids.uuid[ctx.topo.rank]);
   any_shared_ = ctx.boot.allreduce_max(shared_gpu_ ? 1 : 0, what) != 0;
   const StreamWait wait = kStreamWait.get(ctx.options);
   wait_kernel_ = wait == StreamWait::Kernel || (wait == StreamWait::Auto && !shared_gpu_);

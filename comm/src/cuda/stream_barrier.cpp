@@ -438,11 +438,9 @@ std::unique_ptr<StreamBarrier> make_hierarchical_barrier(const CommContext& ctx,
   // A GPU that ranks share is time-sliced between them: NCCL's all-reduce kernel spins on it
   // and holds it from the very ranks it waits for (1 x H100, two simulated nodes: 4.7 ms per
   // all-reduce against 48 us for the proxy's meeting, bench/results/2026-11-24-*-cross-host-*).
-  // (Ranks of other simulated nodes count here, unlike in CudaDeviceRuntime's shared GPU.)
-  bool time_sliced = false;
-  for (int r = 0; r < topo.size; ++r)
-    time_sliced = time_sliced || (r != topo.rank && topo.host_of[r] == topo.host_of[topo.rank] &&
-                                  device.bus_ids()[r] == device.bus_ids()[topo.rank]);
+  // Ranks of other nodes count too: simulated nodes of one machine, or containers of one
+  // machine given the same GPU (CudaDeviceRuntime finds the GPU by its UUID).
+  const bool time_sliced = device.any_shared_gpu();
   if (why.empty() && asked == AcrossNodes::Auto && time_sliced)
     why = "this rank's GPU is shared with other ranks (time-sliced: NCCL's all-reduce kernel would hold it from the "
           "ranks it waits for; MESHMEM_BARRIER_ACROSS_NODES=nccl uses it all the same)";

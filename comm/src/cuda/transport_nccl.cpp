@@ -99,7 +99,8 @@ void wait_for_nccl(const NcclLibrary& lib, const std::vector<NcclCommHandle>& co
     if (deadline.expired())
       throw Error(ErrorCode::Timeout, what + ": NCCL's " + step + " with rank(s) " + rank_list(busy) +
                                           " did not end within " + describe_timeout(deadline.timeout()) +
-                                          (busy.size() > 1 ? " (made in one group: one late or dead rank among them "
+                                          (busy.size() > 1 ? " (made in one group: one late or dead rank among them, "
+                                                             "or a rank that they wait for in groups of their own, "
                                                              "holds up all)"
                                                            : "") +
                                           "; its communicators are aborted");
