@@ -33,9 +33,8 @@ const TuningKnob<StreamWait> kStreamWait{
     "memop), `memop` (cuStreamWaitValue64: holds no SM, so it is faster where ranks share a GPU, but a "
     "`wait_until` cannot time out; a transfer is still ended at the timeout, by the staging agent or by the proxy "
     "thread's watchdog; staged transfers through a hidden peer's channel keep the kernel, as only that peer "
-    "ends them); `auto` = `kernel`, or `memop` where this rank's GPU is shared (another rank of the Comm uses "
-    "the same GPU, by UUID: on this node, or in another container of this machine given the same GPU; a polling "
-    "kernel would hold the time-sliced GPU from the ranks it waits for). Either wait stalls its GPU queue (a kernel once work is "
+    "ends them); `auto` = `kernel`, or `memop` where this rank's GPU is shared (a polling kernel would "
+    "hold the time-sliced GPU from the ranks it waits for). Either wait stalls its GPU queue (a kernel once work is "
     "queued behind it): see MESHMEM_GPU_QUEUES"};
 
 enum class EarlyLaunch { Auto, Off };
@@ -191,14 +190,15 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
   // Granularities are powers of two: the largest is a multiple of all, so every rank
   // rounds a window to the same size.
   granularity_ = ctx.boot.allreduce_max(granularity_, what);
-  // Which ranks share this rank's GPU: polling kernels would hold a time-sliced GPU from the
-  // very ranks they wait for, so the Auto choices avoid them then. By UUID, so that ranks of
-  // different nodes count too where those nodes are containers of one machine given the same
-  // GPU (their NCCL transfers hung behind polling kernels: 2 namespace hosts on 1 x H100).
+  // Which node peers share this rank's GPU (same PCI bus id): polling kernels would hold a
+  // time-sliced GPU from the very ranks they wait for, so the Auto choices avoid them then.
+  // Whether any rank of the Comm does, by UUID (one physical GPU whatever machine or container
+  // it is seen from): the cross-node barrier's choice.
   GpuIds ids = gather_gpu_ids(ctx, device_, what);
   bus_ids_ = std::move(ids.bus);
+  for (int r : ctx.topo.node_ranks) shared_gpu_ = shared_gpu_ || (r != ctx.topo.rank && bus_ids_[r] == bus_ids_[ctx.topo.rank]);
   for (int r = 0; r < ctx.topo.size; ++r)
-    shared_gpu_ = shared_gpu_ || (r != ctx.topo.rank && ids.uuid[r] == ids.uuid[ctx.topo.rank]);
+    shared_in_comm_ = shared_in_comm_ || (r != ctx.topo.rank && ids.uuid[r] == ids.uuid[ctx.topo.rank]);
   any_shared_ = ctx.boot.allreduce_max(shared_gpu_ ? 1 : 0, what) != 0;
   const StreamWait wait = kStreamWait.get(ctx.options);
   wait_kernel_ = wait == StreamWait::Kernel || (wait == StreamWait::Auto && !shared_gpu_);

@@ -81,6 +81,9 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   std::size_t granularity() const { return granularity_; }
   // Some rank of the Comm shares its GPU with another.
   bool any_shared_gpu() const { return any_shared_; }
+  // Another rank of the Comm, on any node, uses this rank's GPU (same UUID): ranks of other
+  // simulated nodes, or of containers of this machine given the same GPU.
+  bool gpu_shared_in_comm() const { return shared_in_comm_; }
   // Every rank's GPU as a PCI bus id ("0000:1b:00.0"), by rank: the way to name a peer's GPU
   // across processes that number their devices differently (gathered once, at construction).
   const std::vector<std::string>& bus_ids() const { return bus_ids_; }
@@ -114,6 +117,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   std::string description_;
   std::size_t granularity_ = 0;
   bool shared_gpu_ = false;
+  bool shared_in_comm_ = false;
   std::vector<std::string> bus_ids_;
   bool any_shared_ = false;
   unsigned wait_flags_ = 0;

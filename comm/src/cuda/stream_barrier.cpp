@@ -440,7 +440,7 @@ std::unique_ptr<StreamBarrier> make_hierarchical_barrier(const CommContext& ctx,
   // all-reduce against 48 us for the proxy's meeting, bench/results/2026-11-24-*-cross-host-*).
   // Ranks of other nodes count too: simulated nodes of one machine, or containers of one
   // machine given the same GPU (CudaDeviceRuntime finds the GPU by its UUID).
-  const bool time_sliced = device.any_shared_gpu();
+  const bool time_sliced = device.gpu_shared_in_comm();
   if (why.empty() && asked == AcrossNodes::Auto && time_sliced)
     why = "this rank's GPU is shared with other ranks (time-sliced: NCCL's all-reduce kernel would hold it from the "
           "ranks it waits for; MESHMEM_BARRIER_ACROSS_NODES=nccl uses it all the same)";
