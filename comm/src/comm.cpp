@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <exception>
 #include <optional>
 
 #include "backoff.hpp"
@@ -662,7 +663,17 @@ void CommImpl::quiet(Stream stream, const char* call) {
     throw Error(ErrorCode::Unsupported, where(call) + ": a stream was given but device windows are unavailable: " + device_why);
   std::optional<DeviceScope> scope;
   if (stream != nullptr) scope.emplace(*device, stream, false, call);
-  for (const auto& t : transports) t->quiet(stream);
+  // Every transport's quiet runs (the mpi flush, the shm fence) even where another raises a
+  // transfer known to have failed; the first error is raised after them.
+  std::exception_ptr first;
+  for (const auto& t : transports) {
+    try {
+      t->quiet(stream);
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
 }
 
 void CommImpl::barrier(Stream stream) {

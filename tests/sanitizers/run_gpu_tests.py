@@ -106,12 +106,16 @@ def run(t):
     with open(os.path.join(a.out, name + ".log"), "w") as f:
         f.write(" ".join(cmd) + "\n" + text)
     passes, skips = prop(t, "PASS_REGULAR_EXPRESSION"), prop(t, "SKIP_REGULAR_EXPRESSION")
+    fails = prop(t, "FAIL_REGULAR_EXPRESSION")
+    # As CTest's: `.` matches a newline too (a pattern may span several ranks' lines).
     if rc is None:
         verdict = "TIMEOUT"
-    elif (skips and any(re.search(r, text) for r in skips)) or rc == prop(t, "SKIP_RETURN_CODE", 77):
+    elif (skips and any(re.search(r, text, re.S) for r in skips)) or rc == prop(t, "SKIP_RETURN_CODE", 77):
         verdict = "skipped"
+    elif fails and any(re.search(r, text, re.S) for r in fails):
+        verdict = f"FAIL(rc={rc}, failure pattern)"
     elif passes:
-        verdict = "pass" if any(re.search(r, text) for r in passes) else f"FAIL(rc={rc})"
+        verdict = "pass" if any(re.search(r, text, re.S) for r in passes) else f"FAIL(rc={rc})"
     else:
         verdict = "pass" if rc == 0 else f"FAIL(rc={rc})"
     findings = ""

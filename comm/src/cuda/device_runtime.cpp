@@ -103,8 +103,7 @@ void run_stream_batch(std::vector<CUstreamBatchMemOpParams>& ops, Stream stream,
   }
 }
 
-// Collective: every rank's GPU as a PCI bus id, by rank.
-// Every rank's GPU: its PCI bus id (where node peers look for each other's GPU) and its UUID
+// Collective: every rank's GPU, by rank: its PCI bus id (where node peers look for each other's GPU) and its UUID
 // (one physical GPU, or MIG instance, whatever machine or container it is seen from).
 struct GpuIds {
   std::vector<std::string> bus;

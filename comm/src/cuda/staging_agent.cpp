@@ -90,9 +90,14 @@ StagingAgent::StagingAgent(Setup setup)
   broken_.assign(setup.node_ranks.size(), false);
   gone_.assign(setup.node_ranks.size(), false);
   watches_.resize(setup.node_ranks.size());
-  for (int peer : hidden_)
+  for (int peer : hidden_) {
     if (static_cast<std::size_t>(peer) < setup.pids.size())
       watches_[local_index(peer)] = ipc::ProcessWatch(setup.pids[static_cast<std::size_t>(peer)]);
+    if (!watches_[local_index(peer)].watching())
+      log(LogLevel::Info, what + ": rank " + std::to_string(peer) +
+                              "'s process cannot be watched (pidfd_open refused): should it die, the staging slots "
+                              "posted to it stay held");
+  }
   for (int d : setup.devices) {
     if (lanes_.count(d)) continue;
     if (lanes_.size() == ControlWords::kLanes)
@@ -549,8 +554,10 @@ bool StagingAgent::pump() {
       bool moved = false;
       bool left = false;
       if (gone_[local_index(o.reader)]) {
-        abandon_outgoing(o, o.what + ": rank " + std::to_string(o.reader) + "'s process (pid " +
-                                std::to_string(watches_[local_index(o.reader)].pid()) + ") has ended");
+        // One that watch_readers already ended was reported there (once).
+        if (__atomic_load_n(control_of(o.done_rank).transfer(o.done_word), __ATOMIC_ACQUIRE) < o.ticket)
+          abandon_outgoing(o, o.what + ": rank " + std::to_string(o.reader) + "'s process (pid " +
+                                  std::to_string(watches_[local_index(o.reader)].pid()) + ") has ended");
         left = true;
       } else {
         try {
@@ -752,9 +759,13 @@ void StagingAgent::watch_readers() {
                                 std::to_string(slots) + " staging slot(s) it held are taken back, " +
                                 std::to_string(unended.size()) + " put(s) to it ended unfinished, and transfers to it fail";
     log(LogLevel::Warn, message);
-    if (unended.empty()) continue;
-    if (error_.empty()) error_ = message;
+    if (!unended.empty() && error_.empty()) error_ = message;
     for (const RemoteEnd* e : unended) __atomic_store_n(const_cast<std::uint64_t*>(e->done), e->ticket, __ATOMIC_RELEASE);
+    // Its words are never lent again (a few per dead peer): a write of the dead process's
+    // that landed late (a deferred context teardown, MPS) must not move a reused word back.
+    remote_lent_.erase(std::remove_if(remote_lent_.begin(), remote_lent_.end(),
+                                      [&](const RemoteEnd& e) { return e.writer == peer; }),
+                       remote_lent_.end());
   }
 }
 

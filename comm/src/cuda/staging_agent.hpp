@@ -18,7 +18,8 @@
 //   of its window.
 //
 // Nothing this agent enqueues waits for another rank: a slot (or a ring entry) that a hidden
-// reader still holds is reused only once the host sees its consumed count pass it. So a
+// reader still holds is reused only once the host sees its consumed count pass it, or the
+// reader's process has ended. So a
 // transfer is cut into pieces as slots free up (PieceCursor), across several turns of the
 // agent's loop, and the agent's lanes only ever wait for its own copies (events). A slow or
 // stalled reader delays transfers that need the slots it holds, for at most MESHMEM_TIMEOUT,
