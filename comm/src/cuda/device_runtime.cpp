@@ -103,27 +103,22 @@ void run_stream_batch(std::vector<CUstreamBatchMemOpParams>& ops, Stream stream,
   }
 }
 
-// Collective: every rank's GPU, by rank: its PCI bus id (where node peers look for each other's GPU) and its UUID
+// One rank's GPU: its PCI bus id (where node peers look for each other's GPU) and its UUID
 // (one physical GPU, or MIG instance, whatever machine or container it is seen from).
+struct GpuId {
+  char bus[32];
+  unsigned char uuid[16];
+};
 struct GpuIds {
   std::vector<std::string> bus;
   std::vector<std::string> uuid;
 };
-static GpuIds gather_gpu_ids(const CommContext& ctx, int device, const std::string& what) {
-  struct Ids {
-    char bus[32];
-    unsigned char uuid[16];
-  } mine{};
-  agreed_step(ctx.boot, what, [&] {
-    ipc::check_cuda(cudaDeviceGetPCIBusId(mine.bus, sizeof(mine.bus), device), "cudaDeviceGetPCIBusId", what);
-    cudaDeviceProp prop{};
-    ipc::check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties", what);
-    std::memcpy(mine.uuid, prop.uuid.bytes, sizeof(mine.uuid));
-  });
-  std::vector<Ids> all(static_cast<std::size_t>(ctx.topo.size));
-  ctx.boot.allgather(&mine, all.data(), sizeof(Ids), what);
+// Collective: every rank's GpuId, by rank.
+static GpuIds gather_gpu_ids(const CommContext& ctx, const GpuId& mine, const std::string& what) {
+  std::vector<GpuId> all(static_cast<std::size_t>(ctx.topo.size));
+  ctx.boot.allgather(&mine, all.data(), sizeof(GpuId), what);
   GpuIds ids;
-  for (const Ids& i : all) {
+  for (const GpuId& i : all) {
     ids.bus.emplace_back(i.bus, strnlen(i.bus, sizeof(i.bus)));
     ids.uuid.emplace_back(reinterpret_cast<const char*>(i.uuid), sizeof(i.uuid));
   }
@@ -167,6 +162,7 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
       releaser_(device, ctx.options.timeout),
       fault_(device, ctx.options.timeout, "meshmem::Comm (device setup)") {
   const std::string what = "meshmem::Comm (device setup)";
+  GpuId gpu{};
   agreed_step(ctx.boot, what, [&] {
     ipc::check_cuda(cudaSetDevice(device_), "cudaSetDevice", what);
     ipc::check_cuda(cudaFree(nullptr), "cudaFree(nullptr) (context creation)", what);
@@ -174,9 +170,9 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
     ipc::check_cuda(cuda::preload_kernels(), "cudaFuncGetAttributes (loading meshmem's kernels)", what);
     cudaDeviceProp prop{};
     ipc::check_cuda(cudaGetDeviceProperties(&prop, device_), "cudaGetDeviceProperties", what);
-    char bus[32] = {};
-    ipc::check_cuda(cudaDeviceGetPCIBusId(bus, sizeof(bus), device_), "cudaDeviceGetPCIBusId", what);
-    description_ = "device " + std::to_string(device_) + " (" + prop.name + ", " + bus + ")";
+    ipc::check_cuda(cudaDeviceGetPCIBusId(gpu.bus, sizeof(gpu.bus), device_), "cudaDeviceGetPCIBusId", what);
+    std::memcpy(gpu.uuid, prop.uuid.bytes, sizeof(gpu.uuid));
+    description_ = "device " + std::to_string(device_) + " (" + prop.name + ", " + gpu.bus + ")";
     early_launch_ = kEarlyLaunch.get(ctx.options) == EarlyLaunch::Auto && prop.major >= 9 && cuda::early_launch_compiled();
     granularity_ = ipc::vmm_granularity(device_);
     CUdevice dev = 0;
@@ -193,7 +189,7 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
   // time-sliced GPU from the very ranks they wait for, so the Auto choices avoid them then.
   // Whether any rank of the Comm does, by UUID (one physical GPU whatever machine or container
   // it is seen from): the cross-node barrier's choice.
-  GpuIds ids = gather_gpu_ids(ctx, device_, what);
+  GpuIds ids = gather_gpu_ids(ctx, gpu, what);
   bus_ids_ = std::move(ids.bus);
   for (int r : ctx.topo.node_ranks) shared_gpu_ = shared_gpu_ || (r != ctx.topo.rank && bus_ids_[r] == bus_ids_[ctx.topo.rank]);
   for (int r = 0; r < ctx.topo.size; ++r)

@@ -991,19 +991,19 @@ bool pageable(const void* p) {
 }
 }  // namespace
 
-void ProxyTransport::quiet(Stream) {
-  if (!proxy_) return;
+void ProxyTransport::raise_earlier_failure(const std::string& where) {
   ErrorCode code = ErrorCode::Cuda;
   const std::string error = proxy_->take_error(&code);
-  if (!error.empty())
-    throw Error(code, std::string(name_) + " transport on rank " + std::to_string(ctx_.topo.rank) + ": an earlier transfer failed: " + error);
+  if (!error.empty()) throw Error(code, where + ": an earlier transfer failed: " + error);
+}
+
+void ProxyTransport::quiet(Stream) {
+  if (proxy_) raise_earlier_failure(std::string(name_) + " transport on rank " + std::to_string(ctx_.topo.rank));
 }
 
 void ProxyTransport::transfer(ProxyRequest r, Stream stream, const char* name) {
   if (!proxy_) throw Error(ErrorCode::Internal, what(name, r.peer) + ": the transport is not connected");
-  ErrorCode code = ErrorCode::Cuda;
-  const std::string error = proxy_->take_error(&code);
-  if (!error.empty()) throw Error(code, what(name, r.peer) + ": an earlier transfer failed: " + error);
+  raise_earlier_failure(what(name, r.peer));
   const auto s = static_cast<cudaStream_t>(stream);
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   cudaGraph_t graph = nullptr;

@@ -129,6 +129,8 @@ class ProxyTransport : public Transport {
   std::shared_ptr<TransferProxy> proxy_;
 
  private:
+  // Raises, once, a transfer that failed since the last call (`where` begins the message).
+  void raise_earlier_failure(const std::string& where);
   // Hands one transfer to the proxy; the caller's stream waits for its end. Under capture,
   // a host node hands it over on every replay (capture_transfer).
   void transfer(ProxyRequest r, Stream stream, const char* name);

@@ -246,17 +246,17 @@ void* StagedTransport::mapped_part(const WindowState& win, int rank, const char*
   throw Error(ErrorCode::Internal, what(op, rank) + ": window #" + std::to_string(win.id) + " is not attached here");
 }
 
-void StagedTransport::quiet(Stream) {
-  if (!agent_) return;
+void StagedTransport::raise_earlier_failure(const std::string& where) {
   const std::string error = agent_->take_error();
-  if (!error.empty())
-    throw Error(ErrorCode::Cuda, "staged transport on rank " + std::to_string(ctx_.topo.rank) +
-                                     ": an earlier transfer failed: " + error);
+  if (!error.empty()) throw Error(ErrorCode::Cuda, where + ": an earlier transfer failed: " + error);
+}
+
+void StagedTransport::quiet(Stream) {
+  if (agent_) raise_earlier_failure("staged transport on rank " + std::to_string(ctx_.topo.rank));
 }
 
 void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const char* name) {
-  const std::string error = agent_->take_error();
-  if (!error.empty()) throw Error(ErrorCode::Cuda, what(name, peer) + ": an earlier transfer failed: " + error);
+  raise_earlier_failure(what(name, peer));
   const auto s = static_cast<cudaStream_t>(stream);
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   cudaGraph_t graph = nullptr;

@@ -104,6 +104,8 @@ class StagedTransport final : public Transport {
   std::uint64_t* barrier_flags(int rank) const;
 
  private:
+  // Raises, once, a transfer that failed since the last call (`where` begins the message).
+  void raise_earlier_failure(const std::string& where);
   std::string what(const char* op, int target) const;
   void* mapped_part(const WindowState& win, int rank, const char* op) const;
   StagedRequest request(void* dst, int dst_device, const void* src, int src_device, std::size_t width, std::size_t rows,
