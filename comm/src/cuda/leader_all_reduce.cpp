@@ -164,10 +164,7 @@ LeaderAllReduce::~LeaderAllReduce() {
   } else {
     comm_.reset(false);
     root_.reset(false);
-    if (!nccl_destroys_done_within(timeout_))
-      log(LogLevel::Warn, "barrier(stream) across nodes on rank " + std::to_string(rank_) +
-                              ": work issued on this GPU has not finished after " + describe_timeout(timeout_) +
-                              "; the leaders' NCCL communicator is destroyed once that work ends");
+    await_nccl_destroys(timeout_, "barrier(stream) across nodes on rank " + std::to_string(rank_) + " (the leaders' all-reduce)");
   }
 }
 

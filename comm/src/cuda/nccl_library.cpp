@@ -15,6 +15,8 @@
 #include <thread>
 #include <vector>
 
+#include "../backoff.hpp"
+#include "../log.hpp"
 #include "device_sync.hpp"
 #include "meshmem/error.hpp"
 
@@ -183,18 +185,19 @@ struct NcclDestroyer {
     }
   }
 
-  bool done_within(std::chrono::milliseconds bound) {
+  enum class Wait { Done, TimedOut, BehindLate };
+  Wait wait_within(std::chrono::milliseconds bound) {
     std::unique_lock<std::mutex> lock(m);
-    if (late > destroyed) return false;
+    if (late > destroyed) return Wait::BehindLate;
     const std::uint64_t want = given;
     auto all = [&] { return destroyed >= want; };
     if (bound.count() == 0) {
       done.wait(lock, all);
-      return true;
+      return Wait::Done;
     }
-    if (done.wait_for(lock, bound, all)) return true;
+    if (done.wait_for(lock, bound, all)) return Wait::Done;
     late = want;
-    return false;
+    return Wait::TimedOut;
   }
 };
 
@@ -234,6 +237,19 @@ void NcclComm::reset(bool abort) noexcept {
   comm_ = nullptr;
 }
 
-bool nccl_destroys_done_within(std::chrono::milliseconds bound) { return destroyer().done_within(bound); }
+void await_nccl_destroys(std::chrono::milliseconds bound, const std::string& who) {
+  switch (destroyer().wait_within(bound)) {
+    case NcclDestroyer::Wait::Done:
+      return;
+    case NcclDestroyer::Wait::TimedOut:
+      log(LogLevel::Warn, who + ": work issued on this GPU has not finished after " + describe_timeout(bound) +
+                              "; its NCCL communicators are destroyed once that work ends");
+      return;
+    case NcclDestroyer::Wait::BehindLate:
+      log(LogLevel::Warn, who + ": NCCL communicators of an earlier teardown still wait for work issued on this GPU; "
+                              "this one's are destroyed after them, without waiting here");
+      return;
+  }
+}
 
 }  // namespace meshmem::detail

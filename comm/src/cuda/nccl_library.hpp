@@ -92,9 +92,10 @@ class NcclComm {
   int device_ = -1;
 };
 
-// Whether every communicator handed to the destroying thread so far is destroyed within
-// `bound` (0: waits for ever). Returns at once while one that an earlier call gave up on is
-// still waiting for the device: a teardown waits one bound, not one per communicator.
-bool nccl_destroys_done_within(std::chrono::milliseconds bound);
+// Waits until every communicator handed to the destroying thread so far is destroyed, for at
+// most `bound` (0: for ever). Where they are not, `who` logs a warning saying which case it is.
+// A teardown waits one bound, not one per communicator: while communicators that an earlier
+// call gave up on still wait for the device, this returns at once.
+void await_nccl_destroys(std::chrono::milliseconds bound, const std::string& who);
 
 }  // namespace meshmem::detail

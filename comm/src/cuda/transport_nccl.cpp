@@ -144,9 +144,7 @@ class NcclWire final : public ProxyWire {
       p.out_root.reset(abort);
       p.in_root.reset(abort);
     }
-    if (!abort && !peers_.empty() && !nccl_destroys_done_within(timeout_))
-      log(LogLevel::Warn, "nccl transport: work issued on this GPU has not finished after " + describe_timeout(timeout_) +
-                              "; its NCCL communicators are destroyed once that work ends");
+    if (!abort && !peers_.empty()) await_nccl_destroys(timeout_, "nccl transport");
   }
 
  private:
