@@ -34,20 +34,10 @@ int node_local_rank(MPI_Comm comm) {
   int rank = 0, size = 0;
   detail::check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank", what);
   detail::check_mpi(MPI_Comm_size(comm, &size), "MPI_Comm_size", what);
-  constexpr std::size_t kBytes = detail::kNodeKeyBytes;
-  std::vector<char> mine(kBytes, '\0');
-  const std::string key = detail::node_key();
-  std::memcpy(mine.data(), key.data(), key.size());
-  std::vector<char> all(kBytes * static_cast<std::size_t>(size));
-  detail::check_mpi(MPI_Allgather(mine.data(), static_cast<int>(kBytes), MPI_CHAR, all.data(), static_cast<int>(kBytes),
-                                  MPI_CHAR, comm),
-                    "MPI_Allgather", what);
-  std::vector<std::string> keys;
-  for (int r = 0; r < size; ++r) {
-    const char* k = all.data() + kBytes * static_cast<std::size_t>(r);
-    keys.emplace_back(k, strnlen(k, kBytes));
-  }
-  return detail::place_by_key(keys)[static_cast<std::size_t>(rank)].local_rank;
+  const std::uint64_t mine = detail::node_id(detail::node_key());
+  std::vector<std::uint64_t> ids(static_cast<std::size_t>(size));
+  detail::check_mpi(MPI_Allgather(&mine, 1, MPI_UINT64_T, ids.data(), 1, MPI_UINT64_T, comm), "MPI_Allgather", what);
+  return detail::place_by_id(ids)[static_cast<std::size_t>(rank)].local_rank;
 }
 
 int select_local_device(MPI_Comm comm) {

@@ -1,9 +1,9 @@
 #include "topology.hpp"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstring>
 #include <fstream>
 #include <map>
 #include <string>
@@ -26,22 +26,42 @@ std::vector<int> assign_nodes(const std::vector<RealPlacement>& placement, int s
   return node;
 }
 
+namespace {
+// "net:[4026531840]"-like identity of one of this process's namespaces ("" where unreadable).
+std::string namespace_of(const char* kind) {
+  struct stat st {};
+  const std::string path = std::string("/proc/self/ns/") + kind;
+  if (::stat(path.c_str(), &st) != 0) return "";
+  return std::string(kind) + ":" + std::to_string(static_cast<unsigned long long>(st.st_dev)) + ":" +
+         std::to_string(static_cast<unsigned long long>(st.st_ino));
+}
+}  // namespace
+
 std::string node_key() {
-  char name[kNodeKeyBytes] = {};
+  char name[256] = {};
   if (gethostname(name, sizeof(name) - 1) != 0) name[0] = '\0';
   std::string key = name;
   std::ifstream boot_id("/proc/sys/kernel/random/boot_id");
   std::string id;
   if (boot_id >> id) key += "/" + id;
-  if (key.size() >= kNodeKeyBytes) key.resize(kNodeKeyBytes - 1);
+  for (const char* kind : {"net", "pid"}) key += "/" + namespace_of(kind);
   return key;
 }
 
-std::vector<RealPlacement> place_by_key(const std::vector<std::string>& keys) {
-  std::vector<RealPlacement> placement(keys.size());
-  std::map<std::string, std::vector<int>> nodes;  // key -> its ranks, ascending
-  for (std::size_t r = 0; r < keys.size(); ++r) nodes[keys[r]].push_back(static_cast<int>(r));
-  for (const auto& [key, ranks] : nodes)
+std::uint64_t node_id(const std::string& key) {
+  std::uint64_t h = 14695981039346656037ull;  // FNV-1a, 64 bits
+  for (unsigned char c : key) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+std::vector<RealPlacement> place_by_id(const std::vector<std::uint64_t>& ids) {
+  std::vector<RealPlacement> placement(ids.size());
+  std::map<std::uint64_t, std::vector<int>> nodes;  // id -> its ranks, ascending
+  for (std::size_t r = 0; r < ids.size(); ++r) nodes[ids[r]].push_back(static_cast<int>(r));
+  for (const auto& [id, ranks] : nodes)
     for (std::size_t i = 0; i < ranks.size(); ++i)
       placement[static_cast<std::size_t>(ranks[i])] =
           RealPlacement{ranks.front(), static_cast<int>(i), static_cast<int>(ranks.size())};
@@ -60,24 +80,20 @@ Topology Topology::discover(Bootstrap& boot, int simulate_nodes) {
   // later step's timeout (CI: 10.8 s to give up without it, against a bound of 10).
   boot.arrive(what);
   struct Record {
-    char key[kNodeKeyBytes];
+    std::uint64_t node;
     std::int64_t pid;
     std::int64_t uid;
-  } me{};
-  const std::string key = node_key();
-  std::memcpy(me.key, key.data(), key.size());  // zero-terminated: me is zeroed, key is short
-  me.pid = static_cast<std::int64_t>(getpid());
-  me.uid = static_cast<std::int64_t>(geteuid());
+  } me{node_id(node_key()), static_cast<std::int64_t>(getpid()), static_cast<std::int64_t>(geteuid())};
   std::vector<Record> all(static_cast<std::size_t>(t.size));
   boot.allgather(&me, all.data(), sizeof(Record), what);
 
-  std::vector<std::string> keys;
+  std::vector<std::uint64_t> ids;
   for (const Record& rec : all) {
-    keys.emplace_back(rec.key, strnlen(rec.key, sizeof(rec.key)));
+    ids.push_back(rec.node);
     t.pid_of.push_back(static_cast<pid_t>(rec.pid));
     t.uid_of.push_back(static_cast<int>(rec.uid));
   }
-  const std::vector<RealPlacement> placement = place_by_key(keys);
+  const std::vector<RealPlacement> placement = place_by_id(ids);
   for (const RealPlacement& p : placement) t.host_of.push_back(p.host);
   t.node_of = assign_nodes(placement, simulate_nodes);
   t.node_count = 1 + *std::max_element(t.node_of.begin(), t.node_of.end());

@@ -21,18 +21,24 @@ struct RealPlacement {
   int local_size = 1;   // ranks on the real node
 };
 
-// What names this process's real node: its host name (its UTS namespace's) and the kernel's
-// boot id, as NCCL tells hosts apart. Ranks with equal keys share a node. MPI_COMM_TYPE_SHARED
-// is not asked: some Open MPI 4.1 builds put ranks of one node in nodes of their own
-// (open-mpi/ompi#11585, PMIx 4.2.3; seen with Open MPI 4.1.6 on the GPU machines for the
-// ranks that a remote daemon starts), which would turn node peers into remote ones.
-// At most kNodeKeyBytes - 1 bytes.
-constexpr std::size_t kNodeKeyBytes = 256;
+// What names this process's real node: its host name (its UTS namespace's), the kernel's
+// boot id (as NCCL tells hosts apart), and its network and pid namespaces, since node peers
+// pass descriptors through abstract Unix sockets (one set per network namespace) and check
+// each other by pid (SO_PEERCRED, pidfd: one pid namespace). Ranks with equal keys share a
+// node; two containers of one machine with the same host name but namespaces of their own
+// are two nodes. MPI_COMM_TYPE_SHARED is not asked: some Open MPI 4.1 builds put ranks of one
+// node in nodes of their own (open-mpi/ompi#11585, PMIx 4.2.3; seen with Open MPI 4.1.6 on the
+// GPU machines for the ranks that a remote daemon starts), which would turn node peers into
+// remote ones.
 std::string node_key();
 
-// Each rank's real placement from every rank's key: its node is the ranks with its key, its
-// host the lowest of them, its local rank its place among them.
-std::vector<RealPlacement> place_by_key(const std::vector<std::string>& keys);
+// What ranks exchange: a 64-bit FNV-1a hash of the key (NCCL hashes its host key the same
+// size), so a rank sends 8 bytes whatever its host name's length.
+std::uint64_t node_id(const std::string& key);
+
+// Each rank's real placement from every rank's node id: its node is the ranks with its id,
+// its host the lowest of them, its local rank its place among them.
+std::vector<RealPlacement> place_by_id(const std::vector<std::uint64_t>& ids);
 
 // Node index per rank: ranks of one real node are split into `simulate` contiguous groups
 // of (nearly) equal size (at most one group per rank); nodes are numbered in rank order.

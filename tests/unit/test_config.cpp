@@ -1,3 +1,5 @@
+#include <sched.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -201,13 +203,14 @@ TEST(Topology, AssignNodes) {
   EXPECT_EQ(assign_nodes(two, 2), (std::vector<int>{0, 1, 2, 3}));
 }
 
-// Nodes from host name and boot id keys: ranks with equal keys form a node whatever their
-// order, its host is its lowest rank, local ranks follow rank order; two hosts whose names are
-// equal but whose kernels differ are two nodes.
-TEST(Topology, PlaceByKey) {
-  using meshmem::detail::place_by_key;
-  using meshmem::detail::RealPlacement;
-  const auto placement = place_by_key({"h2/b", "h1/a", "h2/b", "h1/a", "h1/c"});
+// Nodes from node ids: ranks with equal ids form a node whatever their order, its host is its
+// lowest rank, local ranks follow rank order; two hosts whose names are equal but whose
+// kernels differ are two nodes.
+TEST(Topology, PlaceById) {
+  using meshmem::detail::node_id;
+  using meshmem::detail::place_by_id;
+  const auto placement =
+      place_by_id({node_id("h2/b"), node_id("h1/a"), node_id("h2/b"), node_id("h1/a"), node_id("h1/c")});
   ASSERT_EQ(placement.size(), 5u);
   const std::vector<std::vector<int>> want = {{0, 0, 2}, {1, 0, 2}, {0, 1, 2}, {1, 1, 2}, {4, 0, 1}};
   for (std::size_t r = 0; r < want.size(); ++r) {
@@ -216,17 +219,57 @@ TEST(Topology, PlaceByKey) {
     EXPECT_EQ(placement[r].local_size, want[r][2]) << "rank " << r;
   }
   EXPECT_EQ(meshmem::detail::assign_nodes(placement, 1), (std::vector<int>{0, 1, 0, 1, 2}));
-  EXPECT_TRUE(place_by_key({}).empty());
+  EXPECT_TRUE(place_by_id({}).empty());
+  // The hash every rank computes alike (FNV-1a's published 64-bit values).
+  EXPECT_EQ(node_id(""), 0xcbf29ce484222325ull);
+  EXPECT_EQ(node_id("a"), 0xaf63dc4c8601ec8cull);
 }
 
-TEST(Topology, NodeKeyNamesThisHostAndItsBoot) {
+TEST(Topology, NodeKeyNamesThisHostItsBootAndNamespaces) {
   const std::string key = meshmem::detail::node_key();
   char name[256] = {};
   ASSERT_EQ(gethostname(name, sizeof(name) - 1), 0);
   EXPECT_EQ(key.rfind(name, 0), 0u) << key;  // starts with the host name
-  EXPECT_LT(key.size(), meshmem::detail::kNodeKeyBytes);
   EXPECT_GT(key.size(), std::string(name).size() + 1) << "no boot id in '" << key << "'";
+  EXPECT_NE(key.find("/net:"), std::string::npos) << key;
+  EXPECT_NE(key.find("/pid:"), std::string::npos) << key;
   EXPECT_EQ(meshmem::detail::node_key(), key) << "the key changed between two calls";
+}
+
+// The node key of a process in a network namespace of its own, same host name and kernel.
+static std::string node_key_in_new_netns(bool* unshared) {
+  int fds[2];
+  if (pipe(fds) != 0) return "";
+  const pid_t child = fork();
+  if (child == 0) {
+    close(fds[0]);
+    const char ok = unshare(CLONE_NEWNET) == 0 ? 'y' : 'n';
+    const std::string key = ok == 'y' ? meshmem::detail::node_key() : "";
+    (void)!write(fds[1], &ok, 1);
+    (void)!write(fds[1], key.data(), key.size());
+    _exit(0);
+  }
+  close(fds[1]);
+  std::string got;
+  char buf[512];
+  for (ssize_t n; (n = read(fds[0], buf, sizeof(buf))) > 0;) got.append(buf, static_cast<std::size_t>(n));
+  close(fds[0]);
+  int status = 0;
+  waitpid(child, &status, 0);
+  *unshared = !got.empty() && got[0] == 'y';
+  return got.empty() ? "" : got.substr(1);
+}
+
+// Two containers of one machine whose host names are equal, each in a network namespace of
+// its own, cannot pass each other descriptors (abstract Unix sockets are per network
+// namespace): they must be two nodes. With host name and boot id alone they were one.
+TEST(Topology, ANetworkNamespaceOfItsOwnIsAnotherNode) {
+  bool unshared = false;
+  const std::string other = node_key_in_new_netns(&unshared);
+  if (!unshared) GTEST_SKIP() << "unshare(CLONE_NEWNET) is not permitted here";
+  const std::string mine = meshmem::detail::node_key();
+  EXPECT_NE(other, mine);
+  EXPECT_NE(meshmem::detail::node_id(other), meshmem::detail::node_id(mine));
 }
 
 // Every transport of the table has its factory in a program that links the GPU part: a GPU

@@ -196,8 +196,8 @@ bool gpu_available(std::string* why = nullptr);
 int select_local_device(MPI_Comm comm);
 
 // This rank's place among the ranks of `comm` on its node, found as a Comm finds nodes: by
-// host name and the kernel's boot id (not MPI_COMM_TYPE_SHARED, which some Open MPI 4.1
-// builds get wrong). Collective over `comm`; raises Error(Mpi) naming the call that failed.
+// host name, the kernel's boot id, and network and pid namespaces (not MPI_COMM_TYPE_SHARED,
+// which some Open MPI 4.1 builds get wrong). Collective over `comm`; raises Error(Mpi) naming the call that failed.
 int node_local_rank(MPI_Comm comm);
 
 }  // namespace meshmem
