@@ -1065,6 +1065,80 @@ TEST_F(RealUse, KilledReaderLeavesTheStagingSlotsToOthers) {
   std::_Exit(failed ? 1 : 0);
 }
 
+// Two ranks of one node through the staged transport; rank 1 dies (MESHMEM_FAULT
+// 1:staged.carry:kill) as its agent takes rank 0's get request from the channel, so the get is
+// posted and never answered. Rank 0's get must end soon after rank 1's process did, reported
+// with the process's end, not after MESHMEM_TIMEOUT (here 20 s; for ever with 0): before,
+// only a put's done word was ended from here when its reader died. A later get from the dead
+// rank fails at once. Run by gpu.killed_owner_staged (mpirun --enable-recovery); rank 0 prints
+// the verdict.
+TEST_F(RealUse, KilledOwnerEndsTheGetsItOwed) {
+  const char* enabled = std::getenv("MESHMEM_TEST_KILL_OWNER");
+  if (enabled == nullptr || std::string(enabled) != "1")
+    GTEST_SKIP() << "kills a rank: run by gpu.killed_owner_staged (MESHMEM_TEST_KILL_OWNER=1, mpirun --enable-recovery)";
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "20");
+  ScopedEnv wait("MESHMEM_STREAM_WAIT", "kernel");
+  ScopedEnv fault("MESHMEM_FAULT", "1:staged.carry:kill");
+  make_comm();
+  ASSERT_EQ(n, 2) << "written for two ranks (rank 1 is killed)";
+  ASSERT_EQ(comm->transport(1 - me, Memory::Device), TransportKind::Staged);
+  constexpr std::size_t kBytes = (std::size_t(8) << 20) + 7;
+  Window win = comm->alloc(kBytes);
+  CUDA_OK(fill_now(win.local(), 0x5A, kBytes));
+  DeviceBuffer dst(kBytes);
+  CUDA_OK(fill_now(dst.p, kPoison, kBytes));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  MPI_Barrier(MPI_COMM_WORLD);  // the last collective: rank 1 dies at rank 0's get request
+  if (me == 1) {
+    std::this_thread::sleep_for(std::chrono::seconds(60));  // killed long before
+    std::_Exit(0);
+  }
+  auto seconds_since = [](std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  // Under a catch-all: a call that raises must not leave for TearDown's collectives.
+  const auto survivor = [&] {
+    auto expect_reported = [&](const char* what) {
+      try {
+        comm->quiet(s0);
+        ADD_FAILURE() << what << " was not reported";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("rank 1's process"), std::string::npos) << what << ": " << e.what();
+      }
+    };
+    auto t0 = std::chrono::steady_clock::now();
+    comm->get(dst.p, win, 1, 3, kBytes - 3, s0);
+    EXPECT_TRUE(finishes(s0, 40)) << "the get from the killed rank did not end";
+    const double first = seconds_since(t0);
+    EXPECT_LT(first, 10.0) << "the get from the killed rank ended only after " << first
+                           << " s: it waited for MESHMEM_TIMEOUT (20 s) instead of the process's end";
+    expect_reported("the get from the killed rank");
+    t0 = std::chrono::steady_clock::now();
+    comm->get(dst.p, win, 1, 0, 4096, s0);
+    EXPECT_TRUE(finishes(s0, 40)) << "the second get from the killed rank did not end";
+    EXPECT_LT(seconds_since(t0), 5.0) << "the second get from the killed rank";
+    expect_reported("the second get from the killed rank");
+    t0 = std::chrono::steady_clock::now();
+    try {
+      win.free();
+    } catch (const Error&) {  // the dead rank did not arrive: reported, and freed
+    }
+    comm.reset();
+    EXPECT_LT(seconds_since(t0), 60.0) << "free and ~Comm with a killed peer";
+  };
+  try {
+    survivor();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "rank 0 raised: " << e.what();
+  }
+  const bool failed = HasFailure();
+  std::printf("[ killed owner ] rank 0 %s\n", failed ? "FAILED" : "PASSED");
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::_Exit(failed ? 1 : 0);
+}
+
 // The leader tests' layout: 4 ranks, MESHMEM_SIMULATE_NODES=2 (ranks 0, 1 on one node and 2, 3
 // on the other), the hierarchical NCCL barrier, kernel waits, a 2 s timeout. The Comm is made
 // (the environment is set first); "" where it is, else why the test skips.

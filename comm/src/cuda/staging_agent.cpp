@@ -505,7 +505,7 @@ void StagingAgent::execute(const StagedRequest& r) {
   if (r.word_is_lent) {
     std::lock_guard<std::mutex> lock(m_);
     remote_lent_.push_back(
-        RemoteEnd{r.done, r.ticket, r.word, r.route == StagedRequest::Route::ToHidden ? r.peer : rank_});
+        RemoteEnd{r.done, r.ticket, r.word, r.route == StagedRequest::Route::ToHidden ? r.peer : rank_, r.peer});
   }
   outgoing_[local_index(r.peer)].push_back(std::move(o));
 }
@@ -748,23 +748,30 @@ void StagingAgent::watch_readers() {
       if (consumed_by(peer) < slot_use_[s].sequence) ++slots;
       slot_use_[s] = SlotUse{own.copied[s], -1, 0};  // after this rank's own copy into it
     }
-    // Puts it was to end: nothing will write their done words now. The error is recorded
-    // before they end, so that a caller whose stream goes on then finds it.
+    // Puts it was to end, and gets of this rank's it had not answered in full: nothing will
+    // write their done words now. The error is recorded before they end, so that a caller
+    // whose stream goes on then finds it.
     std::lock_guard<std::mutex> lock(m_);
     std::vector<const RemoteEnd*> unended;
+    std::size_t puts = 0, gets = 0;
     for (const RemoteEnd& e : remote_lent_)
-      if (e.writer == peer && __atomic_load_n(e.done, __ATOMIC_ACQUIRE) < e.ticket) unended.push_back(&e);
+      if (e.peer == peer && __atomic_load_n(e.done, __ATOMIC_ACQUIRE) < e.ticket) {
+        unended.push_back(&e);
+        ++(e.writer == peer ? puts : gets);
+      }
     const std::string message = "staged transport on rank " + std::to_string(rank_) + ": rank " + std::to_string(peer) +
                                 "'s process (pid " + std::to_string(watches_[i].pid()) + ") has ended; " +
                                 std::to_string(slots) + " staging slot(s) it held are taken back, " +
-                                std::to_string(unended.size()) + " put(s) to it ended unfinished, and transfers to it fail";
+                                std::to_string(puts) + " put(s) to it and " + std::to_string(gets) +
+                                " get(s) from it ended unfinished, and transfers with it fail";
     log(LogLevel::Warn, message);
     if (!unended.empty() && error_.empty()) error_ = message;
     for (const RemoteEnd* e : unended) __atomic_store_n(const_cast<std::uint64_t*>(e->done), e->ticket, __ATOMIC_RELEASE);
-    // Its words are never lent again (a few per dead peer): a write of the dead process's
-    // that landed late (a deferred context teardown, MPS) must not move a reused word back.
+    // Its words are never lent again (a few per dead peer): a write that landed late (the dead
+    // process's, after a deferred context teardown or under MPS; or this GPU's copy of a last
+    // answer chunk it had posted) must not move a reused word back.
     remote_lent_.erase(std::remove_if(remote_lent_.begin(), remote_lent_.end(),
-                                      [&](const RemoteEnd& e) { return e.writer == peer; }),
+                                      [&](const RemoteEnd& e) { return e.peer == peer; }),
                        remote_lent_.end());
   }
 }

@@ -29,8 +29,10 @@
 // slots back at once: its GPU context went with it, so nothing reads them any more. Without
 // that, slots posted to a dead reader would stay held for good, and every later transfer of
 // this rank, to any peer, would time out waiting for one. Transfers to it then fail at once,
-// and the puts it was to end are ended from here (with an error). A reader that lives but
-// takes nothing keeps its slots: it may still copy out of them.
+// and the puts it was to end, and this rank's gets it had not answered, are ended from here
+// (with an error): a caller's stream no longer waits a whole MESHMEM_TIMEOUT for them (for
+// ever with 0). A reader that lives but takes nothing keeps its slots: it may still copy out
+// of them.
 //
 // Transfers start in the order their sources become ready (the agent polls each one's ready
 // event), never in call order, so a transfer whose stream waits holds no other back. Each has
@@ -250,8 +252,8 @@ class StagingAgent {
   void abandon_visible(const StagedRequest& r, const std::string& message);
   bool advance_outgoing(Outgoing& o, bool* moved);
   void abandon_outgoing(const Outgoing& o, const std::string& message);
-  // Every ~10 ms: hidden readers whose process ended give their slots back, and the puts
-  // they were to end are ended here (see the header comment).
+  // Every ~10 ms: hidden peers whose process ended give their slots back, and the puts they
+  // were to end and the gets they were to answer are ended here (see the header comment).
   void watch_readers();
   bool take_slot(bool on_host, std::size_t* s);
   std::string slot_holders() const;
@@ -308,6 +310,7 @@ class StagingAgent {
     std::uint64_t ticket;
     std::size_t word;
     int writer;  // whose GPU writes the done word: a put's reader, or this rank (a get's answer)
+    int peer;    // the hidden peer it goes to or comes from: its death ends it (watch_readers)
   };
   std::vector<RemoteEnd> remote_lent_;  // words of transfers a hidden peer (or the answer to a get) ends
   std::uint64_t submitted_ = 0;
