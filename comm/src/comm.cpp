@@ -34,7 +34,7 @@ int node_local_rank(MPI_Comm comm) {
   int rank = 0, size = 0;
   detail::check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank", what);
   detail::check_mpi(MPI_Comm_size(comm, &size), "MPI_Comm_size", what);
-  const std::uint64_t mine = detail::node_id(detail::node_key());
+  const std::uint64_t mine = detail::node_id(detail::machine_key());
   std::vector<std::uint64_t> ids(static_cast<std::size_t>(size));
   detail::check_mpi(MPI_Allgather(&mine, 1, MPI_UINT64_T, ids.data(), 1, MPI_UINT64_T, comm), "MPI_Allgather", what);
   return detail::place_by_id(ids)[static_cast<std::size_t>(rank)].local_rank;

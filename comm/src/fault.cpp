@@ -52,6 +52,8 @@ constexpr PointInfo kPoints[kFaultPointCount] = {
     {FaultPoint::StagedCarry, "staged.carry",
      "a staged transport agent has a node peer's descriptor (a chunk, or a get's request) from its channel, before it "
      "carries it out"},
+    {FaultPoint::StagedAnswer, "staged.answer",
+     "a staged transport agent has posted a chunk of its answer to a node peer's get on the channel, before it goes on"},
 };
 
 constexpr int kMaxRank = 1 << 20;

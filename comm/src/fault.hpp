@@ -53,9 +53,11 @@ enum class FaultPoint : unsigned {
                       // enqueues the all-reduce among the leaders (`fail`: ncclAllReduce fails)
   StagedCarry,        // "staged.carry": a staged transport agent has a node peer's descriptor (a
                       // chunk, or a get's request) from its channel, before it carries it out
+  StagedAnswer,       // "staged.answer": a staged transport agent has posted a chunk of its
+                      // answer to a node peer's get, before it goes on
 };
-constexpr unsigned kFaultPointCount = 11;
-static_assert(static_cast<unsigned>(FaultPoint::StagedCarry) + 1 == kFaultPointCount,
+constexpr unsigned kFaultPointCount = 12;
+static_assert(static_cast<unsigned>(FaultPoint::StagedAnswer) + 1 == kFaultPointCount,
               "a point added to FaultPoint is added to the count and to fault.cpp's list of names");
 
 const char* to_string(FaultPoint point) noexcept;

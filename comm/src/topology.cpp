@@ -37,13 +37,18 @@ std::string namespace_of(const char* kind) {
 }
 }  // namespace
 
-std::string node_key() {
+std::string machine_key() {
   char name[256] = {};
   if (gethostname(name, sizeof(name) - 1) != 0) name[0] = '\0';
   std::string key = name;
   std::ifstream boot_id("/proc/sys/kernel/random/boot_id");
   std::string id;
   if (boot_id >> id) key += "/" + id;
+  return key;
+}
+
+std::string node_key() {
+  std::string key = machine_key();
   for (const char* kind : {"net", "pid"}) key += "/" + namespace_of(kind);
   return key;
 }

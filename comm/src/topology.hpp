@@ -32,6 +32,10 @@ struct RealPlacement {
 // remote ones.
 std::string node_key();
 
+// The host name and boot id alone: the ranks that share a machine's GPUs, whatever their
+// namespaces (meshmem::node_local_rank, to pick a GPU).
+std::string machine_key();
+
 // What ranks exchange: a 64-bit FNV-1a hash of the key (NCCL hashes its host key the same
 // size), so a rank sends 8 bytes whatever its host name's length.
 std::uint64_t node_id(const std::string& key);

@@ -1065,20 +1065,25 @@ TEST_F(RealUse, KilledReaderLeavesTheStagingSlotsToOthers) {
   std::_Exit(failed ? 1 : 0);
 }
 
-// Two ranks of one node through the staged transport; rank 1 dies (MESHMEM_FAULT
-// 1:staged.carry:kill) as its agent takes rank 0's get request from the channel, so the get is
-// posted and never answered. Rank 0's get must end soon after rank 1's process did, reported
-// with the process's end, not after MESHMEM_TIMEOUT (here 20 s; for ever with 0): before,
-// only a put's done word was ended from here when its reader died. A later get from the dead
-// rank fails at once. Run by gpu.killed_owner_staged (mpirun --enable-recovery); rank 0 prints
-// the verdict.
+// Two ranks of one node through the staged transport; rank 1 dies while rank 0's get from it
+// is posted and not answered in full: MESHMEM_TEST_KILL_OWNER=carry kills it as its agent
+// takes the get's request from the channel (1:staged.carry:kill: nothing answered),
+// =answer after it posted the answer's second chunk of three (1:staged.answer:kill:hit=2).
+// Rank 0's get must end soon after rank 1's process did, reported with the process's end,
+// not after MESHMEM_TIMEOUT (here 20 s; for ever with 0): before, only a put's done word was
+// ended from here when its reader died. A later get from the dead rank fails at once. Run by
+// gpu.killed_owner_staged and gpu.killed_owner_midway_staged (mpirun --enable-recovery);
+// rank 0 prints the verdict.
 TEST_F(RealUse, KilledOwnerEndsTheGetsItOwed) {
-  const char* enabled = std::getenv("MESHMEM_TEST_KILL_OWNER");
-  if (enabled == nullptr || std::string(enabled) != "1")
-    GTEST_SKIP() << "kills a rank: run by gpu.killed_owner_staged (MESHMEM_TEST_KILL_OWNER=1, mpirun --enable-recovery)";
+  const char* how = std::getenv("MESHMEM_TEST_KILL_OWNER");
+  const std::string mode = how == nullptr ? "" : how;
+  if (mode != "carry" && mode != "answer")
+    GTEST_SKIP() << "kills a rank: run by gpu.killed_owner_staged and gpu.killed_owner_midway_staged "
+                    "(MESHMEM_TEST_KILL_OWNER=carry or answer, mpirun --enable-recovery)";
   ScopedEnv timeout("MESHMEM_TIMEOUT", "20");
   ScopedEnv wait("MESHMEM_STREAM_WAIT", "kernel");
-  ScopedEnv fault("MESHMEM_FAULT", "1:staged.carry:kill");
+  ScopedEnv fault("MESHMEM_FAULT", mode == "carry" ? "1:staged.carry:kill" : "1:staged.answer:kill:hit=2");
+  ScopedEnv chunk("MESHMEM_STAGING_CHUNK", "4194304");  // the get's answer is three chunks
   make_comm();
   ASSERT_EQ(n, 2) << "written for two ranks (rank 1 is killed)";
   ASSERT_EQ(comm->transport(1 - me, Memory::Device), TransportKind::Staged);
@@ -1133,7 +1138,7 @@ TEST_F(RealUse, KilledOwnerEndsTheGetsItOwed) {
     ADD_FAILURE() << "rank 0 raised: " << e.what();
   }
   const bool failed = HasFailure();
-  std::printf("[ killed owner ] rank 0 %s\n", failed ? "FAILED" : "PASSED");
+  std::printf("[ killed owner ] rank 0 %s (%s)\n", failed ? "FAILED" : "PASSED", mode.c_str());
   std::fflush(stdout);
   std::fflush(stderr);
   std::_Exit(failed ? 1 : 0);

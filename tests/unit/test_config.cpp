@@ -230,6 +230,7 @@ TEST(Topology, NodeKeyNamesThisHostItsBootAndNamespaces) {
   char name[256] = {};
   ASSERT_EQ(gethostname(name, sizeof(name) - 1), 0);
   EXPECT_EQ(key.rfind(name, 0), 0u) << key;  // starts with the host name
+  EXPECT_EQ(key.rfind(meshmem::detail::machine_key() + "/", 0), 0u) << key;  // then the boot id
   EXPECT_GT(key.size(), std::string(name).size() + 1) << "no boot id in '" << key << "'";
   EXPECT_NE(key.find("/net:"), std::string::npos) << key;
   EXPECT_NE(key.find("/pid:"), std::string::npos) << key;
@@ -241,6 +242,12 @@ static std::string node_key_in_new_netns(bool* unshared) {
   int fds[2];
   if (pipe(fds) != 0) return "";
   const pid_t child = fork();
+  if (child < 0) {
+    close(fds[0]);
+    close(fds[1]);
+    *unshared = false;
+    return "";
+  }
   if (child == 0) {
     close(fds[0]);
     const char ok = unshare(CLONE_NEWNET) == 0 ? 'y' : 'n';
@@ -270,6 +277,8 @@ TEST(Topology, ANetworkNamespaceOfItsOwnIsAnotherNode) {
   const std::string mine = meshmem::detail::node_key();
   EXPECT_NE(other, mine);
   EXPECT_NE(meshmem::detail::node_id(other), meshmem::detail::node_id(mine));
+  // Its GPUs are still this machine's: the machine key (node_local_rank's) is the same.
+  EXPECT_EQ(other.substr(0, other.find("/net:")), meshmem::detail::machine_key());
 }
 
 // Every transport of the table has its factory in a program that links the GPU part: a GPU

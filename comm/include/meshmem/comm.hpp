@@ -195,9 +195,11 @@ bool gpu_available(std::string* why = nullptr);
 // Collective over `comm` (it finds the node-local rank).
 int select_local_device(MPI_Comm comm);
 
-// This rank's place among the ranks of `comm` on its node, found as a Comm finds nodes: by
-// host name, the kernel's boot id, and network and pid namespaces (not MPI_COMM_TYPE_SHARED,
-// which some Open MPI 4.1 builds get wrong). Collective over `comm`; raises Error(Mpi) naming the call that failed.
+// This rank's place among the ranks of `comm` on its machine, which share its GPUs: ranks
+// with its host name and kernel boot id (not MPI_COMM_TYPE_SHARED, which some Open MPI 4.1
+// builds get wrong). A Comm's nodes also split ranks by network and pid namespace (README
+// "Separate hosts on one machine"); GPUs are shared across those. Collective over `comm`; raises Error(Mpi)
+// naming the call that failed.
 int node_local_rank(MPI_Comm comm);
 
 }  // namespace meshmem

@@ -716,6 +716,7 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
     slot_use_[s] = SlotUse{nullptr, o.reader, post(o.reader, d)};
     o.pieces.advance();
     *moved = true;
+    if (o.answer) faults_.hit(FaultPoint::StagedAnswer);
   }
   return o.pieces.done();
 }
@@ -739,6 +740,11 @@ void StagingAgent::watch_readers() {
   for (int peer : hidden_) {
     const std::size_t i = local_index(peer);
     if (gone_[i] || !watches_[i].ended()) continue;
+    // What it posted before it died is carried out first (its chunks lie in the pool, which
+    // this process maps too): a get it answered in full ends as usual, and the ends below are
+    // enqueued behind every copy of its chunks. Later chunks for this rank's gets from it are
+    // not carried out (carry_out).
+    (void)poll_incoming();
     gone_[i] = true;
     // Its context, and every copy it had enqueued out of these slots, went with the process.
     std::size_t slots = 0;
@@ -748,30 +754,58 @@ void StagingAgent::watch_readers() {
       if (consumed_by(peer) < slot_use_[s].sequence) ++slots;
       slot_use_[s] = SlotUse{own.copied[s], -1, 0};  // after this rank's own copy into it
     }
+    std::lock_guard<std::mutex> lock(m_);
     // Puts it was to end, and gets of this rank's it had not answered in full: nothing will
     // write their done words now. The error is recorded before they end, so that a caller
     // whose stream goes on then finds it.
-    std::lock_guard<std::mutex> lock(m_);
-    std::vector<const RemoteEnd*> unended;
-    std::size_t puts = 0, gets = 0;
-    for (const RemoteEnd& e : remote_lent_)
-      if (e.peer == peer && __atomic_load_n(e.done, __ATOMIC_ACQUIRE) < e.ticket) {
-        unended.push_back(&e);
-        ++(e.writer == peer ? puts : gets);
-      }
+    // The last chunk of the answer to this rank's get was carried out: its done word is
+    // enqueued on the incoming stream.
+    auto answered = [&](const RemoteEnd& e) {
+      const auto it = last_answered_.find(e.word);
+      return it != last_answered_.end() && it->second == e.ticket;
+    };
+    std::vector<const RemoteEnd*> puts, gets;
+    for (const RemoteEnd& e : remote_lent_) {
+      if (e.peer != peer || __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket) continue;
+      if (e.writer == peer)
+        puts.push_back(&e);
+      else if (!answered(e))
+        gets.push_back(&e);
+    }
     const std::string message = "staged transport on rank " + std::to_string(rank_) + ": rank " + std::to_string(peer) +
                                 "'s process (pid " + std::to_string(watches_[i].pid()) + ") has ended; " +
                                 std::to_string(slots) + " staging slot(s) it held are taken back, " +
-                                std::to_string(puts) + " put(s) to it and " + std::to_string(gets) +
+                                std::to_string(puts.size()) + " put(s) to it and " + std::to_string(gets.size()) +
                                 " get(s) from it ended unfinished, and transfers with it fail";
     log(LogLevel::Warn, message);
-    if (!unended.empty() && error_.empty()) error_ = message;
-    for (const RemoteEnd* e : unended) __atomic_store_n(const_cast<std::uint64_t*>(e->done), e->ticket, __ATOMIC_RELEASE);
-    // Its words are never lent again (a few per dead peer): a write that landed late (the dead
-    // process's, after a deferred context teardown or under MPS; or this GPU's copy of a last
-    // answer chunk it had posted) must not move a reused word back.
+    if ((!puts.empty() || !gets.empty()) && error_.empty()) error_ = message;
+    // A put's done word is the dead reader's to write: set from here.
+    for (const RemoteEnd* e : puts) __atomic_store_n(const_cast<std::uint64_t*>(e->done), e->ticket, __ATOMIC_RELEASE);
+    // A get's is this GPU's: written on the incoming stream, after the copies of the chunks
+    // that did come (the caller's stream must not go on while they still write into its
+    // buffer). reclaim_words takes these words back as usual.
+    if (!gets.empty()) {
+      std::vector<CUstreamBatchMemOpParams> ops;
+      for (const RemoteEnd* e : gets) ops.push_back(write_op(const_cast<std::uint64_t*>(e->done), e->ticket));
+      try {
+        CurrentDevice current(device_);
+        run_stream_batch(ops, incoming_, "staged transfer (ending gets a dead peer did not answer)", rank_);
+      } catch (const std::exception& e) {
+        log(LogLevel::Error, std::string(e.what()) + "; the gets' ends are set from the host");
+        for (const RemoteEnd* g : gets) __atomic_store_n(const_cast<std::uint64_t*>(g->done), g->ticket, __ATOMIC_RELEASE);
+      }
+    }
+    // The words of puts to it that ended are free again; those of puts ended here are never
+    // lent again (a few per dead peer): a write of the dead process's that landed late (a
+    // deferred context teardown, MPS) must not move a reused word back.
     remote_lent_.erase(std::remove_if(remote_lent_.begin(), remote_lent_.end(),
-                                      [&](const RemoteEnd& e) { return e.peer == peer; }),
+                                      [&](const RemoteEnd& e) {
+                                        if (e.peer != peer || e.writer != peer) return false;
+                                        if (__atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket &&
+                                            std::find(puts.begin(), puts.end(), &e) == puts.end())
+                                          free_words_.push_back(e.word);
+                                        return true;
+                                      }),
                        remote_lent_.end());
   }
 }
@@ -905,12 +939,19 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
   // Its done word already reached its ticket: the writer abandoned it (a timeout), and its
   // caller went on. Nothing of it lands any more, and the word (maybe lent to a later
   // transfer by now) is not written.
-  const bool abandoned = d.kind() == Descriptor::kChunk && __atomic_load_n(done, __ATOMIC_ACQUIRE) >= d.ticket;
+  // Nor does a chunk of this rank's get from a writer whose process ended: watch_readers ended
+  // that get (enqueued) once it had carried out what the writer posted before it died.
+  const bool abandoned = d.kind() == Descriptor::kChunk &&
+                         (__atomic_load_n(done, __ATOMIC_ACQUIRE) >= d.ticket ||
+                          (gone_[from] && d.done_rank == static_cast<std::uint64_t>(rank_)));
   bool answered = false;  // a get's answer is queued
   std::vector<CUstreamBatchMemOpParams> ops;
   auto end_ops = [&] {  // what moves the channel on and ends the transfer, whatever happened
     std::vector<CUstreamBatchMemOpParams> end;
-    if (d.kind() == Descriptor::kChunk && d.last() && !abandoned) end.push_back(write_op(done, d.ticket));
+    if (d.kind() == Descriptor::kChunk && d.last() && !abandoned) {
+      end.push_back(write_op(done, d.ticket));
+      if (d.done_rank == static_cast<std::uint64_t>(rank_)) last_answered_[d.done_word] = d.ticket;
+    }
     end.push_back(write_op(control_.consumed(from), sequence));
     return end;
   };

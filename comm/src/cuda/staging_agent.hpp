@@ -30,9 +30,11 @@
 // that, slots posted to a dead reader would stay held for good, and every later transfer of
 // this rank, to any peer, would time out waiting for one. Transfers to it then fail at once,
 // and the puts it was to end, and this rank's gets it had not answered, are ended from here
-// (with an error): a caller's stream no longer waits a whole MESHMEM_TIMEOUT for them (for
-// ever with 0). A reader that lives but takes nothing keeps its slots: it may still copy out
-// of them.
+// (with an error; a get's end behind the copies of the chunks that did come): a caller's
+// stream no longer waits a whole MESHMEM_TIMEOUT for them (for ever with 0). Transfers
+// captured in a graph keep their words (not lent): a replay's wait for a dead peer still
+// ends at MESHMEM_TIMEOUT. A reader that lives but takes nothing keeps its slots: it may
+// still copy out of them.
 //
 // Transfers start in the order their sources become ready (the agent polls each one's ready
 // event), never in call order, so a transfer whose stream waits holds no other back. Each has
@@ -147,7 +149,7 @@ class StagingAgent {
     // By rank: process ids (those of hidden peers are watched). Node peers share this
     // process's pid namespace: the descriptor exchange checked each one's id (fd_exchange.cpp).
     std::vector<pid_t> pids;
-    FaultPlan faults;  // staged.carry
+    FaultPlan faults;  // staged.carry, staged.answer
     std::chrono::milliseconds timeout{0};
     cuda::WaitLimit limit{};
   };
@@ -293,6 +295,7 @@ class StagingAgent {
   std::vector<bool> broken_;              // by node index: its channel held a wrong entry; no longer read
   std::vector<ipc::ProcessWatch> watches_;  // by node index: hidden peers' processes
   std::vector<bool> gone_;                // by node index: its process ended; nothing more goes to it
+  std::map<std::size_t, std::uint64_t> last_answered_;  // by done word: the ticket of this rank's get whose answer's last chunk was carried out
   Clock::time_point next_watch_{};
   std::deque<VisibleTransfer> visible_;          // oldest first; only the oldest takes slots
   std::vector<std::deque<Outgoing>> outgoing_;   // by node index of the reader: oldest first, one at a time on a channel

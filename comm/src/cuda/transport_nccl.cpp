@@ -137,14 +137,17 @@ class NcclWire final : public ProxyWire {
   }
   // With `abort` the communicators are aborted, not destroyed (NCCL's destroy would wait for
   // transfers still in flight).
+  // Runs more than once in a teardown (~Comm, ~ProxyTransport, ~TransferProxy): only the call
+  // that hands communicators over waits for them.
   void stop(bool abort) noexcept override {
+    bool handed = false;
     for (auto& [peer, p] : peers_) {
-      p.out.reset(abort);
-      p.in.reset(abort);
-      p.out_root.reset(abort);
-      p.in_root.reset(abort);
+      for (NcclComm* c : {&p.out, &p.in, &p.out_root, &p.in_root}) {
+        handed = handed || c->get() != nullptr;
+        c->reset(abort);
+      }
     }
-    if (!abort && !peers_.empty()) await_nccl_destroys(timeout_, "nccl transport");
+    if (!abort && handed) await_nccl_destroys(timeout_, "nccl transport");
   }
 
  private:
