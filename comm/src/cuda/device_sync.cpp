@@ -4,6 +4,7 @@
 
 #include "../backoff.hpp"
 #include "../log.hpp"
+#include "gpu_queues.hpp"
 #include "meshmem/error.hpp"
 #include "meshmem/ipc/awake_clock.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
@@ -97,7 +98,11 @@ void DeviceFaultRecord::raise(const std::string& where) {
     case cuda::FaultKind::Transfer:
       msg += "an earlier staged or nccl put or get with rank " + std::to_string(f.peer) + " (transfer " +
              std::to_string(f.expected) + "; the last one finished is " + std::to_string(f.seen) +
-             ") did not finish" + after + " (its data may be incomplete)";
+             ") did not finish" + after + " (its data may be incomplete)" +
+             (gpu_queue_hint().empty() ? "; if the peer is alive, a waiting stream (a replayed graph's too) that shares a "
+                                         "GPU queue with meshmem's transfer streams may have held it back (README "
+                                         "\"GPU queues\")"
+                                       : gpu_queue_hint());
       break;
     default:
       msg += "an earlier wait_until(stream) on signal " + std::to_string(f.index) + " of signals window #" +
