@@ -95,6 +95,34 @@ bool finishes(cudaStream_t stream, int seconds) {
   return cudaStreamSynchronize(stream) == cudaSuccess;
 }
 
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// After transfers with a rank that was killed: the next quiet must raise, naming the end of
+// that rank's process.
+void expect_process_end_reported(Comm& comm, cudaStream_t stream, int dead, const char* what) {
+  try {
+    comm.quiet(stream);
+    ADD_FAILURE() << what << " was not reported";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(dead) + "'s process"), std::string::npos)
+        << what << ": " << e.what();
+  }
+}
+
+// The last collective before `victim` dies (killed by a fault point as the survivors' next
+// transfers reach it): every rank meets, then the victim waits to be killed.
+void meet_then_await_the_kill(Comm& comm, cudaStream_t stream, int me, int victim) {
+  comm.barrier(stream);
+  CUDA_OK(cudaStreamSynchronize(stream));
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (me == victim) {
+    std::this_thread::sleep_for(std::chrono::seconds(60));  // killed long before
+    std::_Exit(0);
+  }
+}
+
 class RealUse : public meshmem::test::MpiTest {
  protected:
   void SetUp() override {
@@ -921,9 +949,6 @@ TEST_F(RealUse, KilledPeerGivesErrorsNotHangs) {
   if (me == 1) std::raise(SIGKILL);
   std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the victim is gone
 
-  auto seconds_since = [](std::chrono::steady_clock::time_point t0) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
   // The error must contain one of `needles`.
   auto expect_timeout = [&](const char* what, const std::vector<std::string>& needles) {
     try {
@@ -997,24 +1022,11 @@ TEST_F(RealUse, KilledReaderLeavesTheStagingSlotsToOthers) {
   DeviceBuffer src(kBig);
   const auto data = pattern(seed, key(1, 0, 1), kSmall);
   CUDA_OK(upload(src.p, data.data(), kSmall));
-  comm->barrier(s0);
-  CUDA_OK(cudaStreamSynchronize(s0));
-  MPI_Barrier(MPI_COMM_WORLD);  // the last collective: rank 2 dies at rank 0's first chunk
-  if (me == 2) {
-    std::this_thread::sleep_for(std::chrono::seconds(60));  // killed long before
-    std::_Exit(0);
-  }
+  meet_then_await_the_kill(*comm, s0, me, 2);  // rank 2 dies at rank 0's first chunk
   // Everything from here runs under a catch-all: a call that raises must not leave the test
   // body for TearDown, whose MPI_Allgather would wait for the dead rank for ever.
   const auto survivor = [&] {
-    auto expect_reported = [&](const char* what) {
-      try {
-        comm->quiet(s0);
-        ADD_FAILURE() << what << " was not reported";
-      } catch (const Error& e) {
-        EXPECT_NE(std::string(e.what()).find("rank 2's process"), std::string::npos) << what << ": " << e.what();
-      }
-    };
+    auto expect_reported = [&](const char* what) { expect_process_end_reported(*comm, s0, 2, what); };
     if (me == 0) {
       comm->put(win, 2, 0, src.p, kBig, s0);
       EXPECT_TRUE(finishes(s0, 30)) << "the put to the killed rank did not end";
@@ -1092,26 +1104,10 @@ TEST_F(RealUse, KilledOwnerEndsTheGetsItOwed) {
   CUDA_OK(fill_now(win.local(), 0x5A, kBytes));
   DeviceBuffer dst(kBytes);
   CUDA_OK(fill_now(dst.p, kPoison, kBytes));
-  comm->barrier(s0);
-  CUDA_OK(cudaStreamSynchronize(s0));
-  MPI_Barrier(MPI_COMM_WORLD);  // the last collective: rank 1 dies at rank 0's get request
-  if (me == 1) {
-    std::this_thread::sleep_for(std::chrono::seconds(60));  // killed long before
-    std::_Exit(0);
-  }
-  auto seconds_since = [](std::chrono::steady_clock::time_point t0) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
+  meet_then_await_the_kill(*comm, s0, me, 1);  // rank 1 dies at rank 0's get request (or midway through its answer)
   // Under a catch-all: a call that raises must not leave for TearDown's collectives.
   const auto survivor = [&] {
-    auto expect_reported = [&](const char* what) {
-      try {
-        comm->quiet(s0);
-        ADD_FAILURE() << what << " was not reported";
-      } catch (const Error& e) {
-        EXPECT_NE(std::string(e.what()).find("rank 1's process"), std::string::npos) << what << ": " << e.what();
-      }
-    };
+    auto expect_reported = [&](const char* what) { expect_process_end_reported(*comm, s0, 1, what); };
     auto t0 = std::chrono::steady_clock::now();
     comm->get(dst.p, win, 1, 3, kBytes - 3, s0);
     EXPECT_TRUE(finishes(s0, 40)) << "the get from the killed rank did not end";
