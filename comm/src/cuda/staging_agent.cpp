@@ -754,59 +754,62 @@ void StagingAgent::watch_readers() {
       if (consumed_by(peer) < slot_use_[s].sequence) ++slots;
       slot_use_[s] = SlotUse{own.copied[s], -1, 0};  // after this rank's own copy into it
     }
-    std::lock_guard<std::mutex> lock(m_);
     // Puts it was to end, and gets of this rank's it had not answered in full: nothing will
     // write their done words now. The error is recorded before they end, so that a caller
     // whose stream goes on then finds it.
-    // The last chunk of the answer to this rank's get was carried out: its done word is
-    // enqueued on the incoming stream.
-    auto answered = [&](const RemoteEnd& e) {
-      const auto it = last_answered_.find(e.word);
-      return it != last_answered_.end() && it->second == e.ticket;
-    };
-    std::vector<const RemoteEnd*> puts, gets;
-    for (const RemoteEnd& e : remote_lent_) {
-      if (e.peer != peer || __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket) continue;
-      if (e.writer == peer)
-        puts.push_back(&e);
-      else if (!answered(e))
-        gets.push_back(&e);
+    std::vector<std::pair<std::uint64_t*, std::uint64_t>> gets;  // (done word, ticket)
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      // The last chunk of the answer to this rank's get was carried out: its done word is
+      // enqueued on the incoming stream.
+      auto answered = [&](const RemoteEnd& e) {
+        const auto it = last_answered_.find(e.word);
+        return it != last_answered_.end() && it->second == e.ticket;
+      };
+      std::vector<const RemoteEnd*> puts;
+      for (const RemoteEnd& e : remote_lent_) {
+        if (e.peer != peer || __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket) continue;
+        if (e.writer == peer)
+          puts.push_back(&e);
+        else if (!answered(e))
+          gets.emplace_back(const_cast<std::uint64_t*>(e.done), e.ticket);
+      }
+      const std::string message = "staged transport on rank " + std::to_string(rank_) + ": rank " +
+                                  std::to_string(peer) + "'s process (pid " + std::to_string(watches_[i].pid()) +
+                                  ") has ended; " + std::to_string(slots) + " staging slot(s) it held are taken back, " +
+                                  std::to_string(puts.size()) + " put(s) to it and " + std::to_string(gets.size()) +
+                                  " get(s) from it ended unfinished, and transfers with it fail";
+      log(LogLevel::Warn, message);
+      if ((!puts.empty() || !gets.empty()) && error_.empty()) error_ = message;
+      // A put's done word is the dead reader's to write: set from here.
+      for (const RemoteEnd* e : puts) __atomic_store_n(const_cast<std::uint64_t*>(e->done), e->ticket, __ATOMIC_RELEASE);
+      // The words of puts to it that ended are free again; those of puts ended here are never
+      // lent again (a few per dead peer): a write of the dead process's that landed late (a
+      // deferred context teardown, MPS) must not move a reused word back. Gets' words stay:
+      // reclaim_words takes them back once their ends below landed.
+      remote_lent_.erase(std::remove_if(remote_lent_.begin(), remote_lent_.end(),
+                                        [&](const RemoteEnd& e) {
+                                          if (e.peer != peer || e.writer != peer) return false;
+                                          if (std::find(puts.begin(), puts.end(), &e) == puts.end())
+                                            free_words_.push_back(e.word);
+                                          return true;
+                                        }),
+                         remote_lent_.end());
     }
-    const std::string message = "staged transport on rank " + std::to_string(rank_) + ": rank " + std::to_string(peer) +
-                                "'s process (pid " + std::to_string(watches_[i].pid()) + ") has ended; " +
-                                std::to_string(slots) + " staging slot(s) it held are taken back, " +
-                                std::to_string(puts.size()) + " put(s) to it and " + std::to_string(gets.size()) +
-                                " get(s) from it ended unfinished, and transfers with it fail";
-    log(LogLevel::Warn, message);
-    if ((!puts.empty() || !gets.empty()) && error_.empty()) error_ = message;
-    // A put's done word is the dead reader's to write: set from here.
-    for (const RemoteEnd* e : puts) __atomic_store_n(const_cast<std::uint64_t*>(e->done), e->ticket, __ATOMIC_RELEASE);
-    // A get's is this GPU's: written on the incoming stream, after the copies of the chunks
-    // that did come (the caller's stream must not go on while they still write into its
-    // buffer). reclaim_words takes these words back as usual.
+    // A get's end is this GPU's to write: on the incoming stream, after the copies of the
+    // chunks that did come (the caller's stream must not go on while they still write into
+    // its buffer). Outside m_: a CUDA call may wait (a full queue), and callers take m_.
     if (!gets.empty()) {
       std::vector<CUstreamBatchMemOpParams> ops;
-      for (const RemoteEnd* e : gets) ops.push_back(write_op(const_cast<std::uint64_t*>(e->done), e->ticket));
+      for (const auto& [done, ticket] : gets) ops.push_back(write_op(done, ticket));
       try {
         CurrentDevice current(device_);
         run_stream_batch(ops, incoming_, "staged transfer (ending gets a dead peer did not answer)", rank_);
       } catch (const std::exception& e) {
         log(LogLevel::Error, std::string(e.what()) + "; the gets' ends are set from the host");
-        for (const RemoteEnd* g : gets) __atomic_store_n(const_cast<std::uint64_t*>(g->done), g->ticket, __ATOMIC_RELEASE);
+        for (const auto& [done, ticket] : gets) __atomic_store_n(done, ticket, __ATOMIC_RELEASE);
       }
     }
-    // The words of puts to it that ended are free again; those of puts ended here are never
-    // lent again (a few per dead peer): a write of the dead process's that landed late (a
-    // deferred context teardown, MPS) must not move a reused word back.
-    remote_lent_.erase(std::remove_if(remote_lent_.begin(), remote_lent_.end(),
-                                      [&](const RemoteEnd& e) {
-                                        if (e.peer != peer || e.writer != peer) return false;
-                                        if (__atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket &&
-                                            std::find(puts.begin(), puts.end(), &e) == puts.end())
-                                          free_words_.push_back(e.word);
-                                        return true;
-                                      }),
-                       remote_lent_.end());
   }
 }
 
