@@ -27,7 +27,7 @@ std::vector<int> assign_nodes(const std::vector<RealPlacement>& placement, int s
 }
 
 namespace {
-// "net:[4026531840]"-like identity of one of this process's namespaces ("" where unreadable).
+// "net:<st_dev>:<st_ino>": which namespace of that kind this process is in ("" where unreadable).
 std::string namespace_of(const char* kind) {
   struct stat st {};
   const std::string path = std::string("/proc/self/ns/") + kind;
