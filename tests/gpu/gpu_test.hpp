@@ -32,8 +32,6 @@ struct DeviceBuffer {
   std::size_t bytes;
 };
 
-// cudaMemcpy from pageable memory may return before the DMA into `dev` is done, and the
-// tests' streams do not synchronise with the legacy stream: wait for it.
 // Selects this rank's GPU (node-local rank modulo the visible GPUs) only where every rank has
 // one, so that the collective steps after it (select_local_device's own gather, a fixture's)
 // are entered by every rank or by none: a host that sees no GPU (two namespace hosts with one
@@ -49,6 +47,8 @@ inline std::string select_gpu_on_every_rank() {
   return "";
 }
 
+// cudaMemcpy from pageable memory may return before the DMA into `dev` is done, and the
+// tests' streams do not synchronise with the legacy stream: wait for it.
 inline cudaError_t upload(void* dev, const void* host, std::size_t bytes) {
   const cudaError_t rc = cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice);
   return rc != cudaSuccess ? rc : cudaDeviceSynchronize();
