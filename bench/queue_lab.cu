@@ -8,7 +8,11 @@
 //              on N streams (N = CUDA_DEVICE_MAX_CONNECTIONS, or BLOCKERS=N)
 //     VICTIM:  a stream made before the blockers: same (primary context), hiprio (greatest
 //              priority), green (a green context of all SMs), ctx (a context of cuCtxCreate)
-//     WORK:    copy (64 MiB device to device; VMM=1: VMM memory) or kernel (a copy kernel)
+//     WORK:    copy (64 MiB device to device; VMM=1: VMM memory) or kernel (a copy kernel), or
+//              what a staged transfer enqueues: memop-write (a stream write of a pinned word),
+//              h2h8 / h2d8 / d2h8 (8-byte copies, pinned host memory), d2h / h2d / d2d (4 MiB
+//              with pinned host memory, or within the GPU), h2d-batch / h2d8-batch / d2d-batch
+//              (cudaMemcpyBatchAsync, cudaMemcpyFlagPreferOverlapWithCompute)
 //     -> "ran in X ms" or "HELD BACK" (not done after 2 s; then the blockers are released)
 //   queue_lab access green|ctx   a kernel of that context copies primary-context memory
 //   queue_lab cost               device memory a green context and a cuCtxCreate context take
@@ -23,6 +27,17 @@
 //                            streamsync and eventsync of a stream of its own, unmap of a VMM
 //                            chunk, free): that call's result, the capture's end, and whether
 //                            the graph then replays
+//   queue_lab order          is an 8-byte pinned-to-pinned cudaMemcpyAsync stream-ordered?
+//   queue_lab graph MODE BRANCHES N [probe]   N rounds of a graph captured from BRANCHES
+//                            streams (fork and join): a host node hands a round number to this
+//                            thread (as meshmem's captured hand-off does), then each branch
+//                            waits for a pinned word (polling kernel, a tiny kernel behind it);
+//                            this thread copies 4 KiB on an "agent" stream made first and sets
+//                            the word after the copy. MODE new: instantiated each round; reuse:
+//                            once. A round not done after 1 s is STALLED: a fresh stream then
+//                            sets the word (does it escape?), else the host does. probe: before
+//                            each round's copy an event on the agent stream must complete within
+//                            2 ms, else the agent moves to a fresh stream (the mitigation tried).
 // No meshmem: the lab is about CUDA. Results: bench/results/*-queue-lab-*.txt.
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -31,6 +46,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -204,12 +220,51 @@ static int queue_test(const std::string& blocker, const std::string& victim_kind
   CUevent done;
   CK(cuEventCreate(&done, CU_EVENT_DISABLE_TIMING));
   double t0 = now();
+  static void* pinned_chunk = nullptr;
+  if (pinned_chunk == nullptr) CR(cudaHostAlloc(&pinned_chunk, 4 << 20, 0));
+  // Small host-side cells for the word-sized ops (pinned): what a transfer's end writes.
+  static unsigned long long* cells = nullptr;
+  if (cells == nullptr) {
+    CR(cudaHostAlloc((void**)&cells, 4096, cudaHostAllocMapped));
+    cells[0] = 7;
+    cells[1] = 0;
+  }
+  const double call0 = now();
   if (op == "copy") {
     CK(cuMemcpyAsync((CUdeviceptr)dst, (CUdeviceptr)src, bytes, v.stream));
+  } else if (op == "memop-write") {  // a stream memory operation writing a pinned word
+    CK(cuStreamWriteValue64(v.stream, (CUdeviceptr)(cells + 1), 7, CU_STREAM_WRITE_VALUE_DEFAULT));
+  } else if (op == "h2h8") {  // 8 bytes pinned to pinned
+    CR(cudaMemcpyAsync(cells + 1, cells, 8, cudaMemcpyHostToHost, (cudaStream_t)v.stream));
+  } else if (op == "h2d8") {
+    CR(cudaMemcpyAsync(dst, cells, 8, cudaMemcpyHostToDevice, (cudaStream_t)v.stream));
+  } else if (op == "d2h8") {
+    CR(cudaMemcpyAsync(cells + 1, src, 8, cudaMemcpyDeviceToHost, (cudaStream_t)v.stream));
+  } else if (op == "d2h" || op == "h2d" || op == "d2d" || op == "h2d-batch" || op == "h2d8-batch" ||
+             op == "d2d-batch") {
+    // 4 MiB (a staging chunk) between this GPU and pinned host memory, or within the GPU;
+    // -batch: cudaMemcpyBatchAsync with cudaMemcpyFlagPreferOverlapWithCompute.
+    void* chunk = pinned_chunk;
+    void* d = op.rfind("d2h", 0) == 0 ? chunk : dst;
+    const void* from = op.rfind("h2d", 0) == 0 ? (op == "h2d8-batch" ? (const void*)cells : chunk) : src;
+    const size_t n = op == "h2d8-batch" ? 8 : size_t(4) << 20;
+    if (op.find("-batch") != std::string::npos) {
+      cudaMemcpyAttributes attr{};
+      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+      size_t idx = 0;
+      void* dsts[1] = {d};
+      const void* srcs[1] = {from};
+      size_t sizes[1] = {n};
+      CR(cudaMemcpyBatchAsync(dsts, srcs, sizes, 1, &attr, &idx, 1, (cudaStream_t)v.stream));
+    } else {
+      CR(cudaMemcpyAsync(d, from, n, cudaMemcpyDefault, (cudaStream_t)v.stream));
+    }
   } else {
     copyk<<<264, 512, 0, (cudaStream_t)v.stream>>>((const int4*)src, (int4*)dst, bytes / 16);
     CR(cudaGetLastError());
   }
+  const double call_ms = (now() - call0) * 1e3;
   CK(cuEventRecord(done, v.stream));
   bool finished = false;
   double t_end = 0;
@@ -227,11 +282,13 @@ static int queue_test(const std::string& blocker, const std::string& victim_kind
   CK(cuEventSynchronize(done));
   CK(cuCtxSetCurrent(primary));
   CR(cudaDeviceSynchronize());
-  const size_t bad = pair.wrong_words();
-  printf("RESULT queue connections=%s%s blockers=%d blocker=%s victim=%s op=%s: %s%s, wrong words %zu\n", env ? env : "(unset)", vmm ? " vmm" : "", conns, blocker.c_str(),
-         victim_kind.c_str(), op.c_str(), finished ? "ran in " : "HELD BACK (not done after 2 s)",
-         finished ? (std::to_string((t_end - t0) * 1e3) + " ms").c_str() : "", bad);
-  return finished && bad == 0 ? 0 : 1;
+  const bool copied = op == "copy" || op == "kernel";
+  printf("RESULT queue connections=%s%s blockers=%d blocker=%s victim=%s op=%s: %s%s, the call took %.3f ms%s\n",
+         env ? env : "(unset)", vmm ? " vmm" : "", conns, blocker.c_str(), victim_kind.c_str(), op.c_str(),
+         finished ? "ran in " : "HELD BACK (not done after 2 s)",
+         finished ? (std::to_string((t_end - t0) * 1e3) + " ms").c_str() : "", call_ms,
+         copied ? (", wrong words " + std::to_string(pair.wrong_words())).c_str() : "");
+  return finished && (!copied || pair.wrong_words() == 0) ? 0 : 1;
 }
 
 // A kernel of the other context reads primary cudaMalloc memory and writes primary memory.
@@ -629,6 +686,168 @@ static int capture_test(const std::string& capture, const std::string& syncer, c
   return 0;
 }
 
+// Graph rounds against a copy of another stream (see the header).
+__global__ void spin_to(volatile unsigned long long* w, volatile unsigned long long* target) {
+  if (w == nullptr) return;
+  while (*w < *target) __nanosleep(1000);
+}
+static std::atomic<unsigned long long> handed{0};
+static unsigned long long* host_target = nullptr;
+static void CUDART_CB hand_over(void*) {
+  const unsigned long long v = handed.load() + 1;
+  *host_target = v;
+  handed.store(v);
+}
+static bool wait_query(cudaStream_t s, double seconds) {
+  const double t0 = now();
+  while (now() - t0 < seconds) {
+    const cudaError_t q = cudaStreamQuery(s);
+    if (q == cudaSuccess) return true;
+    if (q != cudaErrorNotReady) CR(q);
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  return false;
+}
+static int graph_test(const std::string& mode, int branches, int rounds, bool probe) {
+  init();
+  spin_to<<<1, 1>>>(nullptr, nullptr);
+  (void)cudaGetLastError();
+  tiny<<<1, 1>>>();
+  CR(cudaDeviceSynchronize());
+  cudaStream_t agent;
+  CR(cudaStreamCreateWithFlags(&agent, cudaStreamNonBlocking));  // first, as meshmem's agent's
+  unsigned long long *word = nullptr, *dword = nullptr, *dtarget = nullptr;
+  CR(cudaHostAlloc((void**)&word, 8, cudaHostAllocMapped));
+  CR(cudaHostAlloc((void**)&host_target, 8, cudaHostAllocMapped));
+  *word = 0;
+  *host_target = ~0ull;
+  CR(cudaHostGetDevicePointer((void**)&dword, word, 0));
+  CR(cudaHostGetDevicePointer((void**)&dtarget, host_target, 0));
+  void *src = nullptr, *dst = nullptr;
+  CR(cudaMalloc(&src, 4096));
+  CR(cudaMalloc(&dst, 4096));
+  std::vector<cudaStream_t> streams(static_cast<size_t>(branches));
+  for (auto& st : streams) CR(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaEvent_t fork, probe_ev;
+  CR(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  CR(cudaEventCreateWithFlags(&probe_ev, cudaEventDisableTiming));
+  std::vector<cudaEvent_t> joins(static_cast<size_t>(branches));
+  for (auto& e : joins) CR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  cudaGraphExec_t exec = nullptr;
+  int stalls = 0, escaped = 0, moved = 0, made = 1;
+  std::string where;
+  for (int round = 1; round <= rounds; ++round) {
+    if (exec == nullptr || mode == "new") {
+      if (exec != nullptr) CR(cudaGraphExecDestroy(exec));
+      cudaStream_t s = streams[0];
+      CR(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+      CR(cudaLaunchHostFunc(s, hand_over, nullptr));
+      CR(cudaEventRecord(fork, s));
+      for (int b = 1; b < branches; ++b) CR(cudaStreamWaitEvent(streams[b], fork, 0));
+      for (int b = 0; b < branches; ++b) {
+        spin_to<<<1, 1, 0, streams[b]>>>(dword, dtarget);
+        tiny<<<1, 1, 0, streams[b]>>>();
+      }
+      for (int b = 1; b < branches; ++b) {
+        CR(cudaEventRecord(joins[b], streams[b]));
+        CR(cudaStreamWaitEvent(s, joins[b], 0));
+      }
+      cudaGraph_t g = nullptr;
+      CR(cudaStreamEndCapture(s, &g));
+      CR(cudaGraphInstantiate(&exec, g, 0));
+      CR(cudaGraphDestroy(g));
+    }
+    CR(cudaGraphLaunch(exec, streams[0]));
+    const double t0 = now();
+    while (handed.load() < (unsigned long long)round) {
+      if (now() - t0 > 5) {
+        printf("RESULT FAIL round %d: the host node did not run within 5 s\n", round);
+        return 3;
+      }
+      std::this_thread::yield();
+    }
+    if (probe) {
+      CR(cudaEventRecord(probe_ev, agent));
+      const double p0 = now();
+      cudaError_t q = cudaErrorNotReady;
+      while (now() - p0 < 2e-3 && (q = cudaEventQuery(probe_ev)) == cudaErrorNotReady) {
+      }
+      if (q == cudaErrorNotReady) {  // its queue is held: leave the stream (its probe runs later) for a fresh one
+        CR(cudaStreamCreateWithFlags(&agent, cudaStreamNonBlocking));
+        ++moved;
+        ++made;
+      } else if (q != cudaSuccess) {
+        CR(q);
+      }
+    }
+    CR(cudaMemcpyAsync(dst, src, 4096, cudaMemcpyDeviceToDevice, agent));
+    CK(cuStreamWriteValue64((CUstream)agent, (CUdeviceptr)dword, (cuuint64_t)round, CU_STREAM_WRITE_VALUE_DEFAULT));
+    if (!wait_query(streams[0], 1.0)) {
+      ++stalls;
+      where += " " + std::to_string(round);
+      cudaStream_t fresh;
+      CR(cudaStreamCreateWithFlags(&fresh, cudaStreamNonBlocking));
+      ++made;
+      CK(cuStreamWriteValue64((CUstream)fresh, (CUdeviceptr)dword, (cuuint64_t)round, CU_STREAM_WRITE_VALUE_DEFAULT));
+      if (wait_query(streams[0], 0.5)) {
+        ++escaped;
+        where += "(fresh escaped)";
+      } else {
+        *(volatile unsigned long long*)word = (unsigned long long)round;
+        where += "(host released)";
+        if (!wait_query(streams[0], 2.0)) {
+          printf("RESULT FAIL round %d: not done even after the host set the word\n", round);
+          return 3;
+        }
+      }
+    }
+  }
+  CR(cudaDeviceSynchronize());
+  const char* env = getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  printf("RESULT graph connections=%s mode=%s branches=%d rounds=%d probe=%s: %d STALLED%s, %d escaped to a fresh "
+         "stream, agent moved %d times, streams made by this thread %d\n",
+         env ? env : "(unset)", mode.c_str(), branches, rounds, probe ? "on" : "off", stalls, where.c_str(), escaped,
+         moved, made + branches);
+  return 0;
+}
+
+// Is an 8-byte pinned-to-pinned cudaMemcpyAsync stream-ordered (done by the GPU after the
+// stream's earlier work), or done by the calling thread at once? Behind a 200 ms kernel.
+static int order_test() {
+  init();
+  spin<<<1, 1>>>(nullptr, 0);
+  CR(cudaDeviceSynchronize());
+  cudaStream_t s;
+  CR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  unsigned long long* cells = nullptr;
+  CR(cudaHostAlloc((void**)&cells, 64, cudaHostAllocMapped));
+  unsigned long long* dcells = nullptr;
+  CR(cudaHostGetDevicePointer((void**)&dcells, cells, 0));
+  cells[0] = 0;  // the spin's release word
+  cells[1] = 42;
+  cells[2] = 0;
+  spin<<<1, 1, 0, s>>>(dcells, 1);
+  // Released after 3 s from another thread, in case the copy's call waits for the kernel.
+  std::thread release([cells] {
+    std::this_thread::sleep_for(std::chrono::seconds(3));
+    *(volatile unsigned long long*)cells = 1;
+  });
+  const double c0 = now();
+  CR(cudaMemcpyAsync(cells + 2, cells + 1, 8, cudaMemcpyHostToHost, s));
+  const double call_s = now() - c0;
+  const volatile unsigned long long* out = cells + 2;
+  const unsigned long long right_after = *out;
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const unsigned long long while_held = *out;
+  release.join();
+  CR(cudaStreamSynchronize(s));
+  const unsigned long long after = *out;
+  printf("RESULT order h2h8 behind a kernel that waits 3 s: the call took %.3f s; the word right after the call %llu, "
+         "200 ms later %llu, after the kernel %llu\n",
+         call_s, right_after, while_held, after);
+  return 0;
+}
+
 // Runs `args` of this program in a child with `env` added; kills it after `limit_s`.
 static void run_case(const char* self, const std::vector<std::string>& env, const std::vector<std::string>& args,
                      int limit_s = 15) {
@@ -694,6 +913,9 @@ int main(int argc, char** argv) {
   if (what == "contention" && argc == 3) return contention_test(argv[2]);
   if (what == "nccl" && argc == 3) return nccl_test(argv[2]);
   if (what == "capture" && argc == 5) return capture_test(argv[2], argv[3], argv[4]);
-  printf("usage: queue_lab all | queue BLOCKER VICTIM WORK | access green|ctx | cost | blocking | contention HOLDER | nccl primary|green|ctx | capture MODE MODE CALL\n");
+  if (what == "order") return order_test();
+  if (what == "graph" && (argc == 5 || argc == 6))
+    return graph_test(argv[2], atoi(argv[3]), atoi(argv[4]), argc == 6 && std::string(argv[5]) == "probe");
+  printf("usage: queue_lab all | queue BLOCKER VICTIM WORK | access green|ctx | cost | blocking | contention HOLDER | nccl primary|green|ctx | capture MODE MODE CALL | graph new|reuse BRANCHES N [probe]\n");
   return 2;
 }
