@@ -702,6 +702,58 @@ TEST_F(RealUse, FreeBehindAPendingWaitIsBounded) {
   CUDA_OK(cudaStreamSynchronize(s0));
 }
 
+// A staged transfer whose end the staging agent's lane cannot run, held in the GPU queue
+// behind the caller's own stream wait (one queue per process: its entry gpu.staged_held_lane),
+// ends at MESHMEM_TIMEOUT all the same, with an error naming the held lane, although its stream
+// waits with a stream memory wait (MESHMEM_STREAM_WAIT=memop, the default where ranks share a
+// GPU), which cannot time out by itself; what was held still lands afterwards. Before the
+// agent watched its lanes (e037a20) such a stream waited for ever: the soak's first signal
+// Add with one queue, still waiting after 60 s on 1 x H100.
+TEST_F(RealUse, ATransferHeldOnTheAgentsLaneEndsAtTheTimeout) {
+  const char* queues = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  if (queues == nullptr || std::string(queues) != "1")
+    GTEST_SKIP() << "needs one GPU queue per process (CUDA_DEVICE_MAX_CONNECTIONS=1, as its entry "
+                    "gpu.staged_held_lane sets): then the caller's wait holds the agent's lane";
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "4");
+  make_comm();
+  if (comm->transport(me, Memory::Device) != TransportKind::Staged)
+    GTEST_SKIP() << "this rank reaches itself through " << to_string(comm->transport(me, Memory::Device))
+                 << ", not staged";
+  Signals sig = comm->alloc_signals(1);
+  CUDA_OK(fill_now(sig.local(), 0, sizeof(std::uint64_t)));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  MPI_Barrier(MPI_COMM_WORLD);
+
+  spin_kernel<<<1, 1, 0, s0>>>(nullptr, 200'000'000);  // the agent starts it after the wait is queued
+  CUDA_OK(cudaGetLastError());
+  const auto t0 = std::chrono::steady_clock::now();
+  comm->signal(sig, me, 0, 5, SignalOp::Add, s0);
+  const bool went_on = finishes(s0, 40);
+  const double seconds = seconds_since(t0);
+  EXPECT_TRUE(went_on) << "the stream still waits for the held transfer after 40 s (MESHMEM_TIMEOUT=4)";
+  if (!went_on) std::_Exit(1);  // nothing here can end that wait: the job's other rank is told by MPI
+  std::string error;
+  try {
+    comm->quiet(s0);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  EXPECT_GT(seconds, 3.5) << "the signal ended before the timeout: nothing held the lane, the test proves nothing";
+  EXPECT_LT(seconds, 20.0);
+  EXPECT_NE(error.find("ended from the host"), std::string::npos) << error;
+  EXPECT_NE(error.find("lane of device " + std::to_string(device)), std::string::npos) << error;
+  // The wait is gone from the queue: the held Add runs and the signal lands.
+  std::uint64_t value = 0;
+  for (int i = 0; i < 200 && value != 5; ++i) {
+    CUDA_OK(cudaMemcpy(&value, sig.local(), sizeof(value), cudaMemcpyDeviceToHost));
+    if (value != 5) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(value, 5u) << "the held signal Add did not land within 10 s of the timeout";
+  CUDA_OK(cudaDeviceSynchronize());
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 // ~Comm while a stream of the user's still runs (a kernel that waits for the test's host
 // flag) must not wait for it for ever: README says every part of ~Comm that waits for the
 // device is bounded by MESHMEM_TIMEOUT (here 2 s; a barrier proxy's by twice that). And what

@@ -174,7 +174,8 @@ class Comm {
   // How descriptors are passed between ranks of this node.
   FdPassing fd_passing() const;
   // This rank's device and the barrier / stream-wait variants chosen for it, and what the
-  // transports in use hold (the staged transport's pinned pool), or why device windows are
+  // transports in use hold (the staged transport's pinned pool, and the latest report of one
+  // of its streams held back in a GPU queue: README "GPU queues"), or why device windows are
   // unavailable.
   std::string device_info() const;
 

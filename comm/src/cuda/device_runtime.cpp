@@ -31,8 +31,8 @@ const TuningKnob<StreamWait> kStreamWait{
     "device `wait_until`, and the stream's wait for the end of a staged, nccl or mpi-device transfer: `kernel` (a "
     "polling kernel that gives up after MESHMEM_TIMEOUT and reports it; about 2x lower put_signal latency than "
     "memop), `memop` (cuStreamWaitValue64: holds no SM, so it is faster where ranks share a GPU, but a "
-    "`wait_until` cannot time out; a transfer is still ended at the timeout, by the staging agent or by the proxy "
-    "thread's watchdog; staged transfers through a hidden peer's channel keep the kernel, as only that peer "
+    "`wait_until` cannot time out; a transfer is still ended at the timeout, by the staging agent (also one held in "
+    "a GPU queue) or by the proxy thread's watchdog; staged transfers through a hidden peer's channel keep the kernel, as only that peer "
     "ends them); `auto` = `kernel`, or `memop` where this rank's GPU is shared (a polling kernel would "
     "hold the time-sliced GPU from the ranks it waits for). Either wait stalls its GPU queue (a kernel once work is "
     "queued behind it): see MESHMEM_GPU_QUEUES"};

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 
 #include "../knobs.hpp"
@@ -84,7 +85,15 @@ std::string describe_gpu_queues() { return "GPU queues " + std::to_string(kAtLoa
 
 namespace {
 std::atomic<int> most_transport_streams{0};  // the most any transport of this process ran
+// Leaked: read by threads that may outlive static destruction.
+std::mutex& held_m = *new std::mutex;
+std::string& held_report = *new std::string;
 }  // namespace
+
+void note_held_stream(const std::string& report) {
+  std::lock_guard<std::mutex> lock(held_m);
+  held_report = report;
+}
 
 std::string note_transport_streams(int rank, const std::string& transport, int streams) {
   int seen = most_transport_streams.load();
@@ -98,7 +107,8 @@ std::string note_transport_streams(int rank, const std::string& transport, int s
          "Comm avoid it)";
 }
 
-std::string gpu_queue_hint() {
+namespace {
+std::string queue_count_hint() {
   const int streams = most_transport_streams.load();
   if (kAtLoad.count >= GpuQueues::kMost && streams <= kAtLoad.count) return {};
   if (streams > kAtLoad.count)
@@ -107,6 +117,14 @@ std::string gpu_queue_hint() {
            ": a stream sharing this transfer's queue that waits may have held it back";
   return "; this process has " + std::to_string(kAtLoad.count) + " GPU queues " + source() +
          ": a stream of it that waits may have held this transfer's stream back (32 make that less likely)";
+}
+}  // namespace
+
+std::string gpu_queue_hint() {
+  std::string hint = queue_count_hint();
+  std::lock_guard<std::mutex> lock(held_m);
+  if (!held_report.empty()) hint += "; " + held_report;
+  return hint;
 }
 
 std::string few_gpu_queues_warning(int rank, const std::string& route) {

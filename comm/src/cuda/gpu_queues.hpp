@@ -4,10 +4,13 @@
 // Streams share CUDA_DEVICE_MAX_CONNECTIONS queues per device (8 by default), read when a
 // context is created. A stream that stalls (a stream memory wait, or a polling kernel with
 // work behind it) stalls its queue, and with it every other stream of the process on that
-// queue, in any context made with the primary one (green contexts included). The staged,
-// nccl and mpi-device transports move data on streams of this process (the staging agent's,
-// the proxy thread's) after the caller's stream already waits for that data: if they share
-// a queue with the waiting stream, the transfer never starts and ends in MESHMEM_TIMEOUT.
+// queue, in any context made with the primary one (green contexts included): its kernels,
+// stream memory operations, device-to-device and small host-to-device copies (copies into
+// host memory, and large ones from it, go on). The staged, nccl and mpi-device transports
+// run such work on streams of this process (the staging agent's word writes, the proxy
+// thread's kernels) after the caller's stream already waits for it: if they share a queue
+// with the waiting stream, the transfer cannot end and ends in MESHMEM_TIMEOUT (the staging
+// agent reports a held stream of its own: note_held_stream).
 // Measured on 1 x H100 (bench/queue_lab.cu, bench/results/*queue-lab*): waits on 8 streams
 // hold back copies and kernels of another stream; with 32 queues and 8 waiting streams a copy
 // of another stream ran, and the soak's graph round that timed out with 8 passed.
@@ -42,8 +45,14 @@ std::string describe_gpu_queues();
 
 // For the message of a transfer on meshmem's own streams that did not end: where the process
 // has fewer than 32 queues, or a transport more streams than queues, "; ... a waiting stream
-// may have held it back ...", else "".
+// may have held it back ...", then "; " and the report of a held stream, if one was noted;
+// else "".
 std::string gpu_queue_hint();
+
+// A stream of meshmem's own that was seen held back (its work did not move for seconds, and
+// it waits for nothing outside the process): the report, which gpu_queue_hint adds from now
+// on (the latest one).
+void note_held_stream(const std::string& report);
 
 // A transport of this process now runs `streams` streams of its own on its device (the proxy's
 // two per peer on another node): remembered for gpu_queue_hint. Where they are more than the

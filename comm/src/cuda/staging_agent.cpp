@@ -68,7 +68,9 @@ StagingAgent::StagingAgent(Setup setup)
       local_of_(static_cast<std::size_t>(setup.ranks), 0),
       timeout_(setup.timeout),
       limit_(setup.limit),
-      faults_(std::move(setup.faults)) {
+      faults_(std::move(setup.faults)),
+      held_after_(timeout_.count() != 0 ? std::min(std::chrono::milliseconds(2000), timeout_ / 2)
+                                        : std::chrono::milliseconds(2000)) {
   const std::string what = "staged transport on rank " + std::to_string(rank_);
   for (std::size_t i = 0; i < setup.node_ranks.size(); ++i) {
     local_of_[static_cast<std::size_t>(setup.node_ranks[i])] = i;
@@ -291,8 +293,8 @@ bool StagingAgent::drain() noexcept {
 void StagingAgent::reclaim_words() {
   for (auto& [d, lane] : lanes_) {
     const std::uint64_t done = __atomic_load_n(control_.lane_done(lane.ordinal), __ATOMIC_ACQUIRE);
-    while (!lane.lent.empty() && lane.lent.front().first <= done) {
-      free_words_.push_back(lane.lent.front().second);
+    while (!lane.lent.empty() && lane.lent.front().count <= done) {
+      free_words_.push_back(lane.lent.front().word);
       lane.lent.pop_front();
     }
   }
@@ -316,6 +318,7 @@ void StagingAgent::run() {
   // polls, so a transfer starts (or goes on) at most that late.
   Backoff backoff(std::chrono::microseconds(20));
   auto last_work = Clock::now();
+  bool streams_hold_work = false;
   auto busy = [&] {
     if (!waiting.empty() || !visible_.empty()) return true;
     for (const auto& q : outgoing_)
@@ -327,8 +330,10 @@ void StagingAgent::run() {
     {
       std::unique_lock<std::mutex> lock(m_);
       auto woken = [&] { return stop_ || !queue_.empty(); };
-      if (!working && hidden_.empty()) {
+      if (!working && hidden_.empty() && !streams_hold_work) {
         cv_.wait(lock, woken);
+      } else if (!working && hidden_.empty()) {
+        cv_.wait_for(lock, std::chrono::milliseconds(100), woken);  // the next look at the streams
       } else if (!working) {
         // Hidden peers may post chunks at any time: poll, yielding for 1 ms after recent work
         // (the next chunk, or the next exchange of an iterating code, is near: a halo exchange
@@ -364,10 +369,15 @@ void StagingAgent::run() {
       watch_readers();
       next_watch_ = Clock::now() + std::chrono::milliseconds(10);
     }
+    if (Clock::now() >= next_stream_watch_) {
+      streams_hold_work = watch_streams();
+      next_stream_watch_ = Clock::now() + std::chrono::milliseconds(100);
+    }
     const bool started = start_ready(waiting);
     const bool carried = poll_incoming();
     const bool pumped = pump();
     if (started || carried || pumped) {
+      streams_hold_work = true;  // until the next look at the streams says otherwise
       backoff.reset();
       last_work = Clock::now();
       continue;
@@ -607,6 +617,7 @@ void StagingAgent::enqueue_visible_piece(const StagedRequest& r, const PieceCurs
                   "cudaMemcpyAsync (from the staging slot)", what);
   ipc::check_cuda(cudaEventRecord(to.freed[s], to.stream), "cudaEventRecord", what);
   slot_use_[s] = SlotUse{to.freed[s], -1, 0};
+  to.pieces.push_back(s);
 }
 
 // After a visible transfer's last piece (on the target's lane): its signal (unless it is
@@ -627,7 +638,7 @@ void StagingAgent::end_visible(const StagedRequest& r, bool signal, const std::s
   run_stream_batch(ops, to.stream, "staged transfer", rank_);
   std::lock_guard<std::mutex> lock(m_);
   ++to.ended;
-  if (r.word_is_lent) to.lent.emplace_back(to.ended, r.word);
+  if (r.word_is_lent) to.lent.push_back(Lane::LentEnd{to.ended, r.word, r.ticket});
 }
 
 // A visible transfer that cannot go on: no signal; its done word ends it after the pieces
@@ -836,6 +847,107 @@ bool StagingAgent::take_slot(bool on_host, std::size_t* s) {
     }
   }
   return false;
+}
+
+// Each stream's progress: a lane's pieces and transfer ends (and, on this rank's GPU, its
+// channel posts), the incoming stream's consumed counts. A piece's `freed` event may have been
+// recorded again for a later piece of its slot: done then means done up to that later one, and
+// not done only that the stream has not reached it, so progress is at worst seen late.
+bool StagingAgent::watch_streams() {
+  bool pending_any = false;
+  for (auto& [device, lane] : lanes_) {
+    while (!lane.pieces.empty() && cudaEventQuery(lane.freed[lane.pieces.front()]) == cudaSuccess) {
+      lane.pieces.pop_front();
+      ++lane.pieces_done;
+    }
+    (void)cudaGetLastError();
+    const std::uint64_t ended = __atomic_load_n(control_.lane_done(lane.ordinal), __ATOMIC_ACQUIRE);
+    std::uint64_t done = lane.pieces_done + ended;
+    bool pending = !lane.pieces.empty() || ended < lane.ended;
+    std::string holds = std::to_string(lane.pieces.size()) + " piece(s) and " +
+                        std::to_string(lane.ended - std::min(ended, lane.ended)) + " transfer end(s)";
+    if (device == device_) {
+      std::uint64_t posts = 0;
+      for (int reader : hidden_) {
+        const std::size_t to = local_index(reader);
+        const std::uint64_t posted = __atomic_load_n(control_.posted(to), __ATOMIC_ACQUIRE);
+        done += posted;
+        if (posted < next_post_[to]) posts += next_post_[to] - posted;
+      }
+      pending = pending || posts != 0;
+      holds += " and " + std::to_string(posts) + " chunk(s) for hidden peers";
+    }
+    watch(lane.watch, done, pending, "lane of device " + std::to_string(device), holds);
+    if (pending && timeout_.count() != 0 && lane.watch.unmoved_for(Clock::now()) >= timeout_)
+      end_held(lane, device);
+    pending_any = pending_any || pending;
+  }
+  if (incoming_ != nullptr) {
+    std::uint64_t done = 0, left = 0;
+    for (int writer : hidden_) {
+      const std::size_t from = local_index(writer);
+      if (broken_[from]) continue;
+      const std::uint64_t consumed = __atomic_load_n(control_.consumed(from), __ATOMIC_ACQUIRE);
+      done += consumed;
+      if (consumed < seen_[from]) left += seen_[from] - consumed;
+    }
+    watch(incoming_watch_, done, left != 0, "incoming stream (device " + std::to_string(device_) + ")",
+          std::to_string(left) + " chunk(s) of hidden peers");
+    pending_any = pending_any || left != 0;
+  }
+  return pending_any;
+}
+
+void StagingAgent::watch(StreamWatch& w, std::uint64_t done, bool pending, const std::string& stream,
+                         const std::string& holds) {
+  const auto now = Clock::now();
+  const StreamWatch::Seen seen = w.observe(done, pending, now, held_after_);
+  if (seen == StreamWatch::Seen::MovesAgain)
+    log(LogLevel::Warn,
+        "staged transport on rank " + std::to_string(rank_) + ": the agent's " + stream + " moves again");
+  if (seen != StreamWatch::Seen::Held) return;
+  const std::string report =
+      "on rank " + std::to_string(rank_) + " the staging agent's " + stream + " has not moved for " +
+      describe_timeout(std::chrono::duration_cast<std::chrono::milliseconds>(w.unmoved_for(now))) + " (it holds " +
+      holds +
+      "); it waits for nothing outside this process, so a stream of this process that waits sits ahead of it in a GPU "
+      "queue they share and holds it back (README \"GPU queues\"; " + describe_gpu_queues() + ")";
+  log(LogLevel::Warn, "staged transport: " + report);
+  note_held_stream(report);
+  std::lock_guard<std::mutex> lock(m_);
+  held_report_ = report;
+}
+
+// The ends still held on the lane are written from the host, once per transfer (a later end
+// of the GPU's writes the same ticket); their words are taken back only once the lane's counter
+// passes them, as always, so no held write lands in a word lent again. Their streams go on;
+// what the held copies still write lands later ("its data may be incomplete", as for a wait
+// kernel's timeout).
+void StagingAgent::end_held(Lane& lane, int device) {
+  std::size_t ended = 0;
+  {
+    std::lock_guard<std::mutex> lock(m_);
+    for (const Lane::LentEnd& l : lane.lent) {
+      std::uint64_t* done = control_.transfer(l.word);
+      if (__atomic_load_n(done, __ATOMIC_ACQUIRE) >= l.ticket) continue;
+      __atomic_store_n(done, l.ticket, __ATOMIC_RELEASE);
+      ++ended;
+    }
+  }
+  if (ended == 0) return;
+  const std::string message =
+      "staged transport on rank " + std::to_string(rank_) + ": " + std::to_string(ended) +
+      " transfer(s) whose end was held on the agent's lane of device " + std::to_string(device) + " for " +
+      describe_timeout(timeout_) + " were ended from the host: their streams went on, their data may be incomplete" +
+      gpu_queue_hint();
+  log(LogLevel::Error, message);
+  std::lock_guard<std::mutex> lock(m_);
+  if (error_.empty()) error_ = message;
+}
+
+std::string StagingAgent::held_report() {
+  std::lock_guard<std::mutex> lock(m_);
+  return held_report_;
 }
 
 // Which hidden readers hold this rank's slots, for a timeout's message.

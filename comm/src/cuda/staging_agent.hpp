@@ -36,6 +36,14 @@
 // ends at MESHMEM_TIMEOUT. A reader that lives but takes nothing keeps its slots: it may
 // still copy out of them.
 //
+// The agent's streams wait only for each other, so their work always moves, unless a stream
+// of this process that waits sits ahead of it in a GPU queue they share (README "GPU
+// queues"). A stream whose work has not moved for a while (StreamWatch) is logged once, and
+// the report joins the timeout errors of transfers (gpu_queues.hpp). A lane held for
+// MESHMEM_TIMEOUT gets the ends of its eager transfers written from the host (end_held): their
+// callers' streams wait with a stream memory wait where the GPU is shared, which cannot time
+// out by itself, and would otherwise wait for ever behind the very queue that holds the lane.
+//
 // Transfers start in the order their sources become ready (the agent polls each one's ready
 // event), never in call order, so a transfer whose stream waits holds no other back. Each has
 // a done word of its own (lent per transfer and taken back once it ended), which the caller's
@@ -59,6 +67,7 @@
 
 #include "../fault.hpp"
 #include "../piece_cursor.hpp"
+#include "../progress_watch.hpp"
 #include "event_pool.hpp"
 #include "kernels.hpp"
 #include "meshmem/ipc/awake_clock.hpp"
@@ -186,6 +195,9 @@ class StagingAgent {
   ControlWords control_of(int rank) const;
   const StagingPool& pool() const { return *pool_; }
 
+  // The latest report of one of the agent's streams held back (watch_streams), or "".
+  std::string held_report();
+
   // The first error the agent met, or a count of this rank's transfers that hidden peers
   // could not carry out, once ("" if none).
   std::string take_error();
@@ -196,13 +208,23 @@ class StagingAgent {
   bool drain() noexcept;
 
  private:
+  using Clock = ipc::AwakeClock;  // a whole job suspended and resumed stalls no transfer
+  using StreamWatch = ProgressWatch<Clock>;  // how far the GPU got with one of the agent's streams
   struct Lane {
     std::size_t ordinal = 0;          // its done counter: ControlWords::lane_done(ordinal)
     cudaStream_t stream = nullptr;
     std::vector<cudaEvent_t> copied;  // per slot: the device-to-host copy into it is done
     std::vector<cudaEvent_t> freed;   // per slot: the host-to-device copy out of it is done
     std::uint64_t ended = 0;          // transfers enqueued to end on this lane (its counter's goal)
-    std::deque<std::pair<std::uint64_t, std::size_t>> lent;  // (count at its end, word) of eager transfers
+    struct LentEnd {
+      std::uint64_t count;   // the lane's counter at its end
+      std::size_t word;      // its done word
+      std::uint64_t ticket;  // what its end writes there
+    };
+    std::deque<LentEnd> lent;  // eager transfers whose end is enqueued here, oldest first
+    std::deque<std::size_t> pieces;  // slots of pieces whose copy out is enqueued here, oldest first
+    std::uint64_t pieces_done = 0;   // pieces seen done (their `freed` event, or a later one of the slot)
+    StreamWatch watch;
   };
   // What last used a slot: the copy out of it (an event) or a hidden reader's consumed count.
   struct SlotUse {
@@ -210,7 +232,6 @@ class StagingAgent {
     int reader = -1;
     std::uint64_t sequence = 0;
   };
-  using Clock = ipc::AwakeClock;  // a whole job suspended and resumed stalls no transfer
   // A transfer between two GPUs visible here, as far as its pieces are enqueued.
   struct VisibleTransfer {
     StagedRequest request;
@@ -257,6 +278,12 @@ class StagingAgent {
   // Every ~10 ms: hidden peers whose process ended give their slots back, and the puts they
   // were to end and the gets they were to answer are ended here (see the header comment).
   void watch_readers();
+  // Every ~100 ms while work is enqueued: a stream whose work has not moved for
+  // held_after_ is logged (see the header comment); true while any stream holds work.
+  bool watch_streams();
+  void watch(StreamWatch& w, std::uint64_t done, bool pending, const std::string& stream, const std::string& holds);
+  // A lane held past MESHMEM_TIMEOUT: the ends of its eager transfers are written from here.
+  void end_held(Lane& lane, int device);
   bool take_slot(bool on_host, std::size_t* s);
   std::string slot_holders() const;
   std::uint64_t consumed_by(int reader) const;
@@ -297,6 +324,9 @@ class StagingAgent {
   std::vector<bool> gone_;                // by node index: its process ended; nothing more goes to it
   std::map<std::size_t, std::uint64_t> last_answered_;  // by done word: the ticket of this rank's get whose answer's last chunk was carried out
   Clock::time_point next_watch_{};
+  Clock::time_point next_stream_watch_{};
+  std::chrono::milliseconds held_after_;  // 2 s, or half of MESHMEM_TIMEOUT if that is less
+  StreamWatch incoming_watch_;
   std::deque<VisibleTransfer> visible_;          // oldest first; only the oldest takes slots
   std::vector<std::deque<Outgoing>> outgoing_;   // by node index of the reader: oldest first, one at a time on a channel
 
@@ -321,6 +351,7 @@ class StagingAgent {
   std::uint64_t answers_ = 0;  // answers to hidden peers' gets not yet posted to their end
   bool stop_ = false;
   std::string error_;
+  std::string held_report_;
   std::thread thread_;
 };
 

@@ -403,9 +403,10 @@ bool StagedTransport::drain() noexcept { return agent_ ? agent_->drain() : true;
 std::uint64_t* StagedTransport::barrier_flags(int rank) const { return agent_->control_of(rank).barrier_flags(); }
 
 std::string StagedTransport::describe() const {
-  return agent_ ? "staging pool " + agent_->pool().describe() + ", " + std::to_string(slots_) + " slots of " +
-                      std::to_string(chunk_) + " bytes per rank"
-                : std::string();
+  if (!agent_) return {};
+  const std::string held = agent_->held_report();
+  return "staging pool " + agent_->pool().describe() + ", " + std::to_string(slots_) + " slots of " +
+         std::to_string(chunk_) + " bytes per rank" + (held.empty() ? "" : "; held back: " + held);
 }
 
 }  // namespace meshmem::detail
