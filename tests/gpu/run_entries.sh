@@ -110,7 +110,7 @@ for step in "$@"; do
       fi
       [ "${#cmd[@]}" -gt 0 ] || { note "MISSING $name"; continue; }
       mapfile -t envs < <(entry_env "$name")
-      pass=0; fail=0; hung=0; skipped=0; log="$out/$kind$suffix-$name.log"
+      pass=0; fail=0; hung=0; skipped=0; slowest=0; slow=""; log="$out/$kind$suffix-$name.log"
       for i in $(seq 1 "$n"); do
         if [ "$(left)" -lt "$limit" ]; then note "loop $name: stopped at run $i (budget)"; break; fi
         t0=$(date +%s.%N)
@@ -125,10 +125,13 @@ for step in "$@"; do
         wait "$pid"; rc=$?
         [ -n "${LOOPKEEP:-}" ] && { echo "### run $i rc $rc" >> "$log"; cat "$out/run.log" >> "$log"; }
         secs=$(awk "BEGIN{print $(date +%s.%N) - $t0}")
+        slowest=$(awk "BEGIN{print ($secs > $slowest) ? $secs : $slowest}")
+        # A run that took more than half its limit: a stall that ended by itself shows here.
+        awk "BEGIN{exit !($secs * 2 > $limit)}" && slow="$slow run $i ($(printf %.0f "$secs") s)"
         if [ "$rc" = 0 ]; then pass=$((pass + 1)); elif [ "$rc" = 77 ]; then skipped=$((skipped + 1)); else
           fail=$((fail + 1)); echo "### run $i rc $rc after $secs s" >> "$log"; cat "$out/run.log" >> "$log"; fi
       done
-      note "$kind$suffix $name ${LOOPENV:-} ${LOOPARGS:-}: $pass passed, $fail failed, $hung past ${limit} s, $skipped skipped"
+      note "$kind$suffix $name ${LOOPENV:-} ${LOOPARGS:-}: $pass passed, $fail failed, $hung past ${limit} s, $skipped skipped; slowest $(printf %.1f "$slowest") s${slow:+; over half the limit:$slow}"
       ;;
     cmd)
       label=$2; limit=$3; shift 3
