@@ -95,6 +95,12 @@ bool finishes(cudaStream_t stream, int seconds) {
   return cudaStreamSynchronize(stream) == cudaSuccess;
 }
 
+// Whether environment variable `name` is `value` (the entries that run a test set it).
+bool env_is(const char* name, const std::string& value) {
+  const char* v = std::getenv(name);
+  return v != nullptr && value == v;
+}
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -710,8 +716,7 @@ TEST_F(RealUse, FreeBehindAPendingWaitIsBounded) {
 // agent watched its lanes (e037a20) such a stream waited for ever: the soak's first signal
 // Add with one queue, still waiting after 60 s on 1 x H100.
 TEST_F(RealUse, ATransferHeldOnTheAgentsLaneEndsAtTheTimeout) {
-  const char* queues = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-  if (queues == nullptr || std::string(queues) != "1")
+  if (!env_is("CUDA_DEVICE_MAX_CONNECTIONS", "1"))
     GTEST_SKIP() << "needs one GPU queue per process (CUDA_DEVICE_MAX_CONNECTIONS=1, as its entry "
                     "gpu.staged_held_lane sets): then the caller's wait holds the agent's lane";
   ScopedEnv timeout("MESHMEM_TIMEOUT", "4");
@@ -985,8 +990,7 @@ INSTANTIATE_TEST_SUITE_P(Waits, StoppedProxy, ::testing::Values("kernel", "memop
 // gpu.killed_peer (mpirun --enable-recovery, so that the job outlives the killed rank);
 // the survivor cannot meet a dead rank in MPI_Finalize, so it ends its process here.
 TEST_F(RealUse, KilledPeerGivesErrorsNotHangs) {
-  const char* enabled = std::getenv("MESHMEM_TEST_KILL_PEER");
-  if (enabled == nullptr || std::string(enabled) != "1")
+  if (!env_is("MESHMEM_TEST_KILL_PEER", "1"))
     GTEST_SKIP() << "kills a rank: run by gpu.killed_peer (MESHMEM_TEST_KILL_PEER=1, mpirun --enable-recovery)";
   ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
   ScopedEnv wait("MESHMEM_STREAM_WAIT", "kernel");
@@ -1055,8 +1059,7 @@ TEST_F(RealUse, KilledPeerGivesErrorsNotHangs) {
 // (mpirun --enable-recovery exits 0 whatever the ranks return). Run by
 // gpu.killed_reader_staged.
 TEST_F(RealUse, KilledReaderLeavesTheStagingSlotsToOthers) {
-  const char* enabled = std::getenv("MESHMEM_TEST_KILL_READER");
-  if (enabled == nullptr || std::string(enabled) != "1")
+  if (!env_is("MESHMEM_TEST_KILL_READER", "1"))
     GTEST_SKIP() << "kills a rank: run by gpu.killed_reader_staged (MESHMEM_TEST_KILL_READER=1, mpirun "
                     "--enable-recovery)";
   ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
@@ -1198,10 +1201,9 @@ TEST_F(RealUse, KilledOwnerEndsTheGetsItOwed) {
 class LeaderAcrossNodes : public RealUse {
  protected:
   std::string make_two_nodes_of_two() {
-    const char* simulated = std::getenv("MESHMEM_SIMULATE_NODES");
     int size = 0;
     MPI_Comm_size(MPI_COMM_WORLD, &size);
-    if (simulated == nullptr || std::string(simulated) != "2" || size != 4)
+    if (!env_is("MESHMEM_SIMULATE_NODES", "2") || size != 4)
       return "run by gpu.leaders_across_nodes (4 ranks, MESHMEM_SIMULATE_NODES=2)";
     make_comm();
     if (comm->node_count() != 2 || comm->node_of(1) != comm->node_of(0) || comm->node_of(2) == comm->node_of(0) ||
