@@ -95,15 +95,16 @@ void DeviceFaultRecord::raise(const std::string& where) {
              " of this rank) was not released by its proxy thread (it had released barrier " + std::to_string(f.seen) +
              ")" + after;
       break;
-    case cuda::FaultKind::Transfer:
+    case cuda::FaultKind::Transfer: {
+      const std::string hint = gpu_queue_hint();
       msg += "an earlier staged or nccl put or get with rank " + std::to_string(f.peer) + " (transfer " +
              std::to_string(f.expected) + "; the last one finished is " + std::to_string(f.seen) +
              ") did not finish" + after + " (its data may be incomplete)" +
-             (gpu_queue_hint().empty() ? "; if the peer is alive, a waiting stream (a replayed graph's too) that shares a "
-                                         "GPU queue with meshmem's transfer streams may have held it back (README "
-                                         "\"GPU queues\")"
-                                       : gpu_queue_hint());
+             (hint.empty() ? "; if the peer is alive, a waiting stream (a replayed graph's too) that shares a GPU queue "
+                             "with meshmem's transfer streams may have held it back (README \"GPU queues\")"
+                           : hint);
       break;
+    }
     default:
       msg += "an earlier wait_until(stream) on signal " + std::to_string(f.index) + " of signals window #" +
              std::to_string(f.window) + " for a value " + cmp_text(f.cmp) + " " + std::to_string(f.expected) +
