@@ -28,6 +28,21 @@
 //                            chunk, free): that call's result, the capture's end, and whether
 //                            the graph then replays
 //   queue_lab order          is an 8-byte pinned-to-pinned cudaMemcpyAsync stream-ordered?
+//   queue_lab chain BRANCHES STEPS ROUNDS WORK   does cudaGraphLaunch return before the graph
+//                            runs, and can another thread enqueue meanwhile? A graph of
+//                            BRANCHES branches of STEPS steps each: a host node hands the step to
+//                            an "agent" thread (as meshmem's captured hand-off does), then a
+//                            polling kernel waits for the agent's word. WORK is what the agent
+//                            does for a step: host (stores the word, no CUDA call), memop
+//                            (cuStreamWriteValue64 on its stream), kernel (a kernel writes it),
+//                            copy / d2h / h2d (a 4 KiB device-to-device / to pinned host / from
+//                            pinned host copy, then the memop), event (an event recorded, waited
+//                            for on the stream and queried, then the memop). Prints the longest
+//                            cudaGraphLaunch call and the agent's longest CUDA call; a launch
+//                            still inside after 3 s is released from the host (DEADLOCK).
+//                            CHAIN_HOST=all|first|none: where the host nodes are (see the code);
+//                            doorbell: no host node, a kernel writes the step into a word the
+//                            agent polls.
 //   queue_lab graph MODE BRANCHES N [probe]   N rounds of a graph captured from BRANCHES
 //                            streams (fork and join): a host node hands a round number to this
 //                            thread (as meshmem's captured hand-off does), then each branch
@@ -47,6 +62,10 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -811,6 +830,214 @@ static int graph_test(const std::string& mode, int branches, int rounds, bool pr
   return 0;
 }
 
+__global__ void spin_step(volatile unsigned long long* word, const volatile unsigned long long* base,
+                          unsigned long long step, unsigned long long* gave_up) {
+  const unsigned long long target = *base + step;
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  while (*word < target) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t - t0 > 10000000000ull) {  // 10 s: the lab never hangs for good
+      atomicAdd(gave_up, 1ull);
+      return;
+    }
+    __nanosleep(500);
+  }
+}
+// The hand-off without a host node: the step's number, this round's, into a word the agent polls.
+__global__ void ring_step(unsigned long long* door, const volatile unsigned long long* base, unsigned long long step) {
+  *(volatile unsigned long long*)door = *base + step;
+  __threadfence_system();
+}
+__global__ void set_word(unsigned long long* w, unsigned long long v) {
+  *(volatile unsigned long long*)w = v;
+  __threadfence_system();
+}
+namespace chain {
+struct Step {
+  int branch;
+  unsigned long long step;
+};
+std::mutex m;
+std::condition_variable cv;
+std::deque<Step> asked;
+bool stop = false;
+void CUDART_CB hand(void* p) {
+  std::lock_guard<std::mutex> lock(m);
+  asked.push_back(*static_cast<Step*>(p));
+  cv.notify_one();
+}
+}  // namespace chain
+static int chain_test(int branches, int steps, int rounds, const std::string& work) {
+  init();
+  // CHAIN_HOST=all (a host node before every step), first (before each branch's first step
+  // only: the agent then releases all its steps at once, 20 ms later), none (no host node:
+  // the agent releases every branch 20 ms after the launch call returned).
+  const std::string host_nodes = getenv("CHAIN_HOST") ? getenv("CHAIN_HOST") : "all";
+  unsigned long long *words = nullptr, *dwords = nullptr, *base = nullptr, *dbase = nullptr, *gave = nullptr;
+  CR(cudaHostAlloc((void**)&words, 8 * branches, cudaHostAllocMapped));
+  CR(cudaHostAlloc((void**)&base, 8, cudaHostAllocMapped));
+  CR(cudaHostGetDevicePointer((void**)&dwords, words, 0));
+  CR(cudaHostGetDevicePointer((void**)&dbase, base, 0));
+  unsigned long long *doors = nullptr, *ddoors = nullptr;
+  CR(cudaHostAlloc((void**)&doors, 8 * branches, cudaHostAllocMapped));
+  CR(cudaHostGetDevicePointer((void**)&ddoors, doors, 0));
+  for (int b = 0; b < branches; ++b) doors[b] = 0;
+  CR(cudaMallocManaged((void**)&gave, 8));
+  *gave = 0;
+  for (int b = 0; b < branches; ++b) words[b] = 0;
+  *base = 0;
+  void *src = nullptr, *dst = nullptr;
+  CR(cudaMalloc(&src, 4096));
+  CR(cudaMalloc(&dst, 4096));
+  set_word<<<1, 1>>>(dst == nullptr ? nullptr : (unsigned long long*)dst, 0);  // loaded before any graph runs
+  spin_step<<<1, 1>>>(dwords, dbase, 0, gave);
+  CR(cudaDeviceSynchronize());
+  cudaStream_t agent;
+  CR(cudaStreamCreateWithFlags(&agent, cudaStreamNonBlocking));
+  void* pinned = nullptr;
+  CR(cudaHostAlloc(&pinned, 4096, cudaHostAllocDefault));
+  cudaEvent_t agent_event;
+  CR(cudaEventCreateWithFlags(&agent_event, cudaEventDisableTiming));
+  std::vector<cudaStream_t> streams(static_cast<size_t>(branches));
+  for (auto& st : streams) CR(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaEvent_t fork;
+  CR(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  std::vector<cudaEvent_t> joins(static_cast<size_t>(branches));
+  for (auto& e : joins) CR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  std::vector<chain::Step> payload(static_cast<size_t>(branches * steps));
+  cudaStream_t s = streams[0];
+  CR(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  CR(cudaEventRecord(fork, s));
+  for (int b = 1; b < branches; ++b) CR(cudaStreamWaitEvent(streams[b], fork, 0));
+  for (int k = 0; k < steps; ++k)
+    for (int b = 0; b < branches; ++b) {
+      chain::Step& p = payload[static_cast<size_t>(b * steps + k)];
+      p = chain::Step{b, static_cast<unsigned long long>(k + 1)};
+      if (host_nodes == "all" || (host_nodes == "first" && k == 0)) CR(cudaLaunchHostFunc(streams[b], chain::hand, &p));
+      if (host_nodes == "doorbell") ring_step<<<1, 1, 0, streams[b]>>>(ddoors + b, dbase, p.step);
+      spin_step<<<1, 1, 0, streams[b]>>>(dwords + b, dbase, p.step, gave);
+    }
+  for (int b = 1; b < branches; ++b) {
+    CR(cudaEventRecord(joins[b], streams[b]));
+    CR(cudaStreamWaitEvent(s, joins[b], 0));
+  }
+  cudaGraph_t g = nullptr;
+  CR(cudaStreamEndCapture(s, &g));
+  cudaGraphExec_t exec = nullptr;
+  CR(cudaGraphInstantiate(&exec, g, 0));
+  CR(cudaGraphDestroy(g));
+  std::atomic<double> longest_call{0};
+  std::thread agent_thread([&] {
+    for (;;) {
+      chain::Step st;
+      if (host_nodes == "doorbell") {  // polls the doorbells (no host node, no CUDA call)
+        static std::vector<unsigned long long> seen(static_cast<size_t>(branches), 0);
+        bool found = false;
+        while (!found) {
+          {
+            std::lock_guard<std::mutex> lock(chain::m);
+            if (chain::stop) return;
+          }
+          for (int b = 0; b < branches && !found; ++b) {
+            const unsigned long long d = *(volatile unsigned long long*)(doors + b);
+            if (d > seen[static_cast<size_t>(b)]) {
+              seen[static_cast<size_t>(b)] = d;
+              st = chain::Step{b, d - *(volatile unsigned long long*)base};
+              found = true;
+            }
+          }
+          if (!found) std::this_thread::yield();
+        }
+      } else {
+        std::unique_lock<std::mutex> lock(chain::m);
+        chain::cv.wait(lock, [] { return chain::stop || !chain::asked.empty(); });
+        if (chain::stop) return;
+        st = chain::asked.front();
+        chain::asked.pop_front();
+      }
+      unsigned long long v = *(volatile unsigned long long*)base + st.step;
+      if (host_nodes == "first" || host_nodes == "none") {  // release the whole branch, a while after its hand-over
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        v = *(volatile unsigned long long*)base + static_cast<unsigned long long>(steps);
+      }
+      const double t0 = now();
+      if (work == "host") {
+        *(volatile unsigned long long*)(words + st.branch) = v;
+      } else if (work == "kernel") {
+        set_word<<<1, 1, 0, agent>>>(dwords + st.branch, v);
+        CR(cudaGetLastError());
+      } else {
+        if (work == "copy") CR(cudaMemcpyAsync(dst, src, 4096, cudaMemcpyDeviceToDevice, agent));
+        if (work == "d2h") CR(cudaMemcpyAsync(pinned, src, 4096, cudaMemcpyDeviceToHost, agent));
+        if (work == "h2d") CR(cudaMemcpyAsync(dst, pinned, 4096, cudaMemcpyHostToDevice, agent));
+        if (work == "event") {
+          CR(cudaEventRecord(agent_event, agent));
+          CR(cudaStreamWaitEvent(agent, agent_event, 0));
+          (void)cudaEventQuery(agent_event);
+        }
+        CK(cuStreamWriteValue64((CUstream)agent, (CUdeviceptr)(dwords + st.branch), (cuuint64_t)v,
+                                CU_STREAM_WRITE_VALUE_DEFAULT));
+      }
+      const double took = now() - t0;
+      if (took > longest_call.load()) longest_call.store(took);
+    }
+  });
+  double longest_launch = 0, longest_round = 0;
+  int deadlocks = 0, stalls = 0;
+  for (int round = 1; round <= rounds; ++round) {
+    *(volatile unsigned long long*)base = static_cast<unsigned long long>(round) * 1000000ull;
+    std::atomic<bool> launched{false};
+    std::atomic<bool> released{false};
+    std::thread watchdog([&] {
+      const double w0 = now();
+      while (!launched.load() && now() - w0 < 3.0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (launched.load()) return;
+      released.store(true);  // still inside cudaGraphLaunch: release every step from the host
+      for (int b = 0; b < branches; ++b) *(volatile unsigned long long*)(words + b) = ~0ull >> 1;
+    });
+    const double t0 = now();
+    CR(cudaGraphLaunch(exec, s));
+    const double took = now() - t0;
+    launched.store(true);
+    if (host_nodes == "none") {  // no hand-over: the agent is asked for every branch now
+      std::lock_guard<std::mutex> lock(chain::m);
+      for (int b = 0; b < branches; ++b) chain::asked.push_back(chain::Step{b, 1});
+      chain::cv.notify_one();
+    }
+    watchdog.join();
+    longest_launch = std::max(longest_launch, took);
+    if (released.load()) ++deadlocks;
+    if (!wait_query(s, 15.0)) {
+      ++stalls;
+      for (int b = 0; b < branches; ++b) *(volatile unsigned long long*)(words + b) = ~0ull >> 1;
+      if (!wait_query(s, 15.0)) {
+        printf("RESULT FAIL round %d: not done even after the host set the words\n", round);
+        return 3;
+      }
+    }
+    longest_round = std::max(longest_round, now() - t0);
+    if (released.load()) {  // the words are far ahead now: start the next round past them
+      CR(cudaStreamSynchronize(agent));
+      for (int b = 0; b < branches; ++b) words[b] = 0;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(chain::m);
+    chain::stop = true;
+  }
+  chain::cv.notify_one();
+  agent_thread.join();
+  CR(cudaDeviceSynchronize());
+  const char* env = getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  printf("RESULT chain connections=%s host-nodes=%s branches=%d steps=%d rounds=%d work=%s: longest cudaGraphLaunch %.3f ms, "
+         "longest round %.1f ms, agent's longest call %.3f ms, %d DEADLOCK (launch still inside after 3 s), %d "
+         "stalled, %llu spins gave up\n",
+         env ? env : "(unset)", host_nodes.c_str(), branches, steps, rounds, work.c_str(), longest_launch * 1e3, longest_round * 1e3,
+         longest_call.load() * 1e3, deadlocks, stalls, *gave);
+  return 0;
+}
+
 // Is an 8-byte pinned-to-pinned cudaMemcpyAsync stream-ordered (done by the GPU after the
 // stream's earlier work), or done by the calling thread at once? Behind a 200 ms kernel.
 static int order_test() {
@@ -914,8 +1141,9 @@ int main(int argc, char** argv) {
   if (what == "nccl" && argc == 3) return nccl_test(argv[2]);
   if (what == "capture" && argc == 5) return capture_test(argv[2], argv[3], argv[4]);
   if (what == "order") return order_test();
+  if (what == "chain" && argc == 6) return chain_test(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]), argv[5]);
   if (what == "graph" && (argc == 5 || argc == 6))
     return graph_test(argv[2], atoi(argv[3]), atoi(argv[4]), argc == 6 && std::string(argv[5]) == "probe");
-  printf("usage: queue_lab all | queue BLOCKER VICTIM WORK | access green|ctx | cost | blocking | contention HOLDER | nccl primary|green|ctx | capture MODE MODE CALL | graph new|reuse BRANCHES N [probe]\n");
+  printf("usage: queue_lab all | queue BLOCKER VICTIM WORK | access green|ctx | cost | blocking | contention HOLDER | nccl primary|green|ctx | capture MODE MODE CALL | graph new|reuse BRANCHES N [probe] | chain BRANCHES STEPS ROUNDS host|memop|kernel|copy|d2h|h2d|event\n");
   return 2;
 }
