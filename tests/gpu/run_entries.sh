@@ -127,9 +127,11 @@ for step in "$@"; do
         secs=$(awk "BEGIN{print $(date +%s.%N) - $t0}")
         slowest=$(awk "BEGIN{print ($secs > $slowest) ? $secs : $slowest}")
         # A run that took more than half its limit: a stall that ended by itself shows here.
-        awk "BEGIN{exit !($secs * 2 > $limit)}" && slow="$slow run $i ($(printf %.0f "$secs") s)"
+        # Its output is kept (unless a failure keeps it below): what the stall was.
+        is_slow=""; awk "BEGIN{exit !($secs * 2 > $limit)}" && { is_slow=1; slow="$slow run $i ($(printf %.0f "$secs") s)"; }
         if [ "$rc" = 0 ]; then pass=$((pass + 1)); elif [ "$rc" = 77 ]; then skipped=$((skipped + 1)); else
-          fail=$((fail + 1)); echo "### run $i rc $rc after $secs s" >> "$log"; cat "$out/run.log" >> "$log"; fi
+          fail=$((fail + 1)); is_slow=""; echo "### run $i rc $rc after $secs s" >> "$log"; cat "$out/run.log" >> "$log"; fi
+        [ -n "$is_slow" ] && [ -z "${LOOPKEEP:-}" ] && { echo "### run $i (slow) rc $rc after $secs s" >> "$log"; cat "$out/run.log" >> "$log"; }
       done
       note "$kind$suffix $name ${LOOPENV:-} ${LOOPARGS:-}: $pass passed, $fail failed, $hung past ${limit} s, $skipped skipped; slowest $(printf %.1f "$slowest") s${slow:+; over half the limit:$slow}"
       ;;

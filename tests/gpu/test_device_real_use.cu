@@ -284,7 +284,53 @@ class GraphReplay : public RealUse {
     cudaGraphDestroy(graph);
     return exec;
   }
+  // ManyChainedPuts*: see there.
+  void many_chained_puts(std::size_t barrier_every);
 };
+
+void GraphReplay::many_chained_puts(std::size_t barrier_every) {
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  constexpr std::size_t kPieces = 96, kPiece = 1031, kBytes = kPieces * kPiece;
+  constexpr int kChainReplays = 10;
+  Window win = comm->alloc(kBytes);
+  DeviceBuffer src(kBytes);
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  CUDA_OK(cudaStreamBeginCapture(s0, cudaStreamCaptureModeGlobal));
+  std::size_t barriers = 0;
+  for (std::size_t i = 0; i < kPieces; ++i) {
+    comm->put(win, right, i * kPiece, static_cast<char*>(src.p) + i * kPiece, kPiece, s0);
+    if (barrier_every != 0 && i % barrier_every == barrier_every - 1 && i + 1 < kPieces) {
+      comm->barrier(s0);
+      ++barriers;
+    }
+  }
+  comm->barrier(s0);  // every put has landed after it
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamEndCapture(s0, &graph));
+  cudaGraphExec_t exec = instantiate(graph);
+  ASSERT_NE(exec, nullptr);
+  for (int rep = 0; rep < kChainReplays; ++rep) {
+    CUDA_OK(fill_now(win.local(), kPoison, kBytes));
+    auto d = pattern(seed, key(rep, me, 7), kBytes);
+    CUDA_OK(upload(src.p, d.data(), kBytes));
+    MPI_Barrier(MPI_COMM_WORLD);
+    const auto t0 = std::chrono::steady_clock::now();
+    CUDA_OK(cudaGraphLaunch(exec, s0));
+    const double launch_s = seconds_since(t0);
+    // About a millisecond; the stall lasted MESHMEM_TIMEOUT.
+    EXPECT_LT(launch_s, 2.0) << "cudaGraphLaunch of " << kPieces << " chained puts and " << barriers + 1
+                              << " barriers, replay " << rep;
+    ASSERT_TRUE(finishes(s0, 60)) << "replay " << rep << " did not finish within 60 s";
+    EXPECT_NO_THROW(comm->quiet(s0)) << "replay " << rep;
+    const auto got = to_host(win.local(), kBytes);
+    const auto want = pattern(seed, key(rep, left, 7), kBytes);
+    EXPECT_EQ(first_difference(got.data(), want.data(), kBytes), -1) << "replay " << rep << ": the data from rank " << left;
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  cudaGraphExecDestroy(exec);
+}
 
 class GraphBarrier : public GraphReplay, public ::testing::WithParamInterface<const char*> {};
 
@@ -428,6 +474,23 @@ TEST_F(GraphReplay, PutSignalWaitUntilWithResetReplays) {
   }
   EXPECT_EQ(bad, 0);
   cudaGraphExecDestroy(exec);
+}
+
+// A graph of many puts in a chain on one stream (with `barrier_every`, a barrier(stream) after
+// every that many), then a barrier. Where a host thread carries the transfers (staged, nccl,
+// mpi-device) or the barriers (the proxy's) out, a host node per step made cudaGraphLaunch
+// wait for the host nodes (from about 32 in a chain, bench/queue_lab chain) while holding a
+// lock that the thread's copies and launches wait for: every replay stalled until
+// MESHMEM_TIMEOUT. The launch returns at once, and every replay delivers fresh data.
+TEST_F(GraphReplay, ManyChainedPutsLaunchAtOnceAndReplay) { many_chained_puts(0); }
+
+TEST_F(GraphReplay, ManyChainedPutsAndBarriersLaunchAtOnceAndReplay) {
+  // NCCL's captured all-reduce brings host nodes of its own (its network proxy's), and the
+  // nccl proxy's NCCL calls wait for a launch that waits for them: a limit (README "CUDA Graphs").
+  if (env_is("MESHMEM_BARRIER_ACROSS_NODES", "nccl"))
+    GTEST_SKIP() << "the hierarchical barrier across nodes captures NCCL's all-reduce, whose host nodes hold the nccl "
+                    "proxy's calls in a long chain (a known limit)";
+  many_chained_puts(3);
 }
 
 #ifdef MESHMEM_TEST_NEW_API  // wait_until_all_then_set, device_info

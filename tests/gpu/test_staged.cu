@@ -229,6 +229,56 @@ TEST_F(Staged, CapturedPutSignalReplaysWithFreshData) {
   cudaFree(src);
 }
 
+// A graph of many captured staged puts in a chain on one stream (each after the previous
+// one's end). A host node per transfer made cudaGraphLaunch wait for the host nodes (from
+// about 32 in a chain, bench/queue_lab chain) while holding a lock that the agent's copies
+// wait for: every replay stalled until MESHMEM_TIMEOUT. The launch must return at once, and
+// every replay deliver fresh data and every signal.
+TEST_F(Staged, AGraphOfManyChainedTransfersLaunchesAtOnceAndReplays) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  constexpr std::size_t kPieces = 96, kPiece = 4099, kOffset = 13, kBytes = kPieces * kPiece;
+  constexpr int kReplays = 4;
+  Window win = comm->alloc(kOffset + kBytes);
+  Signals sig = comm->alloc_signals(1);
+  void* src = nullptr;
+  CUDA_OK(cudaMalloc(&src, kBytes));
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  for (std::size_t i = 0; i < kPieces; ++i)
+    comm->put_signal(win, right, kOffset + i * kPiece, static_cast<char*>(src) + i * kPiece, kPiece, sig, 0, 1,
+                     SignalOp::Add, s);
+  comm->barrier(s);
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamEndCapture(s, &graph));
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_OK(cudaGraphDestroy(graph));
+  for (int r = 1; r <= kReplays; ++r) {
+    const auto mine = pattern(seed, key(kBytes, me, 40 + r), kBytes);
+    CUDA_OK(cudaMemcpy(src, mine.data(), kBytes, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(win.local(), kPoison, kOffset + kBytes));
+    CUDA_OK(cudaDeviceSynchronize());
+    comm->barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    CUDA_OK(cudaGraphLaunch(exec, s));
+    const double launch_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    // Generous: a launch of this graph takes about a millisecond; the stall lasted MESHMEM_TIMEOUT.
+    EXPECT_LT(launch_s, 2.0) << "cudaGraphLaunch of " << kPieces << " chained staged puts, replay " << r;
+    CUDA_OK(cudaStreamSynchronize(s));
+    EXPECT_NO_THROW(comm->quiet(s)) << "replay " << r;
+    std::vector<unsigned char> got(kOffset + kBytes);
+    CUDA_OK(cudaMemcpy(got.data(), win.local(), got.size(), cudaMemcpyDeviceToHost));
+    const auto want = pattern(seed, key(kBytes, left, 40 + r), kBytes);
+    EXPECT_EQ(first_difference(got.data() + kOffset, want.data(), kBytes), -1) << "replay " << r;
+    const std::vector<unsigned char> poison(kOffset, kPoison);
+    EXPECT_EQ(first_difference(got.data(), poison.data(), kOffset), -1) << "bytes before the range, replay " << r;
+    EXPECT_EQ(sig.read(0), static_cast<std::uint64_t>(r) * kPieces) << "signal Adds after replay " << r;
+    comm->barrier();
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  comm->barrier();
+  cudaFree(src);
+}
+
 __global__ void spin_for(unsigned long long ns) {
   unsigned long long start = 0, now = 0;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));

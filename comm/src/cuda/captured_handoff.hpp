@@ -1,31 +1,45 @@
 // CapturedHandoff: how a step that a host thread carries out (a staged or nccl transfer, a
 // barrier across nodes met by a proxy thread) runs on every replay of a CUDA graph.
 //
-// At capture the graph gets a host node that hands a copy of the request to its owner (the
-// staging agent, the nccl proxy, the barrier proxy) and writes the ticket the owner returns
-// into a word of its own, then a wait kernel that reads that ticket when it starts and waits
-// until the owner's done word reaches it. The request, with the words it holds, lives as long
-// as the graph (a CUDA user object). The owner may stop before the graph is destroyed: its
-// board then says so, and neither callback touches it.
+// At capture the graph gets one kernel that, once the stream's earlier work is done, advances
+// the step's rung in pinned memory and rings its board's bell; the owner's thread polls the
+// bell (HandoffBoard::poll) while captured steps exist, hands the request to its owner, and
+// writes back the ticket it got and the replay it took up; the kernel then waits until the
+// owner's done word reaches that ticket.
+//
+// Why not a host node that hands the request over: cudaGraphLaunch of a graph whose host
+// nodes wait behind device work returns only once they ran (from about 32 in a chain on
+// 1 x H100, CUDA 13.0: bench/queue_lab chain), and meanwhile holds a lock that other threads'
+// copies, kernel launches and event calls wait for. An owner whose step needs such a call
+// (the staging agent's copies, NCCL's launches) waited for a launch that waited for it: every
+// replay stalled until MESHMEM_TIMEOUT. Stream memory writes do not wait for that lock.
+//
+// The request, with the words it holds, lives as long as the graph (a CUDA user object). The
+// owner may stop before the graph is destroyed: its board then says so, and nothing touches
+// the owner (a later replay's doorbell is not answered: its wait times out).
 //
 // A Policy says what differs between owners:
 //   using Owner = ...;   using Request = ...;
 //   static std::uint64_t submit(Owner&, const Request&);  // each replay: the ticket to wait for
 //   static void release(Owner&, const Request&);         // the graph is gone: its words go back
 //
-// Two instantiations of one graph running at once share the request's words (a limit: their
-// waits can then stall until MESHMEM_TIMEOUT).
+// Two instantiations of one graph running at once share the request's doorbell and words (a
+// limit: their waits can then stall until MESHMEM_TIMEOUT).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "kernels.hpp"
+#include "meshmem/error.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
 
 namespace meshmem::detail {
@@ -40,13 +54,59 @@ struct HandoffBoard {
     std::lock_guard<std::mutex> lock(m);
     owner = o;
   }
+
+  // Doorbells: `bytes` of pinned host memory (zeroed) that the owner's transport keeps for
+  // as long as graphs may replay: the bell, then one HandoffSlot per captured step.
+  void set_doorbells(void* memory, std::size_t bytes) {
+    std::lock_guard<std::mutex> lock(m);
+    bell = static_cast<std::uint64_t*>(memory);
+    slots = reinterpret_cast<cuda::HandoffSlot*>(static_cast<char*>(memory) + kBellBytes);
+    const std::size_t count = bytes > kBellBytes ? (bytes - kBellBytes) / sizeof(cuda::HandoffSlot) : 0;
+    entries.assign(count, Entry{});
+    for (std::size_t i = count; i > 0; --i) free_slots.push_back(i - 1);
+  }
+  std::size_t doorbells() const { return entries.size(); }
+  // Whether a captured step exists whose replays the owner must look for.
+  bool live() const { return live_count.load(std::memory_order_relaxed) > 0; }
+  // On the owner's thread: hands the request of every step rung since the last look to the
+  // owner and answers it (ticket, then the replay taken up); true if any.
+  bool poll() {
+    std::lock_guard<std::mutex> lock(m);
+    // Once the owner stopped its transport may have given the memory back.
+    if (owner == nullptr || bell == nullptr || __atomic_load_n(bell, __ATOMIC_RELAXED) == 0) return false;
+    // Taken (atomically) before the scan: a ring after this point rings again, so none is
+    // missed; the acquire makes the rungs written before the ring taken visible.
+    if (__atomic_exchange_n(bell, 0, __ATOMIC_ACQ_REL) == 0) return false;
+    bool any = false;
+    for (std::size_t i : live_slots) {
+      Entry& e = entries[i];
+      const std::uint64_t replay = __atomic_load_n(&slots[i].rung, __ATOMIC_ACQUIRE);
+      if (replay <= e.seen) continue;
+      e.seen = replay;
+      __atomic_store_n(&slots[i].ticket, e.submit(*owner), __ATOMIC_RELAXED);
+      __atomic_store_n(&slots[i].ack, replay, __ATOMIC_RELEASE);
+      any = true;
+    }
+    return any;
+  }
+
+  static constexpr std::size_t kBellBytes = 64;
+  struct Entry {
+    std::function<std::uint64_t(Owner&)> submit;  // the request's hand-off (set while live)
+    std::uint64_t seen = 0;                       // the last replay handed over
+  };
+  std::uint64_t* bell = nullptr;
+  cuda::HandoffSlot* slots = nullptr;
+  std::vector<Entry> entries;          // by slot
+  std::vector<std::size_t> free_slots;
+  std::vector<std::size_t> live_slots;  // slots of captured steps whose graph exists
+  std::atomic<std::size_t> live_count{0};
 };
 
-// How the captured wait kernel waits: until *done reaches the ticket read from *ticket_at; on
+// How the captured kernel waits: until *done reaches the ticket the owner answered with; on
 // timeout the fault record gets `fault` and `peer`.
 struct TicketWait {
   const std::uint64_t* done = nullptr;
-  std::uint64_t* ticket_at = nullptr;  // pinned host memory, written by the host node
   cuda::FaultKind fault = cuda::FaultKind::Transfer;
   int peer = -1;
   cuda::WaitLimit limit{};
@@ -60,14 +120,54 @@ class CapturedHandoff {
   using Request = typename Policy::Request;
   using Board = HandoffBoard<Owner>;
 
-  // Adds the host node and the wait kernel to the capture on `stream` (whose graph is
-  // `graph`). Takes `request` and the words it holds: they go back through Policy::release
-  // when the graph is destroyed, or before this raises. The caller holds the owner alive and
-  // none of its locks.
+  // Adds the step's kernel to the capture on `stream` (whose graph is `graph`). Takes
+  // `request` and the words it holds: they go back through Policy::release when the graph is
+  // destroyed, or before this raises. The caller holds the owner alive and none of its locks,
+  // and wakes the owner's thread afterwards if it may sleep (it polls while board->live()).
   static void capture(const std::shared_ptr<Board>& board, Request request, const TicketWait& wait, cudaGraph_t graph,
                       cudaStream_t stream, const std::string& what) {
-    auto captured = std::make_unique<Captured>(Captured{board, std::move(request), wait.ticket_at});
-    __atomic_store_n(wait.ticket_at, 0, __ATOMIC_RELEASE);
+    auto captured = std::make_unique<Captured>(Captured{board, std::move(request), kNoSlot});
+    std::size_t count = 0;
+    {
+      std::lock_guard<std::mutex> lock(board->m);
+      count = board->entries.size();
+      if (!board->free_slots.empty()) {
+        captured->slot = board->free_slots.back();
+        board->free_slots.pop_back();
+        cuda::HandoffSlot& slot = board->slots[captured->slot];
+        __atomic_store_n(&slot.rung, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&slot.ack, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&slot.ticket, 0, __ATOMIC_RELEASE);
+        const Request* r = &captured->request;  // lives until the slot is given back
+        board->entries[captured->slot] = typename Board::Entry{[r](Owner& o) { return Policy::submit(o, *r); }, 0};
+        board->live_slots.push_back(captured->slot);
+        board->live_count.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    if (captured->slot == kNoSlot) {
+      give_back(*captured);  // the request's words
+      throw Error(ErrorCode::Unsupported, what + ": all " + std::to_string(count) +
+                                              " doorbells of this rank's captured steps are held by steps captured "
+                                              "into CUDA graphs that still exist; nothing was added to the capture");
+    }
+    Captured* c = hand_to_graph(std::move(captured), graph, what);
+    // From here the graph owns the request: a failure below fails the capture, and the
+    // graph's destruction gives the words and the slot back.
+    const cudaError_t k = cuda::launch_rung_wait(board->slots + c->slot, board->bell, wait.done, wait.fault, wait.peer,
+                                                 wait.limit, stream, wait.early);
+    if (k != cudaSuccess) ipc::check_cuda(k, "captured doorbell kernel launch", what);
+  }
+
+ private:
+  struct Captured {
+    std::shared_ptr<Board> board;
+    Request request;
+    std::size_t slot;  // its doorbell (kNoSlot: none taken)
+  };
+  static constexpr std::size_t kNoSlot = ~std::size_t(0);
+
+  // The graph holds `c` from here on (a user object): its destruction gives the words back.
+  static Captured* hand_to_graph(std::unique_ptr<Captured> captured, cudaGraph_t graph, const std::string& what) {
     cudaUserObject_t object = nullptr;
     const cudaError_t rc = cudaUserObjectCreate(&object, captured.get(), &destroyed, 1, cudaUserObjectNoDestructorSync);
     if (rc != cudaSuccess) {
@@ -80,34 +180,24 @@ class CapturedHandoff {
       (void)cudaUserObjectRelease(object, 1);  // runs `destroyed`
       ipc::check_cuda(kept, "cudaGraphRetainUserObject", what);
     }
-    // From here the graph owns the request: a failure below fails the capture, and the
-    // graph's destruction gives the words back.
-    ipc::check_cuda(cudaLaunchHostFunc(stream, &replay, c), "cudaLaunchHostFunc (captured hand-off)", what);
-    const cudaError_t k =
-        cuda::launch_ticket_wait(wait.done, 0, wait.ticket_at, wait.fault, wait.peer, wait.limit, stream, wait.early);
-    if (k != cudaSuccess) ipc::check_cuda(k, "captured wait kernel launch", what);
+    return c;
   }
-
- private:
-  struct Captured {
-    std::shared_ptr<Board> board;
-    Request request;
-    std::uint64_t* ticket_at;
-  };
 
   static void give_back(Captured& c) {
     std::lock_guard<std::mutex> lock(c.board->m);
     if (c.board->owner != nullptr) Policy::release(*c.board->owner, c.request);
-  }
-
-  static void CUDART_CB replay(void* p) {
-    auto* c = static_cast<Captured*>(p);
-    std::lock_guard<std::mutex> lock(c->board->m);
-    // After the owner stopped nothing is written: the wait sees the last replay's ticket and
-    // lets the stream pass with nothing done (replaying a graph whose Comm is gone is the
-    // caller's error, as on every route).
-    if (c->board->owner == nullptr) return;
-    __atomic_store_n(c->ticket_at, Policy::submit(*c->board->owner, c->request), __ATOMIC_RELEASE);
+    if (c.slot != kNoSlot) {
+      Board& b = *c.board;
+      for (std::size_t k = 0; k < b.live_slots.size(); ++k)
+        if (b.live_slots[k] == c.slot) {
+          b.live_slots[k] = b.live_slots.back();
+          b.live_slots.pop_back();
+          b.entries[c.slot] = typename Board::Entry{};
+          b.free_slots.push_back(c.slot);
+          b.live_count.fetch_sub(1, std::memory_order_relaxed);
+          break;
+        }
+    }
   }
 
   // The graph's launches are complete: its replays' last writes to these words are done

@@ -421,7 +421,7 @@ void CudaDeviceRuntime::wait_for_ticket(const std::uint64_t* done, std::uint64_t
                                         bool owner_ends_it, const std::string& what) const {
   if (wait_kernel_ || !owner_ends_it) {
     const cudaError_t k =
-        cuda::launch_ticket_wait(done, ticket, nullptr, cuda::FaultKind::Transfer, peer, wait_limit(), stream, early_launch_);
+        cuda::launch_ticket_wait(done, ticket, cuda::FaultKind::Transfer, peer, wait_limit(), stream, early_launch_);
     if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what);
     return;
   }

@@ -4,6 +4,7 @@
 
 #include "../backoff.hpp"
 #include "../log.hpp"
+#include "../worker_pulse.hpp"
 #include "gpu_queues.hpp"
 #include "meshmem/error.hpp"
 #include "meshmem/ipc/awake_clock.hpp"
@@ -95,6 +96,12 @@ void DeviceFaultRecord::raise(const std::string& where) {
              " of this rank) was not released by its proxy thread (it had released barrier " + std::to_string(f.seen) +
              ")" + after;
       break;
+    case cuda::FaultKind::Handoff:
+      msg += "replay " + std::to_string(f.expected) + " of a captured staged put or get with rank " +
+             std::to_string(f.peer) + " was not taken up by this rank's staging agent (it took up replay " +
+             std::to_string(f.seen) + " of it)" + after + " (nothing of it was done, or it was done late)" +
+             describe_worker_pulses();
+      break;
     case cuda::FaultKind::Transfer: {
       const std::string hint = gpu_queue_hint();
       msg += "an earlier staged or nccl put or get with rank " + std::to_string(f.peer) + " (transfer " +
@@ -102,7 +109,8 @@ void DeviceFaultRecord::raise(const std::string& where) {
              ") did not finish" + after + " (its data may be incomplete)" +
              (hint.empty() ? "; if the peer is alive, a waiting stream (a replayed graph's too) that shares a GPU queue "
                              "with meshmem's transfer streams may have held it back (README \"GPU queues\")"
-                           : hint);
+                           : hint) +
+             describe_worker_pulses();
       break;
     }
     default:

@@ -3,6 +3,8 @@
 #include <dirent.h>
 
 #include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -88,11 +90,13 @@ std::atomic<int> most_transport_streams{0};  // the most any transport of this p
 // Leaked: read by threads that may outlive static destruction.
 std::mutex& held_m = *new std::mutex;
 std::string& held_report = *new std::string;
+std::chrono::steady_clock::time_point held_at;
 }  // namespace
 
 void note_held_stream(const std::string& report) {
   std::lock_guard<std::mutex> lock(held_m);
   held_report = report;
+  held_at = std::chrono::steady_clock::now();
 }
 
 std::string note_transport_streams(int rank, const std::string& transport, int streams) {
@@ -123,8 +127,12 @@ std::string queue_count_hint() {
 std::string gpu_queue_hint() {
   std::string hint = queue_count_hint();
   std::lock_guard<std::mutex> lock(held_m);
-  if (!held_report.empty()) hint += "; " + held_report;
-  return hint;
+  if (held_report.empty()) return hint;
+  // The latest report may be old (a stall that ended long before): its age says so.
+  const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - held_at);
+  char seconds[32];
+  std::snprintf(seconds, sizeof seconds, "%.1f s", static_cast<double>(age.count()) / 1e3);
+  return hint + "; reported " + seconds + " ago: " + held_report;
 }
 
 std::string few_gpu_queues_warning(int rank, const std::string& route) {

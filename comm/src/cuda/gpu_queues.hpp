@@ -51,7 +51,7 @@ std::string gpu_queue_hint();
 
 // A stream of meshmem's own that was seen held back (its work did not move for seconds, and
 // it waits for nothing outside the process): the report, which gpu_queue_hint adds from now
-// on (the latest one).
+// on (the latest one, with its age).
 void note_held_stream(const std::string& report);
 
 // A transport of this process now runs `streams` streams of its own on its device (the proxy's

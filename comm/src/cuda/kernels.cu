@@ -136,13 +136,24 @@ __global__ void wait_kernel(std::uint64_t* words, std::size_t count, Cmp cmp, st
     device::SignalWord(words[i]).store(then, ::cuda::memory_order_relaxed);
 }
 
-__global__ void ticket_wait_kernel(const std::uint64_t* word, std::uint64_t sequence, const std::uint64_t* sequence_at,
-                                   FaultKind fault, int peer, WaitLimit limit, bool early) {
+__global__ void ticket_wait_kernel(const std::uint64_t* word, std::uint64_t sequence, FaultKind fault, int peer,
+                                   WaitLimit limit, bool early) {
   after_previous_kernel(early);
-  // Captured steps learn their ticket on each replay, when their host node hands them to
-  // their owner (written before this kernel starts: stream order).
-  if (sequence_at != nullptr) sequence = *reinterpret_cast<const volatile std::uint64_t*>(sequence_at);
   (void)wait_word(word, Cmp::GE, sequence, limit, fault, peer, 0, 0);
+}
+
+__global__ void rung_wait_kernel(HandoffSlot* slot, std::uint64_t* bell, const std::uint64_t* done, FaultKind fault,
+                                 int peer, WaitLimit limit, bool early) {
+  after_previous_kernel(early);
+  // The stream's earlier work is complete (stream order): the owner may start on it once it
+  // sees the ring. Only one replay of a graph runs at a time, so the rung has one writer.
+  device::SignalWord rung(slot->rung);
+  const std::uint64_t replay = rung.load(::cuda::memory_order_relaxed) + 1;
+  rung.store(replay, ::cuda::memory_order_release);
+  device::SignalWord(*bell).store(1, ::cuda::memory_order_release);  // after the rung: the owner scans on it
+  if (!wait_word(&slot->ack, Cmp::GE, replay, limit, FaultKind::Handoff, peer, 0, 0)) return;
+  const std::uint64_t ticket = device::SignalWord(slot->ticket).load(::cuda::memory_order_acquire);
+  (void)wait_word(done, Cmp::GE, ticket, limit, fault, peer, 0, 0);
 }
 
 __global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
@@ -240,6 +251,7 @@ cudaError_t preload_kernels() {
   cudaFuncAttributes a{};
   const void* kernels[] = {reinterpret_cast<const void*>(copy_kernel), reinterpret_cast<const void*>(copy_signal_kernel),
                            reinterpret_cast<const void*>(wait_kernel), reinterpret_cast<const void*>(ticket_wait_kernel),
+                           reinterpret_cast<const void*>(rung_wait_kernel),
                            reinterpret_cast<const void*>(barrier_kernel), reinterpret_cast<const void*>(halo_kernel)};
   for (const void* k : kernels) {
     const cudaError_t rc = cudaFuncGetAttributes(&a, k);
@@ -301,9 +313,14 @@ cudaError_t launch_wait(std::uint64_t* words, std::size_t count, Cmp cmp, std::u
                 limit, early);
 }
 
-cudaError_t launch_ticket_wait(const std::uint64_t* word, std::uint64_t sequence, const std::uint64_t* sequence_at,
-                               FaultKind fault, int peer, WaitLimit limit, cudaStream_t stream, bool early) {
-  return launch(ticket_wait_kernel, 1, 1, stream, early, word, sequence, sequence_at, fault, peer, limit, early);
+cudaError_t launch_rung_wait(HandoffSlot* slot, std::uint64_t* bell, const std::uint64_t* done, FaultKind fault, int peer,
+                             WaitLimit limit, cudaStream_t stream, bool early) {
+  return launch(rung_wait_kernel, 1, 1, stream, early, slot, bell, done, fault, peer, limit, early);
+}
+
+cudaError_t launch_ticket_wait(const std::uint64_t* word, std::uint64_t sequence, FaultKind fault, int peer,
+                               WaitLimit limit, cudaStream_t stream, bool early) {
+  return launch(ticket_wait_kernel, 1, 1, stream, early, word, sequence, fault, peer, limit, early);
 }
 
 }  // namespace meshmem::detail::cuda

@@ -20,7 +20,7 @@ namespace meshmem::detail::cuda {
 // leader; `expected`: the kernel's number).
 enum class FaultKind : unsigned {
   None = 0, WaitUntil = 1, Barrier = 2, Halo = 3, Transfer = 4, HostBarrier = 5, ProxyRelease = 6, NodeBarrier = 7,
-  LeadersFailed = 8
+  LeadersFailed = 8, Handoff = 9
 };
 struct DeviceFault {
   unsigned claimed;
@@ -74,12 +74,27 @@ cudaError_t launch_wait(std::uint64_t* words, std::size_t count, Cmp cmp, std::u
                         bool early);
 
 // Blocks `stream` until *word (host or device memory mapped here) reaches `sequence`: the end
-// of a step a host thread carries out (a staged or nccl transfer with rank `peer`, a barrier
-// met by a proxy thread); on timeout the fault record gets `fault` and `peer`. With
-// `sequence_at` (pinned host memory) the ticket is read from there when the kernel starts
-// (captured steps get a new ticket on every replay: CapturedHandoff).
-cudaError_t launch_ticket_wait(const std::uint64_t* word, std::uint64_t sequence, const std::uint64_t* sequence_at,
-                               FaultKind fault, int peer, WaitLimit limit, cudaStream_t stream, bool early);
+// of a step a host thread carries out (a staged or nccl transfer with rank `peer`); on
+// timeout the fault record gets `fault` and `peer`. (Captured steps: launch_rung_wait.)
+cudaError_t launch_ticket_wait(const std::uint64_t* word, std::uint64_t sequence, FaultKind fault, int peer,
+                               WaitLimit limit, cudaStream_t stream, bool early);
+
+// A captured step's doorbell (pinned host memory; CapturedHandoff): `rung` counts the replays
+// that reached it (the device advances it), `ack` the replays its owner took up, `ticket` what
+// the owner's done word reaches at the end of the one taken up last.
+struct HandoffSlot {
+  std::uint64_t rung;
+  std::uint64_t ack;
+  std::uint64_t ticket;
+  std::uint64_t unused;
+};
+
+// Once the stream's earlier work is done: advances slot->rung and sets *bell (both pinned host
+// memory, polled by the step's owner thread: no host node, see captured_handoff.hpp), waits
+// until the owner acknowledged this replay (FaultKind::Handoff with `peer` on timeout), then
+// until *done reaches the ticket the owner gave it (`fault` and `peer` on timeout).
+cudaError_t launch_rung_wait(HandoffSlot* slot, std::uint64_t* bell, const std::uint64_t* done, FaultKind fault, int peer,
+                             WaitLimit limit, cudaStream_t stream, bool early);
 
 // One block: takes this rank's next barrier number from *counter (device memory, advanced
 // by the kernel itself, so a graph replay takes a new one), stores it into word `rank` of

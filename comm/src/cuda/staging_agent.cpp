@@ -70,7 +70,8 @@ StagingAgent::StagingAgent(Setup setup)
       limit_(setup.limit),
       faults_(std::move(setup.faults)),
       held_after_(timeout_.count() != 0 ? std::min(std::chrono::milliseconds(2000), timeout_ / 2)
-                                        : std::chrono::milliseconds(2000)) {
+                                        : std::chrono::milliseconds(2000)),
+      captured_(std::move(setup.captured)) {
   const std::string what = "staged transport on rank " + std::to_string(rank_);
   for (std::size_t i = 0; i < setup.node_ranks.size(); ++i) {
     local_of_[static_cast<std::size_t>(setup.node_ranks[i])] = i;
@@ -125,6 +126,8 @@ StagingAgent::StagingAgent(Setup setup)
     ipc::check_cuda(cudaStreamCreateWithFlags(&incoming_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", what);
   }
   slot_use_.assign(static_cast<std::size_t>(nslots_), SlotUse{});
+  pulse_ = std::make_shared<WorkerPulse>("the staging agent of rank " + std::to_string(rank_));
+  register_worker_pulse(pulse_);
   thread_ = std::thread([this] { run(); });
 }
 
@@ -172,7 +175,8 @@ std::size_t StagingAgent::take_word(const std::string& what) {
     if (deadline.expired())
       throw Error(ErrorCode::Timeout, what + ": " + std::to_string(control_.transfer_count()) +
                                           " staged transfers of this rank are waiting or running (or captured) and "
-                                          "none ended within " + describe_timeout(timeout_) + "; nothing was enqueued");
+                                          "none ended within " + describe_timeout(timeout_) + "; nothing was enqueued" +
+                                          describe_worker_pulses());
     backoff.pause();
   }
   return word;
@@ -189,6 +193,13 @@ std::uint64_t StagingAgent::submit(StagedRequest r) {
   queue_.push_back(r);
   cv_.notify_all();
   return r.ticket;
+}
+
+void StagingAgent::captured_added() {
+  // Under m_: the thread either sees the capture when it next decides to sleep, or sleeps
+  // already and gets the notification.
+  { std::lock_guard<std::mutex> lock(m_); }
+  cv_.notify_all();
 }
 
 void StagingAgent::add_window(std::uint64_t id, void* local, std::size_t bytes) {
@@ -325,17 +336,25 @@ void StagingAgent::run() {
       if (!q.empty()) return true;
     return false;
   };
+  // Hidden peers may post chunks, and replays of captured transfers ring, at any time.
+  auto polls = [&] { return !hidden_.empty() || (captured_ != nullptr && captured_->live()); };
   for (;;) {
+    // Outside m_: a replay's hand-off submits (which takes it).
+    if (captured_ != nullptr && captured_->poll()) last_work = Clock::now();
     const bool working = busy();
+    pulse_->turn(pulse_now_ns());
     {
       std::unique_lock<std::mutex> lock(m_);
       auto woken = [&] { return stop_ || !queue_.empty(); };
-      if (!working && hidden_.empty() && !streams_hold_work) {
-        cv_.wait(lock, woken);
-      } else if (!working && hidden_.empty()) {
-        cv_.wait_for(lock, std::chrono::milliseconds(100), woken);  // the next look at the streams
+      // A capture makes polls() true and wakes this thread (captured_added).
+      auto woken_or_polls = [&] { return woken() || polls(); };
+      if (!working && !polls() && !streams_hold_work) {
+        pulse_->sleep(pulse_now_ns());
+        cv_.wait(lock, woken_or_polls);
+      } else if (!working && !polls()) {
+        cv_.wait_for(lock, std::chrono::milliseconds(100), woken_or_polls);  // the next look at the streams
       } else if (!working) {
-        // Hidden peers may post chunks at any time: poll, yielding for 1 ms after recent work
+        // Poll, yielding for 1 ms after recent work
         // (the next chunk, or the next exchange of an iterating code, is near: a halo exchange
         // every few hundred us must not wait for a sleeping agent), then every 20 us, and every
         // 200 us after 20 ms without work (a first chunk after a quiet spell starts up to that
@@ -371,6 +390,7 @@ void StagingAgent::run() {
     }
     if (Clock::now() >= next_stream_watch_) {
       streams_hold_work = watch_streams();
+      pulse_->publish(describe_state(waiting.size()), pulse_now_ns());
       next_stream_watch_ = Clock::now() + std::chrono::milliseconds(100);
     }
     const bool started = start_ready(waiting);
@@ -924,25 +944,63 @@ void StagingAgent::watch(StreamWatch& w, std::uint64_t done, bool pending, const
 // what the held copies still write lands later ("its data may be incomplete", as for a wait
 // kernel's timeout).
 void StagingAgent::end_held(Lane& lane, int device) {
-  std::size_t ended = 0;
+  std::vector<std::pair<std::uint64_t*, std::uint64_t>> ends;  // (done word, ticket)
   {
     std::lock_guard<std::mutex> lock(m_);
     for (const Lane::LentEnd& l : lane.lent) {
       std::uint64_t* done = control_.transfer(l.word);
-      if (__atomic_load_n(done, __ATOMIC_ACQUIRE) >= l.ticket) continue;
-      __atomic_store_n(done, l.ticket, __ATOMIC_RELEASE);
-      ++ended;
+      if (__atomic_load_n(done, __ATOMIC_ACQUIRE) < l.ticket) ends.emplace_back(done, l.ticket);
     }
   }
-  if (ended == 0) return;
+  if (ends.empty()) return;
   const std::string message =
-      "staged transport on rank " + std::to_string(rank_) + ": " + std::to_string(ended) +
+      "staged transport on rank " + std::to_string(rank_) + ": " + std::to_string(ends.size()) +
       " transfer(s) whose end was held on the agent's lane of device " + std::to_string(device) + " for " +
       describe_timeout(timeout_) + " were ended from the host: their streams went on, their data may be incomplete" +
       gpu_queue_hint();
   log(LogLevel::Error, message);
+  // The error first: a caller whose stream goes on at the write below finds it at its next call.
   std::lock_guard<std::mutex> lock(m_);
   if (error_.empty()) error_ = message;
+  for (const auto& [done, ticket] : ends)
+    if (__atomic_load_n(done, __ATOMIC_ACQUIRE) < ticket) __atomic_store_n(done, ticket, __ATOMIC_RELEASE);
+}
+
+std::string StagingAgent::describe_state(std::size_t waiting) const {
+  const auto now = Clock::now();
+  const auto ago = [&](Clock::time_point t) {
+    return describe_timeout(std::chrono::duration_cast<std::chrono::milliseconds>(now - t));
+  };
+  std::string s;
+  const auto add = [&](const std::string& part) { s += (s.empty() ? "" : ", ") + part; };
+  if (waiting > 0) add(std::to_string(waiting) + " transfer(s) whose source is not known to be ready");
+  if (!visible_.empty())
+    add(std::to_string(visible_.size()) + " between visible GPUs (the oldest, transfer " +
+        std::to_string(visible_.front().request.ticket) + ", last moved " + ago(visible_.front().moved) + " ago)");
+  for (std::size_t i = 0; i < outgoing_.size(); ++i) {
+    if (outgoing_[i].empty()) continue;
+    const Outgoing& o = outgoing_[i].front();
+    add(std::to_string(outgoing_[i].size()) + " for rank " + std::to_string(o.reader) + " (the oldest, " + o.what +
+        (o.pieces.done() ? "" : ", last moved " + ago(o.moved) + " ago") + ")");
+  }
+  for (int peer : hidden_) {
+    const std::size_t i = local_index(peer);
+    const std::uint64_t posted = __atomic_load_n(control_.posted(i), __ATOMIC_ACQUIRE);
+    const std::uint64_t taken = consumed_by(peer);
+    const std::uint64_t consumed = __atomic_load_n(control_.consumed(i), __ATOMIC_ACQUIRE);
+    if (next_post_[i] != taken || seen_[i] != consumed)
+      add("channel to rank " + std::to_string(peer) + ": " + std::to_string(next_post_[i]) + " posted, " +
+          std::to_string(posted) + " of them written by the GPU, " + std::to_string(taken) +
+          " taken there; from it: " + std::to_string(seen_[i]) + " seen, " + std::to_string(consumed) + " consumed here");
+  }
+  for (const auto& [device, lane] : lanes_) {
+    const std::uint64_t ended = __atomic_load_n(control_.lane_done(lane.ordinal), __ATOMIC_ACQUIRE);
+    if (ended < lane.ended || !lane.pieces.empty())
+      add("lane of device " + std::to_string(device) + ": " + std::to_string(lane.ended - std::min(ended, lane.ended)) +
+          " transfer end(s) and up to " + std::to_string(lane.pieces.size()) + " piece(s) not run");
+  }
+  if (s.empty()) return {};
+  return s + "; " + slot_holders();
 }
 
 std::string StagingAgent::held_report() {

@@ -68,6 +68,8 @@
 #include "../fault.hpp"
 #include "../piece_cursor.hpp"
 #include "../progress_watch.hpp"
+#include "../worker_pulse.hpp"
+#include "captured_handoff.hpp"
 #include "event_pool.hpp"
 #include "kernels.hpp"
 #include "meshmem/ipc/awake_clock.hpp"
@@ -85,7 +87,7 @@ struct StagedRequest {
   Route route = Route::Visible;
   int peer = -1;                // the other rank
   cudaEvent_t ready = nullptr;  // recorded on the caller's stream: the source is ready (null:
-                                // handed over by a captured host node, which runs once it is)
+                                // handed over by a captured doorbell, rung once it is)
   cudaStream_t stream = nullptr;  // the caller's stream (with `ready`): its transfers become ready in order
   void* dst = nullptr;          // Visible, FromHidden: an address here
   int dst_device = -1;
@@ -161,6 +163,8 @@ class StagingAgent {
     FaultPlan faults;  // staged.carry, staged.answer
     std::chrono::milliseconds timeout{0};
     cuda::WaitLimit limit{};
+    // Where replays of captured transfers ring (CapturedHandoff): polled while any exists.
+    std::shared_ptr<HandoffBoard<StagingAgent>> captured;
   };
   explicit StagingAgent(Setup setup);
   StagingAgent(const StagingAgent&) = delete;
@@ -183,6 +187,10 @@ class StagingAgent {
   // Queues a transfer (its done word set); returns its ticket: the value its done word
   // reaches at its end.
   std::uint64_t submit(StagedRequest r);
+
+  // A transfer was captured (Setup::captured has a live step now): the agent polls its
+  // doorbells from now on, also if it slept.
+  void captured_added();
 
   // Where hidden peers' transfers land: this rank's device windows by id (attach / release;
   // remove_window returns once nothing more is enqueued into it and what was has ended,
@@ -282,6 +290,8 @@ class StagingAgent {
   // held_after_ is logged (see the header comment); true while any stream holds work.
   bool watch_streams();
   void watch(StreamWatch& w, std::uint64_t done, bool pending, const std::string& stream, const std::string& holds);
+  // What the agent holds and how far it got, for pulse_ (every ~100 ms, from its thread).
+  std::string describe_state(std::size_t waiting) const;
   // A lane held past MESHMEM_TIMEOUT: the ends of its eager transfers are written from here.
   void end_held(Lane& lane, int device);
   bool take_slot(bool on_host, std::size_t* s);
@@ -330,6 +340,8 @@ class StagingAgent {
   std::deque<VisibleTransfer> visible_;          // oldest first; only the oldest takes slots
   std::vector<std::deque<Outgoing>> outgoing_;   // by node index of the reader: oldest first, one at a time on a channel
 
+  std::shared_ptr<HandoffBoard<StagingAgent>> captured_;  // may be null (no captures)
+
   std::mutex windows_m_;
   std::map<std::uint64_t, std::pair<char*, std::size_t>> windows_;
 
@@ -352,6 +364,9 @@ class StagingAgent {
   bool stop_ = false;
   std::string error_;
   std::string held_report_;
+  // Its loop's turns and its state, for the timeout errors of callers' threads
+  // (describe_worker_pulses): a stall inside this thread shows there.
+  std::shared_ptr<WorkerPulse> pulse_;
   std::thread thread_;
 };
 

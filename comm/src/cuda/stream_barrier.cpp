@@ -58,8 +58,9 @@ const TuningKnob<AcrossNodes> kAcrossNodes{
     "mapped or all staged; a barrier captured into a graph on one leader must be captured on every leader "
     "(NCCL's rule). `proxy` hands the barrier to a proxy thread that meets every rank over "
     "MPI once the stream reaches it (cudaLaunchHostFunc) and releases the stream through a pinned host word; "
-    "captured into a graph, a host node hands each replay's barrier to that proxy and a one-thread kernel waits for "
-    "its release. Neither blocks the host; both are capturable. `auto` = `nccl` where it can be used and no rank's "
+    "captured into a graph, a one-thread kernel rings a doorbell that hands each replay's barrier to that proxy "
+    "(which polls them while such graphs exist) and waits for its release. Neither blocks the host; both are "
+    "capturable. `auto` = `nccl` where it can be used and no rank's "
     "GPU is shared with another rank (there NCCL's spinning kernel holds the time-sliced GPU from the ranks it "
     "waits for: 4.7 ms per barrier against 48 us on 1 x H100), else `proxy`"};
 

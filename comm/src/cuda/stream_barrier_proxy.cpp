@@ -14,14 +14,15 @@ namespace meshmem::detail {
 namespace {
 
 // How a captured barrier runs on every replay (CapturedHandoff): the proxy queues it as
-// reached and returns its number; the wait kernel waits for the released word to reach it.
+// reached and returns its number; the kernel waits for the released word to reach it. A
+// doorbell, not a host node: the proxy's thread makes no CUDA call, but a graph whose barrier
+// host nodes wait behind transfers of meshmem's threads (staged, nccl) would hold those
+// threads' CUDA calls until it ran them (captured_handoff.hpp).
 struct BarrierHandoff {
   using Owner = StreamBarrierProxy;
-  struct Request {
-    std::size_t ticket_word = 0;
-  };
+  struct Request {};
   static std::uint64_t submit(StreamBarrierProxy& proxy, const Request&) { return proxy.arrive_captured(); }
-  static void release(StreamBarrierProxy& proxy, const Request& r) { proxy.release_ticket_word(r.ticket_word); }
+  static void release(StreamBarrierProxy&, const Request&) {}
 };
 
 }  // namespace
@@ -44,9 +45,12 @@ StreamBarrierProxy::StreamBarrierProxy(MPI_Comm parent, int device, std::chrono:
                   "barrier(stream) between ranks that cannot map each other's GPU memory meets them from a "
                   "proxy thread and needs MPI_THREAD_MULTIPLE, but MPI was initialised with thread level " +
                       std::to_string(provided) + "; call MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)");
-    shared_->memory = take_block(BlockMemory::MappedHost, device, (1 + kTicketWords) * sizeof(std::uint64_t), what);
+    // The released word, then (64 bytes on) the doorbells of captured barriers.
+    const std::size_t doorbells =
+        HandoffBoard<StreamBarrierProxy>::kBellBytes + kCapturedBarriers * sizeof(cuda::HandoffSlot);
+    shared_->memory = take_block(BlockMemory::MappedHost, device, 64 + doorbells, what);
     shared_->released = static_cast<std::uint64_t*>(shared_->memory.get());  // zeroed
-    for (std::size_t i = kTicketWords; i > 0; --i) free_tickets_.push_back(i);
+    board_->set_doorbells(static_cast<char*>(shared_->memory.get()) + 64, doorbells);
     released_device_ = reinterpret_cast<std::uint64_t>(shared_->released);  // one address for CPU and GPU
   });
   board_->set(this);
@@ -136,17 +140,35 @@ void StreamBarrierProxy::serve() {
   Shared& sh = *shared_;
   std::unique_lock<std::mutex> lock(sh.mutex);
   auto ready = [&] { return stop_ || (!sh.pending.empty() && sh.pending.front().reached); };
+  // Outside the mutex: a replay's hand-off queues its barrier (which takes it).
+  auto poll_doorbells = [&] {
+    lock.unlock();
+    const bool rung = board_->poll();
+    lock.lock();
+    return rung;
+  };
   for (;;) {
     // Barriers come in bursts: poll for a while (a condition variable's wake-up costs
-    // microseconds on every barrier), then sleep until a host function wakes us.
+    // microseconds on every barrier), then sleep until a host function wakes us, or, while
+    // captured barriers exist, look at their doorbells every 200 us.
     Backoff backoff;
     const auto poll_until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
     while (!ready() && std::chrono::steady_clock::now() < poll_until) {
-      lock.unlock();
-      backoff.pause();
-      lock.lock();
+      if (!poll_doorbells()) {
+        lock.unlock();
+        backoff.pause();
+        lock.lock();
+      }
     }
-    sh.wake.wait(lock, ready);
+    while (!ready()) {
+      if (board_->live()) {
+        sh.wake.wait_for(lock, std::chrono::microseconds(200), ready);
+        poll_doorbells();
+      } else {
+        // A capture wakes it (capture()).
+        sh.wake.wait(lock, [&] { return ready() || board_->live(); });
+      }
+    }
     if (stop_ || sh.pending.empty() || !sh.pending.front().reached) return;  // stopping
     const std::uint64_t number = sh.pending.front().number;
     lock.unlock();
@@ -206,35 +228,18 @@ std::uint64_t StreamBarrierProxy::arrive_captured() {
   std::uint64_t number = 0;
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);
-    shared_->pending.push_back(Arrival{shared_.get(), ++enqueued_, true});  // the host node runs once the stream reached it
+    shared_->pending.push_back(Arrival{shared_.get(), ++enqueued_, true});  // the doorbell rings once the stream reached it
     number = enqueued_;
   }
   shared_->wake.notify_all();
   return number;
 }
 
-void StreamBarrierProxy::release_ticket_word(std::size_t word) {
-  std::lock_guard<std::mutex> lock(shared_->mutex);
-  free_tickets_.push_back(word);
-}
-
 void StreamBarrierProxy::capture(cudaStream_t stream, cudaGraph_t graph, const std::string& what) {
   raise_failure(what);
   boot_.ensure_usable(what);
-  BarrierHandoff::Request request;
-  {
-    std::lock_guard<std::mutex> lock(shared_->mutex);
-    if (free_tickets_.empty())
-      throw Error(ErrorCode::Unsupported, what + ": all " + std::to_string(kTicketWords) +
-                                              " ticket words of this rank's barrier proxy are held by barriers "
-                                              "captured into CUDA graphs that still exist; nothing was added to the "
-                                              "capture");
-    request.ticket_word = free_tickets_.back();
-    free_tickets_.pop_back();
-  }
   TicketWait wait;
   wait.done = reinterpret_cast<const std::uint64_t*>(released_device_);
-  wait.ticket_at = shared_->released + request.ticket_word;
   wait.fault = cuda::FaultKind::ProxyRelease;
   wait.peer = -1;  // the proxy's meeting names the late ranks (FaultKind::HostBarrier)
   // Twice the device's limit: the proxy's meeting, bounded by MESHMEM_TIMEOUT from a little
@@ -242,7 +247,11 @@ void StreamBarrierProxy::capture(cudaStream_t stream, cudaGraph_t graph, const s
   wait.limit = limit_;
   wait.limit.timeout_ns *= 2;
   wait.early = early_;
-  CapturedHandoff<BarrierHandoff>::capture(board_, request, wait, graph, stream, what);
+  CapturedHandoff<BarrierHandoff>::capture(board_, BarrierHandoff::Request{}, wait, graph, stream, what);
+  // Under the mutex: the thread either sees the live doorbell when it next decides to sleep,
+  // or sleeps already and gets the notification.
+  { std::lock_guard<std::mutex> lock(shared_->mutex); }
+  shared_->wake.notify_all();
 }
 
 }  // namespace meshmem::detail

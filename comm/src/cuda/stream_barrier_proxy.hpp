@@ -4,8 +4,9 @@
 // proxy thread, which meets the other ranks over MPI (a Bootstrap of its own, so the wait
 // is bounded by MESHMEM_TIMEOUT and names the ranks that never came) and then writes the
 // barrier's number into a pinned host word; the stream waits for that word
-// (cuStreamWaitValue64) before it goes on. Under capture (CapturedHandoff) a host node hands
-// the barrier over on every replay and a wait kernel waits for the number it got.
+// (cuStreamWaitValue64) before it goes on. Under capture (CapturedHandoff) a kernel rings the
+// barrier's doorbell on every replay (the thread polls them while captured barriers exist)
+// and waits for the number the thread gave it.
 //
 // Destruction waits for the device's work (a stream may wait for a barrier only this proxy
 // meets), bounded by twice MESHMEM_TIMEOUT: a stream that never finishes (a user's kernel, a
@@ -55,17 +56,17 @@ class StreamBarrierProxy {
   // meeting failed (after a timeout that barrier released its stream, so that the stream
   // did not hang; the Comm refuses collectives from then on).
   void enqueue(cudaStream_t stream, const std::string& what);
-  // The same into `graph`, captured on `stream`: on every replay a host node hands a barrier
-  // to the proxy and a wait kernel waits until it is met (or until the device's timeout).
-  // Each captured barrier holds one of kTicketWords words while its graph exists.
+  // The same into `graph`, captured on `stream`: on every replay a kernel rings a doorbell
+  // that hands a barrier to the proxy and waits until it is met (or until the device's
+  // timeout). Each captured barrier holds one of kCapturedBarriers doorbells while its graph
+  // exists.
   void capture(cudaStream_t stream, cudaGraph_t graph, const std::string& what);
 
-  // For CapturedHandoff (host nodes, user-object destructors; they may not call CUDA):
-  // queues a barrier the stream has reached and returns its number; gives a ticket word back.
+  // For CapturedHandoff (the proxy's thread, at a doorbell): queues a barrier the stream has
+  // reached and returns its number.
   std::uint64_t arrive_captured();
-  void release_ticket_word(std::size_t word);
 
-  static constexpr std::size_t kTicketWords = 256;
+  static constexpr std::size_t kCapturedBarriers = 256;
 
  private:
   struct Shared;
@@ -80,8 +81,8 @@ class StreamBarrierProxy {
     std::mutex mutex;
     std::condition_variable wake;
     std::deque<Arrival> pending;  // in barrier order; references stay valid at both ends
-    // Mapped host words: [0] the last barrier met, then kTicketWords ticket words of captured
-    // barriers (each written by its host node, read by its wait kernel).
+    // Mapped host memory: [0] the last barrier met, then (64 bytes on) the doorbells of
+    // captured barriers (the board's; kept with the word while the device may still run).
     PooledBlock memory;
     std::uint64_t* released = nullptr;
   };
@@ -99,7 +100,6 @@ class StreamBarrierProxy {
   std::function<void(const std::string&)> on_failure_;
   cuda::WaitLimit limit_;
   bool early_;
-  std::vector<std::size_t> free_tickets_;  // under shared_->mutex
   std::shared_ptr<HandoffBoard<StreamBarrierProxy>> board_;  // shared with captured graphs
   bool stop_ = false;
   std::thread thread_;

@@ -92,9 +92,12 @@ class TransferProxy {
  public:
   // With `watchdog` (the callers' streams wait without a timeout of their own: memop waits),
   // a transfer that does not end within `timeout` is ended here, with an error.
+  // `captured`: where replays of captured transfers ring (CapturedHandoff), polled by the thread.
   TransferProxy(const char* name, MpiComm control, std::map<int, PeerStreams> streams, std::unique_ptr<ProxyWire> wire,
-                int rank, int device, std::chrono::milliseconds timeout, bool watchdog, FaultPlan faults)
-      : name_(name),
+                int rank, int device, std::chrono::milliseconds timeout, bool watchdog, FaultPlan faults,
+                std::shared_ptr<HandoffBoard<TransferProxy>> captured)
+      : captured_(std::move(captured)),
+        name_(name),
         control_(std::move(control)),
         streams_(std::move(streams)),
         wire_(std::move(wire)),
@@ -637,7 +640,8 @@ class TransferProxy {
     std::list<ProxyRequest> waiting;
     Backoff backoff(std::chrono::microseconds(200));
     for (;;) {
-      bool busy = false;
+      // Outside m_: a replay's hand-off submits (which takes it).
+      bool busy = captured_ != nullptr && captured_->poll();
       {
         std::lock_guard<std::mutex> lock(m_);
         if (stop_) break;
@@ -735,6 +739,7 @@ class TransferProxy {
     }
   }
 
+  std::shared_ptr<HandoffBoard<TransferProxy>> captured_;
   const char* name_;
   MpiComm control_;
   std::map<int, PeerStreams> streams_;
@@ -802,45 +807,41 @@ class ProxyAttachment final : public WindowAttachment {
 
 }  // namespace
 
-// A captured transfer's done word and ticket word, given back to the proxy unless kept (then
-// the graph's user object gives them back when the graph is gone).
+// A captured transfer's done word, given back to the proxy unless kept (then the graph's user
+// object gives it back when the graph is gone).
 struct GraphWords {
   explicit GraphWords(TransferProxy* p) : proxy(p) {}
   GraphWords(const GraphWords&) = delete;
   GraphWords& operator=(const GraphWords&) = delete;
   ~GraphWords() {
-    if (proxy == nullptr) return;
-    if (has_done) proxy->release_graph_word(done);
-    if (has_ticket) proxy->release_graph_word(ticket);
+    if (proxy != nullptr && has_done) proxy->release_graph_word(done);
   }
   bool take() {
     has_done = proxy->try_take_graph_word(&done);
-    has_ticket = has_done && proxy->try_take_graph_word(&ticket);
-    return has_ticket;
+    return has_done;
   }
   void kept() { proxy = nullptr; }
   TransferProxy* proxy;
-  std::size_t done = 0, ticket = 0;
-  bool has_done = false, has_ticket = false;
+  std::size_t done = 0;
+  bool has_done = false;
 };
 
 namespace {
 
-// How a captured transfer runs on every replay (CapturedHandoff): the request, with its
-// done word and ticket word (graph words: a transfer still in flight when its graph is
-// destroyed keeps its word until it ends), goes to the proxy.
+// How a captured transfer runs on every replay (CapturedHandoff): the request, with its done
+// word (a graph word: a transfer still in flight when its graph is destroyed keeps it until it
+// ends), goes to the proxy.
 struct ProxyHandoff {
   using Owner = TransferProxy;
   struct Request {
     ProxyRequest transfer;  // its done word set
-    std::size_t ticket_word = 0;
   };
   static std::uint64_t submit(TransferProxy& proxy, const Request& r) { return proxy.submit(r.transfer); }
-  static void release(TransferProxy& proxy, const Request& r) {
-    proxy.release_graph_word(r.transfer.word);
-    proxy.release_graph_word(r.ticket_word);
-  }
+  static void release(TransferProxy& proxy, const Request& r) { proxy.release_graph_word(r.transfer.word); }
 };
+
+// Doorbells of captured transfers per rank (CapturedHandoff): 32 bytes each.
+constexpr std::size_t kCapturedDoorbells = 4096;
 
 }  // namespace
 
@@ -875,9 +876,13 @@ int ProxyTransport::stop_on_finalize(MPI_Comm, int, void* transport, void*) {
 void ProxyTransport::start_proxy(MpiComm control, std::map<int, PeerStreams> streams, std::unique_ptr<ProxyWire> wire) {
   const std::string crowded = note_transport_streams(ctx_.topo.rank, name_, 2 * static_cast<int>(streams.size()));
   if (!crowded.empty()) log(LogLevel::Warn, crowded);
+  doorbells_ = take_block(BlockMemory::MappedHost, device_->device(),
+                          HandoffBoard<TransferProxy>::kBellBytes + kCapturedDoorbells * sizeof(cuda::HandoffSlot),
+                          "meshmem::Comm (" + std::string(name_) + " transport)");
+  board_->set_doorbells(doorbells_.get(), doorbells_.size());
   proxy_ = std::make_shared<TransferProxy>(name_, std::move(control), std::move(streams), std::move(wire),
                                            ctx_.topo.rank, device_->device(), ctx_.options.timeout,
-                                           !device_->waits_with_kernel(), ctx_.faults);
+                                           !device_->waits_with_kernel(), ctx_.faults, board_);
   board_->set(proxy_.get());
   // At MPI_Finalize at the latest the thread stops (it talks MPI).
   const std::string what = "meshmem::Comm (" + std::string(name_) + " transport)";
@@ -1014,7 +1019,7 @@ void ProxyTransport::transfer(ProxyRequest r, Stream stream, const char* name) {
                                             ": pageable host memory cannot be captured into a CUDA graph here (it would "
                                             "need a host copy on every replay); use device or pinned memory; nothing "
                                             "was added to the capture");
-  // Under capture the graph's two words are taken before anything is captured, so that a
+  // Under capture the graph's done word is taken before anything is captured, so that a
   // shortage leaves the capture untouched.
   GraphWords words(capturing ? proxy_.get() : nullptr);
   if (capturing && !words.take())
@@ -1080,9 +1085,9 @@ void ProxyTransport::transfer(ProxyRequest r, Stream stream, const char* name) {
   ipc::check_cuda(cudaFreeAsync(bounce, s), "cudaFreeAsync", what(name, r.peer));
 }
 
-// Under capture the graph gets a host node that hands the request to the proxy on every
-// replay (it runs once the caller's earlier work is done, so no ready event is needed), then
-// the wait kernel for the ticket that node got (CapturedHandoff).
+// Under capture the graph gets a kernel that rings the request's doorbell on every replay
+// (once the caller's earlier work is done, so no ready event is needed) and waits for the
+// ticket the proxy answers with (CapturedHandoff).
 void ProxyTransport::capture_transfer(ProxyRequest r, cudaGraph_t graph, cudaStream_t stream, const char* name,
                                      GraphWords& words) {
   ProxyHandoff::Request captured;
@@ -1090,11 +1095,9 @@ void ProxyTransport::capture_transfer(ProxyRequest r, cudaGraph_t graph, cudaStr
   captured.transfer.word = words.done;
   captured.transfer.ready = nullptr;
   captured.transfer.stream = nullptr;
-  captured.ticket_word = words.ticket;
-  words.kept();  // CapturedHandoff gives them back from here on
+  words.kept();  // CapturedHandoff gives it back from here on
   TicketWait wait;
   wait.done = proxy_->word(captured.transfer.word);
-  wait.ticket_at = proxy_->word(captured.ticket_word);
   wait.fault = cuda::FaultKind::Transfer;
   wait.peer = r.peer;
   wait.limit = device_->wait_limit();

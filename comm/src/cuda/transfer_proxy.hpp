@@ -29,9 +29,9 @@
 // one transfer, and is unpacked by the target's proxy stream into its rows. Pageable host
 // memory goes through a stream-ordered device bounce buffer.
 //
-// Under graph capture a host node hands each transfer to the proxy on every replay, and the
-// captured wait kernel reads the ticket it got (CapturedHandoff; pageable memory is refused
-// there).
+// Under graph capture a kernel rings each transfer's doorbell on every replay, the proxy
+// thread (which polls them) takes the transfer up, and the kernel waits for the ticket it
+// answered with (CapturedHandoff; pageable memory is refused there).
 //
 // Limits: a transfer costs one MPI round trip for its acknowledgement and puts to one peer
 // run one after another; past 16 peers on other nodes the two streams per peer outnumber
@@ -53,6 +53,7 @@
 
 #include "../bootstrap.hpp"
 #include "../transport.hpp"
+#include "block_pool.hpp"
 #include "device_runtime.hpp"
 
 namespace meshmem::detail {
@@ -132,12 +133,13 @@ class ProxyTransport : public Transport {
   // Raises, once, a transfer that failed since the last call (`where` begins the message).
   void raise_earlier_failure(const std::string& where);
   // Hands one transfer to the proxy; the caller's stream waits for its end. Under capture,
-  // a host node hands it over on every replay (capture_transfer).
+  // a doorbell kernel hands it over on every replay (capture_transfer).
   void transfer(ProxyRequest r, Stream stream, const char* name);
   void capture_transfer(ProxyRequest r, cudaGraph_t graph, cudaStream_t stream, const char* name, GraphWords& words);
   static int stop_on_finalize(MPI_Comm, int, void* transport, void*);
 
   std::shared_ptr<HandoffBoard<TransferProxy>> board_;  // shared with captured graphs
+  PooledBlock doorbells_;  // the board's (pinned host memory): kept while graphs may replay
   int finalize_keyval_;
 };
 

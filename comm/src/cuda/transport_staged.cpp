@@ -87,19 +87,18 @@ class StagedAttachment final : public WindowAttachment {
 };
 
 // How a captured staged transfer runs on every replay (CapturedHandoff): the request, with
-// its done word and ticket word, goes to the agent.
+// its done word, goes to the agent.
 struct StagedHandoff {
   using Owner = StagingAgent;
   struct Request {
     StagedRequest transfer;  // its done word set
-    std::size_t ticket_word = 0;
   };
   static std::uint64_t submit(StagingAgent& agent, const Request& r) { return agent.submit(r.transfer); }
-  static void release(StagingAgent& agent, const Request& r) {
-    agent.release_word(r.transfer.word);
-    agent.release_word(r.ticket_word);
-  }
+  static void release(StagingAgent& agent, const Request& r) { agent.release_word(r.transfer.word); }
 };
+
+// Doorbells of captured transfers per rank (CapturedHandoff): 32 bytes each.
+constexpr std::size_t kCapturedDoorbells = 4096;
 
 }  // namespace
 
@@ -183,8 +182,13 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
   auto pool =
       std::make_unique<StagingPool>(ctx_.boot, topo, ctx_.fds, slots_bytes + ControlWords::kBytes, device_->device(), devices, what);
   const std::string layout = pool->describe();
+  board_ = std::make_shared<HandoffBoard<StagingAgent>>();
   agreed_step(ctx_.boot, what, [&] {
+    doorbells_ = take_block(BlockMemory::MappedHost, device_->device(),
+                            HandoffBoard<StagingAgent>::kBellBytes + kCapturedDoorbells * sizeof(cuda::HandoffSlot), what);
+    board_->set_doorbells(doorbells_.get(), doorbells_.size());
     StagingAgent::Setup setup;
+    setup.captured = board_;
     setup.pool = std::move(pool);
     setup.devices = devices;
     setup.chunk = chunk_;
@@ -199,7 +203,6 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
     setup.limit = device_->wait_limit();
     agent_ = std::make_shared<StagingAgent>(std::move(setup));
   });
-  board_ = std::make_shared<HandoffBoard<StagingAgent>>();
   board_->set(agent_.get());
   const char* loading = std::getenv("CUDA_MODULE_LOADING");
   static std::atomic<bool> warned{false};
@@ -284,9 +287,9 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
   device_->wait_for_ticket(done, ticket, peer, s, visible, what(name, peer));
 }
 
-// Under capture the graph gets a host node that hands the request to the agent on every
-// replay (it runs once the caller's earlier work is done, so no ready event is needed), then
-// the wait kernel for the ticket that node got (CapturedHandoff).
+// Under capture the graph gets a kernel that rings the request's doorbell on every replay
+// (once the caller's earlier work is done, so no ready event is needed) and waits for the
+// ticket the agent answers with (CapturedHandoff).
 void StagedTransport::capture_transfer(const StagedRequest& r, cudaGraph_t graph, int peer, cudaStream_t stream,
                                        const char* name) {
   const auto all_in_use = [&] {
@@ -297,19 +300,15 @@ void StagedTransport::capture_transfer(const StagedRequest& r, cudaGraph_t graph
   StagedHandoff::Request captured;
   captured.transfer = r;
   if (!agent_->try_take_word(&captured.transfer.word)) throw all_in_use();
-  if (!agent_->try_take_word(&captured.ticket_word)) {
-    agent_->release_word(captured.transfer.word);
-    throw all_in_use();
-  }
   captured.transfer.done = agent_->control().transfer(captured.transfer.word);
   TicketWait wait;
   wait.done = captured.transfer.done;
-  wait.ticket_at = agent_->control().transfer(captured.ticket_word);
   wait.fault = cuda::FaultKind::Transfer;
   wait.peer = peer;
   wait.limit = device_->wait_limit();
   wait.early = device_->early_launch();
   CapturedHandoff<StagedHandoff>::capture(board_, std::move(captured), wait, graph, stream, what(name, peer));
+  agent_->captured_added();
 }
 
 StagedRequest StagedTransport::request(void* dst, int dst_device, const void* src, int src_device, std::size_t width,

@@ -27,8 +27,9 @@
 // MESHMEM_TIMEOUT. (Until this version transfers were enqueued in call order with a stream
 // wait on the event: such a transfer held every later one until MESHMEM_TIMEOUT.)
 //
-// CUDA graphs: under capture the graph gets a host node that hands the transfer to the agent
-// on every replay, and the wait kernel reads the ticket it got from pinned memory; the
+// CUDA graphs: under capture the graph gets a kernel that rings the transfer's doorbell on
+// every replay (the agent polls them while captured transfers exist, CapturedHandoff) and
+// waits for the ticket the agent answered with, in pinned memory; the
 // request and its words live as long as the graph (a CUDA user object). Replays of one
 // instantiated graph run one after another (CUDA orders them); two instantiations of one
 // captured graph running at the same time share the words and can stall until
@@ -58,6 +59,7 @@
 #include <vector>
 
 #include "../transport.hpp"
+#include "block_pool.hpp"
 #include "staging_agent.hpp"
 
 namespace meshmem::detail {
@@ -124,6 +126,7 @@ class StagedTransport final : public Transport {
   int slots_;
   std::shared_ptr<StagingAgent> agent_;  // shared with window attachments (released later)
   std::shared_ptr<HandoffBoard<StagingAgent>> board_;  // shared with captured graphs
+  PooledBlock doorbells_;  // the board's (pinned host memory): kept while graphs may replay
 };
 
 }  // namespace meshmem::detail
