@@ -29,6 +29,7 @@ std::string WorkerPulse::describe(std::int64_t now_ns) const {
   const std::int64_t turned = turn_ns_.load(std::memory_order_relaxed);
   const bool sleeping = sleeping_.load(std::memory_order_relaxed);
   std::string s = name_ + ": ";
+  if (stopped_.load(std::memory_order_relaxed)) return s + "stopped";
   if (sleeping)
     s += "it waits for work (since " + seconds(now_ns - turned) + ")";
   else if (now_ns - turned >= kStuckNs)

@@ -31,6 +31,8 @@ class WorkerPulse {
     sleeping_.store(true, std::memory_order_relaxed);
   }
   void publish(std::string state, std::int64_t now_ns);
+  // The worker's thread has ended (its owner may live on): described as stopped.
+  void stop() noexcept { stopped_.store(true, std::memory_order_relaxed); }
 
   // "the staging agent of rank 0: its loop last turned 0.0 s ago; what it held 0.1 s ago: ..."
   std::string describe(std::int64_t now_ns) const;
@@ -42,6 +44,7 @@ class WorkerPulse {
   const std::string name_;
   std::atomic<std::int64_t> turn_ns_{0};
   std::atomic<bool> sleeping_{true};
+  std::atomic<bool> stopped_{false};
   mutable std::mutex m_;
   std::string state_;
   std::int64_t state_ns_ = 0;

@@ -44,6 +44,15 @@ TEST(WorkerPulse, ASleepingWorkerIsNotCalledStuck) {
   EXPECT_TRUE(has(s, "last turned 0.0 s ago")) << s;
 }
 
+TEST(WorkerPulse, AStoppedWorkerIsCalledStoppedNotStuck) {
+  WorkerPulse pulse("agent 0");
+  pulse.turn(10 * kSecond);
+  pulse.publish("2 for rank 1", 10 * kSecond);
+  pulse.stop();
+  const std::string s = pulse.describe(30 * kSecond);
+  EXPECT_EQ(s, "agent 0: stopped");
+}
+
 TEST(WorkerPulse, ThePublishedStateComesWithItsAge) {
   WorkerPulse pulse("agent 0");
   pulse.turn(5 * kSecond);

@@ -97,8 +97,12 @@ void DeviceFaultRecord::raise(const std::string& where) {
              ")" + after;
       break;
     case cuda::FaultKind::Handoff:
-      msg += "replay " + std::to_string(f.expected) + " of a captured staged put or get with rank " +
-             std::to_string(f.peer) + " was not taken up by this rank's staging agent (it took up replay " +
+      // Raised by every captured step a thread of meshmem carries out: staged and nccl /
+      // mpi-device transfers (with a peer), barriers across nodes met by the proxy (none).
+      msg += "replay " + std::to_string(f.expected) + " of a captured " +
+             (f.peer >= 0 ? "staged, nccl or mpi-device put or get with rank " + std::to_string(f.peer)
+                          : std::string("barrier(stream) across nodes (the proxy's)")) +
+             " was not taken up by the thread of meshmem that carries it out (it took up replay " +
              std::to_string(f.seen) + " of it)" + after + " (nothing of it was done, or it was done late)" +
              describe_worker_pulses();
       break;

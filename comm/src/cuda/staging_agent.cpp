@@ -156,6 +156,7 @@ void StagingAgent::stop() noexcept {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  if (pulse_) pulse_->stop();  // the agent may live on (window attachments): not "stuck"
 }
 
 bool StagingAgent::try_take_word(std::size_t* word) {
