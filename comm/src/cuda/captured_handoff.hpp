@@ -200,8 +200,9 @@ class CapturedHandoff {
     }
   }
 
-  // The graph's launches are complete: its replays' last writes to these words are done
-  // (a transfer whose wait gave up may still run: the owner's release keeps its words then).
+  // The graph's launches are complete: its replays' last writes to these words are done. A
+  // transfer whose wait gave up may still run: the nccl proxy's release keeps its word until
+  // it ends; the staging agent's does not yet (a late end can lower a reused word).
   static void CUDART_CB destroyed(void* p) {
     auto* c = static_cast<Captured*>(p);
     give_back(*c);
