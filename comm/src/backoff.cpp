@@ -4,6 +4,8 @@
 #include <sys/prctl.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstdio>
 #include <string>
 #include <thread>
 
@@ -51,6 +53,12 @@ std::chrono::milliseconds Deadline::remaining() const {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
       end_ - ipc::AwakeClock::now());
   return left.count() > 0 ? left : std::chrono::milliseconds(1);
+}
+
+std::string describe_seconds(std::chrono::nanoseconds duration) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(std::max<std::int64_t>(duration.count(), 0)) / 1e9);
+  return text;
 }
 
 std::string describe_timeout(std::chrono::milliseconds timeout) {

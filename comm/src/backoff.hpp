@@ -55,5 +55,7 @@ class Deadline {
 
 // "2.5 s" etc. for messages.
 std::string describe_timeout(std::chrono::milliseconds timeout);
+// An age or a duration to a tenth of a second ("12.3 s"; negative counts as 0), for messages.
+std::string describe_seconds(std::chrono::nanoseconds duration);
 
 }  // namespace meshmem::detail

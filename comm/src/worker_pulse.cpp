@@ -1,18 +1,15 @@
 #include "worker_pulse.hpp"
 
+#include "backoff.hpp"
+
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <vector>
 
 namespace meshmem::detail {
 
 namespace {
-std::string seconds(std::int64_t ns) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(std::max<std::int64_t>(ns, 0)) / 1e9);
-  return text;
-}
+std::string seconds(std::int64_t ns) { return describe_seconds(std::chrono::nanoseconds(ns)); }
 
 // Leaked: workers (and timeout messages) may outlive static destruction.
 std::mutex& board_m = *new std::mutex;

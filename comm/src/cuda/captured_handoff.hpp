@@ -46,6 +46,9 @@ namespace meshmem::detail {
 
 // What captured steps share with their owner. Host nodes and user-object destructors run on
 // CUDA's threads, which may not call CUDA; they touch only this (and the owner while it is set).
+// Doorbells of a transport's captured transfers per rank (staged, nccl / mpi-device): 32 bytes each.
+constexpr std::size_t kTransferDoorbells = 4096;
+
 template <class Owner>
 struct HandoffBoard {
   std::mutex m;
@@ -91,6 +94,8 @@ struct HandoffBoard {
   }
 
   static constexpr std::size_t kBellBytes = 64;
+  // The pinned bytes set_doorbells needs for `count` doorbells.
+  static constexpr std::size_t bytes_for(std::size_t count) { return kBellBytes + count * sizeof(cuda::HandoffSlot); }
   struct Entry {
     std::function<std::uint64_t(Owner&)> submit;  // the request's hand-off (set while live)
     std::uint64_t seen = 0;                       // the last replay handed over

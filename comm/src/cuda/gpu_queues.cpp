@@ -4,11 +4,11 @@
 
 #include <atomic>
 #include <chrono>
-#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <string>
 
+#include "../backoff.hpp"
 #include "../knobs.hpp"
 
 namespace meshmem::detail {
@@ -129,10 +129,7 @@ std::string gpu_queue_hint() {
   std::lock_guard<std::mutex> lock(held_m);
   if (held_report.empty()) return hint;
   // The latest report may be old (a stall that ended long before): its age says so.
-  const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - held_at);
-  char seconds[32];
-  std::snprintf(seconds, sizeof seconds, "%.1f s", static_cast<double>(age.count()) / 1e3);
-  return hint + "; reported " + seconds + " ago: " + held_report;
+  return hint + "; reported " + describe_seconds(std::chrono::steady_clock::now() - held_at) + " ago: " + held_report;
 }
 
 std::string few_gpu_queues_warning(int rank, const std::string& route) {

@@ -338,10 +338,10 @@ void StagingAgent::run() {
     return false;
   };
   // Hidden peers may post chunks, and replays of captured transfers ring, at any time.
-  auto polls = [&] { return !hidden_.empty() || (captured_ != nullptr && captured_->live()); };
+  auto polls = [&] { return !hidden_.empty() || captured_->live(); };
   for (;;) {
     // Outside m_: a replay's hand-off submits (which takes it).
-    if (captured_ != nullptr && captured_->poll()) last_work = Clock::now();
+    if (captured_->poll()) last_work = Clock::now();
     const bool working = busy();
     pulse_->turn(pulse_now_ns());
     {

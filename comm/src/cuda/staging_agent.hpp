@@ -164,6 +164,7 @@ class StagingAgent {
     std::chrono::milliseconds timeout{0};
     cuda::WaitLimit limit{};
     // Where replays of captured transfers ring (CapturedHandoff): polled while any exists.
+    // Required.
     std::shared_ptr<HandoffBoard<StagingAgent>> captured;
   };
   explicit StagingAgent(Setup setup);
@@ -340,7 +341,7 @@ class StagingAgent {
   std::deque<VisibleTransfer> visible_;          // oldest first; only the oldest takes slots
   std::vector<std::deque<Outgoing>> outgoing_;   // by node index of the reader: oldest first, one at a time on a channel
 
-  std::shared_ptr<HandoffBoard<StagingAgent>> captured_;  // may be null (no captures)
+  std::shared_ptr<HandoffBoard<StagingAgent>> captured_;
 
   std::mutex windows_m_;
   std::map<std::uint64_t, std::pair<char*, std::size_t>> windows_;

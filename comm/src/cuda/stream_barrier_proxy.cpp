@@ -46,8 +46,7 @@ StreamBarrierProxy::StreamBarrierProxy(MPI_Comm parent, int device, std::chrono:
                   "proxy thread and needs MPI_THREAD_MULTIPLE, but MPI was initialised with thread level " +
                       std::to_string(provided) + "; call MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)");
     // The released word, then (64 bytes on) the doorbells of captured barriers.
-    const std::size_t doorbells =
-        HandoffBoard<StreamBarrierProxy>::kBellBytes + kCapturedBarriers * sizeof(cuda::HandoffSlot);
+    const std::size_t doorbells = HandoffBoard<StreamBarrierProxy>::bytes_for(kCapturedBarriers);
     shared_->memory = take_block(BlockMemory::MappedHost, device, 64 + doorbells, what);
     shared_->released = static_cast<std::uint64_t*>(shared_->memory.get());  // zeroed
     board_->set_doorbells(static_cast<char*>(shared_->memory.get()) + 64, doorbells);

@@ -840,9 +840,6 @@ struct ProxyHandoff {
   static void release(TransferProxy& proxy, const Request& r) { proxy.release_graph_word(r.transfer.word); }
 };
 
-// Doorbells of captured transfers per rank (CapturedHandoff): 32 bytes each.
-constexpr std::size_t kCapturedDoorbells = 4096;
-
 }  // namespace
 
 ProxyTransport::ProxyTransport(const CommContext& ctx, const char* name)
@@ -877,7 +874,7 @@ void ProxyTransport::start_proxy(MpiComm control, std::map<int, PeerStreams> str
   const std::string crowded = note_transport_streams(ctx_.topo.rank, name_, 2 * static_cast<int>(streams.size()));
   if (!crowded.empty()) log(LogLevel::Warn, crowded);
   doorbells_ = take_block(BlockMemory::MappedHost, device_->device(),
-                          HandoffBoard<TransferProxy>::kBellBytes + kCapturedDoorbells * sizeof(cuda::HandoffSlot),
+                          HandoffBoard<TransferProxy>::bytes_for(kTransferDoorbells),
                           "meshmem::Comm (" + std::string(name_) + " transport)");
   board_->set_doorbells(doorbells_.get(), doorbells_.size());
   proxy_ = std::make_shared<TransferProxy>(name_, std::move(control), std::move(streams), std::move(wire),

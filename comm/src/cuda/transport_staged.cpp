@@ -97,9 +97,6 @@ struct StagedHandoff {
   static void release(StagingAgent& agent, const Request& r) { agent.release_word(r.transfer.word); }
 };
 
-// Doorbells of captured transfers per rank (CapturedHandoff): 32 bytes each.
-constexpr std::size_t kCapturedDoorbells = 4096;
-
 }  // namespace
 
 std::unique_ptr<Transport> make_staged_transport(const CommContext& ctx) {
@@ -185,7 +182,7 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
   board_ = std::make_shared<HandoffBoard<StagingAgent>>();
   agreed_step(ctx_.boot, what, [&] {
     doorbells_ = take_block(BlockMemory::MappedHost, device_->device(),
-                            HandoffBoard<StagingAgent>::kBellBytes + kCapturedDoorbells * sizeof(cuda::HandoffSlot), what);
+                            HandoffBoard<StagingAgent>::bytes_for(kTransferDoorbells), what);
     board_->set_doorbells(doorbells_.get(), doorbells_.size());
     StagingAgent::Setup setup;
     setup.captured = board_;
