@@ -332,6 +332,76 @@ void GraphReplay::many_chained_puts(std::size_t barrier_every) {
   cudaGraphExecDestroy(exec);
 }
 
+// A graph replayed after its Comm was destroyed (a user's mistake, but one a teardown order
+// makes easily). Where its puts are doorbells (staged, nccl, mpi-device), each replay's kernel
+// rang memory that ~Comm had given back (a later Comm's doorbells may reuse it) and waited a
+// whole MESHMEM_TIMEOUT for an answer that never comes (for ever with MESHMEM_TIMEOUT=0). It
+// ends at once now, and a later Comm's graph, replayed in between, delivers every byte.
+TEST_F(GraphReplay, AReplayAfterItsCommIsGoneEndsAtOnce) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "20");
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  const TransportKind route = comm->transport(right, Memory::Device);
+  if (route == TransportKind::Ipc)
+    GTEST_SKIP() << "the route to rank " << right << " is ipc: a captured put is a copy into the peer's mapping, "
+                 << "which ~Comm unmaps (nothing of meshmem's is left to run)";
+  constexpr std::size_t kBytes = 65536 + 13;
+  DeviceBuffer src(kBytes);
+  cudaGraphExec_t orphan = nullptr;
+  {
+    Window win = comm->alloc(kBytes);
+    comm->barrier(s0);
+    CUDA_OK(cudaStreamSynchronize(s0));
+    CUDA_OK(cudaStreamBeginCapture(s0, cudaStreamCaptureModeGlobal));
+    comm->put(win, right, 0, src.p, kBytes, s0);
+    cudaGraph_t graph = nullptr;
+    CUDA_OK(cudaStreamEndCapture(s0, &graph));
+    orphan = instantiate(graph);
+    ASSERT_NE(orphan, nullptr);
+    CUDA_OK(cudaGraphLaunch(orphan, s0));  // while the Comm lives: a put like any other
+    ASSERT_TRUE(finishes(s0, 60));
+    comm->quiet(s0);
+    CUDA_OK(cudaStreamSynchronize(s0));
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  comm.reset();
+  make_comm();  // a later Comm, with doorbells of its own
+  Window win = comm->alloc(kBytes);
+  DeviceBuffer src2(kBytes);
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  CUDA_OK(cudaStreamBeginCapture(s0, cudaStreamCaptureModeGlobal));
+  comm->put(win, right, 0, src2.p, kBytes, s0);
+  comm->barrier(s0);
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamEndCapture(s0, &graph));
+  cudaGraphExec_t exec = instantiate(graph);
+  ASSERT_NE(exec, nullptr);
+  for (int rep = 0; rep < 4; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    CUDA_OK(cudaGraphLaunch(orphan, s1));
+    const bool ended = finishes(s1, 60);
+    const double orphan_s = seconds_since(t0);
+    EXPECT_TRUE(ended) << "replay " << rep << " of a graph whose Comm is gone did not end within 60 s";
+    EXPECT_LT(orphan_s, 5.0) << "replay " << rep << " of a graph whose Comm is gone (route " << to_string(route)
+                             << ") took " << orphan_s << " s (MESHMEM_TIMEOUT is 20 s)";
+    CUDA_OK(fill_now(win.local(), kPoison, kBytes));
+    auto d = pattern(seed, key(rep, me, 11), kBytes);
+    CUDA_OK(upload(src2.p, d.data(), kBytes));
+    MPI_Barrier(MPI_COMM_WORLD);
+    CUDA_OK(cudaGraphLaunch(exec, s0));
+    ASSERT_TRUE(finishes(s0, 60)) << "replay " << rep << " of the later Comm's graph";
+    EXPECT_NO_THROW(comm->quiet(s0)) << "replay " << rep;
+    const auto got = to_host(win.local(), kBytes);
+    const auto want = pattern(seed, key(rep, left, 11), kBytes);
+    EXPECT_EQ(first_difference(got.data(), want.data(), kBytes), -1)
+        << "replay " << rep << " of the later Comm's graph: the data from rank " << left;
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphExecDestroy(orphan);
+}
+
 class GraphBarrier : public GraphReplay, public ::testing::WithParamInterface<const char*> {};
 
 TEST_P(GraphBarrier, ReplaysWaitForTheLateRank) {

@@ -14,9 +14,10 @@
 // (the staging agent's copies, NCCL's launches) waited for a launch that waited for it: every
 // replay stalled until MESHMEM_TIMEOUT. Stream memory writes do not wait for that lock.
 //
-// The request, with the words it holds, lives as long as the graph (a CUDA user object). The
-// owner may stop before the graph is destroyed: its board then says so, and nothing touches
-// the owner (a later replay's doorbell is not answered: its wait times out).
+// The request, with the words it holds, lives as long as the graph (a CUDA user object), and
+// so does the board with its doorbells. The owner may stop before the graph is destroyed: its
+// board then says so (HandoffBoard::close), nothing touches the owner, and the kernel of a
+// later replay, or of one that waits, ends without waiting for an answer.
 //
 // A Policy says what differs between owners:
 //   using Owner = ...;   using Request = ...;
@@ -38,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "block_pool.hpp"
 #include "kernels.hpp"
 #include "meshmem/error.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
@@ -49,21 +51,41 @@ namespace meshmem::detail {
 // Doorbells of a transport's captured transfers per rank (staged, nccl / mpi-device): 32 bytes each.
 constexpr std::size_t kTransferDoorbells = 4096;
 
+// `bytes` of pinned host memory of `device` for a board's doorbells (set_doorbells).
+inline std::shared_ptr<void> doorbell_memory(int device, std::size_t bytes, const std::string& what) {
+  auto block = std::make_shared<PooledBlock>(take_block(BlockMemory::MappedHost, device, bytes, what));
+  void* data = block->get();
+  return std::shared_ptr<void>(std::move(block), data);
+}
+
 template <class Owner>
 struct HandoffBoard {
   std::mutex m;
   Owner* owner = nullptr;  // null once the owner stopped
-  void set(Owner* o) {
+  void open(Owner* o) {
     std::lock_guard<std::mutex> lock(m);
     owner = o;
   }
-
-  // Doorbells: `bytes` of pinned host memory (zeroed) that the owner's transport keeps for
-  // as long as graphs may replay: the bell, then one HandoffSlot per captured step.
-  void set_doorbells(void* memory, std::size_t bytes) {
+  // The owner stops answering doorbells (before its thread ends): a replay from now on ends
+  // at once, and so do replays waiting for it. Stopped while its Comm lives (the replay then
+  // reports HandoffStopped), Retired once the Comm goes (it writes nothing). Never reopened.
+  void close(cuda::HandoffClosed why) {
     std::lock_guard<std::mutex> lock(m);
-    bell = static_cast<std::uint64_t*>(memory);
-    slots = reinterpret_cast<cuda::HandoffSlot*>(static_cast<char*>(memory) + kBellBytes);
+    owner = nullptr;
+    if (bell == nullptr) return;
+    const auto value = static_cast<std::uint64_t>(why);
+    if (__atomic_load_n(bell + 1, __ATOMIC_RELAXED) < value) __atomic_store_n(bell + 1, value, __ATOMIC_RELEASE);
+  }
+
+  // Doorbells: `bytes` of pinned host memory (zeroed) at `memory`, which the board keeps
+  // alive as long as it lives, that is as long as graphs that may replay its steps exist (a
+  // replay after the owner's Comm is gone reads them, finds the board closed, and ends): the
+  // bell, the closed word (HandoffClosed), then one HandoffSlot per captured step.
+  void set_doorbells(std::shared_ptr<void> memory, std::size_t bytes) {
+    std::lock_guard<std::mutex> lock(m);
+    bell = static_cast<std::uint64_t*>(memory.get());
+    slots = reinterpret_cast<cuda::HandoffSlot*>(static_cast<char*>(memory.get()) + kBellBytes);
+    memory_ = std::move(memory);
     const std::size_t count = bytes > kBellBytes ? (bytes - kBellBytes) / sizeof(cuda::HandoffSlot) : 0;
     entries.assign(count, Entry{});
     for (std::size_t i = count; i > 0; --i) free_slots.push_back(i - 1);
@@ -100,7 +122,8 @@ struct HandoffBoard {
     std::function<std::uint64_t(Owner&)> submit;  // the request's hand-off (set while live)
     std::uint64_t seen = 0;                       // the last replay handed over
   };
-  std::uint64_t* bell = nullptr;
+  std::shared_ptr<void> memory_;  // the doorbells' owner
+  std::uint64_t* bell = nullptr;   // then the closed word
   cuda::HandoffSlot* slots = nullptr;
   std::vector<Entry> entries;          // by slot
   std::vector<std::size_t> free_slots;
@@ -206,8 +229,8 @@ class CapturedHandoff {
   }
 
   // The graph's launches are complete: its replays' last writes to these words are done. A
-  // transfer whose wait gave up may still run: the nccl proxy's release keeps its word until
-  // it ends; the staging agent's does not yet (a late end can lower a reused word).
+  // transfer whose wait gave up may still run: the owners' releases keep its word until it
+  // ended (a late end would move a reused word back).
   static void CUDART_CB destroyed(void* p) {
     auto* c = static_cast<Captured*>(p);
     give_back(*c);

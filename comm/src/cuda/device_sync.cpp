@@ -59,6 +59,7 @@ void DeviceFaultRecord::raise(const std::string& where) {
   *host_ = cuda::DeviceFault{};  // the next timeout is reported on its own
   const std::string after = " after " + describe_timeout(timeout_) + " on the GPU; the stream went on past the wait";
   std::string msg = where + ": ";
+  ErrorCode code = ErrorCode::Timeout;  // every kind but HandoffStopped is a wait that ran out
   switch (kind) {
     case cuda::FaultKind::Barrier:
       msg += "an earlier barrier(stream) waited for rank " + std::to_string(f.peer) + " (its barrier count is " +
@@ -106,6 +107,15 @@ void DeviceFaultRecord::raise(const std::string& where) {
              std::to_string(f.seen) + " of it)" + after + " (nothing of it was done, or it was done late)" +
              describe_worker_pulses();
       break;
+    case cuda::FaultKind::HandoffStopped:
+      code = ErrorCode::Unsupported;
+      msg += "replay " + std::to_string(f.expected) + " of a captured " +
+             (f.peer >= 0 ? "staged, nccl or mpi-device put or get with rank " + std::to_string(f.peer)
+                          : std::string("barrier(stream) across nodes (the proxy's)")) +
+             (f.index != 0 ? " was taken up but did not end" : " was not carried out") +
+             ": the thread of meshmem that carries it out had stopped (it stops at MPI_Finalize, or when the Comm "
+             "is destroyed); the stream went on past it at once";
+      break;
     case cuda::FaultKind::Transfer: {
       const std::string hint = gpu_queue_hint();
       msg += "an earlier staged or nccl put or get with rank " + std::to_string(f.peer) + " (transfer " +
@@ -124,7 +134,7 @@ void DeviceFaultRecord::raise(const std::string& where) {
       break;
   }
   log(LogLevel::Error, msg);
-  throw Error(ErrorCode::Timeout, msg);
+  throw Error(code, msg);
 }
 
 StreamSequence::StreamSequence(const std::string& what) {

@@ -142,18 +142,32 @@ __global__ void ticket_wait_kernel(const std::uint64_t* word, std::uint64_t sequ
   (void)wait_word(word, Cmp::GE, sequence, limit, fault, peer, 0, 0);
 }
 
+// A captured step's wait gave up because its board closed (HandoffClosed): reported where its
+// Comm still lives; after the Comm is gone its fault record may be another's memory.
+__device__ void report_closed(const std::uint64_t* closed, const WaitLimit& limit, int peer, std::uint64_t replay,
+                              bool taken_up) {
+  const std::uint64_t why = device::SignalWord(*const_cast<std::uint64_t*>(closed)).load(::cuda::memory_order_acquire);
+  if (why == static_cast<std::uint64_t>(HandoffClosed::Stopped))
+    record_fault(limit.fault, FaultKind::HandoffStopped, peer, 0, 0, taken_up ? 1 : 0, 0, replay);
+}
+
 __global__ void rung_wait_kernel(HandoffSlot* slot, std::uint64_t* bell, const std::uint64_t* done, FaultKind fault,
                                  int peer, WaitLimit limit, bool early) {
   after_previous_kernel(early);
+  const std::uint64_t* closed = bell + 1;
   // The stream's earlier work is complete (stream order): the owner may start on it once it
   // sees the ring. Only one replay of a graph runs at a time, so the rung has one writer.
   device::SignalWord rung(slot->rung);
   const std::uint64_t replay = rung.load(::cuda::memory_order_relaxed) + 1;
+  if (device::SignalWord(*const_cast<std::uint64_t*>(closed)).load(::cuda::memory_order_acquire) != 0)
+    return report_closed(closed, limit, peer, replay, false);  // nobody answers: nothing rung
   rung.store(replay, ::cuda::memory_order_release);
   device::SignalWord(*bell).store(1, ::cuda::memory_order_release);  // after the rung: the owner scans on it
-  if (!wait_word(&slot->ack, Cmp::GE, replay, limit, FaultKind::Handoff, peer, 0, 0)) return;
+  // Without a fault written, wait_word gave up because the board closed.
+  if (!wait_word(&slot->ack, Cmp::GE, replay, limit, FaultKind::Handoff, peer, 0, 0, closed))
+    return report_closed(closed, limit, peer, replay, false);
   const std::uint64_t ticket = device::SignalWord(slot->ticket).load(::cuda::memory_order_acquire);
-  (void)wait_word(done, Cmp::GE, ticket, limit, fault, peer, 0, 0);
+  if (!wait_word(done, Cmp::GE, ticket, limit, fault, peer, 0, 0, closed)) report_closed(closed, limit, peer, replay, true);
 }
 
 __global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,

@@ -17,10 +17,12 @@ namespace meshmem::detail::cuda {
 // timed out; DeviceFaultRecord keeps its message). ProxyRelease: a captured barrier(stream)
 // across nodes that its proxy thread did not release in time. LeadersFailed: a hierarchical
 // barrier's node kernel found that this node's leader gave up its all-reduce (`peer`: the
-// leader; `expected`: the kernel's number).
+// leader; `expected`: the kernel's number). HandoffStopped: a captured step replayed after
+// the thread that carries it out stopped (`expected`: the replay; `index` 1 where it had been
+// taken up but did not end).
 enum class FaultKind : unsigned {
   None = 0, WaitUntil = 1, Barrier = 2, Halo = 3, Transfer = 4, HostBarrier = 5, ProxyRelease = 6, NodeBarrier = 7,
-  LeadersFailed = 8, Handoff = 9
+  LeadersFailed = 8, Handoff = 9, HandoffStopped = 10
 };
 struct DeviceFault {
   unsigned claimed;
@@ -89,10 +91,17 @@ struct HandoffSlot {
   std::uint64_t unused;
 };
 
+// The word after a board's bell: whether its owner still answers doorbells. Stopped: the
+// owner's thread ended while its Comm lives (MPI_Finalize): a replay reports HandoffStopped.
+// Retired: the Comm is gone, and with it the fault record and done words: a replay writes
+// nothing at all and ends.
+enum class HandoffClosed : std::uint64_t { Open = 0, Stopped = 1, Retired = 2 };
+
 // Once the stream's earlier work is done: advances slot->rung and sets *bell (both pinned host
 // memory, polled by the step's owner thread: no host node, see captured_handoff.hpp), waits
 // until the owner acknowledged this replay (FaultKind::Handoff with `peer` on timeout), then
-// until *done reaches the ticket the owner gave it (`fault` and `peer` on timeout).
+// until *done reaches the ticket the owner gave it (`fault` and `peer` on timeout). Gives up
+// at once, or within a few microseconds of waiting, once bell[1] (HandoffClosed) is not Open.
 cudaError_t launch_rung_wait(HandoffSlot* slot, std::uint64_t* bell, const std::uint64_t* done, FaultKind fault, int peer,
                              WaitLimit limit, cudaStream_t stream, bool early);
 

@@ -188,6 +188,14 @@ void StagingAgent::release_word(std::size_t word) {
   free_words_.push_back(word);
 }
 
+void StagingAgent::release_captured_word(std::size_t word, const std::uint64_t* done, std::uint64_t last) {
+  std::lock_guard<std::mutex> lock(m_);
+  if (last == 0 || __atomic_load_n(done, __ATOMIC_ACQUIRE) >= last)
+    free_words_.push_back(word);
+  else
+    released_captured_.push_back(CapturedEnd{done, last, word});
+}
+
 std::uint64_t StagingAgent::submit(StagedRequest r) {
   std::lock_guard<std::mutex> lock(m_);
   r.ticket = ++submitted_;
@@ -317,6 +325,13 @@ void StagingAgent::reclaim_words() {
     return true;
   };
   remote_lent_.erase(std::remove_if(remote_lent_.begin(), remote_lent_.end(), ended), remote_lent_.end());
+  auto captured_ended = [&](const CapturedEnd& e) {
+    if (__atomic_load_n(e.done, __ATOMIC_ACQUIRE) < e.ticket) return false;
+    free_words_.push_back(e.word);
+    return true;
+  };
+  released_captured_.erase(std::remove_if(released_captured_.begin(), released_captured_.end(), captured_ended),
+                           released_captured_.end());
 }
 
 void StagingAgent::run() {

@@ -184,6 +184,10 @@ class StagingAgent {
   // MESHMEM_TIMEOUT.
   std::size_t take_word(const std::string& what);
   void release_word(std::size_t word);
+  // The word of a captured transfer whose graph is gone: free again once the transfer of its
+  // last replay (ticket `last`, 0: none) ended, so that a late end of one whose wait gave up
+  // cannot move a reused word back.
+  void release_captured_word(std::size_t word, const std::uint64_t* done, std::uint64_t last);
 
   // Queues a transfer (its done word set); returns its ticket: the value its done word
   // reaches at its end.
@@ -351,6 +355,12 @@ class StagingAgent {
   std::condition_variable cv_;
   std::deque<StagedRequest> queue_;
   std::vector<std::size_t> free_words_;
+  struct CapturedEnd {  // release_captured_word
+    const std::uint64_t* done;
+    std::uint64_t ticket;
+    std::size_t word;
+  };
+  std::vector<CapturedEnd> released_captured_;  // under m_
   struct RemoteEnd {
     const std::uint64_t* done;
     std::uint64_t ticket;

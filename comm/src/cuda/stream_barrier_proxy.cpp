@@ -49,10 +49,11 @@ StreamBarrierProxy::StreamBarrierProxy(MPI_Comm parent, int device, std::chrono:
     const std::size_t doorbells = HandoffBoard<StreamBarrierProxy>::bytes_for(kCapturedBarriers);
     shared_->memory = take_block(BlockMemory::MappedHost, device, 64 + doorbells, what);
     shared_->released = static_cast<std::uint64_t*>(shared_->memory.get());  // zeroed
-    board_->set_doorbells(static_cast<char*>(shared_->memory.get()) + 64, doorbells);
+    // The board keeps the whole block (and the rest of Shared) while graphs exist.
+    board_->set_doorbells(std::shared_ptr<void>(shared_, static_cast<char*>(shared_->memory.get()) + 64), doorbells);
     released_device_ = reinterpret_cast<std::uint64_t>(shared_->released);  // one address for CPU and GPU
   });
-  board_->set(this);
+  board_->open(this);
   thread_ = std::thread([this] { serve(); });
 }
 
@@ -102,7 +103,9 @@ StreamBarrierProxy::~StreamBarrierProxy() {
   // Graphs launched before are among that work; graphs replayed later find the proxy gone.
   // The proxy thread keeps meeting meanwhile; each meeting is bounded by MESHMEM_TIMEOUT.
   const bool idle = device_idle_within(device_, 2 * timeout_, shared_);
-  board_->set(nullptr);
+  // Captured barriers waiting now, and later replays, end unmet without a report, as the
+  // released word below lets the others pass: the Comm is going.
+  board_->close(cuda::HandoffClosed::Retired);
   std::size_t unmet = 0;
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);

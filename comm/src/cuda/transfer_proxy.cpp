@@ -873,14 +873,13 @@ int ProxyTransport::stop_on_finalize(MPI_Comm, int, void* transport, void*) {
 void ProxyTransport::start_proxy(MpiComm control, std::map<int, PeerStreams> streams, std::unique_ptr<ProxyWire> wire) {
   const std::string crowded = note_transport_streams(ctx_.topo.rank, name_, 2 * static_cast<int>(streams.size()));
   if (!crowded.empty()) log(LogLevel::Warn, crowded);
-  doorbells_ = take_block(BlockMemory::MappedHost, device_->device(),
-                          HandoffBoard<TransferProxy>::bytes_for(kTransferDoorbells),
-                          "meshmem::Comm (" + std::string(name_) + " transport)");
-  board_->set_doorbells(doorbells_.get(), doorbells_.size());
+  const std::size_t doorbells = HandoffBoard<TransferProxy>::bytes_for(kTransferDoorbells);
+  board_->set_doorbells(
+      doorbell_memory(device_->device(), doorbells, "meshmem::Comm (" + std::string(name_) + " transport)"), doorbells);
   proxy_ = std::make_shared<TransferProxy>(name_, std::move(control), std::move(streams), std::move(wire),
                                            ctx_.topo.rank, device_->device(), ctx_.options.timeout,
                                            !device_->waits_with_kernel(), ctx_.faults, board_);
-  board_->set(proxy_.get());
+  board_->open(proxy_.get());
   // At MPI_Finalize at the latest the thread stops (it talks MPI).
   const std::string what = "meshmem::Comm (" + std::string(name_) + " transport)";
   check_mpi(MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, stop_on_finalize, &finalize_keyval_, nullptr),
@@ -890,6 +889,7 @@ void ProxyTransport::start_proxy(MpiComm control, std::map<int, PeerStreams> str
 
 ProxyTransport::~ProxyTransport() {
   stop();
+  board_->close(cuda::HandoffClosed::Retired);
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (!finalized && finalize_keyval_ != MPI_KEYVAL_INVALID) {
@@ -900,7 +900,7 @@ ProxyTransport::~ProxyTransport() {
 
 void ProxyTransport::stop() noexcept {
   if (!proxy_) return;
-  board_->set(nullptr);
+  board_->close(cuda::HandoffClosed::Stopped);  // MPI_Finalize, or ~Comm
   // Transfers still in flight (a broken job): the wire waits for nothing.
   const bool idle = proxy_->drain();
   proxy_->stop(!idle);

@@ -139,7 +139,6 @@ class ProxyTransport : public Transport {
   static int stop_on_finalize(MPI_Comm, int, void* transport, void*);
 
   std::shared_ptr<HandoffBoard<TransferProxy>> board_;  // shared with captured graphs
-  PooledBlock doorbells_;  // the board's (pinned host memory): kept while graphs may replay
   int finalize_keyval_;
 };
 

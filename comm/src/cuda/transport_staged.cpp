@@ -92,9 +92,15 @@ struct StagedHandoff {
   using Owner = StagingAgent;
   struct Request {
     StagedRequest transfer;  // its done word set
+    mutable std::uint64_t last_ticket = 0;  // of the last replay handed over (under the board's lock)
   };
-  static std::uint64_t submit(StagingAgent& agent, const Request& r) { return agent.submit(r.transfer); }
-  static void release(StagingAgent& agent, const Request& r) { agent.release_word(r.transfer.word); }
+  static std::uint64_t submit(StagingAgent& agent, const Request& r) {
+    r.last_ticket = agent.submit(r.transfer);
+    return r.last_ticket;
+  }
+  static void release(StagingAgent& agent, const Request& r) {
+    agent.release_captured_word(r.transfer.word, r.transfer.done, r.last_ticket);
+  }
 };
 
 }  // namespace
@@ -127,10 +133,13 @@ StagedTransport::StagedTransport(const CommContext& ctx)
   }
 }
 
-StagedTransport::~StagedTransport() { stop(); }
+StagedTransport::~StagedTransport() {
+  stop();
+  if (board_) board_->close(cuda::HandoffClosed::Retired);
+}
 
 void StagedTransport::stop() noexcept {
-  if (board_) board_->set(nullptr);
+  if (board_) board_->close(cuda::HandoffClosed::Stopped);
   if (agent_) agent_->stop();
 }
 
@@ -181,9 +190,8 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
   const std::string layout = pool->describe();
   board_ = std::make_shared<HandoffBoard<StagingAgent>>();
   agreed_step(ctx_.boot, what, [&] {
-    doorbells_ = take_block(BlockMemory::MappedHost, device_->device(),
-                            HandoffBoard<StagingAgent>::bytes_for(kTransferDoorbells), what);
-    board_->set_doorbells(doorbells_.get(), doorbells_.size());
+    const std::size_t doorbells = HandoffBoard<StagingAgent>::bytes_for(kTransferDoorbells);
+    board_->set_doorbells(doorbell_memory(device_->device(), doorbells, what), doorbells);
     StagingAgent::Setup setup;
     setup.captured = board_;
     setup.pool = std::move(pool);
@@ -200,7 +208,7 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
     setup.limit = device_->wait_limit();
     agent_ = std::make_shared<StagingAgent>(std::move(setup));
   });
-  board_->set(agent_.get());
+  board_->open(agent_.get());
   const char* loading = std::getenv("CUDA_MODULE_LOADING");
   static std::atomic<bool> warned{false};
   if ((loading == nullptr || strcasecmp(loading, "EAGER") != 0) && !warned.exchange(true))

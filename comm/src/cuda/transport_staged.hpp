@@ -126,7 +126,6 @@ class StagedTransport final : public Transport {
   int slots_;
   std::shared_ptr<StagingAgent> agent_;  // shared with window attachments (released later)
   std::shared_ptr<HandoffBoard<StagingAgent>> board_;  // shared with captured graphs
-  PooledBlock doorbells_;  // the board's (pinned host memory): kept while graphs may replay
 };
 
 }  // namespace meshmem::detail
