@@ -286,10 +286,14 @@ class GraphReplay : public RealUse {
   }
   // ManyChainedPuts*: see there.
   void many_chained_puts(std::size_t barrier_every);
+  // Whether the Comm's barrier(stream) is the hierarchical one across nodes (NCCL's all-reduce).
+  bool comm_barrier_is_hierarchical() const {
+    return comm->device_info().find("barrier(stream) hierarchical") != std::string::npos;
+  }
 };
 
 void GraphReplay::many_chained_puts(std::size_t barrier_every) {
-  make_comm();
+  if (!comm) make_comm();
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   constexpr std::size_t kPieces = 96, kPiece = 1031, kBytes = kPieces * kPiece;
   constexpr int kChainReplays = 10;
@@ -555,12 +559,58 @@ TEST_F(GraphReplay, PutSignalWaitUntilWithResetReplays) {
 TEST_F(GraphReplay, ManyChainedPutsLaunchAtOnceAndReplay) { many_chained_puts(0); }
 
 TEST_F(GraphReplay, ManyChainedPutsAndBarriersLaunchAtOnceAndReplay) {
-  // NCCL's captured all-reduce brings host nodes of its own (its network proxy's), and the
-  // nccl proxy's NCCL calls wait for a launch that waits for them: a limit (README "CUDA Graphs").
-  if (env_is("MESHMEM_BARRIER_ACROSS_NODES", "nccl"))
-    GTEST_SKIP() << "the hierarchical barrier across nodes captures NCCL's all-reduce, whose host nodes hold the nccl "
-                    "proxy's calls in a long chain (a known limit)";
-  many_chained_puts(3);
+  // The hierarchical barrier across nodes captures NCCL's all-reduce, whose host nodes chain;
+  // a graph holds at most 16 of them (the next test): 96 / 6 = 16 barriers there, 32 elsewhere.
+  make_comm();
+  many_chained_puts(comm_barrier_is_hierarchical() ? 6 : 3);
+}
+
+// NCCL's captured all-reduce brings a host node of its own, and they chain: with 32 hierarchical
+// barriers among 96 nccl puts every replay stalled until MESHMEM_TIMEOUT (cudaGraphLaunch waited
+// for the host nodes while holding the nccl proxy's NCCL calls). So the 17th of a graph raises
+// Unsupported on every rank before it touches the capture, and the capture ends valid: its 16
+// barriers and their puts replay right.
+TEST_F(GraphReplay, TheSeventeenthHierarchicalBarrierOfAGraphIsRefused) {
+  make_comm();
+  if (!comm_barrier_is_hierarchical())
+    GTEST_SKIP() << "barrier(stream) is not the hierarchical one across nodes here: " << comm->device_info();
+  constexpr std::size_t kPieces = 16, kPiece = 1031, kBytes = kPieces * kPiece;
+  Window win = comm->alloc(kBytes);
+  DeviceBuffer src(kBytes);
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  CUDA_OK(cudaStreamBeginCapture(s0, cudaStreamCaptureModeGlobal));
+  for (std::size_t i = 0; i < kPieces; ++i) {
+    comm->put(win, right, i * kPiece, static_cast<char*>(src.p) + i * kPiece, kPiece, s0);
+    comm->barrier(s0);
+  }
+  try {
+    comm->barrier(s0);
+    ADD_FAILURE() << "the 17th hierarchical barrier of a graph was captured";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Unsupported) << e.what();
+    EXPECT_NE(std::string(e.what()).find("16 hierarchical barriers"), std::string::npos) << e.what();
+  }
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(s0, &graph), cudaSuccess) << "the refusal invalidated the capture";
+  cudaGraphExec_t exec = instantiate(graph);
+  ASSERT_NE(exec, nullptr);
+  for (int rep = 0; rep < 3; ++rep) {
+    CUDA_OK(fill_now(win.local(), kPoison, kBytes));
+    auto d = pattern(seed, key(rep, me, 13), kBytes);
+    CUDA_OK(upload(src.p, d.data(), kBytes));
+    MPI_Barrier(MPI_COMM_WORLD);
+    const auto t0 = std::chrono::steady_clock::now();
+    CUDA_OK(cudaGraphLaunch(exec, s0));
+    EXPECT_LT(seconds_since(t0), 2.0) << "cudaGraphLaunch of 16 hierarchical barriers, replay " << rep;
+    ASSERT_TRUE(finishes(s0, 60)) << "replay " << rep << " did not finish within 60 s";
+    EXPECT_NO_THROW(comm->quiet(s0)) << "replay " << rep;
+    const auto got = to_host(win.local(), kBytes);
+    const auto want = pattern(seed, key(rep, left, 13), kBytes);
+    EXPECT_EQ(first_difference(got.data(), want.data(), kBytes), -1) << "replay " << rep << ": the data from rank " << left;
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  cudaGraphExecDestroy(exec);
 }
 
 #ifdef MESHMEM_TEST_NEW_API  // wait_until_all_then_set, device_info

@@ -1,6 +1,7 @@
 #include "stream_barrier.hpp"
 
 #include <algorithm>
+#include <map>
 
 #include "../backoff.hpp"
 #include "../bootstrap.hpp"
@@ -281,6 +282,7 @@ class HierarchicalBarrier final : public StreamBarrier {
   void arrive(Stream stream, bool capturing) override {
     const bool leader = leaders_->leader();
     if (leader) leaders_->raise_failure(where(topo_));  // before anything is enqueued
+    if (capturing) count_captured(stream);
     node_->arrive(stream, capturing);
     if (leader) {
       try {
@@ -298,10 +300,41 @@ class HierarchicalBarrier final : public StreamBarrier {
     return "hierarchical: node " + node_->describe() + ", then " + leaders_->describe() + ", then node again";
   }
 
+  // Barriers of this kind one graph may hold. NCCL captures its all-reduce with a host node
+  // (its proxy's), one chain of them per graph; cudaGraphLaunch of a graph whose chained host
+  // nodes wait behind device work returns only once they ran (from about 32, 1 x H100, CUDA
+  // 13.0: bench/queue_lab chain), and meanwhile holds the nccl proxy's NCCL calls, which the
+  // graph's nccl transfers wait for: 32 such barriers among 96 nccl puts stalled every replay
+  // until MESHMEM_TIMEOUT. 16 chained host nodes launched at once there. Every rank counts
+  // (leaders or not), so every rank refuses the same barrier.
+  static constexpr int kCapturedPerGraph = 16;
+
  private:
+  // Counts a captured barrier of the capture on `stream`; past kCapturedPerGraph raises
+  // Unsupported before anything is added to it.
+  void count_captured(Stream stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    ipc::check_cuda(cudaStreamGetCaptureInfo(static_cast<cudaStream_t>(stream), &status, &id), "cudaStreamGetCaptureInfo",
+                    where(topo_));
+    // Capture ids only grow: the oldest captures have ended long ago.
+    if (captured_.size() >= 64 && captured_.find(id) == captured_.end()) captured_.erase(captured_.begin());
+    int& count = captured_[id];
+    if (count >= kCapturedPerGraph)
+      throw Error(ErrorCode::Unsupported,
+                  where(topo_) + ": barrier(stream) across nodes: this graph already holds " +
+                      std::to_string(kCapturedPerGraph) +
+                      " hierarchical barriers (NCCL's all-reduce), the most one graph may hold: their chain of "
+                      "NCCL host nodes would make cudaGraphLaunch hold meshmem's nccl transfers until "
+                      "MESHMEM_TIMEOUT (README \"CUDA Graphs\"); nothing was added to the capture. Split the "
+                      "graph, or set MESHMEM_BARRIER_ACROSS_NODES=proxy (its barriers are doorbells, any number)");
+    ++count;
+  }
+
   const Topology& topo_;
   std::unique_ptr<KernelBarrier> node_;
   std::unique_ptr<LeaderAllReduce> leaders_;
+  std::map<unsigned long long, int> captured_;  // barriers per capture id (the last 64 captures)
 };
 
 // Whether `stream` has work not yet complete.
