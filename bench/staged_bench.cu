@@ -12,6 +12,11 @@
 // the rows in the bench/results format.
 //   mpirun -np 2 staged_bench [--csv FILE --commit C --machine M --date D]
 //                             [--max-bytes N] [--iters N] [--reps N]
+//   mpirun -np 2 staged_bench --idle SECONDS
+//     instead: what a CUDA graph of a captured staged put costs while it exists (its owner
+//     thread polls the doorbells, README "CUDA Graphs"): each process's CPU time while
+//     nothing runs, without the graph, with it, after it; and its replay time back to back
+//     against after a quiet spell.
 #include <cuda_runtime_api.h>
 #include <mpi.h>
 
@@ -26,7 +31,10 @@
 #include <functional>
 #include <meshmem/meshmem.hpp>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include <sys/resource.h>
 
 #include "bench_check.hpp"
 #include "results_csv.hpp"
@@ -138,6 +146,8 @@ void usage(std::FILE* f) {
                "                 more than 4 GiB, at least 3)\n"
                "  --reps N       timed loops per size and variant, taking turns; the fastest is reported\n"
                "                 (default 3)\n"
+               "  --idle S       instead of the table: CPU time of each process over S seconds of nothing\n"
+               "                 without, with and after a graph of one captured staged put, and its replay time\n"
                "Sets MESHMEM_TRANSPORTS=staged,shm,mpi unless it is set already.\n");
 }
 
@@ -191,10 +201,96 @@ void disable_peer_access(int from, int to, int home) {
 struct Setup {
   std::size_t max_bytes;
   int iters, reps;
+  int idle_seconds;  // --idle
   int device, devices;
   bool transports_from_user;
   std::string transports;
 };
+
+// ---- --idle ----
+
+double cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
+}
+
+// The process's CPU time per second of wall time (1.0 = one core busy) over cfg.idle_seconds
+// in which this program does nothing (both ranks, after a barrier).
+double idle_cpu(const Setup& cfg) {
+  MK(MPI_Barrier(MPI_COMM_WORLD));
+  const double c0 = cpu_seconds();
+  const auto t0 = Clock::now();
+  std::this_thread::sleep_for(std::chrono::seconds(cfg.idle_seconds));
+  const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+  return (cpu_seconds() - c0) / wall;
+}
+
+int idle_cost(const Setup& cfg) {
+  constexpr std::size_t kBytes = 4 * kKiB;
+  constexpr int kReplays = 20;
+  meshmem::Comm comm(MPI_COMM_WORLD);
+  meshmem::Window win = comm.alloc(kBytes);
+  void* src = nullptr;
+  CK(cudaMalloc(&src, kBytes));
+  CK(cudaMemset(src, 1, kBytes));
+  cudaStream_t s = nullptr;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const int peer = 1 - g_rank;
+  double cpu[3] = {};
+  cpu[0] = idle_cpu(cfg);
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  comm.put(win, peer, 0, src, kBytes, s);
+  cudaGraph_t graph = nullptr;
+  CK(cudaStreamEndCapture(s, &graph));
+  cudaGraphExec_t exec = nullptr;
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  CK(cudaGraphDestroy(graph));
+  CK(cudaGraphLaunch(exec, s));
+  CK(cudaStreamSynchronize(s));
+  cpu[1] = idle_cpu(cfg);
+  // Replays: back to back, then each after 50 ms without one (the owner's poll slowed down).
+  auto replay_us = [&](std::chrono::milliseconds quiet) {
+    std::vector<double> us;
+    for (int i = 0; i < kReplays; ++i) {
+      if (quiet.count() > 0) std::this_thread::sleep_for(quiet);
+      const auto t0 = Clock::now();
+      CK(cudaGraphLaunch(exec, s));
+      CK(cudaStreamSynchronize(s));
+      us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    }
+    std::sort(us.begin(), us.end());
+    return us[us.size() / 2];
+  };
+  MK(MPI_Barrier(MPI_COMM_WORLD));
+  const double back_to_back = replay_us(std::chrono::milliseconds(0));
+  MK(MPI_Barrier(MPI_COMM_WORLD));
+  const double after_quiet = replay_us(std::chrono::milliseconds(50));
+  comm.quiet(s);
+  CK(cudaStreamSynchronize(s));
+  MK(MPI_Barrier(MPI_COMM_WORLD));
+  CK(cudaGraphExecDestroy(exec));
+  cpu[2] = idle_cpu(cfg);
+  double all[2][5] = {};
+  const double mine[5] = {cpu[0], cpu[1], cpu[2], back_to_back, after_quiet};
+  MK(MPI_Gather(mine, 5, MPI_DOUBLE, all, 5, MPI_DOUBLE, 0, MPI_COMM_WORLD));
+  if (g_rank == 0) {
+    std::printf("# staged_bench --idle %d: MESHMEM_TRANSPORTS=%s, 2 ranks, GPU %d of %d each\n", cfg.idle_seconds,
+                cfg.transports.c_str(), cfg.device, cfg.devices);
+    std::printf("# process CPU time per second while this program does nothing (1.00 = one core)\n");
+    std::printf("%-46s %12s %12s\n", "# state", "rank 0", "rank 1");
+    const char* states[3] = {"Comm and a window, no graph", "+ a graph of one captured staged put (4 KiB)",
+                             "the graph destroyed"};
+    for (int i = 0; i < 3; ++i) std::printf("%-46s %12.3f %12.3f\n", states[i], all[0][i], all[1][i]);
+    std::printf("# replay of that graph (launch to stream synchronised), median of %d, us\n", kReplays);
+    std::printf("%-46s %12.1f %12.1f\n", "back to back", all[0][3], all[1][3]);
+    std::printf("%-46s %12.1f %12.1f\n", "each after 50 ms without a replay", all[0][4], all[1][4]);
+  }
+  CK(cudaStreamDestroy(s));
+  CK(cudaFree(src));
+  return 0;
+}
 
 // Everything that holds a Comm or device memory; returns the exit status.
 int measure(const Setup& cfg) {
@@ -473,7 +569,7 @@ int main(int argc, char** argv) {
 
   bench::RunInfo run;
   run.date = bench::utc_now();
-  Setup cfg{kGiB, 100, 3, 0, 0, false, ""};
+  Setup cfg{kGiB, 100, 3, 0, 0, 0, false, ""};
   bool bad = false, help = false;
   for (int i = 1; i < argc; ++i) {
     if (run.parse(argc, argv, i)) continue;
@@ -484,6 +580,7 @@ int main(int argc, char** argv) {
     else if (a == "--max-bytes" && has_value) ok = parse_bytes(argv[++i], &cfg.max_bytes);
     else if (a == "--iters" && has_value) ok = parse_count(argv[++i], &cfg.iters);
     else if (a == "--reps" && has_value) ok = parse_count(argv[++i], &cfg.reps);
+    else if (a == "--idle" && has_value) ok = parse_count(argv[++i], &cfg.idle_seconds);
     else {
       if (g_rank == 0) std::fprintf(stderr, "staged_bench: unknown or incomplete argument '%s'\n", a.c_str());
       bad = true;
@@ -532,7 +629,7 @@ int main(int argc, char** argv) {
 
   int status = 0;
   try {
-    status = measure(cfg);
+    status = cfg.idle_seconds > 0 ? idle_cost(cfg) : measure(cfg);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "rank %d: staged_bench: %s\n", g_rank, e.what());
     MPI_Abort(MPI_COMM_WORLD, 1);
