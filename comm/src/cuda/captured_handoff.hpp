@@ -19,10 +19,16 @@
 // board then says so (HandoffBoard::close), nothing touches the owner, and the kernel of a
 // later replay, or of one that waits, ends without waiting for an answer.
 //
+// Where the device waits with stream memory operations (ranks sharing a GPU) a step is gated
+// (TicketWait::gated): the kernel rings and ends, and a stream memory wait waits for the
+// slot's gate, which the owner's thread opens once the done word reached the ticket.
+//
 // A Policy says what differs between owners:
 //   using Owner = ...;   using Request = ...;
 //   static std::uint64_t submit(Owner&, const Request&);  // each replay: the ticket to wait for
 //   static void release(Owner&, const Request&);         // the graph is gone: its words go back
+//   static void failed(Owner&, const std::string&);      // a gated step's gate opened unended:
+//                                                        // the owner's next call raises it
 //
 // Two instantiations of one graph running at once share the request's doorbell and words (a
 // limit: their waits can then stall until MESHMEM_TIMEOUT).
@@ -31,6 +37,7 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -71,10 +78,21 @@ struct HandoffBoard {
   // reports HandoffStopped), Retired once the Comm goes (it writes nothing). Never reopened.
   void close(cuda::HandoffClosed why) {
     std::lock_guard<std::mutex> lock(m);
+    if (owner != nullptr && why == cuda::HandoffClosed::Stopped)
+      for (std::size_t i : live_slots)
+        if (entries[i].pending)
+          tell_owner(*owner, entries[i].what + ": taken up by a thread of meshmem that stopped (MPI_Finalize or "
+                                                  "~Comm) before it ended; its stream went on");
     owner = nullptr;
     if (bell == nullptr) return;
     const auto value = static_cast<std::uint64_t>(why);
-    if (__atomic_load_n(bell + 1, __ATOMIC_RELAXED) < value) __atomic_store_n(bell + 1, value, __ATOMIC_RELEASE);
+    if (__atomic_load_n(bell + 1, __ATOMIC_RELAXED) < value) __atomic_store_n(bell + 1, value, __ATOMIC_SEQ_CST);
+    // Gated steps (below) wait with a stream memory operation, which cannot see the closed
+    // word: their gates open, now and (the kernel checks the closed word after closing the
+    // gate) on every later replay.
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    for (std::size_t i : live_slots)
+      if (entries[i].gated) __atomic_store_n(&slots[i].gate, 1, __ATOMIC_SEQ_CST);
   }
 
   // Doorbells: `bytes` of pinned host memory (zeroed) at `memory`, which the board keeps
@@ -94,24 +112,35 @@ struct HandoffBoard {
   // Whether a captured step exists whose replays the owner must look for.
   bool live() const { return live_count.load(std::memory_order_relaxed) > 0; }
   // On the owner's thread: hands the request of every step rung since the last look to the
-  // owner and answers it (ticket, then the replay taken up); true if any.
+  // owner and answers it (ticket, then the replay taken up), and opens the gates of gated
+  // steps that ended; true if any.
   bool poll() {
     std::lock_guard<std::mutex> lock(m);
     // Once the owner stopped its transport may have given the memory back.
-    if (owner == nullptr || bell == nullptr || __atomic_load_n(bell, __ATOMIC_RELAXED) == 0) return false;
+    if (owner == nullptr || bell == nullptr) return false;
+    bool any = pending_count > 0 && open_gates();
+    if (__atomic_load_n(bell, __ATOMIC_RELAXED) == 0) return any;
     // Taken (atomically) before the scan: a ring after this point rings again, so none is
     // missed; the acquire makes the rungs written before the ring taken visible.
-    if (__atomic_exchange_n(bell, 0, __ATOMIC_ACQ_REL) == 0) return false;
-    bool any = false;
+    if (__atomic_exchange_n(bell, 0, __ATOMIC_ACQ_REL) == 0) return any;
     for (std::size_t i : live_slots) {
       Entry& e = entries[i];
       const std::uint64_t replay = __atomic_load_n(&slots[i].rung, __ATOMIC_ACQUIRE);
       if (replay <= e.seen) continue;
       e.seen = replay;
-      __atomic_store_n(&slots[i].ticket, e.submit(*owner), __ATOMIC_RELAXED);
-      __atomic_store_n(&slots[i].ack, replay, __ATOMIC_RELEASE);
+      const std::uint64_t ticket = e.submit(*owner);
       any = true;
+      if (e.gated) {
+        if (!e.pending) ++pending_count;
+        e.pending = true;
+        e.ticket = ticket;
+        e.since = std::chrono::steady_clock::now();
+        continue;
+      }
+      __atomic_store_n(&slots[i].ticket, ticket, __ATOMIC_RELAXED);
+      __atomic_store_n(&slots[i].ack, replay, __ATOMIC_RELEASE);
     }
+    if (pending_count > 0) open_gates();  // a step may have ended at once (a failed submit)
     return any;
   }
 
@@ -121,7 +150,46 @@ struct HandoffBoard {
   struct Entry {
     std::function<std::uint64_t(Owner&)> submit;  // the request's hand-off (set while live)
     std::uint64_t seen = 0;                       // the last replay handed over
+    // A gated step: its stream waits with a stream memory operation for the slot's gate,
+    // which poll opens once `done` reached the ticket of the replay taken up (`pending`).
+    bool gated = false;
+    const std::uint64_t* done = nullptr;
+    std::chrono::milliseconds limit{0};  // then the gate opens anyway, with an error (0: never)
+    std::function<void(Owner&, const std::string&)> failed;  // how the owner hears of that
+    std::string what;
+    bool pending = false;
+    std::uint64_t ticket = 0;
+    std::chrono::steady_clock::time_point since{};
   };
+
+  // Under m: opens the gate of every pending step whose done word reached its ticket, or that
+  // waited past its limit (the owner's next call raises that); true if any opened.
+  bool open_gates() {
+    bool any = false;
+    const auto now = std::chrono::steady_clock::now();
+    for (std::size_t i : live_slots) {
+      Entry& e = entries[i];
+      if (!e.pending) continue;
+      const std::uint64_t reached = __atomic_load_n(e.done, __ATOMIC_ACQUIRE);
+      if (reached < e.ticket) {
+        if (e.limit.count() == 0 || now - e.since < e.limit) continue;
+        e.failed(*owner, e.what + ": replay " + std::to_string(e.seen) + " was taken up but did not end within " +
+                             std::to_string(e.limit.count()) + " ms (its done word is at " + std::to_string(reached) +
+                             ", its end is " + std::to_string(e.ticket) +
+                             "); its stream went on past it (its data may be incomplete)");
+      }
+      e.pending = false;
+      --pending_count;
+      __atomic_store_n(&slots[i].gate, 1, __ATOMIC_RELEASE);
+      any = true;
+    }
+    return any;
+  }
+  // Policy::failed, through any entry's hook (every entry of a board has its Policy's).
+  void tell_owner(Owner& o, const std::string& message) {
+    for (std::size_t i : live_slots)
+      if (entries[i].failed) return entries[i].failed(o, message);
+  }
   std::shared_ptr<void> memory_;  // the doorbells' owner
   std::uint64_t* bell = nullptr;   // then the closed word
   cuda::HandoffSlot* slots = nullptr;
@@ -129,6 +197,7 @@ struct HandoffBoard {
   std::vector<std::size_t> free_slots;
   std::vector<std::size_t> live_slots;  // slots of captured steps whose graph exists
   std::atomic<std::size_t> live_count{0};
+  std::size_t pending_count = 0;  // gated entries pending
 };
 
 // How the captured kernel waits: until *done reaches the ticket the owner answered with; on
@@ -138,6 +207,13 @@ struct TicketWait {
   cuda::FaultKind fault = cuda::FaultKind::Transfer;
   int peer = -1;
   cuda::WaitLimit limit{};
+  // Gated (the device waits with stream memory operations, where ranks share a GPU): a kernel
+  // that rings and ends, then a stream memory wait for the slot's gate, which the owner's
+  // thread opens once the step ended. A polling kernel there would keep its process's context
+  // on the time-sliced GPU while the other process must copy: a captured 4 KiB staged put
+  // replayed in 4.8 ms (1 x H100, bench/results/2026-11-25-*-staged-idle-*).
+  bool gated = false;
+  unsigned memop_flags = 0;  // the device's wait flags
   bool early = false;
 };
 
@@ -165,9 +241,17 @@ class CapturedHandoff {
         cuda::HandoffSlot& slot = board->slots[captured->slot];
         __atomic_store_n(&slot.rung, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&slot.ack, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&slot.gate, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&slot.ticket, 0, __ATOMIC_RELEASE);
         const Request* r = &captured->request;  // lives until the slot is given back
-        board->entries[captured->slot] = typename Board::Entry{[r](Owner& o) { return Policy::submit(o, *r); }, 0};
+        typename Board::Entry entry;
+        entry.submit = [r](Owner& o) { return Policy::submit(o, *r); };
+        entry.failed = [](Owner& o, const std::string& message) { Policy::failed(o, message); };
+        entry.gated = wait.gated;
+        entry.done = wait.done;
+        entry.limit = std::chrono::milliseconds(wait.limit.timeout_ns / 1000000);
+        entry.what = what;
+        board->entries[captured->slot] = std::move(entry);
         board->live_slots.push_back(captured->slot);
         board->live_count.fetch_add(1, std::memory_order_relaxed);
       }
@@ -181,9 +265,18 @@ class CapturedHandoff {
     Captured* c = hand_to_graph(std::move(captured), graph, what);
     // From here the graph owns the request: a failure below fails the capture, and the
     // graph's destruction gives the words and the slot back.
-    const cudaError_t k = cuda::launch_rung_wait(board->slots + c->slot, board->bell, wait.done, wait.fault, wait.peer,
-                                                 wait.limit, stream, wait.early);
+    cuda::HandoffSlot* slot = board->slots + c->slot;
+    if (!wait.gated) {
+      const cudaError_t k =
+          cuda::launch_rung_wait(slot, board->bell, wait.done, wait.fault, wait.peer, wait.limit, stream, wait.early);
+      if (k != cudaSuccess) ipc::check_cuda(k, "captured doorbell kernel launch", what);
+      return;
+    }
+    const cudaError_t k = cuda::launch_rung_ring(slot, board->bell, wait.peer, wait.limit, stream, wait.early);
     if (k != cudaSuccess) ipc::check_cuda(k, "captured doorbell kernel launch", what);
+    ipc::check_cu(ipc::cuda_driver().cuStreamWaitValue64(stream, reinterpret_cast<CUdeviceptr>(&slot->gate), 1,
+                                                         CU_STREAM_WAIT_VALUE_GEQ | wait.memop_flags),
+                  "cuStreamWaitValue64 (captured doorbell's gate)", what);
   }
 
  private:

@@ -170,6 +170,32 @@ __global__ void rung_wait_kernel(HandoffSlot* slot, std::uint64_t* bell, const s
   if (!wait_word(done, Cmp::GE, ticket, limit, fault, peer, 0, 0, closed)) report_closed(closed, limit, peer, replay, true);
 }
 
+__global__ void rung_ring_kernel(HandoffSlot* slot, std::uint64_t* bell, int peer, WaitLimit limit, bool early) {
+  after_previous_kernel(early);
+  const std::uint64_t* closed = bell + 1;
+  device::SignalWord gate(slot->gate);
+  device::SignalWord rung(slot->rung);
+  const std::uint64_t replay = rung.load(::cuda::memory_order_relaxed) + 1;
+  auto is_closed = [&] {
+    return device::SignalWord(*const_cast<std::uint64_t*>(closed)).load(::cuda::memory_order_acquire) != 0;
+  };
+  if (is_closed()) {
+    gate.store(1, ::cuda::memory_order_release);
+    return report_closed(closed, limit, peer, replay, false);
+  }
+  // The gate closes before the ring (the owner opens it only after seeing the rung), and the
+  // closed word is read again after it: a board closing meanwhile opens every gate after
+  // setting the word, so either that opening or this one comes last.
+  gate.store(0, ::cuda::memory_order_relaxed);
+  rung.store(replay, ::cuda::memory_order_release);
+  device::SignalWord(*bell).store(1, ::cuda::memory_order_release);
+  __threadfence_system();
+  if (is_closed()) {
+    gate.store(1, ::cuda::memory_order_release);
+    report_closed(closed, limit, peer, replay, false);
+  }
+}
+
 __global__ void barrier_kernel(std::uint64_t* const* peer_flags, std::uint64_t* my_flags, std::uint64_t* counter,
                                int rank, int size, std::uint64_t* passed, const std::uint64_t* leaders_failed,
                                FaultKind fault, WaitLimit limit, bool early) {
@@ -265,7 +291,7 @@ cudaError_t preload_kernels() {
   cudaFuncAttributes a{};
   const void* kernels[] = {reinterpret_cast<const void*>(copy_kernel), reinterpret_cast<const void*>(copy_signal_kernel),
                            reinterpret_cast<const void*>(wait_kernel), reinterpret_cast<const void*>(ticket_wait_kernel),
-                           reinterpret_cast<const void*>(rung_wait_kernel),
+                           reinterpret_cast<const void*>(rung_wait_kernel), reinterpret_cast<const void*>(rung_ring_kernel),
                            reinterpret_cast<const void*>(barrier_kernel), reinterpret_cast<const void*>(halo_kernel)};
   for (const void* k : kernels) {
     const cudaError_t rc = cudaFuncGetAttributes(&a, k);
@@ -325,6 +351,11 @@ cudaError_t launch_wait(std::uint64_t* words, std::size_t count, Cmp cmp, std::u
   const unsigned blocks = static_cast<unsigned>((count + threads - 1) / threads);
   return launch(wait_kernel, blocks, threads, stream, early, words, count, cmp, value, reset, then, window_id, first_index,
                 limit, early);
+}
+
+cudaError_t launch_rung_ring(HandoffSlot* slot, std::uint64_t* bell, int peer, WaitLimit limit, cudaStream_t stream,
+                             bool early) {
+  return launch(rung_ring_kernel, 1, 1, stream, early, slot, bell, peer, limit, early);
 }
 
 cudaError_t launch_rung_wait(HandoffSlot* slot, std::uint64_t* bell, const std::uint64_t* done, FaultKind fault, int peer,

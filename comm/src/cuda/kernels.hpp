@@ -88,7 +88,7 @@ struct HandoffSlot {
   std::uint64_t rung;
   std::uint64_t ack;
   std::uint64_t ticket;
-  std::uint64_t unused;
+  std::uint64_t gate;  // a gated step's: 0 while its replay runs, 1 once the owner let it go
 };
 
 // The word after a board's bell: whether its owner still answers doorbells. Stopped: the
@@ -104,6 +104,11 @@ enum class HandoffClosed : std::uint64_t { Open = 0, Stopped = 1, Retired = 2 };
 // at once, or within a few microseconds of waiting, once bell[1] (HandoffClosed) is not Open.
 cudaError_t launch_rung_wait(HandoffSlot* slot, std::uint64_t* bell, const std::uint64_t* done, FaultKind fault, int peer,
                              WaitLimit limit, cudaStream_t stream, bool early);
+// A gated step's part (the stream then waits for slot->gate >= 1 with a stream memory
+// operation): closes the gate, advances the rung, rings, and ends. Where the board is closed
+// it opens the gate instead (HandoffStopped reported as above).
+cudaError_t launch_rung_ring(HandoffSlot* slot, std::uint64_t* bell, int peer, WaitLimit limit, cudaStream_t stream,
+                             bool early);
 
 // One block: takes this rank's next barrier number from *counter (device memory, advanced
 // by the kernel itself, so a graph replay takes a new one), stores it into word `rank` of

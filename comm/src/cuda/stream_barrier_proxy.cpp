@@ -23,19 +23,22 @@ struct BarrierHandoff {
   struct Request {};
   static std::uint64_t submit(StreamBarrierProxy& proxy, const Request&) { return proxy.arrive_captured(); }
   static void release(StreamBarrierProxy&, const Request&) {}
+  static void failed(StreamBarrierProxy& proxy, const std::string& message) { proxy.captured_failed(message); }
 };
 
 }  // namespace
 
 StreamBarrierProxy::StreamBarrierProxy(MPI_Comm parent, int device, std::chrono::milliseconds timeout,
                                        const std::string& what, std::function<void(const std::string&)> on_failure,
-                                       cuda::WaitLimit limit, bool early)
+                                       cuda::WaitLimit limit, bool early, bool gated, unsigned wait_flags)
     : boot_(parent, timeout),
       device_(device),
       timeout_(timeout),
       on_failure_(std::move(on_failure)),
       limit_(limit),
       early_(early),
+      gated_(gated),
+      wait_flags_(wait_flags),
       board_(std::make_shared<HandoffBoard<StreamBarrierProxy>>()) {
   agreed_step(boot_, what, [&] {
     int provided = MPI_THREAD_SINGLE;
@@ -192,6 +195,15 @@ void StreamBarrierProxy::serve() {
   }
 }
 
+void StreamBarrierProxy::captured_failed(const std::string& message) {
+  log(LogLevel::Error, "barrier(stream) proxy: " + message);
+  {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    if (failure_.empty()) failure_ = message;
+  }
+  if (on_failure_) on_failure_(message);
+}
+
 void StreamBarrierProxy::raise_failure(const std::string& what) {
   std::string failed;
   {
@@ -249,6 +261,8 @@ void StreamBarrierProxy::capture(cudaStream_t stream, cudaGraph_t graph, const s
   wait.limit = limit_;
   wait.limit.timeout_ns *= 2;
   wait.early = early_;
+  wait.gated = gated_;
+  wait.memop_flags = wait_flags_;
   CapturedHandoff<BarrierHandoff>::capture(board_, BarrierHandoff::Request{}, wait, graph, stream, what);
   // Under the mutex: the thread either sees the live doorbell when it next decides to sleep,
   // or sleeps already and gets the notification.

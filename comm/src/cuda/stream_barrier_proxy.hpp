@@ -43,9 +43,11 @@ class StreamBarrierProxy {
   // Collective over `parent` (duplicates its communicator for the proxy's meetings).
   // `on_failure` hears each failed meeting's message (from the proxy thread), so that the
   // Comm's next call raises it, not only the next barrier.
-  // `limit` and `early` are the device's, for the wait kernels of captured barriers.
+  // `limit` and `early` are the device's, for the wait kernels of captured barriers; `gated`
+  // and `wait_flags` too: whether they wait with a stream memory operation (CapturedHandoff).
   StreamBarrierProxy(MPI_Comm parent, int device, std::chrono::milliseconds timeout, const std::string& what,
-                     std::function<void(const std::string&)> on_failure, cuda::WaitLimit limit, bool early);
+                     std::function<void(const std::string&)> on_failure, cuda::WaitLimit limit, bool early,
+                     bool gated, unsigned wait_flags);
   StreamBarrierProxy(const StreamBarrierProxy&) = delete;
   StreamBarrierProxy& operator=(const StreamBarrierProxy&) = delete;
   // Waits for this device's work (every barrier enqueued here must have been met), at most
@@ -65,6 +67,9 @@ class StreamBarrierProxy {
   // For CapturedHandoff (the proxy's thread, at a doorbell): queues a barrier the stream has
   // reached and returns its number.
   std::uint64_t arrive_captured();
+  // For CapturedHandoff: a captured barrier's stream was let go unmet (see there); the next
+  // barrier raises it.
+  void captured_failed(const std::string& message);
 
   static constexpr std::size_t kCapturedBarriers = 256;
 
@@ -100,6 +105,8 @@ class StreamBarrierProxy {
   std::function<void(const std::string&)> on_failure_;
   cuda::WaitLimit limit_;
   bool early_;
+  bool gated_;
+  unsigned wait_flags_;
   std::shared_ptr<HandoffBoard<StreamBarrierProxy>> board_;  // shared with captured graphs
   bool stop_ = false;
   std::thread thread_;

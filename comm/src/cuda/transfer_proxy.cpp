@@ -218,6 +218,10 @@ class TransferProxy {
     }
   }
 
+  // A failure found outside the proxy's thread (a captured transfer let go unended): the
+  // next call raises it.
+  void report_failure(const std::string& e) { note_error(e, ErrorCode::Timeout); }
+
   // The first error noted since the last call ("" if none), and its code.
   std::string take_error(ErrorCode* code) {
     std::lock_guard<std::mutex> lock(m_);
@@ -838,6 +842,7 @@ struct ProxyHandoff {
   };
   static std::uint64_t submit(TransferProxy& proxy, const Request& r) { return proxy.submit(r.transfer); }
   static void release(TransferProxy& proxy, const Request& r) { proxy.release_graph_word(r.transfer.word); }
+  static void failed(TransferProxy& proxy, const std::string& message) { proxy.report_failure(message); }
 };
 
 }  // namespace
@@ -1099,6 +1104,8 @@ void ProxyTransport::capture_transfer(ProxyRequest r, cudaGraph_t graph, cudaStr
   wait.peer = r.peer;
   wait.limit = device_->wait_limit();
   wait.early = device_->early_launch();
+  wait.gated = !device_->waits_with_kernel();
+  wait.memop_flags = device_->wait_flags();
   CapturedHandoff<ProxyHandoff>::capture(board_, std::move(captured), wait, graph, stream, what(name, r.peer));
 }
 

@@ -101,6 +101,7 @@ struct StagedHandoff {
   static void release(StagingAgent& agent, const Request& r) {
     agent.release_captured_word(r.transfer.word, r.transfer.done, r.last_ticket);
   }
+  static void failed(StagingAgent& agent, const std::string& message) { agent.report_failure(message); }
 };
 
 }  // namespace
@@ -312,6 +313,8 @@ void StagedTransport::capture_transfer(const StagedRequest& r, cudaGraph_t graph
   wait.peer = peer;
   wait.limit = device_->wait_limit();
   wait.early = device_->early_launch();
+  wait.gated = !device_->waits_with_kernel();
+  wait.memop_flags = device_->wait_flags();
   CapturedHandoff<StagedHandoff>::capture(board_, std::move(captured), wait, graph, stream, what(name, peer));
   agent_->captured_added();
 }
