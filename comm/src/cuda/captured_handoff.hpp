@@ -21,14 +21,13 @@
 //
 // Where the device waits with stream memory operations (ranks sharing a GPU) a step is gated
 // (TicketWait::gated): the kernel rings and ends, and a stream memory wait waits for the
-// slot's gate, which the owner's thread opens once the done word reached the ticket.
+// slot's gate, which the owner's thread opens once the done word reached the ticket, and a
+// watch thread once the step's time limit passed (with the fault the kernel would record).
 //
 // A Policy says what differs between owners:
 //   using Owner = ...;   using Request = ...;
 //   static std::uint64_t submit(Owner&, const Request&);  // each replay: the ticket to wait for
 //   static void release(Owner&, const Request&);         // the graph is gone: its words go back
-//   static void failed(Owner&, const std::string&);      // a gated step's gate opened unended:
-//                                                        // the owner's next call raises it
 //
 // Two instantiations of one graph running at once share the request's doorbell and words (a
 // limit: their waits can then stall until MESHMEM_TIMEOUT).
@@ -65,6 +64,27 @@ inline std::shared_ptr<void> doorbell_memory(int device, std::size_t bytes, cons
   return std::shared_ptr<void>(std::move(block), data);
 }
 
+// A fault of a captured step written from the host into the device's fault record (pinned,
+// one address for both), as a device wait that timed out writes it: the next call raises it.
+inline void record_fault_from_host(cuda::DeviceFault* f, cuda::FaultKind kind, int peer, std::uint64_t index,
+                                   std::uint64_t seen, std::uint64_t expected) {
+  if (f == nullptr) return;
+  unsigned unclaimed = 0;
+  if (!__atomic_compare_exchange_n(&f->claimed, &unclaimed, 1u, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) return;
+  f->peer = peer;
+  f->cmp = 0;
+  f->window = 0;
+  f->index = index;
+  f->seen = seen;
+  f->expected = expected;
+  __atomic_store_n(&f->code, static_cast<unsigned>(kind), __ATOMIC_RELEASE);
+}
+
+// Runs `check` every 50 ms on a thread of its own, which makes no CUDA call, until it returns
+// false: gated steps' time limits (HandoffBoard::watch), which must hold while the owner's
+// thread is stuck in a CUDA call (one that waits for a graph launch that waits for the gate).
+void watch_handoffs(std::function<bool()> check);
+
 template <class Owner>
 struct HandoffBoard {
   std::mutex m;
@@ -78,21 +98,29 @@ struct HandoffBoard {
   // reports HandoffStopped), Retired once the Comm goes (it writes nothing). Never reopened.
   void close(cuda::HandoffClosed why) {
     std::lock_guard<std::mutex> lock(m);
-    if (owner != nullptr && why == cuda::HandoffClosed::Stopped)
-      for (std::size_t i : live_slots)
-        if (entries[i].pending)
-          tell_owner(*owner, entries[i].what + ": taken up by a thread of meshmem that stopped (MPI_Finalize or "
-                                                  "~Comm) before it ended; its stream went on");
     owner = nullptr;
     if (bell == nullptr) return;
     const auto value = static_cast<std::uint64_t>(why);
-    if (__atomic_load_n(bell + 1, __ATOMIC_RELAXED) < value) __atomic_store_n(bell + 1, value, __ATOMIC_SEQ_CST);
-    // Gated steps (below) wait with a stream memory operation, which cannot see the closed
-    // word: their gates open, now and (the kernel checks the closed word after closing the
+    if (__atomic_load_n(bell + 1, __ATOMIC_RELAXED) >= value) return;
+    // A gated step taken up and not ended: its wait ends below; while the Comm lives, its
+    // next call says so (as the kernel does for the steps that wait in it).
+    if (why == cuda::HandoffClosed::Stopped)
+      for (std::size_t i : live_slots)
+        if (entries[i].pending && __atomic_load_n(entries[i].done, __ATOMIC_ACQUIRE) < entries[i].ticket)
+          record_fault_from_host(entries[i].fault_record, cuda::FaultKind::HandoffStopped, entries[i].peer, 1, 0,
+                                 entries[i].seen);
+    __atomic_store_n(bell + 1, value, __ATOMIC_SEQ_CST);
+    // Gated steps wait with a stream memory operation, which cannot see the closed word:
+    // their gates open, now and (the kernel reads the closed word again after closing the
     // gate) on every later replay.
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    for (std::size_t i : live_slots)
-      if (entries[i].gated) __atomic_store_n(&slots[i].gate, 1, __ATOMIC_SEQ_CST);
+    for (std::size_t i : live_slots) {
+      Entry& e = entries[i];
+      if (!e.gated) continue;
+      if (e.pending) --pending_count;
+      e.pending = false;
+      __atomic_store_n(&slots[i].gate, 1, __ATOMIC_SEQ_CST);
+    }
   }
 
   // Doorbells: `bytes` of pinned host memory (zeroed) at `memory`, which the board keeps
@@ -116,9 +144,9 @@ struct HandoffBoard {
   // steps that ended; true if any.
   bool poll() {
     std::lock_guard<std::mutex> lock(m);
-    // Once the owner stopped its transport may have given the memory back.
+    // Once the owner stopped, the requests' words (and the owner) may be gone.
     if (owner == nullptr || bell == nullptr) return false;
-    bool any = pending_count > 0 && open_gates();
+    bool any = pending_count > 0 && open_ended_gates();
     if (__atomic_load_n(bell, __ATOMIC_RELAXED) == 0) return any;
     // Taken (atomically) before the scan: a ring after this point rings again, so none is
     // missed; the acquire makes the rungs written before the ring taken visible.
@@ -128,6 +156,7 @@ struct HandoffBoard {
       const std::uint64_t replay = __atomic_load_n(&slots[i].rung, __ATOMIC_ACQUIRE);
       if (replay <= e.seen) continue;
       e.seen = replay;
+      e.rung_since = {};
       const std::uint64_t ticket = e.submit(*owner);
       any = true;
       if (e.gated) {
@@ -140,8 +169,42 @@ struct HandoffBoard {
       __atomic_store_n(&slots[i].ticket, ticket, __ATOMIC_RELAXED);
       __atomic_store_n(&slots[i].ack, replay, __ATOMIC_RELEASE);
     }
-    if (pending_count > 0) open_gates();  // a step may have ended at once (a failed submit)
+    if (pending_count > 0) open_ended_gates();  // a step may have ended at once (a failed submit)
     return any;
+  }
+
+  // On the watch thread (watch_handoffs), every 50 ms: a gated step rung and not taken up, or
+  // taken up and not ended, within its limit gets its fault recorded (Handoff, or its wait's
+  // kind, as the kernel's wait would) and its gate opened: its stream goes on.
+  void watch() {
+    std::lock_guard<std::mutex> lock(m);
+    if (bell == nullptr || __atomic_load_n(bell + 1, __ATOMIC_ACQUIRE) != 0) return;  // closed: nothing waits
+    const auto now = std::chrono::steady_clock::now();
+    for (std::size_t i : live_slots) {
+      Entry& e = entries[i];
+      if (!e.gated || e.limit.count() == 0) continue;
+      if (e.pending) {
+        const std::uint64_t reached = __atomic_load_n(e.done, __ATOMIC_ACQUIRE);
+        if (reached >= e.ticket || now - e.since < e.limit) continue;
+        record_fault_from_host(e.fault_record, e.fault, e.peer, 0, reached, e.ticket);
+        e.pending = false;
+        --pending_count;
+        __atomic_store_n(&slots[i].gate, 1, __ATOMIC_RELEASE);
+        continue;
+      }
+      const std::uint64_t replay = __atomic_load_n(&slots[i].rung, __ATOMIC_ACQUIRE);
+      if (replay <= e.seen) continue;
+      if (e.rung_since == std::chrono::steady_clock::time_point{}) {
+        e.rung_since = now;
+        continue;
+      }
+      if (now - e.rung_since < e.limit) continue;
+      // Not taken up in time (its owner's thread stuck or gone): never taken up from here on.
+      record_fault_from_host(e.fault_record, cuda::FaultKind::Handoff, e.peer, 0, e.seen, replay);
+      e.seen = replay;
+      e.rung_since = {};
+      __atomic_store_n(&slots[i].gate, 1, __ATOMIC_RELEASE);
+    }
   }
 
   static constexpr std::size_t kBellBytes = 64;
@@ -151,33 +214,27 @@ struct HandoffBoard {
     std::function<std::uint64_t(Owner&)> submit;  // the request's hand-off (set while live)
     std::uint64_t seen = 0;                       // the last replay handed over
     // A gated step: its stream waits with a stream memory operation for the slot's gate,
-    // which poll opens once `done` reached the ticket of the replay taken up (`pending`).
+    // which poll opens once `done` reached the ticket of the replay taken up (`pending`),
+    // and watch once its limit passed (then with a fault, as the kernel's wait records).
     bool gated = false;
     const std::uint64_t* done = nullptr;
-    std::chrono::milliseconds limit{0};  // then the gate opens anyway, with an error (0: never)
-    std::function<void(Owner&, const std::string&)> failed;  // how the owner hears of that
-    std::string what;
+    std::chrono::milliseconds limit{0};  // 0: never
+    cuda::DeviceFault* fault_record = nullptr;
+    cuda::FaultKind fault = cuda::FaultKind::Transfer;
+    int peer = -1;
     bool pending = false;
     std::uint64_t ticket = 0;
-    std::chrono::steady_clock::time_point since{};
+    std::chrono::steady_clock::time_point since{};       // taken up
+    std::chrono::steady_clock::time_point rung_since{};  // first seen rung and not taken up
   };
 
-  // Under m: opens the gate of every pending step whose done word reached its ticket, or that
-  // waited past its limit (the owner's next call raises that); true if any opened.
-  bool open_gates() {
+  // Under m: opens the gate of every pending step whose done word reached its ticket; true if
+  // any opened.
+  bool open_ended_gates() {
     bool any = false;
-    const auto now = std::chrono::steady_clock::now();
     for (std::size_t i : live_slots) {
       Entry& e = entries[i];
-      if (!e.pending) continue;
-      const std::uint64_t reached = __atomic_load_n(e.done, __ATOMIC_ACQUIRE);
-      if (reached < e.ticket) {
-        if (e.limit.count() == 0 || now - e.since < e.limit) continue;
-        e.failed(*owner, e.what + ": replay " + std::to_string(e.seen) + " was taken up but did not end within " +
-                             std::to_string(e.limit.count()) + " ms (its done word is at " + std::to_string(reached) +
-                             ", its end is " + std::to_string(e.ticket) +
-                             "); its stream went on past it (its data may be incomplete)");
-      }
+      if (!e.pending || __atomic_load_n(e.done, __ATOMIC_ACQUIRE) < e.ticket) continue;
       e.pending = false;
       --pending_count;
       __atomic_store_n(&slots[i].gate, 1, __ATOMIC_RELEASE);
@@ -185,11 +242,7 @@ struct HandoffBoard {
     }
     return any;
   }
-  // Policy::failed, through any entry's hook (every entry of a board has its Policy's).
-  void tell_owner(Owner& o, const std::string& message) {
-    for (std::size_t i : live_slots)
-      if (entries[i].failed) return entries[i].failed(o, message);
-  }
+
   std::shared_ptr<void> memory_;  // the doorbells' owner
   std::uint64_t* bell = nullptr;   // then the closed word
   cuda::HandoffSlot* slots = nullptr;
@@ -198,6 +251,7 @@ struct HandoffBoard {
   std::vector<std::size_t> live_slots;  // slots of captured steps whose graph exists
   std::atomic<std::size_t> live_count{0};
   std::size_t pending_count = 0;  // gated entries pending
+  bool watched = false;           // registered with watch_handoffs
 };
 
 // How the captured kernel waits: until *done reaches the ticket the owner answered with; on
@@ -246,13 +300,24 @@ class CapturedHandoff {
         const Request* r = &captured->request;  // lives until the slot is given back
         typename Board::Entry entry;
         entry.submit = [r](Owner& o) { return Policy::submit(o, *r); };
-        entry.failed = [](Owner& o, const std::string& message) { Policy::failed(o, message); };
         entry.gated = wait.gated;
         entry.done = wait.done;
-        entry.limit = std::chrono::milliseconds(wait.limit.timeout_ns / 1000000);
-        entry.what = what;
+        // Rounded up: a limit under a millisecond is not "never".
+        entry.limit = std::chrono::milliseconds((wait.limit.timeout_ns + 999999) / 1000000);
+        entry.fault_record = wait.limit.fault;
+        entry.fault = wait.fault;
+        entry.peer = wait.peer;
         board->entries[captured->slot] = std::move(entry);
         board->live_slots.push_back(captured->slot);
+        if (wait.gated && !board->watched) {
+          board->watched = true;
+          std::weak_ptr<Board> weak = board;
+          watch_handoffs([weak] {
+            const auto b = weak.lock();
+            if (b) b->watch();
+            return b != nullptr;
+          });
+        }
         board->live_count.fetch_add(1, std::memory_order_relaxed);
       }
     }
@@ -313,6 +378,7 @@ class CapturedHandoff {
         if (b.live_slots[k] == c.slot) {
           b.live_slots[k] = b.live_slots.back();
           b.live_slots.pop_back();
+          if (b.entries[c.slot].pending) --b.pending_count;
           b.entries[c.slot] = typename Board::Entry{};
           b.free_slots.push_back(c.slot);
           b.live_count.fetch_sub(1, std::memory_order_relaxed);

@@ -188,12 +188,6 @@ void StagingAgent::release_word(std::size_t word) {
   free_words_.push_back(word);
 }
 
-void StagingAgent::report_failure(const std::string& message) {
-  log(LogLevel::Error, message);
-  std::lock_guard<std::mutex> lock(m_);
-  if (error_.empty()) error_ = message;
-}
-
 void StagingAgent::release_captured_word(std::size_t word, const std::uint64_t* done, std::uint64_t last) {
   std::lock_guard<std::mutex> lock(m_);
   if (last == 0 || __atomic_load_n(done, __ATOMIC_ACQUIRE) >= last)

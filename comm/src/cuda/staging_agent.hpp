@@ -188,9 +188,6 @@ class StagingAgent {
   // last replay (ticket `last`, 0: none) ended, so that a late end of one whose wait gave up
   // cannot move a reused word back.
   void release_captured_word(std::size_t word, const std::uint64_t* done, std::uint64_t last);
-  // A failure found outside the agent's thread (a captured transfer let go unended): the next
-  // call raises it.
-  void report_failure(const std::string& message);
 
   // Queues a transfer (its done word set); returns its ticket: the value its done word
   // reaches at its end.

@@ -281,8 +281,11 @@ class HierarchicalBarrier final : public StreamBarrier {
   }
   void arrive(Stream stream, bool capturing) override {
     const bool leader = leaders_->leader();
+    // The limit first, on every rank alike; the count once nothing more may raise before the
+    // barrier is enqueued.
+    int* captured = capturing ? captured_count(stream) : nullptr;
     if (leader) leaders_->raise_failure(where(topo_));  // before anything is enqueued
-    if (capturing) count_captured(stream);
+    if (captured != nullptr) ++*captured;
     node_->arrive(stream, capturing);
     if (leader) {
       try {
@@ -300,7 +303,8 @@ class HierarchicalBarrier final : public StreamBarrier {
     return "hierarchical: node " + node_->describe() + ", then " + leaders_->describe() + ", then node again";
   }
 
-  // Barriers of this kind one graph may hold. NCCL captures its all-reduce with a host node
+  // Barriers of this kind one capture may hold (a graph made of several captures, or child
+  // graphs, is not counted as one). NCCL captures its all-reduce with a host node
   // (its proxy's), one chain of them per graph; cudaGraphLaunch of a graph whose chained host
   // nodes wait behind device work returns only once they ran (from about 32, 1 x H100, CUDA
   // 13.0: bench/queue_lab chain), and meanwhile holds the nccl proxy's NCCL calls, which the
@@ -310,25 +314,25 @@ class HierarchicalBarrier final : public StreamBarrier {
   static constexpr int kCapturedPerGraph = 16;
 
  private:
-  // Counts a captured barrier of the capture on `stream`; past kCapturedPerGraph raises
+  // The count of captured barriers of the capture on `stream`; at kCapturedPerGraph raises
   // Unsupported before anything is added to it.
-  void count_captured(Stream stream) {
+  int* captured_count(Stream stream) {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     unsigned long long id = 0;
     ipc::check_cuda(cudaStreamGetCaptureInfo(static_cast<cudaStream_t>(stream), &status, &id), "cudaStreamGetCaptureInfo",
                     where(topo_));
     // Capture ids only grow: the oldest captures have ended long ago.
     if (captured_.size() >= 64 && captured_.find(id) == captured_.end()) captured_.erase(captured_.begin());
-    int& count = captured_[id];
+    int& count = captured_[id];  // (a std::map: the reference stays valid)
     if (count >= kCapturedPerGraph)
       throw Error(ErrorCode::Unsupported,
-                  where(topo_) + ": barrier(stream) across nodes: this graph already holds " +
+                  where(topo_) + ": barrier(stream) across nodes: this capture already holds " +
                       std::to_string(kCapturedPerGraph) +
                       " hierarchical barriers (NCCL's all-reduce), the most one graph may hold: their chain of "
                       "NCCL host nodes would make cudaGraphLaunch hold meshmem's nccl transfers until "
                       "MESHMEM_TIMEOUT (README \"CUDA Graphs\"); nothing was added to the capture. Split the "
                       "graph, or set MESHMEM_BARRIER_ACROSS_NODES=proxy (its barriers are doorbells, any number)");
-    ++count;
+    return &count;
   }
 
   const Topology& topo_;

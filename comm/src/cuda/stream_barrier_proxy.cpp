@@ -23,7 +23,6 @@ struct BarrierHandoff {
   struct Request {};
   static std::uint64_t submit(StreamBarrierProxy& proxy, const Request&) { return proxy.arrive_captured(); }
   static void release(StreamBarrierProxy&, const Request&) {}
-  static void failed(StreamBarrierProxy& proxy, const std::string& message) { proxy.captured_failed(message); }
 };
 
 }  // namespace
@@ -193,15 +192,6 @@ void StreamBarrierProxy::serve() {
     if (!failed.empty() && failure_.empty()) failure_ = failed;
     sh.pending.pop_front();
   }
-}
-
-void StreamBarrierProxy::captured_failed(const std::string& message) {
-  log(LogLevel::Error, "barrier(stream) proxy: " + message);
-  {
-    std::lock_guard<std::mutex> lock(shared_->mutex);
-    if (failure_.empty()) failure_ = message;
-  }
-  if (on_failure_) on_failure_(message);
 }
 
 void StreamBarrierProxy::raise_failure(const std::string& what) {

@@ -67,9 +67,6 @@ class StreamBarrierProxy {
   // For CapturedHandoff (the proxy's thread, at a doorbell): queues a barrier the stream has
   // reached and returns its number.
   std::uint64_t arrive_captured();
-  // For CapturedHandoff: a captured barrier's stream was let go unmet (see there); the next
-  // barrier raises it.
-  void captured_failed(const std::string& message);
 
   static constexpr std::size_t kCapturedBarriers = 256;
 

@@ -218,10 +218,6 @@ class TransferProxy {
     }
   }
 
-  // A failure found outside the proxy's thread (a captured transfer let go unended): the
-  // next call raises it.
-  void report_failure(const std::string& e) { note_error(e, ErrorCode::Timeout); }
-
   // The first error noted since the last call ("" if none), and its code.
   std::string take_error(ErrorCode* code) {
     std::lock_guard<std::mutex> lock(m_);
@@ -842,7 +838,6 @@ struct ProxyHandoff {
   };
   static std::uint64_t submit(TransferProxy& proxy, const Request& r) { return proxy.submit(r.transfer); }
   static void release(TransferProxy& proxy, const Request& r) { proxy.release_graph_word(r.transfer.word); }
-  static void failed(TransferProxy& proxy, const std::string& message) { proxy.report_failure(message); }
 };
 
 }  // namespace

@@ -101,7 +101,6 @@ struct StagedHandoff {
   static void release(StagingAgent& agent, const Request& r) {
     agent.release_captured_word(r.transfer.word, r.transfer.done, r.last_ticket);
   }
-  static void failed(StagingAgent& agent, const std::string& message) { agent.report_failure(message); }
 };
 
 }  // namespace
