@@ -52,8 +52,6 @@
 
 namespace meshmem::detail {
 
-// What captured steps share with their owner. Host nodes and user-object destructors run on
-// CUDA's threads, which may not call CUDA; they touch only this (and the owner while it is set).
 // Doorbells of a transport's captured transfers per rank (staged, nccl / mpi-device): 32 bytes each.
 constexpr std::size_t kTransferDoorbells = 4096;
 
@@ -85,6 +83,8 @@ inline void record_fault_from_host(cuda::DeviceFault* f, cuda::FaultKind kind, i
 // thread is stuck in a CUDA call (one that waits for a graph launch that waits for the gate).
 void watch_handoffs(std::function<bool()> check);
 
+// What captured steps share with their owner. Graphs' user-object destructors run on CUDA's
+// threads, which may not call CUDA; they touch only this (and the owner while it is set).
 template <class Owner>
 struct HandoffBoard {
   std::mutex m;

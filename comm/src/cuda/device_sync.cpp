@@ -60,6 +60,13 @@ void DeviceFaultRecord::raise(const std::string& where) {
   const std::string after = " after " + describe_timeout(timeout_) + " on the GPU; the stream went on past the wait";
   std::string msg = where + ": ";
   ErrorCode code = ErrorCode::Timeout;  // every kind but HandoffStopped is a wait that ran out
+  // Handoff kinds: every captured step a thread of meshmem carries out, staged and nccl /
+  // mpi-device transfers (with a peer), barriers across nodes met by the proxy (none).
+  const auto captured_step = [&] {
+    return "replay " + std::to_string(f.expected) + " of a captured " +
+           (f.peer >= 0 ? "staged, nccl or mpi-device put or get with rank " + std::to_string(f.peer)
+                        : std::string("barrier(stream) across nodes (the proxy's)"));
+  };
   switch (kind) {
     case cuda::FaultKind::Barrier:
       msg += "an earlier barrier(stream) waited for rank " + std::to_string(f.peer) + " (its barrier count is " +
@@ -98,21 +105,13 @@ void DeviceFaultRecord::raise(const std::string& where) {
              ")" + after;
       break;
     case cuda::FaultKind::Handoff:
-      // Raised by every captured step a thread of meshmem carries out: staged and nccl /
-      // mpi-device transfers (with a peer), barriers across nodes met by the proxy (none).
-      msg += "replay " + std::to_string(f.expected) + " of a captured " +
-             (f.peer >= 0 ? "staged, nccl or mpi-device put or get with rank " + std::to_string(f.peer)
-                          : std::string("barrier(stream) across nodes (the proxy's)")) +
-             " was not taken up by the thread of meshmem that carries it out (it took up replay " +
+      msg += captured_step() + " was not taken up by the thread of meshmem that carries it out (it took up replay " +
              std::to_string(f.seen) + " of it)" + after + " (nothing of it was done, or it was done late)" +
              describe_worker_pulses();
       break;
     case cuda::FaultKind::HandoffStopped:
       code = ErrorCode::Unsupported;
-      msg += "replay " + std::to_string(f.expected) + " of a captured " +
-             (f.peer >= 0 ? "staged, nccl or mpi-device put or get with rank " + std::to_string(f.peer)
-                          : std::string("barrier(stream) across nodes (the proxy's)")) +
-             (f.index != 0 ? " was taken up but did not end" : " was not carried out") +
+      msg += captured_step() + (f.index != 0 ? " was taken up but did not end" : " was not carried out") +
              ": the thread of meshmem that carries it out had stopped (it stops at MPI_Finalize, or when the Comm "
              "is destroyed); the stream went on past it at once";
       break;

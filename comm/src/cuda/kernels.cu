@@ -142,12 +142,16 @@ __global__ void ticket_wait_kernel(const std::uint64_t* word, std::uint64_t sequ
   (void)wait_word(word, Cmp::GE, sequence, limit, fault, peer, 0, 0);
 }
 
+// A board's closed word (HandoffClosed, the word after its bell).
+__device__ std::uint64_t board_closed(const std::uint64_t* closed) {
+  return device::SignalWord(*const_cast<std::uint64_t*>(closed)).load(::cuda::memory_order_acquire);
+}
+
 // A captured step's wait gave up because its board closed (HandoffClosed): reported where its
 // Comm still lives; after the Comm is gone its fault record may be another's memory.
 __device__ void report_closed(const std::uint64_t* closed, const WaitLimit& limit, int peer, std::uint64_t replay,
                               bool taken_up) {
-  const std::uint64_t why = device::SignalWord(*const_cast<std::uint64_t*>(closed)).load(::cuda::memory_order_acquire);
-  if (why == static_cast<std::uint64_t>(HandoffClosed::Stopped))
+  if (board_closed(closed) == static_cast<std::uint64_t>(HandoffClosed::Stopped))
     record_fault(limit.fault, FaultKind::HandoffStopped, peer, 0, 0, taken_up ? 1 : 0, 0, replay);
 }
 
@@ -159,8 +163,7 @@ __global__ void rung_wait_kernel(HandoffSlot* slot, std::uint64_t* bell, const s
   // sees the ring. Only one replay of a graph runs at a time, so the rung has one writer.
   device::SignalWord rung(slot->rung);
   const std::uint64_t replay = rung.load(::cuda::memory_order_relaxed) + 1;
-  if (device::SignalWord(*const_cast<std::uint64_t*>(closed)).load(::cuda::memory_order_acquire) != 0)
-    return report_closed(closed, limit, peer, replay, false);  // nobody answers: nothing rung
+  if (board_closed(closed) != 0) return report_closed(closed, limit, peer, replay, false);  // nobody answers: nothing rung
   rung.store(replay, ::cuda::memory_order_release);
   device::SignalWord(*bell).store(1, ::cuda::memory_order_release);  // after the rung: the owner scans on it
   // Without a fault written, wait_word gave up because the board closed.
@@ -176,10 +179,7 @@ __global__ void rung_ring_kernel(HandoffSlot* slot, std::uint64_t* bell, int pee
   device::SignalWord gate(slot->gate);
   device::SignalWord rung(slot->rung);
   const std::uint64_t replay = rung.load(::cuda::memory_order_relaxed) + 1;
-  auto is_closed = [&] {
-    return device::SignalWord(*const_cast<std::uint64_t*>(closed)).load(::cuda::memory_order_acquire) != 0;
-  };
-  if (is_closed()) {
+  if (board_closed(closed) != 0) {
     gate.store(1, ::cuda::memory_order_release);
     return report_closed(closed, limit, peer, replay, false);
   }
@@ -190,7 +190,7 @@ __global__ void rung_ring_kernel(HandoffSlot* slot, std::uint64_t* bell, int pee
   rung.store(replay, ::cuda::memory_order_release);
   device::SignalWord(*bell).store(1, ::cuda::memory_order_release);
   __threadfence_system();
-  if (is_closed()) {
+  if (board_closed(closed) != 0) {
     gate.store(1, ::cuda::memory_order_release);
     report_closed(closed, limit, peer, replay, false);
   }

@@ -101,7 +101,8 @@ enum class HandoffClosed : std::uint64_t { Open = 0, Stopped = 1, Retired = 2 };
 // memory, polled by the step's owner thread: no host node, see captured_handoff.hpp), waits
 // until the owner acknowledged this replay (FaultKind::Handoff with `peer` on timeout), then
 // until *done reaches the ticket the owner gave it (`fault` and `peer` on timeout). Gives up
-// at once, or within a few microseconds of waiting, once bell[1] (HandoffClosed) is not Open.
+// at once, or at its next look (every 256 polls) while waiting, once bell[1] (HandoffClosed)
+// is not Open.
 cudaError_t launch_rung_wait(HandoffSlot* slot, std::uint64_t* bell, const std::uint64_t* done, FaultKind fault, int peer,
                              WaitLimit limit, cudaStream_t stream, bool early);
 // A gated step's part (the stream then waits for slot->gate >= 1 with a stream memory

@@ -318,19 +318,16 @@ void StagingAgent::reclaim_words() {
       lane.lent.pop_front();
     }
   }
-  // A hidden peer (or this rank's incoming stream) wrote the done word itself: its last write.
-  auto ended = [&](const RemoteEnd& e) {
+  // A hidden peer (or this rank's incoming stream) wrote the done word itself: its last write;
+  // a released graph's word: its last transfer's end. Either way the word is free once the
+  // done word reached the ticket.
+  auto ended = [&](const auto& e) {
     if (__atomic_load_n(e.done, __ATOMIC_ACQUIRE) < e.ticket) return false;
     free_words_.push_back(e.word);
     return true;
   };
   remote_lent_.erase(std::remove_if(remote_lent_.begin(), remote_lent_.end(), ended), remote_lent_.end());
-  auto captured_ended = [&](const CapturedEnd& e) {
-    if (__atomic_load_n(e.done, __ATOMIC_ACQUIRE) < e.ticket) return false;
-    free_words_.push_back(e.word);
-    return true;
-  };
-  released_captured_.erase(std::remove_if(released_captured_.begin(), released_captured_.end(), captured_ended),
+  released_captured_.erase(std::remove_if(released_captured_.begin(), released_captured_.end(), ended),
                            released_captured_.end());
 }
 
