@@ -280,6 +280,7 @@ CommImpl::~CommImpl() {
   }
   for (auto& state : alive) release(*state);
   live_.clear();
+  if (device) device->tearing_down();
   stream_barrier.reset();
   for (auto& t : transports) t->stop();
   transports.clear();

@@ -116,6 +116,8 @@ class DeviceRuntime {
   // streams of this process (Capabilities::own_streams), which a waiting stream of the caller
   // can hold back where they share a GPU queue: warns where the process has few queues.
   virtual void note_own_stream_route(const std::string& route) { (void)route; }
+  // ~Comm, before its barrier and transports go: from here on the Comm issues no more work.
+  virtual void tearing_down() noexcept {}
 };
 
 }  // namespace meshmem::detail

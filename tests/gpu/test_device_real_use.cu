@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -1065,8 +1066,9 @@ TEST_F(RealUse, BarrierWithAPeerThatNeverComesTimesOut) {
 // The same with the barrier captured into a graph that only rank 0 replays: the replay ends
 // (the wait gives up) and the Comm's next call names the rank that never came. Across nodes
 // this is the proxy thread's captured hand-off (its meeting times out and releases the wait).
+// Then the Comm goes while the graph lives, and the next Comm's puts and barriers are whole.
 TEST_F(RealUse, CapturedBarrierWithAPeerThatNeverComesTimesOut) {
-  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+  std::optional<ScopedEnv> timeout(std::in_place, "MESHMEM_TIMEOUT", "2");  // this Comm's, not the next one's
   ScopedEnv barrier("MESHMEM_BARRIER", "kernel");
   make_comm();
   if (n < 2) GTEST_SKIP() << "needs two ranks";
@@ -1119,6 +1121,36 @@ TEST_F(RealUse, CapturedBarrierWithAPeerThatNeverComesTimesOut) {
       << "~Comm with a live graph that captured its barrier";
   CUDA_OK(cudaGraphExecDestroy(exec));
   MPI_Barrier(MPI_COMM_WORLD);
+  // The next Comm loses nothing to what that teardown left behind (its NCCL communicators'
+  // destroys, which waited for the graph: run during this Comm's transfers, they held up its
+  // proxy threads' CUDA calls until the transfers' time limit, and puts were missing after
+  // the barrier).
+  timeout.reset();
+  make_comm();
+  constexpr std::size_t kSlot = 4096;
+  const std::size_t bytes = static_cast<std::size_t>(n) * kSlot;
+  Window win = comm->alloc(bytes);
+  DeviceBuffer src(kSlot), snap(bytes);
+  int bad = 0;
+  for (int round = 0; round < 40; ++round) {
+    CUDA_OK(fill_now(win.local(), kPoison, bytes));
+    const auto d = pattern(seed, key(round, me, 21), kSlot);
+    CUDA_OK(upload(src.p, d.data(), kSlot));
+    MPI_Barrier(MPI_COMM_WORLD);
+    for (int t = 0; t < n; ++t) comm->put(win, t, me * kSlot, src.p, kSlot, s0);
+    comm->barrier(s0);
+    CUDA_OK(cudaMemcpyAsync(snap.p, win.local(), bytes, cudaMemcpyDeviceToDevice, s0));
+    ASSERT_TRUE(finishes(s0, 60)) << "round " << round << " of the next Comm";
+    const auto got = to_host(snap.p, bytes);
+    for (int r = 0; r < n; ++r) {
+      const auto want = pattern(seed, key(round, r, 21), kSlot);
+      if (first_difference(got.data() + r * kSlot, want.data(), kSlot) >= 0 && ++bad <= 3)
+        ADD_FAILURE() << "round " << round << " of the next Comm: rank " << r << "'s put was not there after barrier(stream)";
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  EXPECT_EQ(bad, 0) << "rounds x senders whose put the next Comm's barrier let pass";
+  EXPECT_NO_THROW(comm->quiet(s0));
 }
 
 // A put to a rank whose proxy thread (nccl or mpi-device transport) stops, before it handles

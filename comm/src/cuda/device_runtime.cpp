@@ -159,6 +159,7 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
       device_(device),
       timeout_(ctx.options.timeout),
       setup_stream_("meshmem::Comm (device setup)"),
+      live_(std::in_place, device),
       releaser_(device, ctx.options.timeout),
       fault_(device, ctx.options.timeout, "meshmem::Comm (device setup)") {
   const std::string what = "meshmem::Comm (device setup)";
@@ -414,6 +415,7 @@ std::unique_ptr<DeviceRuntime> gpu_start_device_runtime(const CommContext& ctx, 
     *why = "rank " + std::to_string(speaker) + ": " + text;
     return nullptr;
   }
+  finish_earlier_nccl_destroys(ctx.options.timeout, "meshmem::Comm on rank " + std::to_string(ctx.topo.rank));
   return std::make_unique<CudaDeviceRuntime>(ctx, device);
 }
 

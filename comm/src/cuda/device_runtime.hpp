@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "block_pool.hpp"
 #include "device_sync.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
+#include "nccl_library.hpp"
 
 namespace meshmem::detail {
 
@@ -76,6 +78,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   void retire_all(const std::vector<WindowState*>& states, const char* call) noexcept override;
   std::unique_ptr<StreamBarrier> make_barrier(const CommContext& ctx, const BarrierContext& bctx) override;
   void note_own_stream_route(const std::string& route) override;
+  void tearing_down() noexcept override { live_.reset(); }
 
   // Every rank's window parts are rounded to this (the largest granularity of the ranks).
   std::size_t granularity() const { return granularity_; }
@@ -125,6 +128,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   bool early_launch_ = false;
   std::chrono::milliseconds timeout_;
   OwnedStream setup_stream_;
+  std::optional<LiveCommMark> live_;  // NCCL destroys that run while this Comm lives warn
   WindowReleaser releaser_;  // before fault_: its last synchronisation frees fault_'s memory
   DeviceFaultRecord fault_;
 };

@@ -6,6 +6,7 @@
 #include <cstddef>
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -128,6 +129,10 @@ void NcclLibrary::check(int rc, const char* call, const std::string& what) const
 
 namespace {
 
+long long milliseconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+}
+
 // The destroying thread (NcclComm): started on first use, never stopped (it sleeps while it
 // has nothing to do; communicators given to it at exit may stay undestroyed, as the process
 // ends).
@@ -143,6 +148,7 @@ struct NcclDestroyer {
   std::uint64_t given = 0, destroyed = 0;
   std::uint64_t late = 0;  // a job a waiter gave up on: while it is not destroyed, nobody waits
   bool started = false;
+  std::map<int, int> live_comms;  // by device: LiveCommMark
 
   // Throws (and queues nothing) where the thread cannot start.
   void give(const Job& job) {
@@ -173,16 +179,46 @@ struct NcclDestroyer {
         if (std::find(synced.begin(), synced.end(), job.device) != synced.end()) continue;
         synced.push_back(job.device);
         if (job.device >= 0) (void)cudaSetDevice(job.device);
-        (void)synchronize_device_between_captures();  // destroyed after an error too
+        const auto t0 = std::chrono::steady_clock::now();
+        const cudaError_t rc = synchronize_device_between_captures();  // destroyed after an error too
+        if (log_enabled(LogLevel::Debug))
+          log(LogLevel::Debug, "NCCL destroys: GPU " + std::to_string(job.device) + " synchronised in " +
+                                   std::to_string(milliseconds_since(t0)) + " ms (" + cudaGetErrorString(rc) + ")");
       }
+      std::vector<int> warned;
       for (const Job& job : batch) {
         if (job.device >= 0) (void)cudaSetDevice(job.device);
-        (void)job.lib->comm_destroy(job.comm);
+        if (live_on(job.device) && std::find(warned.begin(), warned.end(), job.device) == warned.end()) {
+          warned.push_back(job.device);
+          log(LogLevel::Warn, "NCCL communicators of a Comm that is gone are destroyed while another Comm uses GPU " +
+                                  std::to_string(job.device) +
+                                  ": ncclCommDestroy frees pinned memory, which holds up this process's CUDA calls "
+                                  "until the GPU's work ends, so that Comm's transfers and barriers may wait for it "
+                                  "(README \"Teardown beside a live Comm\")");
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        const int rc = job.lib->comm_destroy(job.comm);
+        if (log_enabled(LogLevel::Debug))
+          log(LogLevel::Debug, "NCCL destroys: ncclCommDestroy took " + std::to_string(milliseconds_since(t0)) +
+                                   " ms (ncclResult_t " + std::to_string(rc) + ")");
       }
       lock.lock();
       destroyed += batch.size();
       done.notify_all();
     }
+  }
+
+  bool live_on(int device) {
+    std::lock_guard<std::mutex> lock(m);
+    auto it = live_comms.find(device);
+    return it != live_comms.end() && it->second > 0;
+  }
+
+  // Every communicator given so far destroyed within `bound`, whatever earlier waiters gave up on.
+  bool all_within(std::chrono::milliseconds bound) {
+    std::unique_lock<std::mutex> lock(m);
+    const std::uint64_t want = given;
+    return done.wait_for(lock, bound, [&] { return destroyed >= want; });
   }
 
   enum class Wait { Done, TimedOut, BehindLate };
@@ -226,7 +262,11 @@ NcclComm& NcclComm::operator=(NcclComm&& o) noexcept {
 void NcclComm::reset(bool abort) noexcept {
   if (comm_ == nullptr) return;
   if (abort) {
-    (void)lib_->comm_abort(comm_);
+    const auto t0 = std::chrono::steady_clock::now();
+    const int rc = lib_->comm_abort(comm_);
+    if (log_enabled(LogLevel::Debug))
+      log(LogLevel::Debug, "ncclCommAbort took " + std::to_string(milliseconds_since(t0)) + " ms (ncclResult_t " +
+                               std::to_string(rc) + ")");
   } else {
     try {
       destroyer().give({lib_, comm_, device_});
@@ -235,6 +275,28 @@ void NcclComm::reset(bool abort) noexcept {
     }
   }
   comm_ = nullptr;
+}
+
+void finish_earlier_nccl_destroys(std::chrono::milliseconds bound, const std::string& who) {
+  const std::chrono::milliseconds limit = bound.count() > 0 ? bound : std::chrono::milliseconds(60000);
+  if (destroyer().all_within(limit)) return;
+  log(LogLevel::Warn, who + ": NCCL communicators of an earlier Comm are still not destroyed after " +
+                          describe_timeout(limit) +
+                          " (a CUDA graph that captured one may still exist, or the GPU's work has not ended); "
+                          "their destroy frees pinned memory, which holds up this process's CUDA calls until the "
+                          "GPU's work ends, so this Comm's transfers and barriers may wait for it (README \"Teardown beside a live Comm\")");
+}
+
+LiveCommMark::LiveCommMark(int device) : device_(device) {
+  NcclDestroyer& d = destroyer();
+  std::lock_guard<std::mutex> lock(d.m);
+  ++d.live_comms[device_];
+}
+
+LiveCommMark::~LiveCommMark() {
+  NcclDestroyer& d = destroyer();
+  std::lock_guard<std::mutex> lock(d.m);
+  --d.live_comms[device_];
 }
 
 void await_nccl_destroys(std::chrono::milliseconds bound, const std::string& who) {

@@ -98,4 +98,26 @@ class NcclComm {
 // call gave up on still wait for the device, this returns at once.
 void await_nccl_destroys(std::chrono::milliseconds bound, const std::string& who);
 
+// A Comm starting on a GPU first lets the destroys that earlier Comms left behind finish (a
+// teardown that gave up waiting, e.g. for a graph that captured a communicator), for at most
+// `bound` (0: a minute), and warns where they do not: a destroy's frees hold up every CUDA
+// call of the process while the GPU has work, and a Comm's transfers wait for its threads'
+// CUDA calls (seen: a destroy that began during the next Comm's first transfers took 20 s,
+// the transfers' time limit, and they lost their data).
+void finish_earlier_nccl_destroys(std::chrono::milliseconds bound, const std::string& who);
+
+// Held by a live Comm on its GPU: a destroy that runs while one is held (another Comm torn
+// down beside it, or a destroy left behind later than `finish_earlier_nccl_destroys` waits)
+// warns, naming the hazard above.
+class LiveCommMark {
+ public:
+  explicit LiveCommMark(int device);
+  ~LiveCommMark();
+  LiveCommMark(const LiveCommMark&) = delete;
+  LiveCommMark& operator=(const LiveCommMark&) = delete;
+
+ private:
+  int device_;
+};
+
 }  // namespace meshmem::detail
