@@ -417,6 +417,53 @@ TEST_F(GraphReplay, AReplayAfterItsCommIsGoneEndsAtOnce) {
   cudaGraphExecDestroy(orphan);
 }
 
+// Graphs destroyed as soon as they are launched, while their puts still run (destroying a
+// launched graph is allowed; CUDA ends it first): every put arrives whole, and the words a
+// destroyed graph's transfer still writes are not handed to the next graph's transfers
+// (a staged agent keeps a released graph's done word until its last transfer ends).
+TEST_F(GraphReplay, GraphsDestroyedWhileTheirPutsRunLoseNothing) {
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  constexpr int kGraphs = 4;
+  constexpr std::size_t kBytes = (16u << 20) + 7;
+  Window win = comm->alloc(kGraphs * kBytes);
+  DeviceBuffer src(kGraphs * kBytes);  // graph g's source at g * kBytes
+  for (int round = 0; round < 3; ++round) {
+    CUDA_OK(fill_now(win.local(), kPoison, kGraphs * kBytes));
+    for (int g = 0; g < kGraphs; ++g) {
+      const auto d = pattern(seed, key(round, me, 30 + g), kBytes);
+      CUDA_OK(upload(src.c() + g * kBytes, d.data(), kBytes));
+    }
+    comm->barrier(s0);
+    CUDA_OK(cudaStreamSynchronize(s0));
+    MPI_Barrier(MPI_COMM_WORLD);
+    for (int g = 0; g < kGraphs; ++g) {
+      CUDA_OK(cudaStreamBeginCapture(s0, cudaStreamCaptureModeGlobal));
+      comm->put(win, right, g * kBytes + (g % 2), src.c() + g * kBytes, kBytes - (g % 2), s0);
+      cudaGraph_t graph = nullptr;
+      CUDA_OK(cudaStreamEndCapture(s0, &graph));
+      cudaGraphExec_t exec = instantiate(graph);
+      ASSERT_NE(exec, nullptr);
+      CUDA_OK(cudaGraphLaunch(exec, s0));
+      CUDA_OK(cudaGraphExecDestroy(exec));  // its put still runs
+    }
+    ASSERT_TRUE(finishes(s0, 60)) << "round " << round << ": the destroyed graphs' puts did not end";
+    EXPECT_NO_THROW(comm->quiet(s0)) << "round " << round;
+    comm->barrier(s0);
+    ASSERT_TRUE(finishes(s0, 60)) << "round " << round << ": the barrier after the destroyed graphs";
+    MPI_Barrier(MPI_COMM_WORLD);
+    const auto got = to_host(win.local(), kGraphs * kBytes);
+    for (int g = 0; g < kGraphs; ++g) {
+      const auto want = pattern(seed, key(round, left, 30 + g), kBytes);
+      const std::size_t skip = g % 2;
+      EXPECT_EQ(first_difference(got.data() + g * kBytes + skip, want.data(), kBytes - skip), -1)
+          << "round " << round << ": the put of destroyed graph " << g << " from rank " << left;
+      if (skip) EXPECT_EQ(got[g * kBytes], kPoison) << "round " << round << ": a byte before graph " << g << "'s put";
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+}
+
 class GraphBarrier : public GraphReplay, public ::testing::WithParamInterface<const char*> {};
 
 TEST_P(GraphBarrier, ReplaysWaitForTheLateRank) {
@@ -493,6 +540,30 @@ TEST_F(GraphReplay, HaloExchangeReplaysWaitForTheLateRank) {
   DeviceBuffer src(kArea), snap(2 * kArea), delay(sizeof(std::uint64_t));
   CUDA_OK(fill_now(delay.p, 0, delay.bytes));
   char* mine = static_cast<char*>(win.local());
+  int bad = 0;
+  // Uncaptured exchanges, with this round's late rank, before the capture and after the
+  // replays (where ranks share a GPU they wait with stream memory operations until the plan
+  // is captured, then in the kernel, which counted the replays).
+  auto eager_rounds = [&](int first) {
+    for (int rep = first; rep < first + 4; ++rep) {
+      CUDA_OK(fill_now(mine + kArea, kPoison, 2 * kArea));
+      auto d = pattern(seed, key(rep, me, 0), kArea);
+      CUDA_OK(upload(src.p, d.data(), kArea));
+      MPI_Barrier(MPI_COMM_WORLD);
+      spin_kernel<<<1, 1, 0, s0>>>(nullptr, rep % n == me ? kLateNs : 0);
+      CUDA_OK(cudaMemcpyAsync(mine, src.p, kArea, cudaMemcpyDeviceToDevice, s0));
+      halo.exchange(s0);
+      CUDA_OK(cudaMemcpyAsync(snap.p, mine + kArea, 2 * kArea, cudaMemcpyDeviceToDevice, s0));
+      ASSERT_TRUE(finishes(s0, 60)) << "uncaptured exchange " << rep;
+      const auto got = to_host(snap.p, 2 * kArea);
+      if (first_difference(got.data(), pattern(seed, key(rep, left, 0), kArea).data(), kArea) >= 0 && ++bad <= 3)
+        ADD_FAILURE() << "uncaptured exchange " << rep << ": stale halo from rank " << left;
+      if (first_difference(got.data() + kArea, pattern(seed, key(rep, right, 0), kArea).data(), kArea) >= 0 && ++bad <= 3)
+        ADD_FAILURE() << "uncaptured exchange " << rep << ": stale halo from rank " << right;
+      MPI_Barrier(MPI_COMM_WORLD);
+    }
+  };
+  eager_rounds(1000);
   comm->barrier(s0);
   CUDA_OK(cudaStreamSynchronize(s0));
   CUDA_OK(cudaStreamBeginCapture(s0, cudaStreamCaptureModeGlobal));
@@ -504,7 +575,6 @@ TEST_F(GraphReplay, HaloExchangeReplaysWaitForTheLateRank) {
   CUDA_OK(cudaStreamEndCapture(s0, &graph));
   cudaGraphExec_t exec = instantiate(graph);
   ASSERT_NE(exec, nullptr);
-  int bad = 0;
   for (int rep = 0; rep < kReplays; ++rep) {
     CUDA_OK(fill_now(mine + kArea, kPoison, 2 * kArea));
     auto d = pattern(seed, key(rep, me, 0), kArea);
@@ -519,8 +589,42 @@ TEST_F(GraphReplay, HaloExchangeReplaysWaitForTheLateRank) {
       ADD_FAILURE() << "replay " << rep << ": stale halo from rank " << right;
     MPI_Barrier(MPI_COMM_WORLD);
   }
-  EXPECT_EQ(bad, 0) << "stale halos in " << kReplays << " replays";
+  eager_rounds(2000);
+  EXPECT_EQ(bad, 0) << "stale halos in " << kReplays << " replays and 8 uncaptured exchanges";
   cudaGraphExecDestroy(exec);
+  EXPECT_NO_THROW(comm->quiet(s0));
+}
+
+// A halo exchange whose neighbour never comes: the stream goes on at the time limit and the
+// Comm's next call raises Timeout naming that neighbour. Where ranks share a GPU the waits
+// are stream memory operations, and a watch thread keeps the limit (HaloWatch).
+TEST_F(RealUse, HaloExchangeWithANeighbourThatNeverComesTimesOut) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  constexpr std::size_t kArea = 4096;
+  Window win = comm->alloc(3 * kArea);  // [send][from left][from right]
+  HaloExchange halo = comm->make_halo(win, {HaloRegion{right, 0, kArea, kArea}, HaloRegion{left, 0, 2 * kArea, kArea}});
+  halo.exchange(s0);  // every rank: the first exchange passes
+  ASSERT_TRUE(finishes(s0, 30));
+  EXPECT_NO_THROW(comm->quiet(s0));
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (me == 0) {
+    const auto t0 = std::chrono::steady_clock::now();
+    halo.exchange(s0);  // rank 0 alone
+    EXPECT_TRUE(finishes(s0, 30)) << "the exchange whose neighbours never came did not end";
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_GE(waited, 1.5) << "the exchange passed without its neighbours";
+    try {
+      comm->quiet(s0);
+      ADD_FAILURE() << "the timed-out exchange was not reported";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+      const std::string m = e.what();
+      EXPECT_NE(m.find("halos of exchange 2 from rank"), std::string::npos) << m;
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 // put_signal + wait_until in a graph: the values are those of the capture on every replay,

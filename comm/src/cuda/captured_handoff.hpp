@@ -65,13 +65,13 @@ inline std::shared_ptr<void> doorbell_memory(int device, std::size_t bytes, cons
 // A fault of a captured step written from the host into the device's fault record (pinned,
 // one address for both), as a device wait that timed out writes it: the next call raises it.
 inline void record_fault_from_host(cuda::DeviceFault* f, cuda::FaultKind kind, int peer, std::uint64_t index,
-                                   std::uint64_t seen, std::uint64_t expected) {
+                                   std::uint64_t seen, std::uint64_t expected, std::uint64_t window = 0) {
   if (f == nullptr) return;
   unsigned unclaimed = 0;
   if (!__atomic_compare_exchange_n(&f->claimed, &unclaimed, 1u, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) return;
   f->peer = peer;
   f->cmp = 0;
-  f->window = 0;
+  f->window = window;
   f->index = index;
   f->seen = seen;
   f->expected = expected;

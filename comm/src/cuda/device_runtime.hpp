@@ -94,6 +94,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   unsigned wait_flags() const { return wait_flags_; }
   // Where device-side waits report a timeout, and the timeout.
   cuda::WaitLimit wait_limit() const { return fault_.limit(); }
+  std::chrono::milliseconds timeout() const { return timeout_; }
   // Makes `stream` wait until *done (pinned or mapped host memory) reaches `ticket`: the end
   // of a transfer that a host thread carries out with rank `peer`. A polling kernel that gives
   // up after MESHMEM_TIMEOUT, or, where MESHMEM_STREAM_WAIT resolves to memop (this rank's GPU
