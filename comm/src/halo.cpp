@@ -24,7 +24,8 @@ struct HaloState {
   std::vector<int> recv_from;  // ranks whose regions land here
   std::uint64_t epoch = 0;
   // Device windows: the copies to mapped neighbours, their signals and every wait of an
-  // exchange in one kernel, its exchange number on the GPU.
+  // exchange in one kernel, its exchange number on the GPU (where ranks share a GPU, the
+  // waits of an uncaptured exchange are stream memory operations after it: KernelHaloPlan).
   std::unique_ptr<DeviceHaloPlan> device_plan;
   // Device windows: regions of neighbours that are not mapped here (staged transport), and
   // those neighbours. Their transport moves the regions, then adds 1 to the neighbour's word
@@ -211,7 +212,7 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
     DeviceScope scope(*device, stream, true, call);
     halo.device_plan->begin(stream, scope.capturing(), call);
     // Unmapped neighbours first: each transfer ends before the stream moves on, so their
-    // data and signals are out before this rank's kernel waits for its own halos.
+    // data and signals are out before this rank waits for its own halos.
     // A neighbour's last region, where it is contiguous, carries the signal in the same
     // transfer (one round trip through the transport instead of two).
     for (int peer : halo.transport_send_to) {

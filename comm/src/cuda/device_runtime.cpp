@@ -94,7 +94,17 @@ class KernelHaloPlan final : public DeviceHaloPlan {
     sync_.epoch = p;
     sync_.arrived = reinterpret_cast<unsigned*>(p + 1);
   }
-  void begin(Stream stream, bool capturing, const char* call) override { sequence_.before(stream, capturing, call, rank_); }
+  void begin(Stream stream, bool capturing, const char* call) override {
+    if (watch_) {
+      const std::string released = watch_->released();
+      if (!released.empty())
+        throw Error(ErrorCode::Timeout, std::string(call) + " on rank " + std::to_string(rank_) + ": " + released +
+                                            "; its signal words no longer count exchanges (a late neighbour's "
+                                            "signal would pass a later exchange early), so this halo exchange "
+                                            "is failed: make a new one once every rank is back; nothing was enqueued");
+    }
+    sequence_.before(stream, capturing, call, rank_);
+  }
   void run(Stream stream, bool copy, bool capturing, const char* call) override {
     if (capturing) captured_ = true;
     const bool memop = watch_ && !captured_;
@@ -105,11 +115,17 @@ class KernelHaloPlan final : public DeviceHaloPlan {
     if (rc != cudaSuccess) ipc::check_cuda(rc, "halo exchange kernel launch", std::string(call) + " on rank " + std::to_string(rank_));
     const std::uint64_t epoch = ++exchanges_;  // the kernel's number for this exchange (while not captured)
     if (memop) {
-      const auto s = static_cast<cudaStream_t>(stream);
-      watch_->began(s);
-      for (auto& op : memop_waits_) op.waitValue.value64 = epoch;
-      run_stream_batch(memop_waits_, stream, call, rank_);
-      watch_->enqueued(s, epoch);
+      // The kernel is enqueued: whatever fails now, the next exchange is still ordered after it.
+      try {
+        const auto s = static_cast<cudaStream_t>(stream);
+        watch_->began(s);
+        for (auto& op : memop_waits_) op.waitValue.value64 = epoch;
+        run_stream_batch(memop_waits_, stream, call, rank_);
+        watch_->enqueued(s, epoch);
+      } catch (...) {
+        sequence_.after(stream, capturing, call, rank_);
+        throw;
+      }
     }
     sequence_.after(stream, capturing, call, rank_);
   }

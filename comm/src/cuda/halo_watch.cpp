@@ -13,6 +13,7 @@
 #include "../log.hpp"
 #include "captured_handoff.hpp"
 #include "event_pool.hpp"
+#include "gpu_queues.hpp"
 #include "meshmem/error.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
 
@@ -28,7 +29,7 @@ struct HaloWatch::Shared {
   };
 
   int device;
-  std::chrono::milliseconds limit;
+  std::optional<std::chrono::milliseconds> limit;  // none: MESHMEM_TIMEOUT=0
   cuda::DeviceFault* fault;
   std::uint64_t window;
   std::vector<const std::uint64_t*> words;
@@ -40,6 +41,7 @@ struct HaloWatch::Shared {
   std::condition_variable wake;
   std::deque<Exchange> listed;
   bool running = false, owner_gone = false;
+  std::string released;                   // HaloWatch::released
   cudaStream_t release_stream = nullptr;  // the thread's
 
   ~Shared() {
@@ -51,6 +53,9 @@ struct HaloWatch::Shared {
 
   void loop() {
     (void)cudaSetDevice(device);
+    // Its calls must not invalidate a capture that another thread has open.
+    cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
+    (void)cudaThreadExchangeStreamCaptureMode(&relaxed);
     std::unique_lock<std::mutex> lock(m);
     for (;;) {
       wake.wait(lock, [&] { return !listed.empty() || owner_gone; });
@@ -62,7 +67,10 @@ struct HaloWatch::Shared {
           ++it;
           continue;
         }
-        if (cudaEventQuery(it->passed) == cudaSuccess) {
+        // An error other than "not ready" ends the watch of that exchange: its events will
+        // never report success (the error itself reaches the caller's next CUDA call).
+        const cudaError_t passed = cudaEventQuery(it->passed);
+        if (passed != cudaErrorNotReady) {
           events.give_back(it->began);
           events.give_back(it->passed);
           it = listed.erase(it);
@@ -70,7 +78,7 @@ struct HaloWatch::Shared {
         }
         if (!it->began_at) {
           if (cudaEventQuery(it->began) == cudaSuccess) it->began_at = Clock::now();
-        } else if (!late && Clock::now() - *it->began_at >= limit) {
+        } else if (!late && limit && Clock::now() - *it->began_at >= *limit) {
           late = *it;
           it = listed.erase(it);
           continue;
@@ -81,7 +89,10 @@ struct HaloWatch::Shared {
       (void)cudaGetLastError();  // cudaErrorNotReady is not sticky; nothing else to keep
       if (late) {
         lock.unlock();  // the caller's next exchange is not held up by the release
-        release(*late);
+        std::string what_happened = release(*late);
+        lock.lock();
+        if (released.empty()) released = std::move(what_happened);
+        lock.unlock();
         events.give_back(late->began);
         events.give_back(late->passed);
         lock.lock();
@@ -92,30 +103,54 @@ struct HaloWatch::Shared {
     }
   }
 
+  // Whether `stream` ends within a second (its work may sit in a GPU hardware queue behind
+  // the very stream it is meant to release: README "GPU queues").
+  static bool ends_soon(cudaStream_t stream) {
+    const auto end = Clock::now() + std::chrono::seconds(1);
+    cudaError_t q;
+    while ((q = cudaStreamQuery(stream)) == cudaErrorNotReady && Clock::now() < end)
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    if (q != cudaSuccess) (void)cudaGetLastError();
+    return q == cudaSuccess;
+  }
+
   // The Halo fault naming the first short neighbour, then every short word set to the exchange
-  // number so that the stream goes on.
-  void release(const Exchange& x) {
+  // number so that the stream goes on. Returns what happened, for released().
+  std::string release(const Exchange& x) {
+    const std::string outcome = "exchange " + std::to_string(x.epoch) + " of this halo exchange did not get its halos within " +
+                                "MESHMEM_TIMEOUT and its stream was released";
     if (release_stream == nullptr &&
         cudaStreamCreateWithFlags(&release_stream, cudaStreamNonBlocking) != cudaSuccess) {
       (void)cudaGetLastError();
       log(LogLevel::Error, what + ": cannot create a stream to release exchange " + std::to_string(x.epoch) +
                                "'s waits after their time limit; the stream stays waiting for its neighbours");
-      return;
+      record_fault_from_host(fault, cuda::FaultKind::Halo, ranks.front(), static_cast<std::uint64_t>(ranks.front()), 0,
+                             x.epoch, window);
+      return outcome;
     }
-    std::vector<std::uint64_t> seen(words.size(), 0);
-    bool read = true;
-    for (std::size_t i = 0; i < words.size(); ++i)
-      read = read && cudaMemcpyAsync(&seen[i], words[i], sizeof(std::uint64_t), cudaMemcpyDeviceToHost,
-                                     release_stream) == cudaSuccess;
-    read = read && cudaStreamSynchronize(release_stream) == cudaSuccess;
+    // Pinned: a pageable copy would wait for the host buffer on the calling thread.
+    std::uint64_t* seen = nullptr;
+    if (cudaHostAlloc(reinterpret_cast<void**>(&seen), words.size() * sizeof(std::uint64_t), cudaHostAllocDefault) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();
+      seen = nullptr;
+    }
+    bool read = seen != nullptr;
+    for (std::size_t i = 0; read && i < words.size(); ++i)
+      read = cudaMemcpyAsync(seen + i, words[i], sizeof(std::uint64_t), cudaMemcpyDeviceToHost, release_stream) ==
+             cudaSuccess;
+    read = read && ends_soon(release_stream);  // unread: every word counts as short
     if (!read) (void)cudaGetLastError();
     bool recorded = false;
+    std::string named;
     for (std::size_t i = 0; i < words.size(); ++i) {
-      if (read && seen[i] >= x.epoch) continue;
+      const std::uint64_t at = read ? seen[i] : 0;
+      if (read && at >= x.epoch) continue;
       if (!recorded) {
-        record_fault_from_host(fault, cuda::FaultKind::Halo, ranks[i], static_cast<std::uint64_t>(ranks[i]), seen[i],
-                               x.epoch, window);
+        record_fault_from_host(fault, cuda::FaultKind::Halo, ranks[i], static_cast<std::uint64_t>(ranks[i]), at, x.epoch,
+                               window);
         recorded = true;
+        named = "rank " + std::to_string(ranks[i]);
       }
       const CUresult rc = ipc::cuda_driver().cuStreamWriteValue64(
           reinterpret_cast<CUstream>(release_stream), reinterpret_cast<CUdeviceptr>(words[i]), x.epoch, 0);
@@ -124,6 +159,12 @@ struct HaloWatch::Shared {
                                  "'s wait for rank " + std::to_string(ranks[i]) + ") failed (CUresult " +
                                  std::to_string(static_cast<int>(rc)) + "); the stream stays waiting");
     }
+    if (seen != nullptr) (void)cudaFreeHost(seen);
+    if (!ends_soon(release_stream))
+      log(LogLevel::Error, what + ": the release of exchange " + std::to_string(x.epoch) +
+                               "'s waits has not run after 1 s (held in a GPU queue behind a waiting stream?); "
+                               "the stream may stay waiting" + gpu_queue_hint());
+    return outcome + (named.empty() ? "" : " (" + named + " was late)");
   }
 };
 
@@ -131,7 +172,7 @@ HaloWatch::HaloWatch(int device, std::chrono::milliseconds limit, cuda::DeviceFa
                      std::vector<const std::uint64_t*> words, std::vector<int> ranks, std::string what)
     : shared_(std::make_shared<Shared>()) {
   shared_->device = device;
-  shared_->limit = limit.count() > 0 ? limit : std::chrono::milliseconds::max() / 2;
+  if (limit.count() > 0) shared_->limit = limit;
   shared_->fault = fault;
   shared_->window = window;
   shared_->words = std::move(words);
@@ -146,6 +187,11 @@ HaloWatch::~HaloWatch() {
     shared_->owner_gone = true;
   }
   shared_->wake.notify_all();
+}
+
+std::string HaloWatch::released() const {
+  std::lock_guard<std::mutex> lock(shared_->m);
+  return shared_->released;
 }
 
 void HaloWatch::began(cudaStream_t stream) {

@@ -6,7 +6,9 @@
 // not passed gets the Halo fault in the Comm's fault record, naming the first neighbour whose
 // word is short (the Comm's next call raises it, as after a waiting kernel's timeout), and
 // its stream is released by writing the awaited exchange number into the short words. The
-// thread runs only while exchanges are listed.
+// thread starts with the plan's first such exchange and sleeps while none is listed.
+// A released exchange leaves the words one exchange ahead of a neighbour whose signal comes
+// later (a transport's signal adds 1): the plan is then failed for good (released()).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -36,6 +38,8 @@ class HaloWatch {
   // Before exchange `epoch`'s waits are enqueued on `stream`, and after.
   void began(cudaStream_t stream);
   void enqueued(cudaStream_t stream, std::uint64_t epoch);
+  // "" while no exchange was released; else what happened (the exchange and the neighbour).
+  std::string released() const;
 
  private:
   struct Shared;

@@ -149,6 +149,7 @@ struct NcclDestroyer {
   std::uint64_t late = 0;  // a job a waiter gave up on: while it is not destroyed, nobody waits
   bool started = false;
   std::map<int, int> live_comms;  // by device: LiveCommMark
+  std::uint64_t start_late = 0;   // before_start gave up on the jobs up to this one
 
   // Throws (and queues nothing) where the thread cannot start.
   void give(const Job& job) {
@@ -214,11 +215,17 @@ struct NcclDestroyer {
     return it != live_comms.end() && it->second > 0;
   }
 
-  // Every communicator given so far destroyed within `bound`, whatever earlier waiters gave up on.
-  bool all_within(std::chrono::milliseconds bound) {
+  // A Comm's start: every communicator given so far destroyed within `bound`, whatever
+  // teardowns gave up on; at once where an earlier start gave up on some still not destroyed
+  // (each later Comm would wait in vain).
+  enum class Start { Done, TimedOut, StillStuck };
+  Start before_start(std::chrono::milliseconds bound) {
     std::unique_lock<std::mutex> lock(m);
+    if (start_late > destroyed) return Start::StillStuck;
     const std::uint64_t want = given;
-    return done.wait_for(lock, bound, [&] { return destroyed >= want; });
+    if (done.wait_for(lock, bound, [&] { return destroyed >= want; })) return Start::Done;
+    start_late = want;
+    return Start::TimedOut;
   }
 
   enum class Wait { Done, TimedOut, BehindLate };
@@ -278,10 +285,15 @@ void NcclComm::reset(bool abort) noexcept {
 }
 
 void finish_earlier_nccl_destroys(std::chrono::milliseconds bound, const std::string& who) {
-  const std::chrono::milliseconds limit = bound.count() > 0 ? bound : std::chrono::milliseconds(60000);
-  if (destroyer().all_within(limit)) return;
-  log(LogLevel::Warn, who + ": NCCL communicators of an earlier Comm are still not destroyed after " +
-                          describe_timeout(limit) +
+  // A quarter of the timeout: the other ranks wait in this Comm's next collective step
+  // meanwhile, bounded by the same timeout.
+  const std::chrono::milliseconds limit = bound.count() > 0 ? bound / 4 : std::chrono::milliseconds(60000);
+  const NcclDestroyer::Start outcome = destroyer().before_start(limit);
+  if (outcome == NcclDestroyer::Start::Done) return;
+  log(LogLevel::Warn, who + ": NCCL communicators of an earlier Comm are still not destroyed " +
+                          (outcome == NcclDestroyer::Start::TimedOut
+                               ? "after " + describe_timeout(limit)
+                               : std::string("(an earlier Comm's start gave up waiting for them)")) +
                           " (a CUDA graph that captured one may still exist, or the GPU's work has not ended); "
                           "their destroy frees pinned memory, which holds up this process's CUDA calls until the "
                           "GPU's work ends, so this Comm's transfers and barriers may wait for it (README \"Teardown beside a live Comm\")");

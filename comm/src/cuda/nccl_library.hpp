@@ -100,7 +100,8 @@ void await_nccl_destroys(std::chrono::milliseconds bound, const std::string& who
 
 // A Comm starting on a GPU first lets the destroys that earlier Comms left behind finish (a
 // teardown that gave up waiting, e.g. for a graph that captured a communicator), for at most
-// `bound` (0: a minute), and warns where they do not: a destroy's frees hold up every CUDA
+// a quarter of `bound` (0: a minute; not at all while an earlier start's give-up is still
+// pending), and warns where they do not: a destroy's frees hold up every CUDA
 // call of the process while the GPU has work, and a Comm's transfers wait for its threads'
 // CUDA calls (seen: a destroy that began during the next Comm's first transfers took 20 s,
 // the transfers' time limit, and they lost their data).
