@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "../log.hpp"
+#include "block_pool.hpp"
 #include "captured_handoff.hpp"
 #include "event_pool.hpp"
 #include "gpu_queues.hpp"
@@ -43,6 +44,7 @@ struct HaloWatch::Shared {
   bool running = false, owner_gone = false;
   std::string released;                   // HaloWatch::released
   cudaStream_t release_stream = nullptr;  // the thread's
+  PooledBlock seen_memory;                // the words, as read at a release
 
   ~Shared() {
     if (release_stream != nullptr) (void)cudaStreamDestroy(release_stream);
@@ -89,10 +91,7 @@ struct HaloWatch::Shared {
       (void)cudaGetLastError();  // cudaErrorNotReady is not sticky; nothing else to keep
       if (late) {
         lock.unlock();  // the caller's next exchange is not held up by the release
-        std::string what_happened = release(*late);
-        lock.lock();
-        if (released.empty()) released = std::move(what_happened);
-        lock.unlock();
+        release(*late);
         events.give_back(late->began);
         events.give_back(late->passed);
         lock.lock();
@@ -114,9 +113,16 @@ struct HaloWatch::Shared {
     return q == cudaSuccess;
   }
 
+  // released() says so before the fault is recorded and the stream goes on: a caller that
+  // sees either finds the exchange failed.
+  void mark_released(const std::string& text) {
+    std::lock_guard<std::mutex> lock(m);
+    if (released.empty()) released = text;
+  }
+
   // The Halo fault naming the first short neighbour, then every short word set to the exchange
-  // number so that the stream goes on. Returns what happened, for released().
-  std::string release(const Exchange& x) {
+  // number so that the stream goes on.
+  void release(const Exchange& x) {
     const std::string outcome = "exchange " + std::to_string(x.epoch) + " of this halo exchange did not get its halos within " +
                                 "MESHMEM_TIMEOUT and its stream was released";
     if (release_stream == nullptr &&
@@ -124,34 +130,37 @@ struct HaloWatch::Shared {
       (void)cudaGetLastError();
       log(LogLevel::Error, what + ": cannot create a stream to release exchange " + std::to_string(x.epoch) +
                                "'s waits after their time limit; the stream stays waiting for its neighbours");
+      mark_released(outcome);
       record_fault_from_host(fault, cuda::FaultKind::Halo, ranks.front(), static_cast<std::uint64_t>(ranks.front()), 0,
                              x.epoch, window);
-      return outcome;
+      return;
     }
-    // Pinned: a pageable copy would wait for the host buffer on the calling thread.
-    std::uint64_t* seen = nullptr;
-    if (cudaHostAlloc(reinterpret_cast<void**>(&seen), words.size() * sizeof(std::uint64_t), cudaHostAllocDefault) !=
-        cudaSuccess) {
-      (void)cudaGetLastError();
-      seen = nullptr;
+    // Pinned, from meshmem's block pool: a pageable copy waits on the calling thread, and
+    // cudaFreeHost would wait for the GPU's work while holding up the process's CUDA calls.
+    if (!seen_memory.get()) {
+      try {
+        seen_memory = take_block(BlockMemory::MappedHost, device, words.size() * sizeof(std::uint64_t), what);
+      } catch (const std::exception&) {
+        (void)cudaGetLastError();
+      }
     }
+    auto* seen = static_cast<std::uint64_t*>(seen_memory.get());
     bool read = seen != nullptr;
     for (std::size_t i = 0; read && i < words.size(); ++i)
       read = cudaMemcpyAsync(seen + i, words[i], sizeof(std::uint64_t), cudaMemcpyDeviceToHost, release_stream) ==
              cudaSuccess;
     read = read && ends_soon(release_stream);  // unread: every word counts as short
     if (!read) (void)cudaGetLastError();
-    bool recorded = false;
-    std::string named;
+    const auto short_of = [&](std::size_t i) { return !read || seen[i] < x.epoch; };
+    std::size_t first = words.size();
+    for (std::size_t i = 0; i < words.size() && first == words.size(); ++i)
+      if (short_of(i)) first = i;
+    if (first == words.size()) return;  // every halo came between the limit and the read
+    mark_released(outcome + " (rank " + std::to_string(ranks[first]) + " was late)");
+    record_fault_from_host(fault, cuda::FaultKind::Halo, ranks[first], static_cast<std::uint64_t>(ranks[first]),
+                           read ? seen[first] : 0, x.epoch, window);
     for (std::size_t i = 0; i < words.size(); ++i) {
-      const std::uint64_t at = read ? seen[i] : 0;
-      if (read && at >= x.epoch) continue;
-      if (!recorded) {
-        record_fault_from_host(fault, cuda::FaultKind::Halo, ranks[i], static_cast<std::uint64_t>(ranks[i]), at, x.epoch,
-                               window);
-        recorded = true;
-        named = "rank " + std::to_string(ranks[i]);
-      }
+      if (!short_of(i)) continue;
       const CUresult rc = ipc::cuda_driver().cuStreamWriteValue64(
           reinterpret_cast<CUstream>(release_stream), reinterpret_cast<CUdeviceptr>(words[i]), x.epoch, 0);
       if (rc != CUDA_SUCCESS)
@@ -159,12 +168,10 @@ struct HaloWatch::Shared {
                                  "'s wait for rank " + std::to_string(ranks[i]) + ") failed (CUresult " +
                                  std::to_string(static_cast<int>(rc)) + "); the stream stays waiting");
     }
-    if (seen != nullptr) (void)cudaFreeHost(seen);
     if (!ends_soon(release_stream))
       log(LogLevel::Error, what + ": the release of exchange " + std::to_string(x.epoch) +
                                "'s waits has not run after 1 s (held in a GPU queue behind a waiting stream?); "
                                "the stream may stay waiting" + gpu_queue_hint());
-    return outcome + (named.empty() ? "" : " (" + named + " was late)");
   }
 };
 
