@@ -186,14 +186,19 @@ CommImpl::CommImpl(Start start, const Options& opts)
     device = gpu_start_device_runtime(context(), &device_why);
   else
     device_why = kNoGpuPart;
-  select_transports();
-  if (device) {
-    std::vector<const Transport*> connected;
-    for (const auto& t : transports) connected.push_back(t.get());
-    const BarrierContext bctx{*routes, connected, [this](std::size_t bytes) {
-                                return alloc(bytes, Memory::Device, true, "meshmem::Comm (barrier setup)");
-                              }};
-    stream_barrier = device->make_barrier(context(), bctx);
+  try {
+    select_transports();
+    if (device) {
+      std::vector<const Transport*> connected;
+      for (const auto& t : transports) connected.push_back(t.get());
+      const BarrierContext bctx{*routes, connected, [this](std::size_t bytes) {
+                                  return alloc(bytes, Memory::Device, true, "meshmem::Comm (barrier setup)");
+                                }};
+      stream_barrier = device->make_barrier(context(), bctx);
+    }
+  } catch (...) {
+    if (device) device->tearing_down();  // the members' teardown that follows is this Comm's own
+    throw;
   }
   std::string names;
   for (const auto& t : transports) names += (names.empty() ? "" : ",") + std::string(to_string(t->kind()));

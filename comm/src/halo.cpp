@@ -38,6 +38,7 @@ struct HaloState {
   std::string complete_refused;
 
   ~HaloState() {
+    device_plan.reset();  // before the signal words go: its watch may be writing them
     if (sig && !sig->freed()) {
       try {
         sig->owner->free_window(*sig);

@@ -42,6 +42,7 @@ struct HaloWatch::Shared {
   std::condition_variable wake;
   std::deque<Exchange> listed;
   bool running = false, owner_gone = false;
+  bool releasing = false;                 // release() runs: the owner waits for its end
   std::string released;                   // HaloWatch::released
   cudaStream_t release_stream = nullptr;  // the thread's
   PooledBlock seen_memory;                // the words, as read at a release
@@ -90,8 +91,13 @@ struct HaloWatch::Shared {
       }
       (void)cudaGetLastError();  // cudaErrorNotReady is not sticky; nothing else to keep
       if (late) {
+        releasing = true;
         lock.unlock();  // the caller's next exchange is not held up by the release
         release(*late);
+        lock.lock();
+        releasing = false;
+        lock.unlock();
+        wake.notify_all();
         events.give_back(late->began);
         events.give_back(late->passed);
         lock.lock();
@@ -190,8 +196,12 @@ HaloWatch::HaloWatch(int device, std::chrono::milliseconds limit, cuda::DeviceFa
 HaloWatch::~HaloWatch() {
   if (began_ != nullptr) shared_->events.give_back(began_);
   {
-    std::lock_guard<std::mutex> lock(shared_->m);
+    // A release under way ends first (within about 2 s): it writes the signal words, which
+    // the owner's window gives back after this.
+    std::unique_lock<std::mutex> lock(shared_->m);
     shared_->owner_gone = true;
+    shared_->wake.notify_all();
+    shared_->wake.wait(lock, [&] { return !shared_->releasing; });
   }
   shared_->wake.notify_all();
 }

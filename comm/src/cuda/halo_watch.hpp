@@ -30,7 +30,8 @@ class HaloWatch {
   HaloWatch(int device, std::chrono::milliseconds limit, cuda::DeviceFault* fault, std::uint64_t window,
             std::vector<const std::uint64_t*> words, std::vector<int> ranks, std::string what);
   // The thread finishes the exchanges still listed (each within its limit), then ends: their
-  // streams must not be left waiting for a neighbour that never comes.
+  // streams must not be left waiting for a neighbour that never comes. A release under way
+  // ends before this returns (the words must stay mapped until then).
   ~HaloWatch();
   HaloWatch(const HaloWatch&) = delete;
   HaloWatch& operator=(const HaloWatch&) = delete;
