@@ -221,6 +221,11 @@ bool WindowReleaser::wait(std::uint64_t ticket, std::chrono::milliseconds timeou
   return ok;
 }
 
+void relax_capture_mode_of_this_thread() noexcept {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  (void)cudaThreadExchangeStreamCaptureMode(&mode);
+}
+
 cudaError_t synchronize_device_between_captures() {
   cudaError_t rc = cudaDeviceSynchronize();
   while (rc == cudaErrorStreamCaptureUnsupported || rc == cudaErrorStreamCaptureImplicit) {

@@ -64,6 +64,11 @@ class DeviceFaultRecord {
 // threads that give memory or communicators back once the device's earlier work is done.
 cudaError_t synchronize_device_between_captures();
 
+// For a thread of meshmem's whose CUDA calls touch only its own streams and events: the
+// application may capture a graph in global mode on another thread meanwhile, and those
+// calls must be neither refused (cudaErrorStreamCaptureUnsupported) nor invalidate it.
+void relax_capture_mode_of_this_thread() noexcept;
+
 // The k-th call of an object (a barrier, a halo plan) must run on the GPU after the
 // (k-1)-th, whatever streams they were given: otherwise a later call's flags could release
 // an earlier one. An event after each call; a call on another stream than the last waits

@@ -13,6 +13,7 @@
 #include "../log.hpp"
 #include "block_pool.hpp"
 #include "captured_handoff.hpp"
+#include "device_sync.hpp"
 #include "event_pool.hpp"
 #include "gpu_queues.hpp"
 #include "meshmem/error.hpp"
@@ -56,9 +57,7 @@ struct HaloWatch::Shared {
 
   void loop() {
     (void)cudaSetDevice(device);
-    // Its calls must not invalidate a capture that another thread has open.
-    cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
-    (void)cudaThreadExchangeStreamCaptureMode(&relaxed);
+    relax_capture_mode_of_this_thread();
     std::unique_lock<std::mutex> lock(m);
     for (;;) {
       wake.wait(lock, [&] { return !listed.empty() || owner_gone; });

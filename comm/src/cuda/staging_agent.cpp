@@ -332,10 +332,7 @@ void StagingAgent::reclaim_words() {
 }
 
 void StagingAgent::run() {
-  // The application may capture a graph in global mode on another thread meanwhile; this
-  // thread's calls touch only its own streams and must not be refused (nor invalidate it).
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  (void)cudaThreadExchangeStreamCaptureMode(&mode);
+  relax_capture_mode_of_this_thread();
   tighten_timer_slack();
   std::list<StagedRequest> waiting;  // handed over; sources not known to be ready yet
   // While some source is not ready or some transfer waits for a slot: at most 20 us between

@@ -6,6 +6,7 @@
 #include "../backoff.hpp"
 #include "../log.hpp"
 #include "captured_handoff.hpp"
+#include "device_sync.hpp"
 #include "meshmem/error.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
 
@@ -141,6 +142,7 @@ void CUDART_CB StreamBarrierProxy::reached(void* arrival) {
 }
 
 void StreamBarrierProxy::serve() {
+  relax_capture_mode_of_this_thread();
   Shared& sh = *shared_;
   std::unique_lock<std::mutex> lock(sh.mutex);
   auto ready = [&] { return stop_ || (!sh.pending.empty() && sh.pending.front().reached); };

@@ -18,6 +18,7 @@
 #include "../strided_rows.hpp"
 #include "../topology.hpp"
 #include "captured_handoff.hpp"
+#include "device_sync.hpp"
 #include "event_pool.hpp"
 #include "gpu_queues.hpp"
 #include "kernels.hpp"
@@ -624,6 +625,9 @@ class TransferProxy {
 
   void run() {
     tighten_timer_slack();
+    // Its cudaEventQuery of a copy was refused while the application captured a graph in
+    // global mode (seen: mpi-device, "the wire failed"), and the transport stopped for good.
+    relax_capture_mode_of_this_thread();
     if (cudaSetDevice(device_) != cudaSuccess) {
       note_error(where() + ": cudaSetDevice failed in the proxy thread");
       return;
