@@ -95,6 +95,11 @@ class KernelHaloPlan final : public DeviceHaloPlan {
     sync_.arrived = reinterpret_cast<unsigned*>(p + 1);
   }
   void begin(Stream stream, bool capturing, const char* call) override {
+    if (!broken_.empty())
+      throw Error(ErrorCode::Internal, std::string(call) + " on rank " + std::to_string(rank_) + ": an earlier exchange failed " +
+                                           "after its kernel was enqueued (" + broken_ + "), so its waits may be " +
+                                           "unwatched and the exchange numbers may disagree: make a new halo exchange; "
+                                           "nothing was enqueued");
     if (watch_) {
       const std::string released = watch_->released();
       if (!released.empty())
@@ -122,7 +127,8 @@ class KernelHaloPlan final : public DeviceHaloPlan {
         for (auto& op : memop_waits_) op.waitValue.value64 = epoch;
         run_stream_batch(memop_waits_, stream, call, rank_);
         watch_->enqueued(s, epoch);
-      } catch (...) {
+      } catch (const std::exception& e) {
+        broken_ = e.what();
         sequence_.after(stream, capturing, call, rank_);
         throw;
       }
@@ -142,6 +148,7 @@ class KernelHaloPlan final : public DeviceHaloPlan {
   cuda::HaloSync sync_{};
   std::uint64_t exchanges_ = 0;
   bool captured_ = false;
+  std::string broken_;  // why an exchange failed after its kernel was enqueued (begin refuses then)
   std::vector<CUstreamBatchMemOpParams> memop_waits_;  // where the waits are stream operations
   std::optional<HaloWatch> watch_;                     // with them
 };

@@ -64,9 +64,10 @@ class DeviceFaultRecord {
 // threads that give memory or communicators back once the device's earlier work is done.
 cudaError_t synchronize_device_between_captures();
 
-// For a thread of meshmem's whose CUDA calls touch only its own streams and events: the
-// application may capture a graph in global mode on another thread meanwhile, and those
-// calls must be neither refused (cudaErrorStreamCaptureUnsupported) nor invalidate it.
+// For a thread of meshmem's whose CUDA calls touch only its own streams, and events recorded
+// outside captures: the application may capture a graph in global mode on another thread
+// meanwhile, and those calls must not be refused (cudaErrorStreamCaptureUnsupported). (The
+// calls that MPI or NCCL make on such a thread are theirs: relaxed for them too.)
 void relax_capture_mode_of_this_thread() noexcept;
 
 // The k-th call of an object (a barrier, a halo plan) must run on the GPU after the

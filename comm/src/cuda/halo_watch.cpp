@@ -45,8 +45,8 @@ struct HaloWatch::Shared {
   bool running = false, owner_gone = false;
   bool releasing = false;                 // release() runs: the owner waits for its end
   std::string released;                   // HaloWatch::released
-  cudaStream_t release_stream = nullptr;  // the thread's
-  PooledBlock seen_memory;                // the words, as read at a release
+  cudaStream_t release_stream = nullptr;  // for the releases (made with the watch)
+  PooledBlock seen_memory;                // the words, as read at a release (made with the watch)
 
   ~Shared() {
     if (release_stream != nullptr) (void)cudaStreamDestroy(release_stream);
@@ -76,6 +76,7 @@ struct HaloWatch::Shared {
           events.give_back(it->began);
           events.give_back(it->passed);
           it = listed.erase(it);
+          if (owner_gone) wake.notify_all();  // the owner may wait for the list to empty
           continue;
         }
         if (!it->began_at) {
@@ -92,11 +93,15 @@ struct HaloWatch::Shared {
       if (late) {
         releasing = true;
         lock.unlock();  // the caller's next exchange is not held up by the release
-        release(*late);
+        try {
+          release(*late);
+        } catch (const std::exception& e) {  // a message's allocation: nothing else throws
+          log(LogLevel::Error, what + ": releasing exchange " + std::to_string(late->epoch) + " failed: " + e.what());
+        }
         lock.lock();
         releasing = false;
-        lock.unlock();
         wake.notify_all();
+        lock.unlock();
         events.give_back(late->began);
         events.give_back(late->passed);
         lock.lock();
@@ -130,27 +135,10 @@ struct HaloWatch::Shared {
   void release(const Exchange& x) {
     const std::string outcome = "exchange " + std::to_string(x.epoch) + " of this halo exchange did not get its halos within " +
                                 "MESHMEM_TIMEOUT and its stream was released";
-    if (release_stream == nullptr &&
-        cudaStreamCreateWithFlags(&release_stream, cudaStreamNonBlocking) != cudaSuccess) {
-      (void)cudaGetLastError();
-      log(LogLevel::Error, what + ": cannot create a stream to release exchange " + std::to_string(x.epoch) +
-                               "'s waits after their time limit; the stream stays waiting for its neighbours");
-      mark_released(outcome);
-      record_fault_from_host(fault, cuda::FaultKind::Halo, ranks.front(), static_cast<std::uint64_t>(ranks.front()), 0,
-                             x.epoch, window);
-      return;
-    }
     // Pinned, from meshmem's block pool: a pageable copy waits on the calling thread, and
     // cudaFreeHost would wait for the GPU's work while holding up the process's CUDA calls.
-    if (!seen_memory.get()) {
-      try {
-        seen_memory = take_block(BlockMemory::MappedHost, device, words.size() * sizeof(std::uint64_t), what);
-      } catch (const std::exception&) {
-        (void)cudaGetLastError();
-      }
-    }
     auto* seen = static_cast<std::uint64_t*>(seen_memory.get());
-    bool read = seen != nullptr;
+    bool read = true;
     for (std::size_t i = 0; read && i < words.size(); ++i)
       read = cudaMemcpyAsync(seen + i, words[i], sizeof(std::uint64_t), cudaMemcpyDeviceToHost, release_stream) ==
              cudaSuccess;
@@ -190,19 +178,30 @@ HaloWatch::HaloWatch(int device, std::chrono::milliseconds limit, cuda::DeviceFa
   shared_->words = std::move(words);
   shared_->ranks = std::move(ranks);
   shared_->what = std::move(what);
+  // Made here, not at a release: creating them may wait on the driver's lock, which a free on
+  // another thread holds while the GPU waits for the very words a release would write.
+  ipc::check_cuda(cudaStreamCreateWithFlags(&shared_->release_stream, cudaStreamNonBlocking),
+                  "cudaStreamCreateWithFlags (halo exchange watch)", shared_->what);
+  shared_->seen_memory =
+      take_block(BlockMemory::MappedHost, device, shared_->words.size() * sizeof(std::uint64_t), shared_->what);
 }
 
 HaloWatch::~HaloWatch() {
   if (began_ != nullptr) shared_->events.give_back(began_);
-  {
-    // A release under way ends first (within about 2 s): it writes the signal words, which
-    // the owner's window gives back after this.
-    std::unique_lock<std::mutex> lock(shared_->m);
-    shared_->owner_gone = true;
-    shared_->wake.notify_all();
-    shared_->wake.wait(lock, [&] { return !shared_->releasing; });
-  }
+  // The listed exchanges end first (each passes or is released within its limit): a release
+  // reads and writes the signal words, which the owner gives back after this. Bounded (the
+  // limit and 3 s more; 0: for ever, as MESHMEM_TIMEOUT=0 asks of every wait).
+  std::unique_lock<std::mutex> lock(shared_->m);
+  shared_->owner_gone = true;
   shared_->wake.notify_all();
+  const auto ended = [&] { return shared_->listed.empty() && !shared_->releasing; };
+  if (!shared_->limit) {
+    shared_->wake.wait(lock, ended);
+  } else if (!shared_->wake.wait_for(lock, *shared_->limit + std::chrono::seconds(3), ended)) {
+    log(LogLevel::Error, shared_->what + ": " + std::to_string(shared_->listed.size()) +
+                             " exchange(s) still waiting when the halo exchange went, past their time limit; their "
+                             "release may write signal words that are given back");
+  }
 }
 
 std::string HaloWatch::released() const {

@@ -9,6 +9,9 @@
 // thread starts with the plan's first such exchange and sleeps while none is listed.
 // A released exchange leaves the words one exchange ahead of a neighbour whose signal comes
 // later (a transport's signal adds 1): the plan is then failed for good (released()).
+// Exchanges already enqueued behind the released one are not: a late neighbour's signal may
+// pass one of them early, and only the recorded fault says so (README "Errors": the stream's
+// data is not to be trusted after a timeout).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -29,9 +32,8 @@ class HaloWatch {
   // `fault`: the Comm's fault record (pinned, one address for host and device).
   HaloWatch(int device, std::chrono::milliseconds limit, cuda::DeviceFault* fault, std::uint64_t window,
             std::vector<const std::uint64_t*> words, std::vector<int> ranks, std::string what);
-  // The thread finishes the exchanges still listed (each within its limit), then ends: their
-  // streams must not be left waiting for a neighbour that never comes. A release under way
-  // ends before this returns (the words must stay mapped until then).
+  // Waits until the exchanges still listed have passed or been released (each within its
+  // limit): a release touches the signal words, which the owner gives back after this.
   ~HaloWatch();
   HaloWatch(const HaloWatch&) = delete;
   HaloWatch& operator=(const HaloWatch&) = delete;

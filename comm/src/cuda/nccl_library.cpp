@@ -287,7 +287,8 @@ void NcclComm::reset(bool abort) noexcept {
 void finish_earlier_nccl_destroys(std::chrono::milliseconds bound, const std::string& who) {
   // A quarter of the timeout: the other ranks wait in this Comm's next collective step
   // meanwhile, bounded by the same timeout.
-  const std::chrono::milliseconds limit = bound.count() > 0 ? bound / 4 : std::chrono::milliseconds(60000);
+  const std::chrono::milliseconds limit =
+      bound.count() > 0 ? std::max(bound / 4, std::chrono::milliseconds(1)) : std::chrono::milliseconds(60000);
   const NcclDestroyer::Start outcome = destroyer().before_start(limit);
   if (outcome == NcclDestroyer::Start::Done) return;
   log(LogLevel::Warn, who + ": NCCL communicators of an earlier Comm are still not destroyed " +
