@@ -114,13 +114,8 @@ struct HandoffBoard {
     // their gates open, now and (the kernel reads the closed word again after closing the
     // gate) on every later replay.
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    for (std::size_t i : live_slots) {
-      Entry& e = entries[i];
-      if (!e.gated) continue;
-      if (e.pending) --pending_count;
-      e.pending = false;
-      __atomic_store_n(&slots[i].gate, 1, __ATOMIC_SEQ_CST);
-    }
+    for (std::size_t i : live_slots)
+      if (entries[i].gated) open_gate(i);
   }
 
   // Doorbells: `bytes` of pinned host memory (zeroed) at `memory`, which the board keeps
@@ -187,9 +182,7 @@ struct HandoffBoard {
         const std::uint64_t reached = __atomic_load_n(e.done, __ATOMIC_ACQUIRE);
         if (reached >= e.ticket || now - e.since < e.limit) continue;
         record_fault_from_host(e.fault_record, e.fault, e.peer, 0, reached, e.ticket);
-        e.pending = false;
-        --pending_count;
-        __atomic_store_n(&slots[i].gate, 1, __ATOMIC_RELEASE);
+        open_gate(i);
         continue;
       }
       const std::uint64_t replay = __atomic_load_n(&slots[i].rung, __ATOMIC_ACQUIRE);
@@ -203,7 +196,7 @@ struct HandoffBoard {
       record_fault_from_host(e.fault_record, cuda::FaultKind::Handoff, e.peer, 0, e.seen, replay);
       e.seen = replay;
       e.rung_since = {};
-      __atomic_store_n(&slots[i].gate, 1, __ATOMIC_RELEASE);
+      open_gate(i);
     }
   }
 
@@ -228,16 +221,21 @@ struct HandoffBoard {
     std::chrono::steady_clock::time_point rung_since{};  // first seen rung and not taken up
   };
 
+  // Under m: slot i's stream goes on; its step is no longer pending.
+  void open_gate(std::size_t i) {
+    if (entries[i].pending) --pending_count;
+    entries[i].pending = false;
+    __atomic_store_n(&slots[i].gate, 1, __ATOMIC_SEQ_CST);
+  }
+
   // Under m: opens the gate of every pending step whose done word reached its ticket; true if
   // any opened.
   bool open_ended_gates() {
     bool any = false;
     for (std::size_t i : live_slots) {
-      Entry& e = entries[i];
+      const Entry& e = entries[i];
       if (!e.pending || __atomic_load_n(e.done, __ATOMIC_ACQUIRE) < e.ticket) continue;
-      e.pending = false;
-      --pending_count;
-      __atomic_store_n(&slots[i].gate, 1, __ATOMIC_RELEASE);
+      open_gate(i);
       any = true;
     }
     return any;

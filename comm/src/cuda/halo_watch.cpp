@@ -10,9 +10,11 @@
 #include <system_error>
 #include <thread>
 
+#include "../backoff.hpp"
 #include "../log.hpp"
 #include "block_pool.hpp"
 #include "captured_handoff.hpp"
+#include "device_runtime.hpp"
 #include "device_sync.hpp"
 #include "event_pool.hpp"
 #include "gpu_queues.hpp"
@@ -112,15 +114,16 @@ struct HaloWatch::Shared {
     }
   }
 
-  // Whether `stream` ends within a second (its work may sit in a GPU hardware queue behind
-  // the very stream it is meant to release: README "GPU queues").
-  static bool ends_soon(cudaStream_t stream) {
-    const auto end = Clock::now() + std::chrono::seconds(1);
-    cudaError_t q;
-    while ((q = cudaStreamQuery(stream)) == cudaErrorNotReady && Clock::now() < end)
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    if (q != cudaSuccess) (void)cudaGetLastError();
-    return q == cudaSuccess;
+  // Whether the release stream ends within a second (its work may sit in a GPU hardware queue
+  // behind the very stream it is meant to release: README "GPU queues"); an error counts as no.
+  bool release_stream_ends_soon() const {
+    try {
+      return stream_ends_by(release_stream, Deadline(std::chrono::seconds(1)), "cudaStreamQuery (halo exchange watch)",
+                            what);
+    } catch (const Error&) {
+      (void)cudaGetLastError();
+      return false;
+    }
   }
 
   // released() says so before the fault is recorded and the stream goes on: a caller that
@@ -142,7 +145,7 @@ struct HaloWatch::Shared {
     for (std::size_t i = 0; read && i < words.size(); ++i)
       read = cudaMemcpyAsync(seen + i, words[i], sizeof(std::uint64_t), cudaMemcpyDeviceToHost, release_stream) ==
              cudaSuccess;
-    read = read && ends_soon(release_stream);  // unread: every word counts as short
+    read = read && release_stream_ends_soon();  // unread: every word counts as short
     if (!read) (void)cudaGetLastError();
     const auto short_of = [&](std::size_t i) { return !read || seen[i] < x.epoch; };
     std::size_t first = words.size();
@@ -161,7 +164,7 @@ struct HaloWatch::Shared {
                                  "'s wait for rank " + std::to_string(ranks[i]) + ") failed (CUresult " +
                                  std::to_string(static_cast<int>(rc)) + "); the stream stays waiting");
     }
-    if (!ends_soon(release_stream))
+    if (!release_stream_ends_soon())
       log(LogLevel::Error, what + ": the release of exchange " + std::to_string(x.epoch) +
                                "'s waits has not run after 1 s (held in a GPU queue behind a waiting stream?); "
                                "the stream may stay waiting" + gpu_queue_hint());
