@@ -46,6 +46,10 @@ class DeviceHaloPlan {
   virtual void begin(Stream stream, bool capturing, const char* call) = 0;
   // Runs the exchange's copies (or none: `copy` false), signals and waits on `stream`.
   virtual void run(Stream stream, bool copy, bool capturing, const char* call) = 0;
+  // The number the exchange about to run will have, where the host knows it (the plan was
+  // never captured and is not being captured); 0 where it does not (graph replays count on
+  // the GPU alone).
+  virtual std::uint64_t next_exchange(bool capturing) const = 0;
 };
 
 // barrier(stream): one variant, chosen when the Comm is made (MESHMEM_BARRIER).

@@ -642,6 +642,7 @@ TEST_F(RealUse, HaloExchangeWithANeighbourThatNeverComesTimesOut) {
         EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
         EXPECT_NE(std::string(e.what()).find("no longer count exchanges"), std::string::npos) << e.what();
       }
+      EXPECT_EQ(halo.exchanges(), 2u) << "a refused exchange was counted";
       EXPECT_TRUE(finishes(s0, 5));
     }
   }

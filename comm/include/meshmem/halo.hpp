@@ -51,7 +51,7 @@ class HaloExchange {
   // it cannot map (the staged transport): kernels cannot write there.
   void complete(Stream stream = nullptr);
 
-  std::uint64_t exchanges() const;  // how many exchange() calls so far
+  std::uint64_t exchanges() const;  // exchange() and complete() calls issued so far (refused ones not counted)
   const std::vector<int>& neighbours() const;  // ranks this rank receives from
 
  private:

@@ -135,6 +135,7 @@ class KernelHaloPlan final : public DeviceHaloPlan {
     }
     sequence_.after(stream, capturing, call, rank_);
   }
+  std::uint64_t next_exchange(bool capturing) const override { return capturing || captured_ ? 0 : exchanges_ + 1; }
 
  private:
   int rank_;
