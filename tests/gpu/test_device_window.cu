@@ -173,6 +173,30 @@ TEST_F(DeviceWindow, RoutesAndMappings) {
   if (me == 0) std::printf("rank 0 on device %d, fd passing %s\n", device, to_string(comm->fd_passing()));
 }
 
+// Where another rank of the Comm uses this rank's GPU (same UUID: one physical GPU, whatever
+// node, container or simulated node it is seen from), the stream waits are stream memory
+// operations by default: a polling kernel would hold the time-sliced GPU from the rank it
+// waits for. Elsewhere they are kernels.
+TEST_F(DeviceWindow, StreamWaitsAvoidKernelsWhereAnyRankSharesTheGpu) {
+  const char* knob = std::getenv("MESHMEM_STREAM_WAIT");
+  if (knob != nullptr && std::strcmp(knob, "auto") != 0) GTEST_SKIP() << "MESHMEM_STREAM_WAIT=" << knob << " chooses";
+  int device = -1;
+  CUDA_OK(cudaGetDevice(&device));
+  cudaDeviceProp prop{};
+  CUDA_OK(cudaGetDeviceProperties(&prop, device));
+  std::vector<char> uuids(static_cast<std::size_t>(n) * sizeof(prop.uuid.bytes));
+  ASSERT_EQ(MPI_Allgather(prop.uuid.bytes, sizeof(prop.uuid.bytes), MPI_BYTE, uuids.data(), sizeof(prop.uuid.bytes),
+                          MPI_BYTE, MPI_COMM_WORLD),
+            MPI_SUCCESS);
+  bool shared = false;
+  for (int r = 0; r < n; ++r)
+    shared = shared || (r != me && std::memcmp(uuids.data() + r * sizeof(prop.uuid.bytes), prop.uuid.bytes,
+                                               sizeof(prop.uuid.bytes)) == 0);
+  const std::string info = comm->device_info();
+  EXPECT_NE(info.find(shared ? "stream waits memop" : "stream waits kernel"), std::string::npos)
+      << "rank " << me << (shared ? " shares its GPU with another rank" : " has its GPU to itself") << ": " << info;
+}
+
 TEST_F(DeviceWindow, PutEveryPairDeviceSource) { put_every_pair(*comm, stream, seed, false); }
 TEST_F(DeviceWindow, PutEveryPairPageableSource) { put_every_pair(*comm, stream, seed, true); }
 

@@ -35,7 +35,8 @@ const TuningKnob<StreamWait> kStreamWait{
     "memop), `memop` (cuStreamWaitValue64: holds no SM, so it is faster where ranks share a GPU, but a "
     "`wait_until` cannot time out; a transfer is still ended at the timeout, by the staging agent (also one held in "
     "a GPU queue), by the proxy thread's watchdog or by the halo exchange's watch thread; staged transfers through a hidden peer's channel keep the kernel, as only that peer "
-    "ends them); `auto` = `kernel`, or `memop` where this rank's GPU is shared (a polling kernel would "
+    "ends them); `auto` = `kernel`, or `memop` where another rank of the Comm uses this rank's GPU (same UUID, "
+    "on this node or another: containers, simulated nodes; a polling kernel would "
     "hold the time-sliced GPU from the ranks it waits for). Either wait stalls its GPU queue (a kernel once work is "
     "queued behind it): see MESHMEM_GPU_QUEUES"};
 
@@ -248,10 +249,11 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
   // Granularities are powers of two: the largest is a multiple of all, so every rank
   // rounds a window to the same size.
   granularity_ = ctx.boot.allreduce_max(granularity_, what);
-  // Which node peers share this rank's GPU (same PCI bus id): polling kernels would hold a
-  // time-sliced GPU from the very ranks they wait for, so the Auto choices avoid them then.
-  // Whether any rank of the Comm does, by UUID (one physical GPU whatever machine or container
-  // it is seen from): the cross-node barrier's choice.
+  // Which node peers share this rank's GPU (same PCI bus id): the node barrier's choice.
+  // Which ranks of the Comm do, by UUID (one physical GPU whatever machine or container it is
+  // seen from): polling kernels would hold a time-sliced GPU from the very ranks they wait
+  // for, so the stream waits and the cross-node barrier avoid them then; by bus id alone, two
+  // containers (or simulated nodes) on one GPU waited with kernels.
   GpuIds ids = gather_gpu_ids(ctx, gpu, what);
   bus_ids_ = std::move(ids.bus);
   for (int r : ctx.topo.node_ranks) shared_gpu_ = shared_gpu_ || (r != ctx.topo.rank && bus_ids_[r] == bus_ids_[ctx.topo.rank]);
@@ -259,9 +261,9 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
     shared_in_comm_ = shared_in_comm_ || (r != ctx.topo.rank && ids.uuid[r] == ids.uuid[ctx.topo.rank]);
   any_shared_ = ctx.boot.allreduce_max(shared_gpu_ ? 1 : 0, what) != 0;
   const StreamWait wait = kStreamWait.get(ctx.options);
-  wait_kernel_ = wait == StreamWait::Kernel || (wait == StreamWait::Auto && !shared_gpu_);
+  wait_kernel_ = wait == StreamWait::Kernel || (wait == StreamWait::Auto && !shared_in_comm_);
   description_ += std::string(", stream waits ") + (wait_kernel_ ? "kernel" : "memop") +
-                  (shared_gpu_ ? " (GPU shared with other ranks)" : "") + (early_launch_ ? ", early launch" : "") +
+                  (shared_in_comm_ ? " (GPU shared with other ranks)" : "") + (early_launch_ ? ", early launch" : "") +
                   ", " + describe_gpu_queues();
 }
 
