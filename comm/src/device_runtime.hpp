@@ -50,6 +50,9 @@ class DeviceHaloPlan {
   // never captured and is not being captured); 0 where it does not (graph replays count on
   // the GPU alone).
   virtual std::uint64_t next_exchange(bool capturing) const = 0;
+  // An exchange failed after part of it may have been issued (a neighbour's signal may have
+  // gone out, a word counted twice on a retry): begin() refuses every later exchange.
+  virtual void fail(const std::string& why) = 0;
 };
 
 // barrier(stream): one variant, chosen when the Comm is made (MESHMEM_BARRIER).

@@ -221,27 +221,34 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
     // A neighbour's last region, where it is contiguous, carries the signal in the same
     // transfer (one round trip through the transport instead of two).
     const std::uint64_t known = halo.device_plan->next_exchange(scope.capturing());
-    for (int peer : halo.transport_send_to) {
-      const std::size_t word = static_cast<std::size_t>(topo.rank);
-      const SignalUpdate signal = known != 0 ? SignalUpdate{halo.sig.get(), word, known, SignalOp::Set}
-                                             : SignalUpdate{halo.sig.get(), word, 1, SignalOp::Add};
-      const HaloRegion* last = nullptr;
-      for (const HaloRegion& r : halo.transport_sends)
-        if (r.peer == peer) last = &r;
-      bool signalled = false;
-      for (const HaloRegion& r : halo.transport_sends) {
-        if (r.peer != peer) continue;
-        Transport& t = route(w, peer, call);
-        const char* src = static_cast<const char*>(w.local) + r.src_offset;
-        const bool contiguous = r.height == 1 || (r.src_pitch == r.width && r.dst_pitch == r.width);
-        if (&r == last && contiguous && halo.sig->memory == w.memory && &route(*halo.sig, peer, call) == &t) {
-          t.put(w, peer, r.dst_offset, src, r.width * r.height, signal, stream);
-          signalled = true;
-        } else {
-          t.put_strided(w, peer, r.dst_offset, r.dst_pitch, src, r.src_pitch, r.width, r.height, stream);
+    try {
+      for (int peer : halo.transport_send_to) {
+        const std::size_t word = static_cast<std::size_t>(topo.rank);
+        const SignalUpdate signal = known != 0 ? SignalUpdate{halo.sig.get(), word, known, SignalOp::Set}
+                                               : SignalUpdate{halo.sig.get(), word, 1, SignalOp::Add};
+        const HaloRegion* last = nullptr;
+        for (const HaloRegion& r : halo.transport_sends)
+          if (r.peer == peer) last = &r;
+        bool signalled = false;
+        for (const HaloRegion& r : halo.transport_sends) {
+          if (r.peer != peer) continue;
+          Transport& t = route(w, peer, call);
+          const char* src = static_cast<const char*>(w.local) + r.src_offset;
+          const bool contiguous = r.height == 1 || (r.src_pitch == r.width && r.dst_pitch == r.width);
+          if (&r == last && contiguous && halo.sig->memory == w.memory && &route(*halo.sig, peer, call) == &t) {
+            t.put(w, peer, r.dst_offset, src, r.width * r.height, signal, stream);
+            signalled = true;
+          } else {
+            t.put_strided(w, peer, r.dst_offset, r.dst_pitch, src, r.src_pitch, r.width, r.height, stream);
+          }
         }
+        if (!signalled) route(*halo.sig, peer, call).put(*halo.sig, peer, 0, nullptr, 0, signal, stream);
       }
-      if (!signalled) route(*halo.sig, peer, call).put(*halo.sig, peer, 0, nullptr, 0, signal, stream);
+    } catch (const std::exception& e) {
+      // Some neighbours may have their signal already: after a capture it is an addition, and a
+      // retry would count that exchange twice there (their later waits would pass early).
+      halo.device_plan->fail(std::string("its transfers to unmapped neighbours failed: ") + e.what());
+      throw;
     }
     halo.device_plan->run(stream, copy, scope.capturing(), call);
     return;

@@ -179,7 +179,8 @@ TEST_F(DeviceWindow, RoutesAndMappings) {
 // waits for. Elsewhere they are kernels.
 TEST_F(DeviceWindow, StreamWaitsAvoidKernelsWhereAnyRankSharesTheGpu) {
   const char* knob = std::getenv("MESHMEM_STREAM_WAIT");
-  if (knob != nullptr && std::strcmp(knob, "auto") != 0) GTEST_SKIP() << "MESHMEM_STREAM_WAIT=" << knob << " chooses";
+  if (knob != nullptr && *knob != '\0' && std::strcmp(knob, "auto") != 0)
+    GTEST_SKIP() << "MESHMEM_STREAM_WAIT=" << knob << " chooses";
   int device = -1;
   CUDA_OK(cudaGetDevice(&device));
   cudaDeviceProp prop{};

@@ -36,7 +36,7 @@ const TuningKnob<StreamWait> kStreamWait{
     "`wait_until` cannot time out; a transfer is still ended at the timeout, by the staging agent (also one held in "
     "a GPU queue), by the proxy thread's watchdog or by the halo exchange's watch thread; staged transfers through a hidden peer's channel keep the kernel, as only that peer "
     "ends them); `auto` = `kernel`, or `memop` where another rank of the Comm uses this rank's GPU (same UUID, "
-    "on this node or another: containers, simulated nodes; a polling kernel would "
+    "on this node or another: containers, simulated nodes; a MIG instance is a GPU of its own; a polling kernel would "
     "hold the time-sliced GPU from the ranks it waits for). Either wait stalls its GPU queue (a kernel once work is "
     "queued behind it): see MESHMEM_GPU_QUEUES"};
 
@@ -98,16 +98,15 @@ class KernelHaloPlan final : public DeviceHaloPlan {
   void begin(Stream stream, bool capturing, const char* call) override {
     if (!broken_.empty())
       throw Error(ErrorCode::Internal, std::string(call) + " on rank " + std::to_string(rank_) + ": an earlier exchange failed " +
-                                           "after its kernel was enqueued (" + broken_ + "), so its waits may be " +
-                                           "unwatched and the exchange numbers may disagree: make a new halo exchange; "
-                                           "nothing was enqueued");
+                                           "part-way (" + broken_ + "), so its waits may be unwatched and the "
+                                           "exchange numbers may disagree: make a new halo exchange; nothing was enqueued");
     if (watch_) {
       const std::string released = watch_->released();
       if (!released.empty())
         throw Error(ErrorCode::Timeout, std::string(call) + " on rank " + std::to_string(rank_) + ": " + released +
-                                            "; its signal words no longer count exchanges (a late neighbour's "
-                                            "signal would pass a later exchange early), so this halo exchange "
-                                            "is failed: make a new one once every rank is back; nothing was enqueued");
+                                            "; its signal words were written by the watch, not by the late "
+                                            "neighbour, so this halo exchange is failed: make a new one once every "
+                                            "rank is back; nothing was enqueued");
     }
     sequence_.before(stream, capturing, call, rank_);
   }
@@ -137,6 +136,7 @@ class KernelHaloPlan final : public DeviceHaloPlan {
     sequence_.after(stream, capturing, call, rank_);
   }
   std::uint64_t next_exchange(bool capturing) const override { return capturing || captured_ ? 0 : exchanges_ + 1; }
+  void fail(const std::string& why) override { broken_ = why; }
 
  private:
   int rank_;
@@ -150,7 +150,7 @@ class KernelHaloPlan final : public DeviceHaloPlan {
   cuda::HaloSync sync_{};
   std::uint64_t exchanges_ = 0;
   bool captured_ = false;
-  std::string broken_;  // why an exchange failed after its kernel was enqueued (begin refuses then)
+  std::string broken_;  // why an exchange failed part-way (begin refuses then)
   std::vector<CUstreamBatchMemOpParams> memop_waits_;  // where the waits are stream operations
   std::optional<HaloWatch> watch_;                     // with them
 };

@@ -7,11 +7,11 @@
 // word is short (the Comm's next call raises it, as after a waiting kernel's timeout), and
 // its stream is released by writing the awaited exchange number into the short words. The
 // thread starts with the plan's first such exchange and sleeps while none is listed.
-// A released exchange leaves the words one exchange ahead of a neighbour whose signal comes
-// later (a transport's signal adds 1): the plan is then failed for good (released()).
-// Exchanges already enqueued behind the released one are not: a late neighbour's signal may
-// pass one of them early, and only the recorded fault says so (README "Errors": the stream's
-// data is not to be trusted after a timeout).
+// A released exchange's words were written by the watch, not by its late neighbour, whose
+// halos may still land later: the plan is then failed for good (released()). Exchanges
+// already enqueued behind the released one are not: they go on with what lands, and only the
+// recorded fault says so (README "Errors": the stream's data is not to be trusted after a
+// timeout).
 #pragma once
 
 #include <cuda_runtime_api.h>
