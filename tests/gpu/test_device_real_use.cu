@@ -287,6 +287,8 @@ class GraphReplay : public RealUse {
   }
   // ManyChainedPuts*: see there.
   void many_chained_puts(std::size_t barrier_every);
+  // HaloExchangeReplaysWaitForTheLateRank and the per-thread stream's: see there.
+  void halo_replays_wait_for_the_late_rank(cudaStream_t s);
   // Whether the Comm's barrier(stream) is the hierarchical one across nodes (NCCL's all-reduce).
   bool comm_barrier_is_hierarchical() const {
     return comm->device_info().find("barrier(stream) hierarchical") != std::string::npos;
@@ -531,7 +533,7 @@ TEST_P(GraphBarrier, ReplaysWaitForTheLateRank) {
 INSTANTIATE_TEST_SUITE_P(Barriers, GraphBarrier, ::testing::Values("auto", "kernel", "meeting", "flag", "event"),
                          [](const auto& info) { return std::string(info.param); });
 
-TEST_F(GraphReplay, HaloExchangeReplaysWaitForTheLateRank) {
+void GraphReplay::halo_replays_wait_for_the_late_rank(cudaStream_t s) {
   make_comm();
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   constexpr std::size_t kArea = 8192;
@@ -551,11 +553,11 @@ TEST_F(GraphReplay, HaloExchangeReplaysWaitForTheLateRank) {
       auto d = pattern(seed, key(rep, me, 0), kArea);
       CUDA_OK(upload(src.p, d.data(), kArea));
       MPI_Barrier(MPI_COMM_WORLD);
-      spin_kernel<<<1, 1, 0, s0>>>(nullptr, rep % n == me ? kLateNs : 0);
-      CUDA_OK(cudaMemcpyAsync(mine, src.p, kArea, cudaMemcpyDeviceToDevice, s0));
-      halo.exchange(s0);
-      CUDA_OK(cudaMemcpyAsync(snap.p, mine + kArea, 2 * kArea, cudaMemcpyDeviceToDevice, s0));
-      if (!finishes(s0, 60)) {
+      spin_kernel<<<1, 1, 0, s>>>(nullptr, rep % n == me ? kLateNs : 0);
+      CUDA_OK(cudaMemcpyAsync(mine, src.p, kArea, cudaMemcpyDeviceToDevice, s));
+      halo.exchange(s);
+      CUDA_OK(cudaMemcpyAsync(snap.p, mine + kArea, 2 * kArea, cudaMemcpyDeviceToDevice, s));
+      if (!finishes(s, 60)) {
         ADD_FAILURE() << "uncaptured exchange " << rep << " did not end within 60 s";
         eager_ok = false;
         return;
@@ -570,15 +572,15 @@ TEST_F(GraphReplay, HaloExchangeReplaysWaitForTheLateRank) {
   };
   eager_rounds(1000);
   if (HasFatalFailure() || !eager_ok) return;  // an assertion in the lambda returned from it only
-  comm->barrier(s0);
-  CUDA_OK(cudaStreamSynchronize(s0));
-  CUDA_OK(cudaStreamBeginCapture(s0, cudaStreamCaptureModeGlobal));
-  spin_kernel<<<1, 1, 0, s0>>>(static_cast<const std::uint64_t*>(delay.p), 0);
-  CUDA_OK(cudaMemcpyAsync(mine, src.p, kArea, cudaMemcpyDeviceToDevice, s0));
-  halo.exchange(s0);
-  CUDA_OK(cudaMemcpyAsync(snap.p, mine + kArea, 2 * kArea, cudaMemcpyDeviceToDevice, s0));
+  comm->barrier(s);
+  CUDA_OK(cudaStreamSynchronize(s));
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  spin_kernel<<<1, 1, 0, s>>>(static_cast<const std::uint64_t*>(delay.p), 0);
+  CUDA_OK(cudaMemcpyAsync(mine, src.p, kArea, cudaMemcpyDeviceToDevice, s));
+  halo.exchange(s);
+  CUDA_OK(cudaMemcpyAsync(snap.p, mine + kArea, 2 * kArea, cudaMemcpyDeviceToDevice, s));
   cudaGraph_t graph = nullptr;
-  CUDA_OK(cudaStreamEndCapture(s0, &graph));
+  CUDA_OK(cudaStreamEndCapture(s, &graph));
   cudaGraphExec_t exec = instantiate(graph);
   ASSERT_NE(exec, nullptr);
   for (int rep = 0; rep < kReplays; ++rep) {
@@ -599,7 +601,13 @@ TEST_F(GraphReplay, HaloExchangeReplaysWaitForTheLateRank) {
   if (HasFatalFailure() || !eager_ok) return;
   EXPECT_EQ(bad, 0) << "stale halos in " << kReplays << " replays and 8 uncaptured exchanges";
   cudaGraphExecDestroy(exec);
-  EXPECT_NO_THROW(comm->quiet(s0));
+  EXPECT_NO_THROW(comm->quiet(s));
+}
+
+TEST_F(GraphReplay, HaloExchangeReplaysWaitForTheLateRank) { halo_replays_wait_for_the_late_rank(s0); }
+// The per-thread default stream can be captured too (the legacy one cannot).
+TEST_F(GraphReplay, HaloExchangeCapturedOnThePerThreadStreamReplays) {
+  halo_replays_wait_for_the_late_rank(cudaStreamPerThread);
 }
 
 // A halo exchange whose neighbour never comes: the stream goes on at the time limit and the

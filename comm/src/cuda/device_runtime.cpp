@@ -292,15 +292,19 @@ DeviceEntry CudaDeviceRuntime::enter(Stream stream, bool capture, const char* ca
   try {
     // Messages are built only on failure: this runs before every stream operation.
     fault_.raise_if_set([&] { return where(call); });
-    if (stream != nullptr && stream != cudaStreamLegacy && stream != cudaStreamPerThread) {
-      CUcontext owner = nullptr;
-      const CUresult got = ipc::cuda_driver().cuStreamGetCtx(stream, &owner);
-      if (got != CUDA_SUCCESS) ipc::check_cu(got, "cuStreamGetCtx", where(call));
-      if (owner != context_)
-        throw Error(ErrorCode::InvalidArgument,
-                    where(call) + ": the stream belongs to " + device_of(owner) + ", but this Comm works on device " +
-                        std::to_string(device_) + " (the device current when the Comm was made); pass a stream of device " +
-                        std::to_string(device_));
+    // The legacy default stream cannot be captured; the per-thread one can (it belongs to the
+    // current device, which is this Comm's here).
+    if (stream != nullptr && stream != cudaStreamLegacy) {
+      if (stream != cudaStreamPerThread) {
+        CUcontext owner = nullptr;
+        const CUresult got = ipc::cuda_driver().cuStreamGetCtx(stream, &owner);
+        if (got != CUDA_SUCCESS) ipc::check_cu(got, "cuStreamGetCtx", where(call));
+        if (owner != context_)
+          throw Error(ErrorCode::InvalidArgument,
+                      where(call) + ": the stream belongs to " + device_of(owner) + ", but this Comm works on device " +
+                          std::to_string(device_) + " (the device current when the Comm was made); pass a stream of device " +
+                          std::to_string(device_));
+      }
       if (capture) {
         cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
         rc = cudaStreamIsCapturing(stream, &status);
