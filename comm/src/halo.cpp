@@ -221,6 +221,7 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
     // A neighbour's last region, where it is contiguous, carries the signal in the same
     // transfer (one round trip through the transport instead of two).
     const std::uint64_t known = halo.device_plan->next_exchange(scope.capturing());
+    bool issued = false;  // a put of this exchange returned (the first may raise an earlier failure)
     try {
       for (int peer : halo.transport_send_to) {
         const std::size_t word = static_cast<std::size_t>(topo.rank);
@@ -241,13 +242,15 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
           } else {
             t.put_strided(w, peer, r.dst_offset, r.dst_pitch, src, r.src_pitch, r.width, r.height, stream);
           }
+          issued = true;
         }
         if (!signalled) route(*halo.sig, peer, call).put(*halo.sig, peer, 0, nullptr, 0, signal, stream);
+        issued = true;
       }
     } catch (const std::exception& e) {
       // Some neighbours may have their signal already: after a capture it is an addition, and a
       // retry would count that exchange twice there (their later waits would pass early).
-      halo.device_plan->fail(std::string("its transfers to unmapped neighbours failed: ") + e.what());
+      if (issued) halo.device_plan->fail(std::string("its transfers to unmapped neighbours failed part-way: ") + e.what());
       throw;
     }
     halo.device_plan->run(stream, copy, scope.capturing(), call);

@@ -292,8 +292,14 @@ DeviceEntry CudaDeviceRuntime::enter(Stream stream, bool capture, const char* ca
   try {
     // Messages are built only on failure: this runs before every stream operation.
     fault_.raise_if_set([&] { return where(call); });
-    // The legacy default stream cannot be captured; the per-thread one can (it belongs to the
-    // current device, which is this Comm's here).
+    // cudaStreamPerThread is the calling thread's stream of the device current at the call.
+    if (stream == cudaStreamPerThread && entry.previous != device_)
+      throw Error(ErrorCode::InvalidArgument,
+                  where(call) + ": cudaStreamPerThread names the per-thread stream of the current device, " +
+                      std::to_string(entry.previous) + ", but this Comm works on device " + std::to_string(device_) +
+                      " (the device current when the Comm was made); make device " + std::to_string(device_) +
+                      " current, or pass a stream of it");
+    // The legacy default stream cannot be captured; the per-thread one can.
     if (stream != nullptr && stream != cudaStreamLegacy) {
       if (stream != cudaStreamPerThread) {
         CUcontext owner = nullptr;

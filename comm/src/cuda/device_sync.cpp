@@ -145,7 +145,8 @@ StreamSequence::~StreamSequence() {
 }
 
 void StreamSequence::before(cudaStream_t stream, bool capturing, const char* call, int rank) {
-  if (capturing || !recorded_ || stream == last_) return;
+  // The per-thread stream's handle is one for every thread's own stream: it always waits.
+  if (capturing || !recorded_ || (stream == last_ && stream != cudaStreamPerThread)) return;
   const cudaError_t rc = cudaStreamWaitEvent(stream, event_, 0);
   if (rc != cudaSuccess) ipc::check_cuda(rc, "cudaStreamWaitEvent", std::string(call) + " on rank " + std::to_string(rank));
 }

@@ -88,7 +88,7 @@ struct HaloWatch::Shared {
           it = listed.erase(it);
           continue;
         }
-        behind.push_back(it->stream);
+        if (it->stream != cudaStreamPerThread) behind.push_back(it->stream);  // one handle, many streams
         ++it;
       }
       (void)cudaGetLastError();  // cudaErrorNotReady is not sticky; nothing else to keep
