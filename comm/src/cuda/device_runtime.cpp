@@ -66,13 +66,8 @@ class KernelHaloPlan final : public DeviceHaloPlan {
       : rank_(device.rank()), limit_(device.wait_limit()), early_(device.early_launch()), sequence_("halo exchange plan") {
     const std::string what = "halo exchange plan on rank " + std::to_string(rank_);
     if (!device.waits_with_kernel() && !spec.waits.empty()) {
-      for (const std::uint64_t* word : spec.waits) {
-        CUstreamBatchMemOpParams op{};
-        op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-        op.waitValue.address = reinterpret_cast<CUdeviceptr>(word);
-        op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ | device.wait_flags();
-        memop_waits_.push_back(op);
-      }
+      for (const std::uint64_t* word : spec.waits)
+        memop_waits_.push_back(stream_wait_op(word, 0, CU_STREAM_WAIT_VALUE_GEQ | device.wait_flags()));
       watch_.emplace(device.device(), device.timeout(), limit_.fault, spec.signals_window,
                      std::vector<const std::uint64_t*>(spec.waits.begin(), spec.waits.end()), spec.wait_ranks,
                      "halo exchange on rank " + std::to_string(rank_));
@@ -156,6 +151,23 @@ class KernelHaloPlan final : public DeviceHaloPlan {
 };
 
 }  // namespace
+
+CUstreamBatchMemOpParams stream_write_op(std::uint64_t* address, std::uint64_t value) {
+  CUstreamBatchMemOpParams op{};
+  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+  op.writeValue.address = reinterpret_cast<CUdeviceptr>(address);
+  op.writeValue.value64 = value;
+  return op;
+}
+
+CUstreamBatchMemOpParams stream_wait_op(const std::uint64_t* address, std::uint64_t value, unsigned flags) {
+  CUstreamBatchMemOpParams op{};
+  op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+  op.waitValue.address = reinterpret_cast<CUdeviceptr>(address);
+  op.waitValue.value64 = value;
+  op.waitValue.flags = flags;
+  return op;
+}
 
 void run_stream_batch(std::vector<CUstreamBatchMemOpParams>& ops, Stream stream, const char* call, int rank) {
   // The driver takes at most 256 operations a call; the parts stay in order on the stream.
@@ -358,22 +370,12 @@ void CudaDeviceRuntime::wait_until(const WindowState& sig, std::size_t index, st
     if (k != cudaSuccess) ipc::check_cuda(k, "wait kernel launch", where(call));
     return;
   }
-  std::vector<CUstreamBatchMemOpParams> ops(then ? 2 * count : count);
-  for (std::size_t i = 0; then && i < count; ++i) {  // after every wait (a batch runs in order)
-    CUstreamBatchMemOpParams& op = ops[count + i];
-    op = CUstreamBatchMemOpParams{};
-    op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-    op.writeValue.address = reinterpret_cast<CUdeviceptr>(words + i);
-    op.writeValue.value64 = *then;
-  }
-  for (std::size_t i = 0; i < count; ++i) {
-    CUstreamBatchMemOpParams& op = ops[i];
-    op = CUstreamBatchMemOpParams{};
-    op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-    op.waitValue.address = reinterpret_cast<CUdeviceptr>(words + i);
-    op.waitValue.value64 = cmp == Cmp::GT ? value + 1 : value;
-    op.waitValue.flags = (cmp == Cmp::EQ ? CU_STREAM_WAIT_VALUE_EQ : CU_STREAM_WAIT_VALUE_GEQ) | wait_flags_;
-  }
+  std::vector<CUstreamBatchMemOpParams> ops;
+  ops.reserve(then ? 2 * count : count);
+  for (std::size_t i = 0; i < count; ++i)
+    ops.push_back(stream_wait_op(words + i, cmp == Cmp::GT ? value + 1 : value,
+                                 (cmp == Cmp::EQ ? CU_STREAM_WAIT_VALUE_EQ : CU_STREAM_WAIT_VALUE_GEQ) | wait_flags_));
+  for (std::size_t i = 0; then && i < count; ++i) ops.push_back(stream_write_op(words + i, *then));  // after every wait
   run_stream_batch(ops, stream, call, rank_);
 }
 

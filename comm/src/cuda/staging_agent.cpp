@@ -15,16 +15,6 @@ namespace meshmem::detail {
 
 namespace {
 
-// A stream write of one word. It comes with a memory barrier first (the v2 batch API has no
-// way to leave it out), so the copies and writes before it on the stream land first.
-CUstreamBatchMemOpParams write_op(std::uint64_t* address, std::uint64_t value) {
-  CUstreamBatchMemOpParams op{};
-  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-  op.writeValue.address = reinterpret_cast<CUdeviceptr>(address);
-  op.writeValue.value64 = value;
-  return op;
-}
-
 cudaError_t copy_rows(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch, std::size_t width,
                       std::size_t rows, cudaStream_t stream) {
   return rows == 1 ? cudaMemcpyAsync(dst, src, width, cudaMemcpyDefault, stream)
@@ -661,10 +651,10 @@ void StagingAgent::end_visible(const StagedRequest& r, bool signal, const std::s
     ipc::check_cuda(cuda::launch_copy(nullptr, nullptr, 0, r.signal, r.value, r.op, to.stream, false),
                     "signal kernel launch", what);
   } else if (signal && r.signal != nullptr) {
-    ops.push_back(write_op(r.signal, r.value));  // fenced: the data lands first
+    ops.push_back(stream_write_op(r.signal, r.value));  // fenced: the data lands first
   }
-  ops.push_back(write_op(r.done, r.ticket));
-  ops.push_back(write_op(control_.lane_done(to.ordinal), to.ended + 1));
+  ops.push_back(stream_write_op(r.done, r.ticket));
+  ops.push_back(stream_write_op(control_.lane_done(to.ordinal), to.ended + 1));
   run_stream_batch(ops, to.stream, "staged transfer", rank_);
   std::lock_guard<std::mutex> lock(m_);
   ++to.ended;
@@ -842,7 +832,7 @@ void StagingAgent::watch_readers() {
     // its buffer). Outside m_: a CUDA call may wait (a full queue), and callers take m_.
     if (!gets.empty()) {
       std::vector<CUstreamBatchMemOpParams> ops;
-      for (const auto& [done, ticket] : gets) ops.push_back(write_op(done, ticket));
+      for (const auto& [done, ticket] : gets) ops.push_back(stream_write_op(done, ticket));
       try {
         CurrentDevice current(device_);
         run_stream_batch(ops, incoming_, "staged transfer (ending gets a dead peer did not answer)", rank_);
@@ -1059,7 +1049,7 @@ std::uint64_t StagingAgent::post(int reader, Descriptor d) {
   // GPU's write of the count follows the driver's doorbell write; a host with a weaker order
   // (ARM) needs a store fence here that makes the entry visible to another CPU first.
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  std::vector<CUstreamBatchMemOpParams> ops{write_op(control_.posted(to), n)};
+  std::vector<CUstreamBatchMemOpParams> ops{stream_write_op(control_.posted(to), n)};
   run_stream_batch(ops, own.stream, "staged transfer (channel post)", rank_);
   next_post_[to] = n;  // only once enqueued: a failed post leaves no gap in the numbers
   return n;
@@ -1132,10 +1122,10 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
   auto end_ops = [&] {  // what moves the channel on and ends the transfer, whatever happened
     std::vector<CUstreamBatchMemOpParams> end;
     if (d.kind() == Descriptor::kChunk && d.last() && !abandoned) {
-      end.push_back(write_op(done, d.ticket));
+      end.push_back(stream_write_op(done, d.ticket));
       if (d.done_rank == static_cast<std::uint64_t>(rank_)) last_answered_[d.done_word] = d.ticket;
     }
-    end.push_back(write_op(control_.consumed(from), sequence));
+    end.push_back(stream_write_op(control_.consumed(from), sequence));
     return end;
   };
   try {
@@ -1157,7 +1147,7 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
           ipc::check_cuda(cuda::launch_copy(nullptr, nullptr, 0, word, d.value, d.op(), incoming_, false),
                           "signal kernel launch", what);
         else if (word != nullptr)
-          ops.push_back(write_op(word, d.value));
+          ops.push_back(stream_write_op(word, d.value));
       }
     } else if (d.kind() == Descriptor::kGet) {
       // Checked now (a refused get is answered with its done word alone), resolved again

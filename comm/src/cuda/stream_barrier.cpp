@@ -133,22 +133,11 @@ class FlagBarrier final : public StreamBarrier, FlagWords {
       : FlagWords(topo, bctx), sequence_("barrier(stream) setup") {
     // Each write carries the default memory barrier: earlier puts land before any flag.
     // (cuStreamBatchMemOp refuses CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER: measured on H200.)
-    for (int r = 0; r < topo.size; ++r) {
-      if (r == topo.rank) continue;
-      CUstreamBatchMemOpParams op{};
-      op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-      op.writeValue.address = reinterpret_cast<CUdeviceptr>(static_cast<std::uint64_t*>(window_->peer[r]) + topo.rank);
-      op.writeValue.flags = 0;
-      ops_.push_back(op);
-    }
-    for (int r = 0; r < topo.size; ++r) {
-      if (r == topo.rank) continue;
-      CUstreamBatchMemOpParams op{};
-      op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-      op.waitValue.address = reinterpret_cast<CUdeviceptr>(static_cast<std::uint64_t*>(window_->local) + r);
-      op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ | wait_flags;
-      ops_.push_back(op);
-    }
+    for (int r = 0; r < topo.size; ++r)
+      if (r != topo.rank) ops_.push_back(stream_write_op(static_cast<std::uint64_t*>(window_->peer[r]) + topo.rank, 0));
+    for (int r = 0; r < topo.size; ++r)
+      if (r != topo.rank)
+        ops_.push_back(stream_wait_op(static_cast<std::uint64_t*>(window_->local) + r, 0, CU_STREAM_WAIT_VALUE_GEQ | wait_flags));
   }
   void arrive(Stream stream, bool capturing) override {
     if (capturing) refuse_capture(topo_, "flag", "its barrier numbers are fixed when it is enqueued");
@@ -235,13 +224,7 @@ class KernelBarrier final : public StreamBarrier, FlagWords {
       CurrentDevice current(device_);
       if (!mark_stream_) mark_stream_ = std::make_unique<OwnedStream>(what);
       std::vector<CUstreamBatchMemOpParams> ops;
-      for (std::uint64_t* word : peer_marks_) {
-        CUstreamBatchMemOpParams op{};
-        op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-        op.writeValue.address = reinterpret_cast<CUdeviceptr>(word);
-        op.writeValue.value64 = static_cast<std::uint64_t>(topo_.rank) + 1;
-        ops.push_back(op);
-      }
+      for (std::uint64_t* word : peer_marks_) ops.push_back(stream_write_op(word, static_cast<std::uint64_t>(topo_.rank) + 1));
       run_stream_batch(ops, mark_stream_->get(), "barrier(stream) across nodes", topo_.rank);
       if (!stream_ends_by(mark_stream_->get(), Deadline(std::chrono::milliseconds(2000)), "cudaStreamQuery", what))
         throw Error(ErrorCode::Timeout, what + ": the writes did not run within 2 s");
