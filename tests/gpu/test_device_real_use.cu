@@ -1000,6 +1000,75 @@ TEST_F(RealUse, TransfersRunWhileEightStreamsWait) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// A kernel of the application launched for the first time while a transfer to this rank is
+// in flight. Under CUDA's lazy module loading (the default) that launch loads the kernel's
+// module, and loading waits for the GPU to be idle; the staged, nccl and mpi-device
+// transfers are ended by a thread of this process whose driver calls wait behind that
+// launch, so the transfer stalled until MESHMEM_TIMEOUT (ipc's copy kernels were queued
+// before). meshmem asks for eager loading when the program starts (MESHMEM_MODULE_LOADING).
+// Each rank in turn waits on s0 for a row from its left neighbour and launches a kernel
+// never launched in this process on s1; the neighbour puts the row 300 ms later. The row
+// must land and the launch end long before the timeout (10 s, kernel waits so that a stall
+// ends in it rather than hanging the test).
+__global__ void first_launched_by_the_waiter(unsigned char* mark) { *mark = 1; }
+
+TEST_F(RealUse, AKernelFirstLaunchedWhileATransferIsInFlightDoesNotStallIt) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "10");
+  ScopedEnv wait("MESHMEM_STREAM_WAIT", "kernel");
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  if (comm->device_info().find("module loading lazy") != std::string::npos)
+    GTEST_SKIP() << "lazy module loading chosen by the user (" << comm->device_info()
+                 << "): the stall is the documented limit";
+  constexpr std::size_t kBytes = (1 << 20) + 24;
+  Window win = comm->alloc(kBytes);
+  Signals sig = comm->alloc_signals(1);
+  DeviceBuffer src(kBytes), mark(1);
+  const auto mine = pattern(seed, key(0, me, 9), kBytes);
+  CUDA_OK(upload(src.p, mine.data(), mine.size()));
+  CUDA_OK(fill_now(mark.p, 0, 1));
+  for (int turn = 0; turn < n; ++turn) {
+    const std::uint64_t r = static_cast<std::uint64_t>(turn) + 1;
+    CUDA_OK(fill_now(win.local(), kPoison, kBytes));
+    comm->barrier(s0);
+    CUDA_OK(cudaStreamSynchronize(s0));
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (me == turn) {
+      comm->wait_until(sig, 0, Cmp::GE, r, s0);
+      const auto t0 = std::chrono::steady_clock::now();
+      first_launched_by_the_waiter<<<1, 1, 0, s1>>>(static_cast<unsigned char*>(mark.p));
+      CUDA_OK(cudaGetLastError());
+      const bool launched = finishes(s1, 60);
+      const bool received = finishes(s0, 60);
+      const double took = seconds_since(t0);
+      ASSERT_TRUE(launched && received) << "rank " << me << ": the first launch or the wait for rank " << left
+                                        << " did not end within 60 s";
+      std::string error;
+      try {
+        comm->quiet(s0);
+      } catch (const Error& e) {
+        error = e.what();
+      }
+      EXPECT_EQ(error, "") << "rank " << me << ": route " << to_string(comm->transport(left, Memory::Device));
+      EXPECT_LT(took, 5.0) << "rank " << me << ": the first launch and the row from rank " << left << " took " << took
+                           << " s (route " << to_string(comm->transport(left, Memory::Device)) << ", "
+                           << comm->device_info() << ")";
+      const auto got = to_host(win.local(), kBytes);
+      const auto want = pattern(seed, key(0, left, 9), kBytes);
+      const long long bad = first_difference(got.data(), want.data(), kBytes);
+      EXPECT_LT(bad, 0) << "rank " << me << ": byte " << bad << " from rank " << left << " differs";
+      EXPECT_EQ(to_host(mark.p, 1)[0], 1) << "the first-launched kernel did not run";
+    } else if (right == turn) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      comm->put_signal(win, turn, 0, src.p, kBytes, sig, 0, r, SignalOp::Set, s0);
+      ASSERT_TRUE(finishes(s0, 60)) << "rank " << me << ": the put to rank " << turn << " did not end within 60 s";
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+}
+
 // ---- Signals::read, teardown, late and missing peers ----
 
 TEST_F(RealUse, SignalsReadOnDeviceSignals) {

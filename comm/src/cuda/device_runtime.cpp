@@ -16,6 +16,7 @@
 #include "gpu_queues.hpp"
 #include "halo_watch.hpp"
 #include "kernels.hpp"
+#include "module_loading.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
 #include "stream_barrier.hpp"
 
@@ -244,6 +245,9 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
     ipc::check_cuda(cudaFree(nullptr), "cudaFree(nullptr) (context creation)", what);
     ipc::check_cu(ipc::cuda_driver().cuCtxGetCurrent(&context_), "cuCtxGetCurrent", what);
     ipc::check_cuda(cuda::preload_kernels(), "cudaFuncGetAttributes (loading meshmem's kernels)", what);
+    CUmoduleLoadingMode loading = CU_MODULE_EAGER_LOADING;
+    ipc::check_cu(ipc::cuda_driver().cuModuleGetLoadingMode(&loading), "cuModuleGetLoadingMode", what);
+    note_module_loading(loading == CU_MODULE_LAZY_LOADING);
     cudaDeviceProp prop{};
     ipc::check_cuda(cudaGetDeviceProperties(&prop, device_), "cudaGetDeviceProperties", what);
     ipc::check_cuda(cudaDeviceGetPCIBusId(gpu.bus, sizeof(gpu.bus), device_), "cudaDeviceGetPCIBusId", what);
@@ -276,13 +280,16 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
   wait_kernel_ = wait == StreamWait::Kernel || (wait == StreamWait::Auto && !shared_in_comm_);
   description_ += std::string(", stream waits ") + (wait_kernel_ ? "kernel" : "memop") +
                   (shared_in_comm_ ? " (GPU shared with other ranks)" : "") + (early_launch_ ? ", early launch" : "") +
-                  ", " + describe_gpu_queues();
+                  ", " + describe_gpu_queues() + ", " + describe_module_loading();
 }
 
 void CudaDeviceRuntime::note_own_stream_route(const std::string& route) {
-  const std::string warning = few_gpu_queues_warning(rank_, route);
-  static std::atomic<bool> said{false};  // once per process: every Comm would say the same
-  if (!warning.empty() && !said.exchange(true)) log(LogLevel::Warn, warning);
+  // Once per process each: every Comm would say the same.
+  static std::atomic<bool> said_queues{false}, said_loading{false};
+  const std::string queues = few_gpu_queues_warning(rank_, route);
+  if (!queues.empty() && !said_queues.exchange(true)) log(LogLevel::Warn, queues);
+  const std::string loading = lazy_loading_warning(rank_, route);
+  if (!loading.empty() && !said_loading.exchange(true)) log(LogLevel::Warn, loading);
 }
 
 void CudaDeviceRuntime::create_local(WindowState& state, const std::string& what) {

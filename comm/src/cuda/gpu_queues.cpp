@@ -1,7 +1,5 @@
 #include "gpu_queues.hpp"
 
-#include <dirent.h>
-
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -10,18 +8,16 @@
 
 #include "../backoff.hpp"
 #include "../knobs.hpp"
+#include "module_loading.hpp"
+#include "startup_env.hpp"
 
 namespace meshmem::detail {
 namespace {
 
-enum class QueueSetting { Auto, Keep };
-constexpr std::pair<const char*, QueueSetting> kQueueSettings[] = {{"auto", QueueSetting::Auto},
-                                                                   {"keep", QueueSetting::Keep}};
-
 // Read at load, not through Options (which exist only once a Comm is made, too late for
 // CUDA); declared here so that it is in the knob table and checked like every other.
-const TuningKnob<QueueSetting> kGpuQueues{
-    "device", "MESHMEM_GPU_QUEUES", QueueSetting::Auto, parse_named<kQueueSettings>, print_named<kQueueSettings>,
+const TuningKnob<StartupSetting> kGpuQueues{
+    "device", "MESHMEM_GPU_QUEUES", StartupSetting::Auto, parse_named<kStartupSettings>, print_named<kStartupSettings>,
     "`auto`: when the program starts, meshmem sets CUDA_DEVICE_MAX_CONNECTIONS=32 (CUDA's most hardware queues per "
     "device; 8 by default) unless the variable is set: a stream that waits stalls the queue it shares with other "
     "streams of its process, and the staged, nccl and mpi-device transfers that such a wait waits for run on "
@@ -32,17 +28,6 @@ const TuningKnob<QueueSetting> kGpuQueues{
     "routes a peer through those transports with fewer than 32 queues logs a warning (once per process)",
     false};
 
-// Threads of this process now (1 where only the loading thread runs).
-int threads_running() {
-  DIR* d = opendir("/proc/self/task");
-  if (d == nullptr) return 0;  // unknown
-  int n = 0;
-  while (const dirent* e = readdir(d))
-    if (e->d_name[0] != '.') ++n;
-  closedir(d);
-  return n;
-}
-
 int parse_count(const char* raw) {
   char* end = nullptr;
   const long v = std::strtol(raw, &end, 10);
@@ -50,26 +35,14 @@ int parse_count(const char* raw) {
   return v > GpuQueues::kMost ? GpuQueues::kMost : static_cast<int>(v);
 }
 
-// MESHMEM_GPU_QUEUES=keep, read with the knob's own names; a value it refuses counts as auto
-// here (static initialisation cannot raise) and is raised when a Comm parses its Options.
-bool keep_requested() {
-  const char* mode = std::getenv(kGpuQueues.name());
-  if (mode == nullptr) return false;
-  try {
-    return parse_named<kQueueSettings>(kGpuQueues.name(), mode) == QueueSetting::Keep;
-  } catch (...) {
-    return false;
-  }
-}
-
 GpuQueues settle_at_load() {
-  const bool keep = keep_requested();
-  const char* user = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-  if (user != nullptr && *user != '\0') return GpuQueues{parse_count(user), "the user's"};
-  if (keep) return GpuQueues{8, "CUDA's default, MESHMEM_GPU_QUEUES=keep"};
-  // setenv beside another thread's getenv is undefined: only where this thread runs alone.
-  if (threads_running() != 1) return GpuQueues{8, "CUDA's default: other threads ran when meshmem was loaded"};
-  if (setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 1) != 0) return GpuQueues{8, "CUDA's default: setenv failed"};
+  switch (request_at_load("CUDA_DEVICE_MAX_CONNECTIONS", "32", kGpuQueues.name())) {
+    case StartupRequest::Users: return GpuQueues{parse_count(std::getenv("CUDA_DEVICE_MAX_CONNECTIONS")), "the user's"};
+    case StartupRequest::Kept: return GpuQueues{8, "CUDA's default, MESHMEM_GPU_QUEUES=keep"};
+    case StartupRequest::OtherThreads: return GpuQueues{8, "CUDA's default: other threads ran when meshmem was loaded"};
+    case StartupRequest::SetenvFailed: return GpuQueues{8, "CUDA's default: setenv failed"};
+    case StartupRequest::Set: break;
+  }
   return GpuQueues{GpuQueues::kMost, "requested by meshmem at load"};
 }
 
@@ -125,7 +98,7 @@ std::string queue_count_hint() {
 }  // namespace
 
 std::string gpu_queue_hint() {
-  std::string hint = queue_count_hint();
+  std::string hint = queue_count_hint() + lazy_loading_hint();
   std::lock_guard<std::mutex> lock(held_m);
   if (held_report.empty()) return hint;
   // The latest report may be old (a stall that ended long before): its age says so.

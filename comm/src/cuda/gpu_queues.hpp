@@ -45,8 +45,8 @@ std::string describe_gpu_queues();
 
 // For the message of a transfer on meshmem's own streams that did not end: where the process
 // has fewer than 32 queues, or a transport more streams than queues, "; ... a waiting stream
-// may have held it back ...", then "; " and the report of a held stream, if one was noted;
-// else "".
+// may have held it back ...", where CUDA loads lazily "; module loading lazy ..."
+// (module_loading.hpp), then "; " and the report of a held stream, if one was noted; else "".
 std::string gpu_queue_hint();
 
 // A stream of meshmem's own that was seen held back (its work did not move for seconds, and

@@ -38,8 +38,9 @@
 // CUDA's 32 GPU queues and share them (a transfer may then wait behind another stream's;
 // warned at start, gpu_queues.hpp); two instantiations of one captured graph running at once
 // share their transfers' words (their waits can stall until the timeout); an application kernel
-// launched for the first time while a transfer is in flight stalls until MESHMEM_TIMEOUT
-// under CUDA's lazy loading, as on the staged route (CUDA_MODULE_LOADING=EAGER avoids it).
+// launched for the first time while a transfer is in flight stalls it until MESHMEM_TIMEOUT
+// under CUDA's lazy loading, as on the staged route (meshmem asks for eager loading at start:
+// module_loading.hpp).
 #pragma once
 
 #include <cuda_runtime_api.h>

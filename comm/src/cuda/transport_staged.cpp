@@ -2,10 +2,8 @@
 #include "transport_staged.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <strings.h>
 #include <mutex>
 
 #include "../backoff.hpp"
@@ -209,14 +207,6 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
     agent_ = std::make_shared<StagingAgent>(std::move(setup));
   });
   board_->open(agent_.get());
-  const char* loading = std::getenv("CUDA_MODULE_LOADING");
-  static std::atomic<bool> warned{false};
-  if ((loading == nullptr || strcasecmp(loading, "EAGER") != 0) && !warned.exchange(true))
-    log(LogLevel::Warn,
-        "staged transport with CUDA lazy module loading (CUDA_MODULE_LOADING is not EAGER): the first launch of an "
-        "application kernel while a staged transfer is in flight can wait for the GPU to be idle, which the transfer's "
-        "stream wait never is until MESHMEM_TIMEOUT; set CUDA_MODULE_LOADING=EAGER, or launch each kernel once "
-        "before the first staged transfer");
   log(LogLevel::Info, "staged transport: pool " + layout + "; " + std::to_string(slots_) + " slots of " +
                           std::to_string(chunk_) + " bytes per rank");
 }

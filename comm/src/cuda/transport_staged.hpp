@@ -39,10 +39,10 @@
 // The agent preloads meshmem's kernels on every GPU it drives: under CUDA's lazy loading a
 // first launch may wait for the context to be idle, which a polling transfer wait never is
 // (this hung back-to-back transfers until 6fa5e92). An application kernel launched for the
-// first time while a staged wait is in flight still stalls until MESHMEM_TIMEOUT (seen on
-// 2 x H200 in RealUse.EarlyLaunchedKernelsWaitForThePreviousKernel): the launch waits for an
-// idle GPU and holds the agent's driver calls meanwhile. CUDA_MODULE_LOADING=EAGER avoids it;
-// the transport warns at connect when it is not set.
+// first time while a staged wait is in flight stalls it until MESHMEM_TIMEOUT under lazy
+// loading: the launch waits for an idle GPU and holds the agent's driver calls meanwhile.
+// meshmem asks for eager loading when the program starts (module_loading.hpp), and a Comm
+// with a staged route under lazy loading warns.
 //
 // Channels: agents poll them (yielding for 1 ms after recent work, then every 20 us, every
 // 200 us after 20 ms without), so a transfer after a quiet spell starts up to 0.2 ms late; a

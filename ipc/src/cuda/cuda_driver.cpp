@@ -44,6 +44,7 @@ CudaDriver load() {
   resolve(d.cuCtxPushCurrent, "cuCtxPushCurrent");
   resolve(d.cuCtxPopCurrent, "cuCtxPopCurrent");
   resolve(d.cuCtxGetDevice, "cuCtxGetDevice");
+  resolve(d.cuModuleGetLoadingMode, "cuModuleGetLoadingMode");
   return d;
 }
 

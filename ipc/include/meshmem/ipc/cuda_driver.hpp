@@ -35,6 +35,7 @@ struct CudaDriver {
   PFN_cuCtxPushCurrent_v4000 cuCtxPushCurrent = nullptr;
   PFN_cuCtxPopCurrent_v4000 cuCtxPopCurrent = nullptr;
   PFN_cuCtxGetDevice_v2000 cuCtxGetDevice = nullptr;
+  PFN_cuModuleGetLoadingMode_v11070 cuModuleGetLoadingMode = nullptr;
 };
 
 // Loads the entry points once. Raises Error(Unsupported) where there is no driver.
