@@ -31,8 +31,8 @@ printf '%-22s %10s %10s %4s\n' "# variant" "MiB/proc" "seconds" "rc"
 for i in $(seq 1 "$runs"); do
   measure ipc-lazy CUDA_MODULE_LOADING=LAZY
   measure ipc-eager CUDA_MODULE_LOADING=EAGER
-  measure ipc-meshmem-default
+  measure ipc-meshmem-default -u CUDA_MODULE_LOADING -u MESHMEM_MODULE_LOADING
   measure nccl-lazy MESHMEM_SIMULATE_NODES=2 CUDA_MODULE_LOADING=LAZY
   measure nccl-eager MESHMEM_SIMULATE_NODES=2 CUDA_MODULE_LOADING=EAGER
-  measure nccl-meshmem-default MESHMEM_SIMULATE_NODES=2
+  measure nccl-meshmem-default -u CUDA_MODULE_LOADING -u MESHMEM_MODULE_LOADING MESHMEM_SIMULATE_NODES=2
 done

@@ -1,3 +1,16 @@
+# The variables meshmem sets for CUDA at load (MESHMEM_MODULE_LOADING, MESHMEM_GPU_QUEUES) are
+# cleared for a test unless its ENV names them, so that the suites run with meshmem's own choice
+# whatever the shell running ctest exports (some CUDA containers export CUDA_MODULE_LOADING).
+function(meshmem_startup_env_cleared out env)
+  set(cleared "")
+  foreach(var CUDA_MODULE_LOADING MESHMEM_MODULE_LOADING CUDA_DEVICE_MAX_CONNECTIONS MESHMEM_GPU_QUEUES)
+    if(NOT "${env}" MATCHES "(^|;)${var}=")
+      list(APPEND cleared "${var}=unset:")
+    endif()
+  endforeach()
+  set(${out} "${cleared}" PARENT_SCOPE)
+endfunction()
+
 # meshmem_add_mpi_test(NAME <name> TARGET <exe> RANKS <n>... [ENV <VAR=value>...] [LABELS ...]
 #                      [WRAPPER <command>...])
 # Registers one CTest test per rank count, launched with mpirun (after WRAPPER's words where
@@ -28,6 +41,7 @@ function(meshmem_add_mpi_test)
   endif()
   separate_arguments(extra UNIX_COMMAND "${MESHMEM_MPIEXEC_EXTRA_FLAGS}")
   list(APPEND flags ${extra} ${T_MPIEXEC_FLAGS})
+  meshmem_startup_env_cleared(cleared "${T_ENV}")
   foreach(n IN LISTS T_RANKS)
     set(test_name ${T_NAME}.np${n})
     add_test(NAME ${test_name}
@@ -39,7 +53,8 @@ function(meshmem_add_mpi_test)
       SKIP_RETURN_CODE 77
       PROCESSORS ${n}
       LABELS "${T_LABELS}"
-      ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1;${T_ENV}")
+      ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1;${T_ENV}"
+      ENVIRONMENT_MODIFICATION "${cleared}")
   endforeach()
 endfunction()
 
@@ -62,6 +77,7 @@ function(meshmem_add_hosts_test)
   math(EXPR n "${T_HOSTS} * ${T_RANKS_PER_HOST}")
   math(EXPR harness_timeout "${T_TIMEOUT} - 20")  # so that the harness, not CTest, kills a hung job and cleans up
   set(test_name ${T_NAME}.np${n})
+  meshmem_startup_env_cleared(cleared "${T_ENV}")
   add_test(NAME ${test_name}
     COMMAND ${PROJECT_SOURCE_DIR}/launch/meshmem-hosts --hosts ${T_HOSTS} --ranks-per-host ${T_RANKS_PER_HOST}
             --gpus-per-host ${T_GPUS_PER_HOST}
@@ -72,5 +88,6 @@ function(meshmem_add_hosts_test)
     SKIP_RETURN_CODE 77
     PROCESSORS ${n}
     LABELS "${T_LABELS}"
-    ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;${T_ENV}")
+    ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;${T_ENV}"
+    ENVIRONMENT_MODIFICATION "${cleared}")
 endfunction()

@@ -114,7 +114,7 @@ for step in "$@"; do
       for i in $(seq 1 "$n"); do
         if [ "$(left)" -lt "$limit" ]; then note "loop $name: stopped at run $i (budget)"; break; fi
         t0=$(date +%s.%N)
-        env "${envs[@]}" ${LOOPENV:-} "${cmd[@]}" ${LOOPARGS:-} > "$out/run.log" 2>&1 &
+        env -u CUDA_MODULE_LOADING -u MESHMEM_MODULE_LOADING "${envs[@]}" ${LOOPENV:-} "${cmd[@]}" ${LOOPARGS:-} > "$out/run.log" 2>&1 &
         pid=$!; waited=0
         while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$limit" ]; do sleep 1; waited=$((waited + 1)); done
         if kill -0 "$pid" 2>/dev/null; then

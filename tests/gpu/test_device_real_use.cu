@@ -1017,9 +1017,16 @@ TEST_F(RealUse, AKernelFirstLaunchedWhileATransferIsInFlightDoesNotStallIt) {
   ScopedEnv wait("MESHMEM_STREAM_WAIT", "kernel");
   make_comm();
   if (n < 2) GTEST_SKIP() << "needs two ranks";
-  if (comm->device_info().find("module loading lazy") != std::string::npos)
-    GTEST_SKIP() << "lazy module loading chosen by the user (" << comm->device_info()
-                 << "): the stall is the documented limit";
+  // Lazy loading is the documented limit only where the user chose it (the variable, or
+  // MESHMEM_MODULE_LOADING=keep); anywhere else meshmem's request did not take: a failure.
+  const std::string info = comm->device_info();
+  const bool lazy = info.find("module loading lazy") != std::string::npos;
+  const bool chosen = info.find("(CUDA_MODULE_LOADING, the user's") != std::string::npos ||
+                      info.find("MESHMEM_MODULE_LOADING=keep") != std::string::npos;
+  int skip = lazy && chosen ? 1 : 0;
+  MPI_Allreduce(MPI_IN_PLACE, &skip, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);  // every rank or none
+  if (skip) GTEST_SKIP() << "lazy module loading chosen by the user on some rank (here: " << info << ")";
+  EXPECT_FALSE(lazy) << "rank " << me << ": meshmem's request for eager loading did not take: " << info;
   constexpr std::size_t kBytes = (1 << 20) + 24;
   Window win = comm->alloc(kBytes);
   Signals sig = comm->alloc_signals(1);
@@ -1041,8 +1048,13 @@ TEST_F(RealUse, AKernelFirstLaunchedWhileATransferIsInFlightDoesNotStallIt) {
       const bool launched = finishes(s1, 60);
       const bool received = finishes(s0, 60);
       const double took = seconds_since(t0);
-      ASSERT_TRUE(launched && received) << "rank " << me << ": the first launch or the wait for rank " << left
-                                        << " did not end within 60 s";
+      // No ASSERT in a turn: every rank must reach the turn's closing barrier.
+      if (!launched || !received) {
+        ADD_FAILURE() << "rank " << me << ": the first launch or the wait for rank " << left
+                      << " did not end within 60 s";
+        MPI_Barrier(MPI_COMM_WORLD);
+        continue;
+      }
       std::string error;
       try {
         comm->quiet(s0);
@@ -1061,7 +1073,7 @@ TEST_F(RealUse, AKernelFirstLaunchedWhileATransferIsInFlightDoesNotStallIt) {
     } else if (right == turn) {
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
       comm->put_signal(win, turn, 0, src.p, kBytes, sig, 0, r, SignalOp::Set, s0);
-      ASSERT_TRUE(finishes(s0, 60)) << "rank " << me << ": the put to rank " << turn << " did not end within 60 s";
+      EXPECT_TRUE(finishes(s0, 60)) << "rank " << me << ": the put to rank " << turn << " did not end within 60 s";
     }
     MPI_Barrier(MPI_COMM_WORLD);
   }

@@ -102,15 +102,17 @@ TEST(ModuleLoading, UsersLazyIsKeptAndWarned) {
   EXPECT_EQ(env("CUDA_MODULE_LOADING"), "LAZY");
   EXPECT_FALSE(module_loading_request().eager);
   EXPECT_STREQ(module_loading_request().how, "the user's");
-  note_module_loading(true);
-  EXPECT_EQ(describe_module_loading(), "module loading lazy (CUDA_MODULE_LOADING, the user's)");
+  note_module_loading(meshmem::detail::LoadingMode::Lazy);
+  EXPECT_EQ(describe_module_loading(), "module loading lazy (CUDA_MODULE_LOADING, the user's 'LAZY')");
   const std::string warning = lazy_loading_warning(1, "rank 0 through staged");
   EXPECT_NE(warning.find("rank 1 reaches rank 0 through staged"), std::string::npos) << warning;
+  EXPECT_NE(warning.find("under lazy module loading (CUDA_MODULE_LOADING, the user's 'LAZY')"), std::string::npos)
+      << warning;
   EXPECT_NE(warning.find("export CUDA_MODULE_LOADING=EAGER"), std::string::npos) << warning;
   EXPECT_NE(lazy_loading_hint().find("module loading lazy"), std::string::npos) << lazy_loading_hint();
   EXPECT_NE(meshmem::detail::gpu_queue_hint().find("launched for the first time"), std::string::npos)
       << meshmem::detail::gpu_queue_hint();
-  note_module_loading(false);  // CUDA may load eagerly all the same (a driver default): no warning
+  note_module_loading(meshmem::detail::LoadingMode::Eager);  // CUDA may load eagerly all the same: no warning
   EXPECT_EQ(lazy_loading_warning(1, "rank 0 through staged"), "");
   EXPECT_EQ(meshmem::detail::gpu_queue_hint(), "");
 }
@@ -131,4 +133,26 @@ TEST(ModuleLoading, KeepLeavesTheVariableAlone) {
   EXPECT_FALSE(module_loading_request().eager);
   EXPECT_STREQ(module_loading_request().how, "CUDA's default, MESHMEM_MODULE_LOADING=keep");
   EXPECT_EQ(env("CUDA_DEVICE_MAX_CONNECTIONS"), "32");
+}
+
+// meshmem set EAGER, yet CUDA reports lazy loading (it had started before meshmem was loaded):
+// said so, and warned; a mode that could not be asked is described as unknown, not warned.
+TEST(ModuleLoading, EagerRequestedTooLate) {
+  SKIP_UNLESS_STARTED_FOR_IT();
+  ASSERT_TRUE(module_loading_request().set_by_meshmem);
+  note_module_loading(meshmem::detail::LoadingMode::Lazy);
+  EXPECT_EQ(describe_module_loading(),
+            "module loading lazy (CUDA_MODULE_LOADING, requested by meshmem at load, too late: CUDA had started)");
+  EXPECT_NE(lazy_loading_warning(0, "rank 1 through nccl"), "");
+  note_module_loading(meshmem::detail::LoadingMode::Unknown);
+  EXPECT_EQ(describe_module_loading(),
+            "module loading unknown (cuModuleGetLoadingMode failed) (CUDA_MODULE_LOADING, requested by meshmem at load)");
+  EXPECT_EQ(lazy_loading_warning(0, "rank 1 through nccl"), "");
+}
+
+// CUDA_MODULE_LOADING set but empty: counts as unset (meshmem sets EAGER).
+TEST(ModuleLoading, EmptyCountsAsUnset) {
+  SKIP_UNLESS_STARTED_FOR_IT();
+  EXPECT_EQ(env("CUDA_MODULE_LOADING"), "EAGER");
+  EXPECT_TRUE(module_loading_request().set_by_meshmem);
 }

@@ -173,10 +173,11 @@ class Comm {
   std::string skipped_reason(int rank, Memory memory) const;
   // How descriptors are passed between ranks of this node.
   FdPassing fd_passing() const;
-  // This rank's device and the barrier / stream-wait variants chosen for it, and what the
-  // transports in use hold (the staged transport's pinned pool, and the latest report of one
-  // of its streams held back in a GPU queue: README "GPU queues"), or why device windows are
-  // unavailable.
+  // This rank's device and the barrier / stream-wait variants chosen for it, the GPU queues
+  // and the module loading mode of the process and where they come from (README "GPU
+  // queues", "Module loading"), and what the transports in use hold (the staged transport's
+  // pinned pool, and the latest report of one of its streams held back in a GPU queue), or
+  // why device windows are unavailable.
   std::string device_info() const;
 
  private:

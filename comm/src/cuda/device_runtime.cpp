@@ -245,9 +245,18 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
     ipc::check_cuda(cudaFree(nullptr), "cudaFree(nullptr) (context creation)", what);
     ipc::check_cu(ipc::cuda_driver().cuCtxGetCurrent(&context_), "cuCtxGetCurrent", what);
     ipc::check_cuda(cuda::preload_kernels(), "cudaFuncGetAttributes (loading meshmem's kernels)", what);
+    // Only reported (device_info, warnings): a failure leaves the mode unknown, not the Comm.
     CUmoduleLoadingMode loading = CU_MODULE_EAGER_LOADING;
-    ipc::check_cu(ipc::cuda_driver().cuModuleGetLoadingMode(&loading), "cuModuleGetLoadingMode", what);
-    note_module_loading(loading == CU_MODULE_LAZY_LOADING);
+    const CUresult loading_rc = ipc::cuda_driver().cuModuleGetLoadingMode(&loading);
+    note_module_loading(loading_rc != CUDA_SUCCESS ? LoadingMode::Unknown
+                        : loading == CU_MODULE_LAZY_LOADING ? LoadingMode::Lazy
+                                                            : LoadingMode::Eager);
+    if (loading_rc != CUDA_SUCCESS)
+      log(LogLevel::Warn, what + ": cuModuleGetLoadingMode failed (CUresult " + std::to_string(int(loading_rc)) +
+                              "): the module loading mode is not known");
+    static std::atomic<bool> told_mode{false};
+    if (module_loading_request().set_by_meshmem && !told_mode.exchange(true))
+      log(LogLevel::Info, describe_module_loading() + " (MESHMEM_MODULE_LOADING=keep leaves CUDA's default)");
     cudaDeviceProp prop{};
     ipc::check_cuda(cudaGetDeviceProperties(&prop, device_), "cudaGetDeviceProperties", what);
     ipc::check_cuda(cudaDeviceGetPCIBusId(gpu.bus, sizeof(gpu.bus), device_), "cudaDeviceGetPCIBusId", what);

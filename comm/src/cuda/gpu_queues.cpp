@@ -36,12 +36,13 @@ int parse_count(const char* raw) {
 }
 
 GpuQueues settle_at_load() {
-  switch (request_at_load("CUDA_DEVICE_MAX_CONNECTIONS", "32", kGpuQueues.name())) {
-    case StartupRequest::Users: return GpuQueues{parse_count(std::getenv("CUDA_DEVICE_MAX_CONNECTIONS")), "the user's"};
-    case StartupRequest::Kept: return GpuQueues{8, "CUDA's default, MESHMEM_GPU_QUEUES=keep"};
-    case StartupRequest::OtherThreads: return GpuQueues{8, "CUDA's default: other threads ran when meshmem was loaded"};
-    case StartupRequest::SetenvFailed: return GpuQueues{8, "CUDA's default: setenv failed"};
-    case StartupRequest::Set: break;
+  const StartupRequest request = request_at_load("CUDA_DEVICE_MAX_CONNECTIONS", "32", kGpuQueues.name());
+  switch (request.outcome) {
+    case StartupOutcome::Users: return GpuQueues{parse_count(request.users.c_str()), "the user's"};
+    case StartupOutcome::Kept: return GpuQueues{8, "CUDA's default, MESHMEM_GPU_QUEUES=keep"};
+    case StartupOutcome::OtherThreads: return GpuQueues{8, "CUDA's default: other threads ran when meshmem was loaded"};
+    case StartupOutcome::SetenvFailed: return GpuQueues{8, "CUDA's default: setenv failed"};
+    case StartupOutcome::Set: break;
   }
   return GpuQueues{GpuQueues::kMost, "requested by meshmem at load"};
 }

@@ -14,9 +14,11 @@
 //
 // So at static initialisation this sets CUDA_MODULE_LOADING=EAGER, with the rules of
 // startup_env.hpp (not where the user set it, MESHMEM_MODULE_LOADING=keep, or other threads
-// already run). CUDA reads it when it starts: where CUDA started before meshmem was loaded
-// the request comes too late. The price is the GPU memory and start-up time of every
-// module's code in the process (README, MESHMEM_MODULE_LOADING).
+// already run), in every program linked with meshmem (and the processes it starts inherit
+// it). CUDA reads it when it starts: where CUDA started before meshmem was loaded the
+// request comes too late. Code loaded later (a library opened with dlopen, cuModuleLoad,
+// cuLibraryLoad) is loaded when it is opened. The price is the GPU memory and start-up time
+// of every module's code in the process (README, MESHMEM_MODULE_LOADING).
 //
 // CUDA-free: the mode CUDA reports is given by the device runtime (note_module_loading).
 #pragma once
@@ -26,17 +28,20 @@
 namespace meshmem::detail {
 
 struct ModuleLoadingRequest {
-  bool eager;       // CUDA_MODULE_LOADING is EAGER as meshmem left it at load
-  const char* how;  // "requested by meshmem at load", "the user's", ... (a literal)
+  bool eager;           // CUDA_MODULE_LOADING is EAGER as meshmem left it at load
+  bool set_by_meshmem;  // meshmem set it
+  const char* how;      // "requested by meshmem at load", "the user's", ... (a literal)
+  char users[48];       // the user's value (truncated), else ""
 };
 const ModuleLoadingRequest& module_loading_request();
 
-// The mode CUDA reports once it has started (cuModuleGetLoadingMode): remembered for the
-// hints and warnings below.
-void note_module_loading(bool lazy);
+// The mode CUDA reports once it has started (cuModuleGetLoadingMode; Unknown where that call
+// failed): remembered for the description, hints and warnings below.
+enum class LoadingMode { Eager, Lazy, Unknown };
+void note_module_loading(LoadingMode mode);
 
 // "module loading eager (CUDA_MODULE_LOADING, requested by meshmem at load)"; "lazy" where
-// CUDA loads lazily.
+// CUDA loads lazily, with why ("the user's 'LAZY'", "..., too late: CUDA had started").
 std::string describe_module_loading();
 
 // Where `rank` reaches `route` ("rank 3 through staged") through a transport whose transfers

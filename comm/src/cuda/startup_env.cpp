@@ -34,11 +34,11 @@ bool keep_requested(const char* knob) {
 
 StartupRequest request_at_load(const char* variable, const char* value, const char* knob) {
   const char* user = std::getenv(variable);
-  if (user != nullptr && *user != '\0') return StartupRequest::Users;
-  if (keep_requested(knob)) return StartupRequest::Kept;
-  if (threads_running() != 1) return StartupRequest::OtherThreads;
-  if (setenv(variable, value, 1) != 0) return StartupRequest::SetenvFailed;
-  return StartupRequest::Set;
+  if (user != nullptr && *user != '\0') return {StartupOutcome::Users, user};
+  if (keep_requested(knob)) return {StartupOutcome::Kept, {}};
+  if (threads_running() != 1) return {StartupOutcome::OtherThreads, {}};
+  if (setenv(variable, value, 1) != 0) return {StartupOutcome::SetenvFailed, {}};
+  return {StartupOutcome::Set, {}};
 }
 
 }  // namespace meshmem::detail

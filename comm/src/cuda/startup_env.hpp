@@ -7,6 +7,7 @@
 // CUDA-free.
 #pragma once
 
+#include <string>
 #include <utility>
 
 namespace meshmem::detail {
@@ -16,13 +17,17 @@ inline constexpr std::pair<const char*, StartupSetting> kStartupSettings[] = {{"
                                                                             {"keep", StartupSetting::Keep}};
 
 // What became of a request to set a variable at load.
-enum class StartupRequest {
+enum class StartupOutcome {
   Users,         // the user had set it (non-empty): left as it is
   Kept,          // unset, and the knob says keep
   OtherThreads,  // unset: other threads already ran (setenv beside another thread's getenv is
                  // undefined: a library loaded by dlopen into a running program)
   SetenvFailed,  // unset: setenv failed
   Set,           // set by meshmem now
+};
+struct StartupRequest {
+  StartupOutcome outcome;
+  std::string users;  // the user's value as read once (Users), else ""
 };
 
 // Sets `variable` to `value` unless one of the other outcomes applies; `knob` names the
