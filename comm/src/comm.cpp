@@ -7,6 +7,7 @@
 #include "backoff.hpp"
 #include "comm_impl.hpp"
 #include "gpu_part.hpp"
+#include "helper_cpus.hpp"
 #include "host_window.hpp"
 #include "log.hpp"
 #include "memory_limits.hpp"
@@ -182,6 +183,7 @@ CommImpl::CommImpl(Start start, const Options& opts)
       topo((agree_on_options(boot, opts), Topology::discover(boot, opts.simulate_nodes))),
       uid(g_next_comm_uid++) {
   fds = std::make_unique<FdExchange>(boot, topo, options.fd_passing, faults);
+  const std::string helpers = settle_helper_cpus(options);  // before any helper thread starts
   if (gpu_start_device_runtime != nullptr)
     device = gpu_start_device_runtime(context(), &device_why);
   else
@@ -205,7 +207,8 @@ CommImpl::CommImpl(Start start, const Options& opts)
   log(LogLevel::Info, "Comm #" + std::to_string(uid) + ": rank " + std::to_string(topo.rank) + " of " +
                           std::to_string(topo.size) + ", node " + std::to_string(topo.node()) + " of " +
                           std::to_string(topo.node_count) + ", fd passing " + to_string(fds->mode()) +
-                          ", transports in use: " + (names.empty() ? "none" : names) + ", device: " + device_info());
+                          ", transports in use: " + (names.empty() ? "none" : names) + (helpers.empty() ? "" : ", " + helpers) +
+                          ", device: " + device_info());
 }
 
 // The transports of the table that MESHMEM_TRANSPORTS allows are made (collectively: every

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "backoff.hpp"
+#include "helper_cpus.hpp"
 #include "fault.hpp"
 #include "knobs.hpp"
 #include "log.hpp"
@@ -636,6 +637,7 @@ bool MpiTransport::serve_one() {
 
 void MpiTransport::serve() {
   tighten_timer_slack();
+  place_helper_thread("MPI progress");  // not on the caller's one bound CPU (helper_cpus.hpp)
   Backoff backoff(idle_sleep_);
   while (!stop_.load(std::memory_order_acquire)) {
     if (waiting_servers_.load(std::memory_order_acquire) > 0) {

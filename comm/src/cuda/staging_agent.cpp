@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "../backoff.hpp"
+#include "../helper_cpus.hpp"
 #include "../log.hpp"
 #include "device_runtime.hpp"
 #include "gpu_queues.hpp"
@@ -324,6 +325,7 @@ void StagingAgent::reclaim_words() {
 void StagingAgent::run() {
   relax_capture_mode_of_this_thread();
   tighten_timer_slack();
+  place_helper_thread("staging agent");  // not on the caller's one bound CPU (helper_cpus.hpp)
   std::list<StagedRequest> waiting;  // handed over; sources not known to be ready yet
   // While some source is not ready or some transfer waits for a slot: at most 20 us between
   // polls, so a transfer starts (or goes on) at most that late.

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "../backoff.hpp"
+#include "../helper_cpus.hpp"
 #include "../fault.hpp"
 #include "../log.hpp"
 #include "../strided_rows.hpp"
@@ -625,6 +626,7 @@ class TransferProxy {
 
   void run() {
     tighten_timer_slack();
+    place_helper_thread("transfer proxy");  // not on the caller's one bound CPU (helper_cpus.hpp)
     // Its cudaEventQuery of a copy was refused while the application captured a graph in
     // global mode (seen: mpi-device, "the wire failed"), and the transport stopped for good.
     relax_capture_mode_of_this_thread();
