@@ -183,7 +183,8 @@ CommImpl::CommImpl(Start start, const Options& opts)
       topo((agree_on_options(boot, opts), Topology::discover(boot, opts.simulate_nodes))),
       uid(g_next_comm_uid++) {
   fds = std::make_unique<FdExchange>(boot, topo, options.fd_passing, faults);
-  const std::string helpers = settle_helper_cpus(options);  // before any helper thread starts
+  settle_helpers();
+  HelperCpusScope placing(helpers);  // threads started while the Comm is made go where it decided
   if (gpu_start_device_runtime != nullptr)
     device = gpu_start_device_runtime(context(), &device_why);
   else
@@ -207,7 +208,7 @@ CommImpl::CommImpl(Start start, const Options& opts)
   log(LogLevel::Info, "Comm #" + std::to_string(uid) + ": rank " + std::to_string(topo.rank) + " of " +
                           std::to_string(topo.size) + ", node " + std::to_string(topo.node()) + " of " +
                           std::to_string(topo.node_count) + ", fd passing " + to_string(fds->mode()) +
-                          ", transports in use: " + (names.empty() ? "none" : names) + (helpers.empty() ? "" : ", " + helpers) +
+                          ", transports in use: " + (names.empty() ? "none" : names) + (helpers.text.empty() ? "" : ", " + helpers.text) +
                           ", device: " + device_info());
 }
 
@@ -295,9 +296,28 @@ CommImpl::~CommImpl() {
   device.reset();
 }
 
+// Where this Comm's busy threads run: every rank says which CPUs it is bound to where that is
+// one core, and those CPUs of the node are left to their ranks.
+void CommImpl::settle_helpers() {
+  const char* what = "meshmem::Comm (helper threads' CPUs)";
+  const std::vector<int> mine = cpus_of_this_thread();
+  std::uint64_t bits[16] = {};  // CPUs 0-1023 of a rank bound to one core; none otherwise
+  if (bound_to_one_core(mine))
+    for (int c : mine) bits[c / 64] |= std::uint64_t{1} << (c % 64);
+  std::vector<std::uint64_t> all(16 * static_cast<std::size_t>(topo.size));
+  boot.allgather(bits, all.data(), sizeof bits, what);
+  std::vector<int> taken;
+  for (int r : topo.node_ranks)
+    for (int c = 0; c < 1024; ++c)
+      if (all[16 * static_cast<std::size_t>(r) + c / 64] >> (c % 64) & 1) taken.push_back(c);
+  std::sort(taken.begin(), taken.end());
+  helpers = settle_helper_cpus(options, taken);
+}
+
 std::string CommImpl::device_info() const {
-  if (!device) return "none: " + device_why;
+  if (!device) return "none: " + device_why + (helpers.text.empty() ? "" : "; " + helpers.text);
   std::string info = device->describe() + ", barrier(stream) " + stream_barrier->describe();
+  if (!helpers.text.empty()) info += ", " + helpers.text;
   for (const auto& t : transports) {
     const std::string more = t->describe();
     if (!more.empty()) info += "; " + std::string(to_string(t->kind())) + ": " + more;

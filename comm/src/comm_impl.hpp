@@ -11,6 +11,7 @@
 #include "device_runtime.hpp"
 #include "fault.hpp"
 #include "fd_exchange.hpp"
+#include "helper_cpus.hpp"
 #include "log.hpp"
 #include "meshmem/comm.hpp"
 #include "meshmem/halo.hpp"
@@ -61,6 +62,7 @@ class CommImpl {
   std::string skipped_reason(int rank, Memory memory, const char* call) const;
   // This rank's device and barrier(stream) variant, or why device windows are unavailable.
   std::string device_info() const;
+  void settle_helpers();
 
   // Host-side wait: polls `ready()` with backoff, letting the transports serve peers'
   // requests meanwhile (the awaited signal may be in one of them); after MESHMEM_TIMEOUT
@@ -102,6 +104,7 @@ class CommImpl {
   Bootstrap boot;
   Topology topo;
   std::unique_ptr<FdExchange> fds;
+  HelperPlacement helpers;  // where this Comm's busy threads run (helper_cpus.hpp)
   std::unique_ptr<DeviceRuntime> device;  // null where device windows are unavailable
   std::string device_why;                 // why they are unavailable
   std::vector<std::unique_ptr<Transport>> transports;  // connected ones, in the order tried

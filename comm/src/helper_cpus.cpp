@@ -1,13 +1,14 @@
 #include "helper_cpus.hpp"
 
 #include <dirent.h>
-#include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <mutex>
+#include <iterator>
 #include <sstream>
 
 #include "knobs.hpp"
@@ -16,23 +17,22 @@
 namespace meshmem::detail {
 namespace {
 
-enum class HelperCpus { Auto, Inherit };
-constexpr std::pair<const char*, HelperCpus> kHelperCpusNames[] = {{"auto", HelperCpus::Auto},
-                                                                  {"inherit", HelperCpus::Inherit}};
-const TuningKnob<HelperCpus> kHelperCpus{
-    "comm", "MESHMEM_HELPER_CPUS", HelperCpus::Auto, parse_named<kHelperCpusNames>, print_named<kHelperCpusNames>,
-    "`auto`: where a Comm is made on a thread bound to a single CPU (Open MPI's default for two ranks), meshmem's "
-    "busy threads (the staging agent, the nccl and mpi-device transfer proxies, the host MPI transport's progress "
-    "thread) run on the CPUs of that CPU's NUMA node instead of sharing it with the caller's spinning thread "
-    "(2 ranks on 1 x H100 bound to a core each: Jacobi with the staged halo 3.5x slower, a staged put 8x slower); "
-    "the caller's threads keep their binding. `inherit`: the threads keep the creator's CPUs",
+enum class HelperCpusMode { Auto, Inherit };
+constexpr std::pair<const char*, HelperCpusMode> kHelperCpusModes[] = {{"auto", HelperCpusMode::Auto},
+                                                                      {"inherit", HelperCpusMode::Inherit}};
+const TuningKnob<HelperCpusMode> kHelperCpus{
+    "comm", "MESHMEM_HELPER_CPUS", HelperCpusMode::Auto, parse_named<kHelperCpusModes>,
+    print_named<kHelperCpusModes>,
+    "`auto`: where a Comm is made on a thread bound to one core (Open MPI's default for two ranks), meshmem's busy "
+    "threads (the staging agent, the nccl and mpi-device transfer proxies, the proxy barrier's thread, the host MPI "
+    "progress thread, NCCL's own threads) run on the other CPUs of that core's NUMA node, less those other ranks of "
+    "the node are bound to one core each (none left: they stay), instead of sharing the core with the caller's "
+    "spinning thread (2 ranks on 1 x H100 bound to a core each: Jacobi with the staged halo 3.5x slower, a staged "
+    "put 6.5x slower); the caller's threads keep their binding. `inherit`: the threads keep the creator's CPUs",
     false};
 
-// Leaked: read by helper threads that may outlive static destruction.
-std::mutex& settled_m = *new std::mutex;
-std::vector<int>& settled = *new std::vector<int>;  // empty: keep the creator's mask
-std::string& settled_text = *new std::string;
-std::atomic<bool> refused_said{false};
+thread_local const HelperPlacement* in_force = nullptr;  // HelperCpusScope
+std::atomic<bool> warned_shared{false};
 
 std::string read_line(const std::string& path) {
   std::ifstream in(path);
@@ -57,6 +57,31 @@ int numa_node_of(int cpu) {
   return node;
 }
 
+std::vector<int> siblings_of(int cpu) {
+  return parse_cpu_list(read_line("/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/thread_siblings_list"));
+}
+
+std::vector<int> cpus_of(pthread_t thread) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (pthread_getaffinity_np(thread, sizeof set, &set) != 0) return cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  return cpus;
+}
+
+int set_cpus(pthread_t thread, const std::vector<int>& cpus) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : cpus) CPU_SET(c, &set);
+  return pthread_setaffinity_np(thread, sizeof set, &set);
+}
+
+bool within(const std::vector<int>& a, const std::vector<int>& b) {  // a ⊆ b, both sorted
+  return std::includes(b.begin(), b.end(), a.begin(), a.end());
+}
+
 }  // namespace
 
 std::vector<int> parse_cpu_list(const std::string& list) {
@@ -64,17 +89,16 @@ std::vector<int> parse_cpu_list(const std::string& list) {
   std::stringstream in(list);
   std::string part;
   while (std::getline(in, part, ',')) {
-    if (part.empty()) continue;
-    int lo = 0, hi = 0;
     const auto dash = part.find('-');
-    try {
-      lo = std::stoi(part.substr(0, dash));
-      hi = dash == std::string::npos ? lo : std::stoi(part.substr(dash + 1));
-    } catch (...) {
-      return {};  // not a list: treated as unknown
-    }
-    for (int c = lo; c <= hi && c < CPU_SETSIZE; ++c) cpus.push_back(c);
+    const std::string lo_s = part.substr(0, dash), hi_s = dash == std::string::npos ? lo_s : part.substr(dash + 1);
+    char* end_lo = nullptr;
+    char* end_hi = nullptr;
+    const long lo = std::strtol(lo_s.c_str(), &end_lo, 10), hi = std::strtol(hi_s.c_str(), &end_hi, 10);
+    if (lo_s.empty() || hi_s.empty() || *end_lo != '\0' || *end_hi != '\0' || lo < 0 || hi < lo) return {};
+    for (long c = lo; c <= hi && c < CPU_SETSIZE; ++c) cpus.push_back(static_cast<int>(c));
   }
+  std::sort(cpus.begin(), cpus.end());
+  cpus.erase(std::unique(cpus.begin(), cpus.end()), cpus.end());
   return cpus;
 }
 
@@ -89,51 +113,64 @@ std::string print_cpu_list(const std::vector<int>& cpus) {
   return out;
 }
 
-std::string settle_helper_cpus(const Options& options) {
-  std::vector<int> cpus;
-  std::string text;
-  cpu_set_t mine;
-  CPU_ZERO(&mine);
-  if (kHelperCpus.get(options) == HelperCpus::Auto &&
-      pthread_getaffinity_np(pthread_self(), sizeof mine, &mine) == 0 && CPU_COUNT(&mine) == 1) {
-    int bound = 0;
-    while (!CPU_ISSET(bound, &mine)) ++bound;
-    const int node = numa_node_of(bound);
-    const std::string list = read_line(node >= 0 ? "/sys/devices/system/node/node" + std::to_string(node) + "/cpulist"
-                                                 : std::string("/sys/devices/system/cpu/online"));
-    cpus = parse_cpu_list(list);
-    if (cpus.size() > 1)
-      text = "helper threads on CPUs " + print_cpu_list(cpus) + " (" +
-             (node >= 0 ? "NUMA node " + std::to_string(node) : std::string("every online CPU")) + " of CPU " +
-             std::to_string(bound) + ", the one this thread is bound to; MESHMEM_HELPER_CPUS)";
-    else
-      cpus.clear();
-  }
-  std::lock_guard<std::mutex> lock(settled_m);
-  settled = std::move(cpus);
-  settled_text = text;
-  return text;
+std::vector<int> cpus_of_this_thread() { return cpus_of(pthread_self()); }
+
+bool bound_to_one_core(const std::vector<int>& mine) {
+  if (mine.size() == 1) return true;
+  if (mine.empty()) return false;
+  const std::vector<int> core = siblings_of(mine.front());
+  return !core.empty() && within(mine, core);
 }
 
-void place_helper_thread(const char* what) {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  {
-    std::lock_guard<std::mutex> lock(settled_m);
-    if (settled.empty()) return;
-    for (int c : settled) CPU_SET(c, &set);
-  }
-  // The kernel keeps only the CPUs the process's cpuset allows; none of them: refused.
-  const int rc = pthread_setaffinity_np(pthread_self(), sizeof set, &set);
-  if (rc != 0 && !refused_said.exchange(true))
-    log(LogLevel::Warn, std::string("meshmem's ") + what + " thread could not move to its CPUs (" +
-                            describe_helper_cpus() + "): pthread_setaffinity_np: " + std::strerror(rc) +
-                            "; it shares the creator's CPU");
+HelperPlacement plan_helper_cpus(bool inherit, const std::vector<int>& mine, const std::vector<int>& siblings,
+                                 const std::vector<int>& node, int node_id, const std::vector<int>& taken) {
+  const bool one_core = mine.size() == 1 || (!mine.empty() && !siblings.empty() && within(mine, siblings));
+  if (inherit || !one_core || node.empty()) return {};
+  std::vector<int> free;
+  std::set_difference(node.begin(), node.end(), taken.begin(), taken.end(), std::back_inserter(free));
+  const std::string where = node_id >= 0 ? "NUMA node " + std::to_string(node_id) : std::string("the online CPUs");
+  const std::string core = "CPU " + print_cpu_list(mine) + ", the core this thread is bound to";
+  if (free.empty())
+    return {{}, "helper threads stay on " + core + ": every CPU of " + where + " is bound to a rank (MESHMEM_HELPER_CPUS)"};
+  return {free, "helper threads on CPUs " + print_cpu_list(free) + " (" + where + " of " + core +
+                    ", less the ranks' cores; MESHMEM_HELPER_CPUS)"};
 }
 
-std::string describe_helper_cpus() {
-  std::lock_guard<std::mutex> lock(settled_m);
-  return settled_text;
+HelperPlacement settle_helper_cpus(const Options& options, const std::vector<int>& taken) {
+  const std::vector<int> mine = cpus_of_this_thread();
+  if (mine.empty()) return {};
+  const int node_id = numa_node_of(mine.front());
+  const std::vector<int> node = parse_cpu_list(
+      read_line(node_id >= 0 ? "/sys/devices/system/node/node" + std::to_string(node_id) + "/cpulist"
+                             : std::string("/sys/devices/system/cpu/online")));
+  return plan_helper_cpus(kHelperCpus.get(options) == HelperCpusMode::Inherit, mine, siblings_of(mine.front()), node,
+                          node_id, taken);
+}
+
+HelperCpusScope::HelperCpusScope(const HelperPlacement& placement) : previous_(in_force) { in_force = &placement; }
+HelperCpusScope::~HelperCpusScope() { in_force = previous_; }
+
+void place_helper_thread(pthread_t thread, const char* what) {
+  if (in_force == nullptr || in_force->cpus.empty()) return;
+  const std::vector<int> creator = cpus_of_this_thread();
+  const int rc = set_cpus(thread, in_force->cpus);
+  // The kernel keeps only what the process's cpuset allows: read back what the thread got.
+  const std::vector<int> got = cpus_of(thread);
+  if ((rc != 0 || within(got, creator)) && !warned_shared.exchange(true))
+    log(LogLevel::Warn, std::string("meshmem's ") + what + " thread still shares the caller's CPUs " +
+                            print_cpu_list(creator) + " (asked for " + print_cpu_list(in_force->cpus) + ": " +
+                            (rc != 0 ? std::string(std::strerror(rc)) : "the process's cpuset allows no other") +
+                            "): its transfers wait for the caller's thread to leave the CPU; bind ranks to more CPUs");
+}
+
+CallerOnHelperCpus::CallerOnHelperCpus() {
+  if (in_force == nullptr || in_force->cpus.empty()) return;
+  std::vector<int> before = cpus_of_this_thread();
+  if (set_cpus(pthread_self(), in_force->cpus) == 0) restore_ = std::move(before);
+}
+
+CallerOnHelperCpus::~CallerOnHelperCpus() {
+  if (!restore_.empty()) (void)set_cpus(pthread_self(), restore_);
 }
 
 }  // namespace meshmem::detail

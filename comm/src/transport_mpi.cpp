@@ -122,6 +122,7 @@ void MpiTransport::connect(const std::vector<bool>&) {
             "MPI_Comm_create_keyval", what);
   check_mpi(MPI_Comm_set_attr(MPI_COMM_SELF, finalize_keyval_, this), "MPI_Comm_set_attr", what);
   progress_ = std::thread([this] { serve(); });
+  place_helper_thread(progress_, "MPI progress");  // off a caller bound to one core (helper_cpus.hpp)
 }
 
 namespace {
@@ -637,7 +638,6 @@ bool MpiTransport::serve_one() {
 
 void MpiTransport::serve() {
   tighten_timer_slack();
-  place_helper_thread("MPI progress");  // not on the caller's one bound CPU (helper_cpus.hpp)
   Backoff backoff(idle_sleep_);
   while (!stop_.load(std::memory_order_acquire)) {
     if (waiting_servers_.load(std::memory_order_acquire) > 0) {

@@ -1,110 +1,108 @@
-// Where meshmem's busy threads run (comm/src/helper_cpus.hpp): a Comm made on a thread bound
-// to one CPU moves the helper threads started after it to that CPU's NUMA node; with more
-// CPUs, or MESHMEM_HELPER_CPUS=inherit, they keep the creator's mask. No GPU, no MPI; skipped
-// where the machine has a single CPU (or the CPU's node has only it).
+// Where meshmem's busy threads run (comm/src/helper_cpus.hpp): the decision from plain facts
+// (a rank bound to one core, hardware threads, other ranks' cores, `inherit`), and a real
+// thread placed by its creator under a Comm's decision while the caller keeps its binding.
+// No GPU, no MPI; the thread cases skip where this process may use a single CPU.
 #include <gtest/gtest.h>
 #include <pthread.h>
-#include <sched.h>
 
-#include <functional>
+#include <atomic>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "helper_cpus.hpp"
 
-using meshmem::Options;
+using meshmem::detail::cpus_of_this_thread;
+using meshmem::detail::HelperCpusScope;
+using meshmem::detail::HelperPlacement;
 using meshmem::detail::parse_cpu_list;
 using meshmem::detail::place_helper_thread;
+using meshmem::detail::plan_helper_cpus;
 using meshmem::detail::print_cpu_list;
-using meshmem::detail::settle_helper_cpus;
 
 namespace {
 
-std::vector<int> cpus_of_this_thread() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  std::vector<int> cpus;
-  if (pthread_getaffinity_np(pthread_self(), sizeof set, &set) != 0) return cpus;
-  for (int c = 0; c < CPU_SETSIZE; ++c)
-    if (CPU_ISSET(c, &set)) cpus.push_back(c);
-  return cpus;
-}
+using Cpus = std::vector<int>;
+const Cpus kNode = parse_cpu_list("0-15");
 
-bool bind_this_thread(const std::vector<int>& cpus) {
+bool bind_this_thread(const Cpus& cpus) {
   cpu_set_t set;
   CPU_ZERO(&set);
   for (int c : cpus) CPU_SET(c, &set);
   return pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0;
 }
 
-// Runs `body` on a new thread bound to `cpus` (the user's rank thread), and returns.
-void on_thread_bound_to(const std::vector<int>& cpus, const std::function<void()>& body) {
-  std::thread t([&] {
-    ASSERT_TRUE(bind_this_thread(cpus));
-    body();
-  });
-  t.join();
-}
-
-// The CPUs a helper thread started now from this thread ends on.
-std::vector<int> helper_cpus_from_here() {
-  std::vector<int> got;
-  std::thread helper([&] {
-    place_helper_thread("test helper");
-    got = cpus_of_this_thread();
-  });
-  helper.join();
-  return got;
-}
-
 }  // namespace
 
 TEST(HelperCpus, CpuListsRoundTrip) {
-  EXPECT_EQ(parse_cpu_list("0-3,8,10-11"), (std::vector<int>{0, 1, 2, 3, 8, 10, 11}));
+  EXPECT_EQ(parse_cpu_list("0-3,8,10-11"), (Cpus{0, 1, 2, 3, 8, 10, 11}));
   EXPECT_EQ(print_cpu_list({0, 1, 2, 3, 8, 10, 11}), "0-3,8,10-11");
-  EXPECT_EQ(parse_cpu_list("5"), (std::vector<int>{5}));
-  EXPECT_EQ(parse_cpu_list(""), (std::vector<int>{}));
+  EXPECT_EQ(parse_cpu_list("5"), (Cpus{5}));
+  EXPECT_EQ(parse_cpu_list("4x"), (Cpus{}));   // not a list
+  EXPECT_EQ(parse_cpu_list("3-1"), (Cpus{}));
+  EXPECT_EQ(parse_cpu_list(""), (Cpus{}));
 }
 
-TEST(HelperCpus, HelpersLeaveTheCallersOneCpu) {
-  const std::vector<int> all = cpus_of_this_thread();
-  if (all.size() < 2) GTEST_SKIP() << "this process may use " << all.size() << " CPU(s)";
-  std::string text;
-  std::vector<int> got, caller_after;
-  on_thread_bound_to({all[0]}, [&] {
-    text = settle_helper_cpus(Options{});
-    got = helper_cpus_from_here();
-    caller_after = cpus_of_this_thread();
-  });
-  if (text.empty()) GTEST_SKIP() << "CPU " << all[0] << "'s NUMA node has no other CPU this machine reports";
-  EXPECT_NE(text.find("helper threads on CPUs "), std::string::npos) << text;
-  EXPECT_GT(got.size(), 1u) << "the helper stayed on " << print_cpu_list(got) << " (" << text << ")";
-  EXPECT_EQ(caller_after, (std::vector<int>{all[0]})) << "the caller's binding changed";
-  on_thread_bound_to(all, [&] { EXPECT_EQ(settle_helper_cpus(Options{}), ""); });  // reset for other cases
+// Two ranks bound to CPUs 0 and 1 of a 16-CPU node: the helpers get 2-15.
+TEST(HelperCpus, HelpersLeaveTheRanksCores) {
+  const HelperPlacement p = plan_helper_cpus(false, {0}, {0}, kNode, 0, {0, 1});
+  EXPECT_EQ(print_cpu_list(p.cpus), "2-15");
+  EXPECT_NE(p.text.find("helper threads on CPUs 2-15 (NUMA node 0 of CPU 0"), std::string::npos) << p.text;
 }
 
-TEST(HelperCpus, InheritKeepsTheCreatorsCpu) {
-  const std::vector<int> all = cpus_of_this_thread();
-  if (all.size() < 2) GTEST_SKIP() << "this process may use " << all.size() << " CPU(s)";
-  Options inherit;
-  inherit.set("MESHMEM_HELPER_CPUS", "inherit");
-  std::vector<int> got;
-  on_thread_bound_to({all[0]}, [&] {
-    EXPECT_EQ(settle_helper_cpus(inherit), "");
-    got = helper_cpus_from_here();
-  });
-  EXPECT_EQ(got, (std::vector<int>{all[0]}));
+// One rank per CPU on the whole node: nothing is left, the helpers stay, and it is said.
+TEST(HelperCpus, AFullNodeKeepsTheHelpersOnTheirRank) {
+  const HelperPlacement p = plan_helper_cpus(false, {3}, {3}, kNode, 0, kNode);
+  EXPECT_TRUE(p.cpus.empty());
+  EXPECT_NE(p.text.find("stay on CPU 3"), std::string::npos) << p.text;
 }
 
-TEST(HelperCpus, SeveralCpusAreLeftAlone) {
-  const std::vector<int> all = cpus_of_this_thread();
+// Bound to both hardware threads of one core (--bind-to core with SMT): still one core.
+TEST(HelperCpus, HardwareThreadsOfOneCoreCountAsOneCore) {
+  const HelperPlacement p = plan_helper_cpus(false, {0, 8}, {0, 8}, kNode, 0, {0, 8});
+  EXPECT_EQ(print_cpu_list(p.cpus), "1-7,9-15");
+}
+
+// Several cores, `inherit`, or no node known: the creator's mask.
+TEST(HelperCpus, OtherwiseTheHelpersKeepTheCreatorsCpus) {
+  EXPECT_TRUE(plan_helper_cpus(false, {0, 1}, {0}, kNode, 0, {}).cpus.empty());
+  EXPECT_TRUE(plan_helper_cpus(true, {0}, {0}, kNode, 0, {0}).cpus.empty());
+  EXPECT_TRUE(plan_helper_cpus(false, {0}, {0}, {}, -1, {0}).cpus.empty());
+  EXPECT_EQ(plan_helper_cpus(false, {0, 1}, {0}, kNode, 0, {}).text, "");
+}
+
+// A real thread: created under a placement (as while a Comm is made) on a thread bound to
+// one CPU, it is moved by its creator; the creator keeps its CPU; outside the scope, or with
+// an empty placement, a new thread inherits.
+TEST(HelperCpus, TheCreatorPlacesItsThread) {
+  const Cpus all = cpus_of_this_thread();
   if (all.size() < 2) GTEST_SKIP() << "this process may use " << all.size() << " CPU(s)";
-  const std::vector<int> two{all[0], all[1]};
-  std::vector<int> got;
-  on_thread_bound_to(two, [&] {
-    EXPECT_EQ(settle_helper_cpus(Options{}), "");
-    got = helper_cpus_from_here();
+  Cpus helper, creator_after, outside;
+  std::thread rank([&] {
+    ASSERT_TRUE(bind_this_thread({all[0]}));
+    const HelperPlacement placement{Cpus(all.begin() + 1, all.end()), "test"};
+    {
+      HelperCpusScope scope(placement);
+      std::atomic<bool> read{false};  // the thread lives until its mask is read
+      std::thread t([&] {
+        while (!read.load()) std::this_thread::yield();
+      });
+      place_helper_thread(t, "test helper");
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      ASSERT_EQ(pthread_getaffinity_np(t.native_handle(), sizeof set, &set), 0);
+      for (int c = 0; c < CPU_SETSIZE; ++c)
+        if (CPU_ISSET(c, &set)) helper.push_back(c);
+      read = true;
+      t.join();
+    }
+    creator_after = cpus_of_this_thread();
+    std::thread t([&] { outside = cpus_of_this_thread(); });
+    place_helper_thread(t, "test helper");  // no placement in force: nothing
+    t.join();
   });
-  EXPECT_EQ(got, two);
+  rank.join();
+  EXPECT_EQ(helper, Cpus(all.begin() + 1, all.end()));
+  EXPECT_EQ(creator_after, (Cpus{all[0]}));
+  EXPECT_EQ(outside, (Cpus{all[0]}));
 }

@@ -8,7 +8,6 @@
 
 #include "../bootstrap.hpp"
 #include "../gpu_part.hpp"
-#include "../helper_cpus.hpp"
 #include "../backoff.hpp"
 #include "../knobs.hpp"
 #include "../log.hpp"
@@ -291,7 +290,6 @@ CudaDeviceRuntime::CudaDeviceRuntime(const CommContext& ctx, int device)
   description_ += std::string(", stream waits ") + (wait_kernel_ ? "kernel" : "memop") +
                   (shared_in_comm_ ? " (GPU shared with other ranks)" : "") + (early_launch_ ? ", early launch" : "") +
                   ", " + describe_gpu_queues() + ", " + describe_module_loading();
-  if (const std::string helpers = describe_helper_cpus(); !helpers.empty()) description_ += ", " + helpers;
 }
 
 void CudaDeviceRuntime::note_own_stream_route(const std::string& route) {

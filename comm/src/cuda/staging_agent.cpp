@@ -120,6 +120,7 @@ StagingAgent::StagingAgent(Setup setup)
   pulse_ = std::make_shared<WorkerPulse>("the staging agent of rank " + std::to_string(rank_));
   register_worker_pulse(pulse_);
   thread_ = std::thread([this] { run(); });
+  place_helper_thread(thread_, "staging agent");  // off a caller bound to one core (helper_cpus.hpp)
 }
 
 StagingAgent::~StagingAgent() {
@@ -325,7 +326,6 @@ void StagingAgent::reclaim_words() {
 void StagingAgent::run() {
   relax_capture_mode_of_this_thread();
   tighten_timer_slack();
-  place_helper_thread("staging agent");  // not on the caller's one bound CPU (helper_cpus.hpp)
   std::list<StagedRequest> waiting;  // handed over; sources not known to be ready yet
   // While some source is not ready or some transfer waits for a slot: at most 20 us between
   // polls, so a transfer starts (or goes on) at most that late.

@@ -4,6 +4,7 @@
 #include <system_error>
 
 #include "../backoff.hpp"
+#include "../helper_cpus.hpp"
 #include "../log.hpp"
 #include "captured_handoff.hpp"
 #include "device_sync.hpp"
@@ -58,6 +59,7 @@ StreamBarrierProxy::StreamBarrierProxy(MPI_Comm parent, int device, std::chrono:
   });
   board_->open(this);
   thread_ = std::thread([this] { serve(); });
+  place_helper_thread(thread_, "proxy barrier");  // off a caller bound to one core (helper_cpus.hpp)
 }
 
 namespace {

@@ -113,6 +113,7 @@ class TransferProxy {
     words_ = static_cast<std::uint64_t*>(words_memory_.get());
     for (std::size_t i = kDoneWords; i-- > 0;) free_words_.push_back(i);
     thread_ = std::thread([this] { run(); });
+    place_helper_thread(thread_, "transfer proxy");  // off a caller bound to one core (helper_cpus.hpp)
   }
   TransferProxy(const TransferProxy&) = delete;
   TransferProxy& operator=(const TransferProxy&) = delete;
@@ -626,7 +627,6 @@ class TransferProxy {
 
   void run() {
     tighten_timer_slack();
-    place_helper_thread("transfer proxy");  // not on the caller's one bound CPU (helper_cpus.hpp)
     // Its cudaEventQuery of a copy was refused while the application captured a graph in
     // global mode (seen: mpi-device, "the wire failed"), and the transport stopped for good.
     relax_capture_mode_of_this_thread();

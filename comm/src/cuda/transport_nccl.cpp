@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "../backoff.hpp"
+#include "../helper_cpus.hpp"
 #include "../bootstrap.hpp"
 #include "../fault.hpp"
 #include "../gpu_part.hpp"
@@ -277,6 +278,8 @@ void NcclTransport::connect(const std::vector<bool>& routed) {
       if (rc != NcclLibrary::kInProgress) lib_->check(rc, call, what);
     };
     NcclConfig nonblocking = NcclConfig::make(false, true);
+    // NCCL's threads start in here with this thread's CPUs: not on a caller bound to one core.
+    const CallerOnHelperCpus on_helper_cpus;
     lib_->check(lib_->group_start(), "ncclGroupStart", what);
     for (std::size_t i = 0; i < peers.size(); ++i) {
       const int a = lib_->comm_init_rank_config(&handles[2 * i], 2, out_ids[i], 0, &nonblocking);
