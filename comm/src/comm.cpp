@@ -208,8 +208,7 @@ CommImpl::CommImpl(Start start, const Options& opts)
   log(LogLevel::Info, "Comm #" + std::to_string(uid) + ": rank " + std::to_string(topo.rank) + " of " +
                           std::to_string(topo.size) + ", node " + std::to_string(topo.node()) + " of " +
                           std::to_string(topo.node_count) + ", fd passing " + to_string(fds->mode()) +
-                          ", transports in use: " + (names.empty() ? "none" : names) + (helpers.text.empty() ? "" : ", " + helpers.text) +
-                          ", device: " + device_info());
+                          ", transports in use: " + (names.empty() ? "none" : names) + ", device: " + device_info());
 }
 
 // The transports of the table that MESHMEM_TRANSPORTS allows are made (collectively: every

@@ -5,8 +5,8 @@
 #include <cstring>
 
 #include "backoff.hpp"
-#include "helper_cpus.hpp"
 #include "fault.hpp"
+#include "helper_cpus.hpp"
 #include "knobs.hpp"
 #include "log.hpp"
 

@@ -13,8 +13,8 @@
 #include <utility>
 
 #include "../backoff.hpp"
-#include "../helper_cpus.hpp"
 #include "../fault.hpp"
+#include "../helper_cpus.hpp"
 #include "../log.hpp"
 #include "../strided_rows.hpp"
 #include "../topology.hpp"

@@ -16,10 +16,10 @@
 #include <utility>
 
 #include "../backoff.hpp"
-#include "../helper_cpus.hpp"
 #include "../bootstrap.hpp"
 #include "../fault.hpp"
 #include "../gpu_part.hpp"
+#include "../helper_cpus.hpp"
 #include "../knobs.hpp"
 #include "../log.hpp"
 #include "../strided_rows.hpp"
