@@ -6,7 +6,9 @@
 #include <cuda_runtime_api.h>
 #include <mpi.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 namespace bench {
@@ -34,6 +36,24 @@ struct RunInfo {
     return true;
   }
 };
+
+// A byte count on the command line: "4096", "64K", "16M", "1G" (binary units; KiB, MiB, GiB
+// too). False for anything else, zero or an overflow: strtoull alone reads "4G" as 4.
+inline bool parse_bytes(const std::string& text, std::size_t* out) {
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long v = std::strtoull(text.c_str(), &end, 10);
+  if (errno != 0 || end == text.c_str() || v == 0 || text[0] == '-') return false;
+  const std::string suffix = end;
+  unsigned shift = 0;
+  if (suffix == "K" || suffix == "k" || suffix == "KiB") shift = 10;
+  else if (suffix == "M" || suffix == "m" || suffix == "MiB") shift = 20;
+  else if (suffix == "G" || suffix == "g" || suffix == "GiB") shift = 30;
+  else if (!suffix.empty()) return false;
+  if (v > (~0ull >> shift)) return false;
+  *out = static_cast<std::size_t>(v << shift);
+  return true;
+}
 
 }  // namespace bench
 

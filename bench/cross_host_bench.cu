@@ -112,7 +112,10 @@ int main(int argc, char** argv) {
     if (info.parse(argc, argv, i)) continue;
     const std::string a = argv[i];
     if (a == "--max-bytes" && i + 1 < argc) {
-      max_bytes = std::strtoull(argv[++i], nullptr, 0);
+      if (!bench::parse_bytes(argv[++i], &max_bytes)) {
+        if (g_rank == 0) std::fprintf(stderr, "cross_host_bench: bad value for --max-bytes: '%s' (bytes, or K/M/G)\n", argv[i]);
+        MPI_Abort(MPI_COMM_WORLD, 2);
+      }
     } else if (a == "--quick") {
       quick = true;
     } else {

@@ -113,22 +113,6 @@ Mismatch compare(const void* p, std::size_t n, unsigned long long seed, int cons
 
 // ---- command line ----
 
-// "4096", "64K", "16M", "1G" (binary units).
-bool parse_bytes(const std::string& text, std::size_t* out) {
-  char* end = nullptr;
-  errno = 0;
-  const unsigned long long v = std::strtoull(text.c_str(), &end, 10);
-  if (errno != 0 || end == text.c_str() || v == 0) return false;
-  std::size_t unit = 1;
-  const std::string suffix = end;
-  if (suffix == "K" || suffix == "k" || suffix == "KiB") unit = kKiB;
-  else if (suffix == "M" || suffix == "m" || suffix == "MiB") unit = kMiB;
-  else if (suffix == "G" || suffix == "g" || suffix == "GiB") unit = kGiB;
-  else if (!suffix.empty()) return false;
-  *out = static_cast<std::size_t>(v) * unit;
-  return true;
-}
-
 bool parse_count(const std::string& text, int* out) {
   char* end = nullptr;
   const long v = std::strtol(text.c_str(), &end, 10);
@@ -577,7 +561,7 @@ int main(int argc, char** argv) {
     const bool has_value = i + 1 < argc;
     bool ok = true;
     if (a == "--help" || a == "-h") help = true;
-    else if (a == "--max-bytes" && has_value) ok = parse_bytes(argv[++i], &cfg.max_bytes);
+    else if (a == "--max-bytes" && has_value) ok = bench::parse_bytes(argv[++i], &cfg.max_bytes);
     else if (a == "--iters" && has_value) ok = parse_count(argv[++i], &cfg.iters);
     else if (a == "--reps" && has_value) ok = parse_count(argv[++i], &cfg.reps);
     else if (a == "--idle" && has_value) ok = parse_count(argv[++i], &cfg.idle_seconds);

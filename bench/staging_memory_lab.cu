@@ -4,7 +4,7 @@
 // process pinning the same bytes itself with cudaHostRegister (4 KiB pages). GPU memory is
 // read with cudaMemGetInfo before and after, every rank having finished its step (ranks that
 // share a GPU all count on that GPU).
-//   mpirun -np 4 staging_memory_lab [--bytes N]   (N: node total, default 4 GiB)
+//   mpirun -np 4 staging_memory_lab [--bytes N]   (N: node total, K/M/G suffixes, default 4G)
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <mpi.h>
@@ -55,8 +55,16 @@ int main(int argc, char** argv) {
   bench::check_rank() = rank;
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   std::size_t node_bytes = std::size_t(4) << 30;
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], "--bytes") == 0) node_bytes = std::strtoull(argv[i + 1], nullptr, 10);
+  for (int i = 1; i < argc; ++i) {
+    const bool known = std::strcmp(argv[i], "--bytes") == 0 && i + 1 < argc;
+    if (!known || !bench::parse_bytes(argv[++i], &node_bytes)) {
+      if (rank == 0)
+        std::fprintf(stderr, "staging_memory_lab: bad argument '%s' (usage: --bytes N, N in bytes or with K/M/G)\n",
+                     argv[i]);
+      MPI_Finalize();
+      return 2;
+    }
+  }
   {
     const int device = meshmem::select_local_device(MPI_COMM_WORLD);
     CK(cudaFree(nullptr));
