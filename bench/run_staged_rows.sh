@@ -8,7 +8,8 @@
 #            test_staging_pool test_gpu_soak staged_bench staging_memory_lab 03_jacobi
 #          tests/gpu/run_entries.sh --pack BUILD gpu-pack     (gpu-pack ignored by git, carried)
 #   there: COMMIT=<short hash> BUDGET=370 bench/run_staged_rows.sh gpu-pack OUT MACHINE
-# OUT gets staged.csv, jacobi.csv, summary.txt and logs.tgz (the device tool returns 8 files).
+# OUT gets staged.csv, jacobi.csv, jacobi_concurrent.csv (MESHMEM_HALO_SENDS=concurrent), summary.txt
+# and logs.tgz (the device tool returns 8 files).
 set -uo pipefail
 pack=$(cd "${1:?pack}" && pwd); out=${2:?out}; machine=${3:?machine}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -22,17 +23,22 @@ ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 result() { echo "2>&1 | awk '{print} /$1/{print \"RESULT \" \$0}'"; }
 staged="mpirun -np 2 --bind-to none bench/staged_bench --csv \$O/staged.csv --commit \$C --machine \$M --date \$D $(result '^staged_'); exit \${PIPESTATUS[0]}"
 memlab="mpirun -np 4 --bind-to none bench/staging_memory_lab --bytes 4G $(result '^ +[0-9]+ +[0-9a-f]+:'); exit \${PIPESTATUS[0]}"
-jacobi() {  # ranks: both sizes, staged forced (--halo=meshmem) and --halo=mpi, every run checked
-  echo "for s in '4096 2000' '16384 1000'; do set -- \$s; for h in meshmem mpi; do" \
+jacobi() {  # ranks [halos] [csv]: both sizes, staged forced (--halo=meshmem) and --halo=mpi, every run checked
+  echo "for s in '4096 2000' '16384 1000'; do set -- \$s; for h in ${2:-meshmem mpi}; do" \
     "MESHMEM_TRANSPORTS=staged,shm,mpi timeout 60 mpirun -np $1 --bind-to none examples/03_jacobi --size \$1" \
-    "--iters \$2 --halo=\$h --decomp=rows --check --csv \$O/jacobi.csv --commit \$C --machine \$M --date \$D" \
+    "--iters \$2 --halo=\$h --decomp=rows --check --csv \$O/${3:-jacobi.csv} --commit \$C --machine \$M --date \$D" \
     "$(result '^jacobi ');" \
     "[ \${PIPESTATUS[0]} = 0 ] || echo \"RESULT FAILED: np $1 size \$1 halo \$h\"; done; done"
 }
 # 4 ranks on 2 GPUs under peer access off: ranks sharing a GPU on ipc, the others staged.
 mix() { echo "CUDA_VISIBLE_DEVICES=0,1 ctest --test-dir . -R '^$1\$' --output-on-failure --timeout 200 $(result 'Test +#'); exit \${PIPESTATUS[0]}"; }
 steps=("cmd staged_bench 120 $staged" "cmd memlab 45 $memlab" "cmd jacobi_np2 80 $(jacobi 2)")
-[ "$ngpu" -ge 4 ] && steps+=("cmd jacobi_np4 110 $(jacobi 4)" "entry gpu.isolated_forced_staged.np4 120")
+# MESHMEM_HALO_SENDS=concurrent (the middle ranks' two staged neighbours at once): its own CSV,
+# whose meshmem rows are that variant, and its GPU entries.
+[ "$ngpu" -ge 4 ] && steps+=("cmd jacobi_np4 110 $(jacobi 4)"
+  "cmd jacobi_np4_concurrent 60 MESHMEM_HALO_SENDS=concurrent; export MESHMEM_HALO_SENDS; $(jacobi 4 meshmem jacobi_concurrent.csv)"
+  "entry gpu.halo_sends_concurrent.np4 120" "entry gpu.halo_sends_concurrent_window.np4 120"
+  "entry gpu.isolated_forced_staged.np4 120")
 steps+=("cmd mix_peer_access_off 150 $(mix gpu.peer_access_off.np4)"
         "cmd mix_peer_access_off_real_use 120 $(mix gpu.peer_access_off_real_use.np4)"
         "cmd mix_soak 90 $(mix gpu.soak_peer_access_off.np4)"
@@ -42,7 +48,7 @@ steps+=("cmd mix_peer_access_off 150 $(mix gpu.peer_access_off.np4)"
 "$root/tests/gpu/run_entries.sh" "$pack" "$logs/steps" "${steps[@]}"
 rc=$?
 cp "$logs/steps/summary.txt" "$out/"
-for f in staged.csv jacobi.csv; do [ -f "$logs/$f" ] && cp "$logs/$f" "$out/"; done
+for f in staged.csv jacobi.csv jacobi_concurrent.csv; do [ -f "$logs/$f" ] && cp "$logs/$f" "$out/"; done
 tar czf "$out/logs.tgz" -C "$logs" .
 rm -rf "$logs"
 exit $rc

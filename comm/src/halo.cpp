@@ -37,6 +37,9 @@ struct HaloState {
   // a stream memory operation).
   std::vector<HaloRegion> transport_sends;
   std::vector<int> transport_send_to;
+  // Lanes of the device plan besides the caller's stream, for sending to those neighbours at
+  // once (MESHMEM_HALO_SENDS=concurrent); 0: one after the other on the caller's stream.
+  std::size_t lanes = 0;
   // Why complete() is refused, the same on every rank ("" if it is not): some rank sends
   // through a transport, so kernels cannot have written those halos.
   std::string complete_refused;
@@ -181,6 +184,7 @@ std::unique_ptr<HaloState> CommImpl::make_halo(const Window& win, const std::vec
                                                   to_string(t.kind()) + ", which cannot carry a device halo exchange");
         }
       }
+      spec.transport_neighbours = halo->transport_send_to.size();
       for (int r : halo->send_to)
         if (std::find(halo->transport_send_to.begin(), halo->transport_send_to.end(), r) == halo->transport_send_to.end())
           spec.stores.push_back(static_cast<std::uint64_t*>(sig.peer[r]) + topo.rank);
@@ -190,6 +194,7 @@ std::unique_ptr<HaloState> CommImpl::make_halo(const Window& win, const std::vec
       }
       DeviceScope scope(*device, nullptr, false, call);
       halo->device_plan = device->make_halo_plan(spec);
+      halo->lanes = halo->device_plan->lanes();
     });
     // complete() is refused on every rank where any rank has unmapped neighbours: refused on
     // the senders alone, their neighbours' waits would run into the timeout.
@@ -217,13 +222,16 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
     halo.device_plan->begin(stream, scope.capturing(), call);
     ++halo.epoch;  // issued from here on (a refused call is not counted)
     // Unmapped neighbours first: each transfer ends before the stream moves on, so their
-    // data and signals are out before this rank waits for its own halos.
+    // data and signals are out before this rank waits for its own halos. With lanes, each
+    // neighbour's transfers go on a lane of their own and the lanes join the stream here.
     // A neighbour's last region, where it is contiguous, carries the signal in the same
     // transfer (one round trip through the transport instead of two).
     const std::uint64_t known = halo.device_plan->next_exchange(scope.capturing());
     bool issued = false;  // a put of this exchange returned (the first may raise an earlier failure)
     try {
-      for (int peer : halo.transport_send_to) {
+      for (std::size_t k = 0; k < halo.transport_send_to.size(); ++k) {
+        const int peer = halo.transport_send_to[k];
+        const Stream lane = halo.lanes > 0 ? halo.device_plan->lane(stream, k, call) : stream;
         const std::size_t word = static_cast<std::size_t>(topo.rank);
         const SignalUpdate signal = known != 0 ? SignalUpdate{halo.sig.get(), word, known, SignalOp::Set}
                                                : SignalUpdate{halo.sig.get(), word, 1, SignalOp::Add};
@@ -237,17 +245,26 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
           const char* src = static_cast<const char*>(w.local) + r.src_offset;
           const bool contiguous = r.height == 1 || (r.src_pitch == r.width && r.dst_pitch == r.width);
           if (&r == last && contiguous && halo.sig->memory == w.memory && &route(*halo.sig, peer, call) == &t) {
-            t.put(w, peer, r.dst_offset, src, r.width * r.height, signal, stream);
+            t.put(w, peer, r.dst_offset, src, r.width * r.height, signal, lane);
             signalled = true;
           } else {
-            t.put_strided(w, peer, r.dst_offset, r.dst_pitch, src, r.src_pitch, r.width, r.height, stream);
+            t.put_strided(w, peer, r.dst_offset, r.dst_pitch, src, r.src_pitch, r.width, r.height, lane);
           }
           issued = true;
         }
-        if (!signalled) route(*halo.sig, peer, call).put(*halo.sig, peer, 0, nullptr, 0, signal, stream);
+        if (!signalled) route(*halo.sig, peer, call).put(*halo.sig, peer, 0, nullptr, 0, signal, lane);
         issued = true;
       }
+      if (halo.lanes > 0) halo.device_plan->join(stream, call);
     } catch (const std::exception& e) {
+      // Lanes forked from a capturing stream must join it, or the caller's capture cannot end.
+      if (halo.lanes > 0) {
+        try {
+          halo.device_plan->join(stream, call);
+        } catch (const std::exception& j) {
+          log(LogLevel::Error, std::string(call) + ": after a failed exchange: " + j.what());
+        }
+      }
       // Some neighbours may have their signal already: after a capture it is an addition, and a
       // retry would count that exchange twice there (their later waits would pass early).
       if (issued) halo.device_plan->fail(std::string("its transfers to unmapped neighbours failed part-way: ") + e.what());

@@ -63,6 +63,19 @@ class OwnedStream {
   cudaStream_t stream_ = nullptr;
 };
 
+// An event for ordering only (no timing), destroyed with the object.
+class OwnedEvent {
+ public:
+  explicit OwnedEvent(const std::string& what);
+  OwnedEvent(const OwnedEvent&) = delete;
+  OwnedEvent& operator=(const OwnedEvent&) = delete;
+  ~OwnedEvent();
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
 class CudaDeviceRuntime final : public DeviceRuntime {
  public:
   // Collective over the Comm.
@@ -114,6 +127,8 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   void report_barrier_failure(const std::string& failure) { fault_.report_host_barrier(failure); }
   // MESHMEM_EARLY_LAUNCH resolved: launch meshmem's kernels as programmatic dependent launches.
   bool early_launch() const { return early_launch_; }
+  // MESHMEM_HALO_SENDS=concurrent: halo plans send to their transport neighbours on lanes.
+  bool halo_sends_at_once() const { return halo_sends_at_once_; }
   int rank() const { return rank_; }
 
  private:
@@ -133,6 +148,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   unsigned wait_flags_ = 0;
   bool wait_kernel_ = false;  // MESHMEM_STREAM_WAIT resolved
   bool early_launch_ = false;
+  bool halo_sends_at_once_ = false;
   std::chrono::milliseconds timeout_;
   OwnedStream setup_stream_;
   std::optional<LiveCommMark> live_;  // NCCL destroys that run while this Comm lives warn
