@@ -36,8 +36,9 @@ steps=("cmd staged_bench 120 $staged" "cmd memlab 45 $memlab" "cmd jacobi_np2 80
 # MESHMEM_HALO_SENDS=concurrent (the middle ranks' two staged neighbours at once): its own CSV,
 # whose meshmem rows are that variant, and its GPU entries.
 [ "$ngpu" -ge 4 ] && steps+=("cmd jacobi_np4 110 $(jacobi 4)"
-  "cmd jacobi_np4_concurrent 60 MESHMEM_HALO_SENDS=concurrent; export MESHMEM_HALO_SENDS; $(jacobi 4 meshmem jacobi_concurrent.csv)"
+  "cmd jacobi_np4_concurrent 130 MESHMEM_HALO_SENDS=concurrent; export MESHMEM_HALO_SENDS; $(jacobi 4 meshmem jacobi_concurrent.csv)"
   "entry gpu.halo_sends_concurrent.np4 120" "entry gpu.halo_sends_concurrent_window.np4 120"
+  "entry gpu.halo_sends_serial.np4 120" "entry gpu.halo_sends_serial_window.np4 120"
   "entry gpu.isolated_forced_staged.np4 120")
 steps+=("cmd mix_peer_access_off 150 $(mix gpu.peer_access_off.np4)"
         "cmd mix_peer_access_off_real_use 120 $(mix gpu.peer_access_off_real_use.np4)"

@@ -64,7 +64,8 @@ class DeviceHaloPlan {
   // first lane was asked for (a transfer's stream waits for its end, so one stream would send
   // to the neighbours one after the other). join() makes `stream` wait for
   // every lane used since the last join; it tries them all and raises the first failure.
-  // Under capture the lanes fork from and join the capture.
+  // Under capture the lanes fork from and join the capture; a lane still held by another
+  // capture is not used (its neighbour goes on `stream`).
   virtual Stream lane(Stream stream, std::size_t k, const char* call) = 0;
   virtual void join(Stream stream, const char* call) = 0;
 };

@@ -614,6 +614,15 @@ TEST_F(DeviceWindow, BadArguments) {
 // rounds, every cell checked.
 #include "halo_grid.hpp"
 
+// MESHMEM_HALO_SENDS reaches the device runtime (the halo_sends entries run the halo cases
+// with each value): device_info names `concurrent` where it is set, and only there.
+TEST_F(DeviceWindow, HaloExchangeSendsAsTheKnobSays) {
+  const char* knob = std::getenv("MESHMEM_HALO_SENDS");
+  const bool concurrent = knob != nullptr && std::strcmp(knob, "concurrent") == 0;
+  EXPECT_EQ(comm->device_info().find("halo sends concurrent") != std::string::npos, concurrent)
+      << "rank " << me << ", MESHMEM_HALO_SENDS=" << (knob ? knob : "(unset)") << ": " << comm->device_info();
+}
+
 TEST_F(DeviceWindow, HaloBlockDecompositionWithColumns) {
   meshmem::test::BlockGrid g(n, me, 301, 157);
   Window win = comm->alloc(g.bytes());

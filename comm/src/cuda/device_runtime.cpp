@@ -108,7 +108,8 @@ class KernelHaloPlan final : public DeviceHaloPlan {
     // business of the caller's graph.
     if (device.halo_sends_at_once() && spec.transport_neighbours > 1) {
       fork_.emplace(what + " (fork of its lanes)");
-      for (std::size_t k = 1; k < spec.transport_neighbours; ++k) lanes_.push_back(std::make_unique<Lane>(what));
+      for (std::size_t k = 1; k < spec.transport_neighbours; ++k)
+        lanes_.push_back(std::make_unique<Lane>(what + " (lane " + std::to_string(k) + ")"));
     }
   }
   void begin(Stream stream, bool capturing, const char* call) override {
@@ -160,21 +161,26 @@ class KernelHaloPlan final : public DeviceHaloPlan {
     if (k > lanes_.size())
       throw Error(ErrorCode::Internal, where + ": lane " + std::to_string(k) + " of a halo plan with " +
                                            std::to_string(lanes_.size()) + " lanes besides the caller's stream");
-    // One fork per exchange, at its first lane (0, before anything of lane 0 is enqueued):
-    // every lane starts after the caller's work before the exchange, not after lane 0's.
-    if (!forked_) {
-      ipc::check_cuda(cudaEventRecord(fork_->get(), static_cast<cudaStream_t>(stream)),
-                      "cudaEventRecord (fork of the halo lanes)", where);
-      forked_ = true;
+    if (k == 0) {
+      // The exchange's fork, before anything of lane 0 is enqueued: every lane starts after
+      // the caller's work before the exchange, not after lane 0's.
+      const auto s = static_cast<cudaStream_t>(stream);
+      fork_capture_ = capture_of(s, where);
+      ipc::check_cuda(cudaEventRecord(fork_->get(), s), "cudaEventRecord (fork of the halo lanes)", where);
+      return stream;
     }
-    if (k == 0) return stream;
     Lane& lane = *lanes_[k - 1];
+    // A lane stays in a capture it joined until that capture ends. While it is in another one
+    // than the caller's stream (the plan captured twice at once, or an uncaptured exchange
+    // during such a capture), waiting for the fork would fail or break that capture: this
+    // neighbour goes on the caller's stream then, after the others, as under `serial`.
+    if (const unsigned long long held = capture_of(lane.stream.get(), where); held != 0 && held != fork_capture_)
+      return stream;
     ipc::check_cuda(cudaStreamWaitEvent(lane.stream.get(), fork_->get(), 0), "cudaStreamWaitEvent (halo lane)", where);
     lane.used = true;
     return lane.stream.get();
   }
   void join(Stream stream, const char* call) override {
-    forked_ = false;
     const auto s = static_cast<cudaStream_t>(stream);
     std::string failed;
     for (std::size_t k = 0; k < lanes_.size(); ++k) {
@@ -194,11 +200,19 @@ class KernelHaloPlan final : public DeviceHaloPlan {
   // A stream of the plan's own for one transport neighbour's transfers, and the event that
   // marks its end for the caller's stream.
   struct Lane {
-    explicit Lane(const std::string& what) : stream(what + " (lane)"), end(what + " (end of a lane)") {}
+    explicit Lane(const std::string& what) : stream(what), end(what + " (its end)") {}
     OwnedStream stream;
     OwnedEvent end;
     bool used = false;  // since the last join
   };
+  // The id of the capture `s` is in (one that was invalidated counts too: ~0), 0 if none.
+  static unsigned long long capture_of(cudaStream_t s, const std::string& where) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    ipc::check_cuda(cudaStreamGetCaptureInfo(s, &status, &id), "cudaStreamGetCaptureInfo (halo lanes)", where);
+    if (status == cudaStreamCaptureStatusNone) return 0;
+    return status == cudaStreamCaptureStatusActive ? id : ~0ull;
+  }
 
   int rank_;
   cuda::WaitLimit limit_;
@@ -216,7 +230,7 @@ class KernelHaloPlan final : public DeviceHaloPlan {
   std::optional<HaloWatch> watch_;                     // with them
   std::optional<OwnedEvent> fork_;                     // where the spec asked for lanes
   std::vector<std::unique_ptr<Lane>> lanes_;
-  bool forked_ = false;                                // in this exchange, until join()
+  unsigned long long fork_capture_ = 0;                // capture_of the caller's stream at the fork
 };
 
 }  // namespace
