@@ -11,6 +11,8 @@
 //   driver-staged      cudaMemcpyPeerAsync between rank 0's GPU and another GPU of its process
 //                      with peer access off, so that the driver stages through host memory
 //   d2h, h2d           cudaMemcpyAsync between rank 0's GPU and pinned host memory
+//   both-ways          the staged pipeline's two halves at once: d2h on one GPU and h2d on the
+//                      other (rank 0's process drives both), each on its own stream
 // Benchmarks staged_put (rank 0 -> rank 1; driver-staged this GPU -> the other) and
 // staged_get (the reverse). Prints an OSU-style table and the target ratios; --csv appends
 // the rows in the bench/results format.
@@ -337,6 +339,9 @@ int measure(const Setup& cfg) {
   void* cbuf = nullptr;
   void* hbuf = nullptr;
   void* obuf = nullptr;
+  void* hbuf2 = nullptr;      // both-ways: the other GPU's side of the host memory
+  cudaStream_t so = nullptr;  // both-ways: a stream on the other GPU
+  cudaEvent_t both_fork = nullptr, both_join = nullptr;
   int other = -1;
   if (origin) {
     CK(cudaMalloc(&mbuf, max_size + kGuard));
@@ -351,8 +356,13 @@ int measure(const Setup& cfg) {
       CK(cudaSetDevice(other));
       CK(cudaMalloc(&obuf, max_size));
       CK(cudaMemset(obuf, 0x3c, max_size));
+      CK(cudaStreamCreateWithFlags(&so, cudaStreamNonBlocking));
+      CK(cudaEventCreateWithFlags(&both_join, cudaEventDisableTiming));
       CK(cudaDeviceSynchronize());
       CK(cudaSetDevice(cfg.device));
+      CK(cudaMallocHost(&hbuf2, max_size));
+      std::memset(hbuf2, 0x96, max_size);
+      CK(cudaEventCreateWithFlags(&both_fork, cudaEventDisableTiming));
       int can = 0;
       CK(cudaDeviceCanAccessPeer(&can, cfg.device, other));
       std::printf("# driver-staged: cudaMemcpyPeerAsync GPU %d <-> GPU %d, peer access not enabled (the driver %s grant it)\n",
@@ -396,6 +406,20 @@ int measure(const Setup& cfg) {
       };
       auto d2h_op = [&] { CK(cudaMemcpyAsync(hbuf, cbuf, size, cudaMemcpyDeviceToHost, s)); };
       auto h2d_op = [&] { CK(cudaMemcpyAsync(cbuf, hbuf, size, cudaMemcpyHostToDevice, s)); };
+      // The staged pipeline's two halves at once, each on its own GPU's copy engine: put, this
+      // GPU to host and host to the other GPU; get, the reverse. What the pipeline can reach
+      // when both directions share the host's memory and links (d2h and h2d run alone).
+      // (The other GPU's stream is driven with that GPU current; both_join is one of its events.)
+      auto both_op = [&] {
+        CK(cudaEventRecord(both_fork, s));
+        CK(cudaMemcpyAsync(put ? hbuf : cbuf, put ? cbuf : hbuf, size, put ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, s));
+        CK(cudaSetDevice(other));
+        CK(cudaStreamWaitEvent(so, both_fork, 0));
+        CK(cudaMemcpyAsync(put ? obuf : hbuf2, put ? hbuf2 : obuf, size, put ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, so));
+        CK(cudaEventRecord(both_join, so));
+        CK(cudaSetDevice(cfg.device));
+        CK(cudaStreamWaitEvent(s, both_join, 0));
+      };
       struct Variant {
         const char* name;
         bool active;
@@ -405,7 +429,8 @@ int measure(const Setup& cfg) {
       Variant variants[] = {{"meshmem", staged != 0, meshmem_op},
                             {"driver-staged", other >= 0, driver_op},
                             {"d2h", true, d2h_op},
-                            {"h2d", true, h2d_op}};
+                            {"h2d", true, h2d_op},
+                            {"both-ways", other >= 0, both_op}};
 
       // 1. The data: put: rank 0's source; get: rank 1's window.
       if (put && origin) fill(mbuf, size, seed, s);
@@ -495,14 +520,17 @@ int measure(const Setup& cfg) {
         if (size < kRatioFrom) continue;
         any = true;
         const double m = find_bw(bench_name, "meshmem", size), d2h = find_bw(bench_name, "d2h", size),
-                     h2d = find_bw(bench_name, "h2d", size), drv = find_bw(bench_name, "driver-staged", size);
+                     h2d = find_bw(bench_name, "h2d", size), drv = find_bw(bench_name, "driver-staged", size),
+                     both = find_bw(bench_name, "both-ways", size);
         const double link = std::min(d2h, h2d);
-        char r1[32] = "n/a", r2[32] = "n/a";
+        char r1[32] = "n/a", r2[32] = "n/a", r3[32] = "n/a";
         if (m > 0 && link > 0) std::snprintf(r1, sizeof(r1), "%.3f", m / link);
         if (m > 0 && drv > 0) std::snprintf(r2, sizeof(r2), "%.3f", m / drv);
-        std::printf("%s %5zu MiB: meshmem %7.2f GB/s, d2h %7.2f, h2d %7.2f, driver-staged %7.2f; "
-                    "meshmem/min(d2h,h2d) %s (target >= 0.9), meshmem/driver-staged %s (target >= 1.3)\n",
-                    bench_name, size / kMiB, m, d2h, h2d, drv, r1, r2);
+        if (m > 0 && both > 0) std::snprintf(r3, sizeof(r3), "%.3f", m / both);
+        std::printf("%s %5zu MiB: meshmem %7.2f GB/s, d2h %7.2f, h2d %7.2f, driver-staged %7.2f, both-ways %7.2f; "
+                    "meshmem/min(d2h,h2d) %s (target >= 0.9), meshmem/driver-staged %s (target >= 1.3), "
+                    "meshmem/both-ways %s\n",
+                    bench_name, size / kMiB, m, d2h, h2d, drv, both, r1, r2, r3);
         if (drv > 0 && link > 0 && drv > 1.2 * std::max(d2h, h2d))
           std::printf("  note: driver-staged is faster than the host link: the driver took a direct path, so it is not a "
                       "host-staged baseline here\n");
@@ -543,7 +571,11 @@ int measure(const Setup& cfg) {
     CK(cudaFree(cbuf));
     CK(cudaFreeHost(hbuf));
     if (obuf != nullptr) {
+      CK(cudaFreeHost(hbuf2));
+      CK(cudaEventDestroy(both_fork));
       CK(cudaSetDevice(other));
+      CK(cudaEventDestroy(both_join));
+      CK(cudaStreamDestroy(so));
       CK(cudaFree(obuf));
       CK(cudaSetDevice(cfg.device));
     }
