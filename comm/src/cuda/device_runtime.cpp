@@ -104,8 +104,7 @@ class KernelHaloPlan final : public DeviceHaloPlan {
     std::uint64_t* p = device_array(counters_, std::vector<std::uint64_t>(2, 0), what);
     sync_.epoch = p;
     sync_.arrived = reinterpret_cast<unsigned*>(p + 1);
-    // Made here, not at an exchange: it may be under a capture, where making streams is no
-    // business of the caller's graph.
+    // The lanes are made with the plan, not at an exchange, which may be under a capture.
     if (device.halo_sends_at_once() && spec.transport_neighbours > 1) {
       fork_.emplace(what + " (fork of its lanes)");
       for (std::size_t k = 1; k < spec.transport_neighbours; ++k)
@@ -205,7 +204,7 @@ class KernelHaloPlan final : public DeviceHaloPlan {
     OwnedEvent end;
     bool used = false;  // since the last join
   };
-  // The id of the capture `s` is in (one that was invalidated counts too: ~0), 0 if none.
+  // The id of the capture `s` is in; ~0 for one that was invalidated, 0 for none.
   static unsigned long long capture_of(cudaStream_t s, const std::string& where) {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     unsigned long long id = 0;
@@ -228,7 +227,7 @@ class KernelHaloPlan final : public DeviceHaloPlan {
   std::string broken_;  // why an exchange failed part-way (begin refuses then)
   std::vector<CUstreamBatchMemOpParams> memop_waits_;  // where the waits are stream operations
   std::optional<HaloWatch> watch_;                     // with them
-  std::optional<OwnedEvent> fork_;                     // where the spec asked for lanes
+  std::optional<OwnedEvent> fork_;                     // where there are lanes
   std::vector<std::unique_ptr<Lane>> lanes_;
   unsigned long long fork_capture_ = 0;                // capture_of the caller's stream at the fork
 };
