@@ -6,7 +6,7 @@
 # (4 ranks on 2 GPUs with peer access off). Steps that would end past BUDGET are skipped.
 #   here:  cmake --build BUILD --target test_device_window test_device_real_use test_staged \
 #            test_staging_pool test_gpu_soak staged_bench staging_memory_lab 03_jacobi
-#          tests/gpu/run_entries.sh --pack BUILD gpu-pack     (gpu-pack ignored by git, carried)
+#          tests/gpu/run_entries.sh --pack BUILD gpu-pack     (gpu-pack is in .gitignore; carry it)
 #   there: COMMIT=<short hash> BUDGET=500 bench/run_staged_rows.sh gpu-pack OUT MACHINE   (about 8 min)
 # OUT gets staged.csv, jacobi.csv, jacobi_concurrent.csv (MESHMEM_HALO_SENDS=concurrent), summary.txt
 # and logs.tgz (the device tool returns 8 files).
