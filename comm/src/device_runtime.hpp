@@ -55,15 +55,13 @@ class DeviceHaloPlan {
   // An exchange failed after part of it may have been issued (a neighbour's signal may have
   // gone out, a word counted twice on a retry): begin() refuses every later exchange.
   virtual void fail(const std::string& why) = 0;
-  // Streams of the plan's own for sending to the transport neighbours at once
-  // (MESHMEM_HALO_SENDS=concurrent): one fewer than those neighbours, or none.
-  virtual std::size_t lanes() const = 0;
-  // Where the plan has lanes: the stream for the exchange's transfers to its k-th
-  // transport neighbour, asked for in order from k = 0. Lane 0 is `stream` itself; lane k > 0
+  // The stream for the exchange's transfers to its k-th transport neighbour, asked for in
+  // order from k = 0: `stream` itself, unless the plan has lanes (MESHMEM_HALO_SENDS=concurrent:
+  // one fewer than those neighbours). Then lane 0 is `stream` and lane k > 0
   // is one of the plan's streams, which starts after `stream`'s work before the exchange's
   // first lane was asked for (a transfer's stream waits for its end, so one stream would send
-  // to the neighbours one after the other). join() makes `stream` wait for
-  // every lane used since the last join; it tries them all and raises the first failure.
+  // to the neighbours one after the other). join() makes `stream` wait for every lane used
+  // since the last join (none: it does nothing); it tries them all and raises the first failure.
   // Under capture the lanes fork from and join the capture; a lane still held by another
   // capture is not used (its neighbour goes on `stream`).
   virtual Stream lane(Stream stream, std::size_t k, const char* call) = 0;

@@ -37,9 +37,6 @@ struct HaloState {
   // a stream memory operation).
   std::vector<HaloRegion> transport_sends;
   std::vector<int> transport_send_to;
-  // Lanes of the device plan besides the caller's stream, for sending to those neighbours at
-  // once (MESHMEM_HALO_SENDS=concurrent); 0: one after the other on the caller's stream.
-  std::size_t lanes = 0;
   // Why complete() is refused, the same on every rank ("" if it is not): some rank sends
   // through a transport, so kernels cannot have written those halos.
   std::string complete_refused;
@@ -194,7 +191,6 @@ std::unique_ptr<HaloState> CommImpl::make_halo(const Window& win, const std::vec
       }
       DeviceScope scope(*device, nullptr, false, call);
       halo->device_plan = device->make_halo_plan(spec);
-      halo->lanes = halo->device_plan->lanes();
     });
     // complete() is refused on every rank where any rank has unmapped neighbours: refused on
     // the senders alone, their neighbours' waits would run into the timeout.
@@ -222,8 +218,8 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
     halo.device_plan->begin(stream, scope.capturing(), call);
     ++halo.epoch;  // issued from here on (a refused call is not counted)
     // Unmapped neighbours first: each transfer ends before the stream moves on, so their
-    // data and signals are out before this rank waits for its own halos. With lanes, each
-    // neighbour's transfers go on a lane of their own and the lanes join the stream here.
+    // data and signals are out before this rank waits for its own halos. Where the plan has
+    // lanes, each neighbour's transfers go on a lane of their own, joined to the stream here.
     // A neighbour's last region, where it is contiguous, carries the signal in the same
     // transfer (one round trip through the transport instead of two).
     const std::uint64_t known = halo.device_plan->next_exchange(scope.capturing());
@@ -231,7 +227,7 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
     try {
       for (std::size_t k = 0; k < halo.transport_send_to.size(); ++k) {
         const int peer = halo.transport_send_to[k];
-        const Stream lane = halo.lanes > 0 ? halo.device_plan->lane(stream, k, call) : stream;
+        const Stream lane = halo.device_plan->lane(stream, k, call);
         const std::size_t word = static_cast<std::size_t>(topo.rank);
         const SignalUpdate signal = known != 0 ? SignalUpdate{halo.sig.get(), word, known, SignalOp::Set}
                                                : SignalUpdate{halo.sig.get(), word, 1, SignalOp::Add};
@@ -255,15 +251,13 @@ void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
         if (!signalled) route(*halo.sig, peer, call).put(*halo.sig, peer, 0, nullptr, 0, signal, lane);
         issued = true;
       }
-      if (halo.lanes > 0) halo.device_plan->join(stream, call);
+      halo.device_plan->join(stream, call);
     } catch (const std::exception& e) {
       // Lanes forked from a capturing stream must join it, or the caller's capture cannot end.
-      if (halo.lanes > 0) {
-        try {
-          halo.device_plan->join(stream, call);
-        } catch (const std::exception& j) {
-          log(LogLevel::Error, std::string(call) + ": after a failed exchange: " + j.what());
-        }
+      try {
+        halo.device_plan->join(stream, call);
+      } catch (const std::exception& j) {
+        log(LogLevel::Error, std::string(call) + ": after a failed exchange: " + j.what());
       }
       // Some neighbours may have their signal already: after a capture it is an addition, and a
       // retry would count that exchange twice there (their later waits would pass early).

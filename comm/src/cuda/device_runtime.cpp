@@ -153,19 +153,20 @@ class KernelHaloPlan final : public DeviceHaloPlan {
   }
   std::uint64_t next_exchange(bool capturing) const override { return capturing || captured_ ? 0 : exchanges_ + 1; }
   void fail(const std::string& why) override { broken_ = why; }
-  std::size_t lanes() const override { return lanes_.size(); }
   Stream lane(Stream stream, std::size_t k, const char* call) override {
     if (lanes_.empty()) return stream;
-    const std::string where = std::string(call) + " on rank " + std::to_string(rank_);
+    // Messages are built only on a failure: an exchange runs every iteration.
+    const auto where = [&] { return std::string(call) + " on rank " + std::to_string(rank_); };
     if (k > lanes_.size())
-      throw Error(ErrorCode::Internal, where + ": lane " + std::to_string(k) + " of a halo plan with " +
+      throw Error(ErrorCode::Internal, where() + ": lane " + std::to_string(k) + " of a halo plan with " +
                                            std::to_string(lanes_.size()) + " lanes besides the caller's stream");
     if (k == 0) {
       // The exchange's fork, before anything of lane 0 is enqueued: every lane starts after
       // the caller's work before the exchange, not after lane 0's.
       const auto s = static_cast<cudaStream_t>(stream);
       fork_capture_ = capture_of(s, where);
-      ipc::check_cuda(cudaEventRecord(fork_->get(), s), "cudaEventRecord (fork of the halo lanes)", where);
+      const cudaError_t rc = cudaEventRecord(fork_->get(), s);
+      if (rc != cudaSuccess) ipc::check_cuda(rc, "cudaEventRecord (fork of the halo lanes)", where());
       return stream;
     }
     Lane& lane = *lanes_[k - 1];
@@ -175,7 +176,8 @@ class KernelHaloPlan final : public DeviceHaloPlan {
     // neighbour goes on the caller's stream then, after the others, as under `serial`.
     if (const unsigned long long held = capture_of(lane.stream.get(), where); held != 0 && held != fork_capture_)
       return stream;
-    ipc::check_cuda(cudaStreamWaitEvent(lane.stream.get(), fork_->get(), 0), "cudaStreamWaitEvent (halo lane)", where);
+    const cudaError_t rc = cudaStreamWaitEvent(lane.stream.get(), fork_->get(), 0);
+    if (rc != cudaSuccess) ipc::check_cuda(rc, "cudaStreamWaitEvent (halo lane)", where());
     lane.used = true;
     return lane.stream.get();
   }
@@ -205,10 +207,12 @@ class KernelHaloPlan final : public DeviceHaloPlan {
     bool used = false;  // since the last join
   };
   // The id of the capture `s` is in; ~0 for one that was invalidated, 0 for none.
-  static unsigned long long capture_of(cudaStream_t s, const std::string& where) {
+  template <class Where>
+  static unsigned long long capture_of(cudaStream_t s, const Where& where) {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     unsigned long long id = 0;
-    ipc::check_cuda(cudaStreamGetCaptureInfo(s, &status, &id), "cudaStreamGetCaptureInfo (halo lanes)", where);
+    const cudaError_t rc = cudaStreamGetCaptureInfo(s, &status, &id);
+    if (rc != cudaSuccess) ipc::check_cuda(rc, "cudaStreamGetCaptureInfo (halo lanes)", where());
     if (status == cudaStreamCaptureStatusNone) return 0;
     return status == cudaStreamCaptureStatusActive ? id : ~0ull;
   }
