@@ -59,3 +59,9 @@ if(MESHMEM_HAVE_CUDA AND MESHMEM_NCCL_LIBRARY AND MESHMEM_NCCL_INCLUDE)
 elseif(MESHMEM_HAVE_CUDA)
   message(STATUS "cross_host_bench: NCCL not found, not built")
 endif()
+# pipeline_lab: the floor of a host-staged pipeline GPU 0 -> pinned host -> GPU 1 by chunk
+# size, with and without the channel's stream writes (the study behind MESHMEM_STAGING_CHUNK).
+if(MESHMEM_HAVE_CUDA)
+  add_executable(pipeline_lab pipeline_lab.cu)
+  target_link_libraries(pipeline_lab PRIVATE meshmem::meshmem CUDA::cuda_driver)
+endif()

@@ -8,6 +8,10 @@
 //   meshmem-host-call-first  the same, of a loop's first call alone (nothing of meshmem's in
 //                      flight then: the later calls share the CPU and the driver with the
 //                      staging thread enqueueing the earlier transfers' chunks)
+//   meshmem-host-call-median  the median of a loop's calls (a loop at 1 GiB has 4: the mean
+//                      is one slow call's)
+//   d2h-host-call-first  the control of meshmem-host-call-first: the host time of the d2h
+//                      loop's first cudaMemcpyAsync, made after the same kind of pause
 //   driver-staged      cudaMemcpyPeerAsync between rank 0's GPU and another GPU of its process
 //                      with peer access off, so that the driver stages through host memory
 //   d2h, h2d           cudaMemcpyAsync between rank 0's GPU and pinned host memory
@@ -17,7 +21,8 @@
 // staged_get (the reverse). Prints an OSU-style table and the target ratios; --csv appends
 // the rows in the bench/results format.
 //   mpirun -np 2 staged_bench [--csv FILE --commit C --machine M --date D]
-//                             [--max-bytes N] [--iters N] [--reps N]
+//                             [--max-bytes N] [--iters N] [--reps N] [--call-times]
+//     --call-times: also prints each meshmem call's host time, of every timed loop
 //   mpirun -np 2 staged_bench --idle SECONDS
 //     instead: what a CUDA graph of a captured staged put costs while it exists (its owner
 //     thread polls the doorbells, README "CUDA Graphs"): each process's CPU time while
@@ -130,12 +135,13 @@ bool parse_count(const std::string& text, int* out) {
 void usage(std::FILE* f) {
   std::fprintf(f,
                "usage: mpirun -np 2 staged_bench [--csv FILE] [--commit C] [--machine M] [--date D]\n"
-               "                                 [--max-bytes N] [--iters N] [--reps N]\n"
+               "                                 [--max-bytes N] [--iters N] [--reps N] [--call-times]\n"
                "  --max-bytes N  largest size (default 1G; K/M/G suffixes); sizes 4K, 16K, ... up to it\n"
                "  --iters N      operations per timed loop (default 100; fewer where a loop would move\n"
                "                 more than 4 GiB, at least 3)\n"
                "  --reps N       timed loops per size and variant, taking turns; the fastest is reported\n"
                "                 (default 3)\n"
+               "  --call-times   also print each meshmem call's host time, loop by loop\n"
                "  --idle S       instead of the table: CPU time of each process over S seconds of nothing\n"
                "                 without, with and after a graph of one captured staged put, and its replay time\n"
                "Sets MESHMEM_TRANSPORTS=staged,shm,mpi unless it is set already.\n");
@@ -192,6 +198,7 @@ struct Setup {
   std::size_t max_bytes;
   int iters, reps;
   int idle_seconds;  // --idle
+  bool call_times;   // --call-times
   int device, devices;
   bool transports_from_user;
   std::string transports;
@@ -392,6 +399,8 @@ int measure(const Setup& cfg) {
       // The operations of rank 0, each enqueued on s; host_ns adds the time inside comm calls,
       // first_ns is the first call's of a loop (made with nothing of meshmem's in flight).
       double host_ns = 0, first_ns = -1;
+      std::vector<double> calls_ns;  // this loop's, one by one
+      calls_ns.reserve(static_cast<std::size_t>(iters) + 2 * static_cast<std::size_t>(warm));
       auto meshmem_op = [&] {
         const auto t0 = Clock::now();
         if (put) comm.put(win, 1, 0, mbuf, size, s);
@@ -399,6 +408,7 @@ int measure(const Setup& cfg) {
         const double ns = std::chrono::duration<double, std::nano>(Clock::now() - t0).count();
         host_ns += ns;
         if (first_ns < 0) first_ns = ns;
+        calls_ns.push_back(ns);
       };
       auto driver_op = [&] {
         if (put) CK(cudaMemcpyPeerAsync(obuf, other, cbuf, cfg.device, size, s));
@@ -424,7 +434,8 @@ int measure(const Setup& cfg) {
         const char* name;
         bool active;
         std::function<void()> op;
-        double best_s = 1e30, best_host_ns = 1e30, best_first_ns = 1e30;
+        double best_s = 1e30, best_host_ns = 1e30, best_first_ns = 1e30, best_median_ns = 1e30;
+        double best_first_op_ns = 1e30;  // the loop's first op, timed around it (any variant)
       };
       Variant variants[] = {{"meshmem", staged != 0, meshmem_op},
                             {"driver-staged", other >= 0, driver_op},
@@ -462,13 +473,26 @@ int measure(const Setup& cfg) {
             CK(cudaStreamSynchronize(s));
             host_ns = 0;
             first_ns = -1;
+            calls_ns.clear();
             const auto t0 = Clock::now();
-            for (int i = 0; i < iters; ++i) v.op();
+            v.op();
+            v.best_first_op_ns =
+                std::min(v.best_first_op_ns, std::chrono::duration<double, std::nano>(Clock::now() - t0).count());
+            for (int i = 1; i < iters; ++i) v.op();
             CK(cudaStreamSynchronize(s));
             const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
             v.best_s = std::min(v.best_s, secs);
             v.best_host_ns = std::min(v.best_host_ns, host_ns / iters);
             if (first_ns >= 0) v.best_first_ns = std::min(v.best_first_ns, first_ns);
+            if (!calls_ns.empty()) {
+              if (cfg.call_times) {
+                std::printf("# %s %zu B rep %d host time per call (us):", bench_name, size, rep);
+                for (double ns : calls_ns) std::printf(" %.1f", ns / 1e3);
+                std::printf("\n");
+              }
+              std::nth_element(calls_ns.begin(), calls_ns.begin() + calls_ns.size() / 2, calls_ns.end());
+              v.best_median_ns = std::min(v.best_median_ns, calls_ns[calls_ns.size() / 2]);
+            }
           }
         }
       }
@@ -506,7 +530,9 @@ int measure(const Setup& cfg) {
           if (is_meshmem) {
             record(bench_name, "meshmem-host-call", size, v.best_host_ns / 1e3, -1);
             record(bench_name, "meshmem-host-call-first", size, v.best_first_ns / 1e3, -1);
+            record(bench_name, "meshmem-host-call-median", size, v.best_median_ns / 1e3, -1);
           }
+          if (std::strcmp(v.name, "d2h") == 0) record(bench_name, "d2h-host-call-first", size, v.best_first_op_ns / 1e3, -1);
         }
       }
     }
@@ -538,7 +564,8 @@ int measure(const Setup& cfg) {
     }
     if (!any) std::printf("no size >= %zu MiB measured (--max-bytes): no bandwidth ratios\n", kRatioFrom / kMiB);
     for (const char* bench_name : {"staged_put", "staged_get"})
-      for (const char* variant : {"meshmem-host-call", "meshmem-host-call-first"}) {
+      for (const char* variant :
+           {"meshmem-host-call", "meshmem-host-call-first", "meshmem-host-call-median", "d2h-host-call-first"}) {
         double lo = 1e30, hi = -1;
         std::size_t lo_size = 0, hi_size = 0;
         for (std::size_t size : sizes) {
@@ -554,8 +581,10 @@ int measure(const Setup& cfg) {
           }
         }
         if (hi >= 0)
-          std::printf("%s %s: %.2f us (%zu B) .. %.2f us (%zu B), max/min %.2f (target: independent of size)\n",
-                      bench_name, variant, lo, lo_size, hi, hi_size, hi / lo);
+          std::printf("%s %s: %.2f us (%zu B) .. %.2f us (%zu B), max/min %.2f (%s)\n", bench_name, variant, lo, lo_size,
+                      hi, hi_size, hi / lo,
+                      std::strncmp(variant, "d2h", 3) == 0 ? "control: a CUDA call after the same pause"
+                                                           : "target: independent of size");
       }
     if (failed) std::printf("DATA CHECK FAILED (see stderr): the failed sizes' meshmem rows are left out\n");
     if (!staged) std::printf("NOT STAGED: rank 1 was reached through %s, no meshmem rows\n", meshmem::to_string(route));
@@ -598,7 +627,7 @@ int main(int argc, char** argv) {
 
   bench::RunInfo run;
   run.date = bench::utc_now();
-  Setup cfg{kGiB, 100, 3, 0, 0, 0, false, ""};
+  Setup cfg{kGiB, 100, 3, 0, false, 0, 0, false, ""};
   bool bad = false, help = false;
   for (int i = 1; i < argc; ++i) {
     if (run.parse(argc, argv, i)) continue;
@@ -610,6 +639,7 @@ int main(int argc, char** argv) {
     else if (a == "--iters" && has_value) ok = parse_count(argv[++i], &cfg.iters);
     else if (a == "--reps" && has_value) ok = parse_count(argv[++i], &cfg.reps);
     else if (a == "--idle" && has_value) ok = parse_count(argv[++i], &cfg.idle_seconds);
+    else if (a == "--call-times") cfg.call_times = true;
     else {
       if (g_rank == 0) std::fprintf(stderr, "staged_bench: unknown or incomplete argument '%s'\n", a.c_str());
       bad = true;
