@@ -115,6 +115,8 @@ StagingAgent::StagingAgent(Setup setup)
     // which may wait for those peers (two ranks sending to each other would hold each other).
     CurrentDevice current(device_);
     ipc::check_cuda(cudaStreamCreateWithFlags(&incoming_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", what);
+    posted_apart_ = std::make_unique<CountsApart>(what);
+    consumed_apart_ = std::make_unique<CountsApart>(what);
   }
   slot_use_.assign(static_cast<std::size_t>(nslots_), SlotUse{});
   pulse_ = std::make_shared<WorkerPulse>("the staging agent of rank " + std::to_string(rank_));
@@ -299,7 +301,8 @@ bool StagingAgent::drain() noexcept {
     if (Clock::now() > deadline) return false;
     backoff.pause();
   }
-  return incoming_ == nullptr || idle(incoming_, device_);
+  return incoming_ == nullptr ||
+         (idle(incoming_, device_) && idle(consumed_apart_->stream(), device_) && idle(posted_apart_->stream(), device_));
 }
 
 void StagingAgent::reclaim_words() {
@@ -746,7 +749,9 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
     d.rows = p.rows;
     d.dst = o.dst + p.row * o.dst_pitch + p.col;
     d.control = chunk | (p.last ? Descriptor::kLast : 0);
-    slot_use_[s] = SlotUse{nullptr, o.reader, post(o.reader, d)};
+    // More pieces follow: the count goes apart, the lane goes on with the next copy.
+    const cudaEvent_t copied = o.host_source || p.last ? nullptr : own.copied[s];
+    slot_use_[s] = SlotUse{nullptr, o.reader, post(o.reader, d, copied)};
     o.pieces.advance();
     *moved = true;
     if (o.answer) faults_.hit(FaultPoint::StagedAnswer);
@@ -837,7 +842,7 @@ void StagingAgent::watch_readers() {
       for (const auto& [done, ticket] : gets) ops.push_back(stream_write_op(done, ticket));
       try {
         CurrentDevice current(device_);
-        run_stream_batch(ops, incoming_, "staged transfer (ending gets a dead peer did not answer)", rank_);
+        write_counts(ops, false, "staged transfer (ending gets a dead peer did not answer)");
       } catch (const std::exception& e) {
         log(LogLevel::Error, std::string(e.what()) + "; the gets' ends are set from the host");
         for (const auto& [done, ticket] : gets) __atomic_store_n(done, ticket, __ATOMIC_RELEASE);
@@ -1032,12 +1037,49 @@ bool StagingAgent::ring_has_room(int reader) const {
   return n <= ControlWords::kRing || consumed_by(reader) >= n - ControlWords::kRing;
 }
 
+CountsApart::CountsApart(const std::string& what) : stream_(what), copied_(what), joined_(what) {}
+
+namespace {
+// The message is built only on a failure: these run for every piece.
+void check_on_rank(cudaError_t rc, const char* api, const char* call, int rank) {
+  if (rc != cudaSuccess) ipc::check_cuda(rc, api, std::string(call) + " on rank " + std::to_string(rank));
+}
+}  // namespace
+
+void CountsApart::write_after(cudaStream_t copies, cudaEvent_t copied, std::vector<CUstreamBatchMemOpParams>& ops,
+                              int rank, const char* call) {
+  if (copied == nullptr) {
+    copied = copied_.get();
+    check_on_rank(cudaEventRecord(copied, copies), "cudaEventRecord", call, rank);
+  }
+  check_on_rank(cudaStreamWaitEvent(stream_.get(), copied, 0), "cudaStreamWaitEvent", call, rank);
+  run_stream_batch(ops, stream_.get(), call, rank);
+  apart_ = true;
+}
+
+void CountsApart::join(cudaStream_t copies, int rank, const char* call) {
+  if (!apart_) return;
+  check_on_rank(cudaEventRecord(joined_.get(), stream_.get()), "cudaEventRecord", call, rank);
+  check_on_rank(cudaStreamWaitEvent(copies, joined_.get(), 0), "cudaStreamWaitEvent", call, rank);
+  apart_ = false;
+}
+
+void StagingAgent::write_counts(std::vector<CUstreamBatchMemOpParams>& ops, bool apart, const char* call) {
+  if (apart) {
+    consumed_apart_->write_after(incoming_, nullptr, ops, rank_, call);
+    return;
+  }
+  consumed_apart_->join(incoming_, rank_, call);
+  run_stream_batch(ops, incoming_, call, rank_);
+}
+
 // Writes descriptor `d` into the next entry of the channel to `reader` (from this thread: the
 // entry is free, and the reader reads it only once the count covers it), then the posted
-// count from this rank's GPU, after the copies before it on its lane; returns its number. The
-// caller saw the entry free (ring_has_room). One stream write per chunk: sixteen (one per
-// descriptor word) cost about a quarter of the channel's bandwidth on H200.
-std::uint64_t StagingAgent::post(int reader, Descriptor d) {
+// count from this rank's GPU, after the copies before it on its lane (apart from the lane
+// where `copied` is given: CountsApart); returns its number. The caller saw the entry free
+// (ring_has_room). One stream write per chunk: sixteen (one per descriptor word) cost about
+// a quarter of the channel's bandwidth on H200.
+std::uint64_t StagingAgent::post(int reader, Descriptor d, cudaEvent_t copied) {
   static_assert(sizeof(Descriptor) == ControlWords::kDescriptorWords * sizeof(std::uint64_t),
                 "a descriptor fills its ring entry");
   Lane& own = lanes_.at(device_);
@@ -1052,7 +1094,12 @@ std::uint64_t StagingAgent::post(int reader, Descriptor d) {
   // (ARM) needs a store fence here that makes the entry visible to another CPU first.
   std::atomic_thread_fence(std::memory_order_seq_cst);
   std::vector<CUstreamBatchMemOpParams> ops{stream_write_op(control_.posted(to), n)};
-  run_stream_batch(ops, own.stream, "staged transfer (channel post)", rank_);
+  if (copied != nullptr) {
+    posted_apart_->write_after(own.stream, copied, ops, rank_, "staged transfer (channel post)");
+  } else {
+    posted_apart_->join(own.stream, rank_, "staged transfer (channel post)");
+    run_stream_batch(ops, own.stream, "staged transfer (channel post)", rank_);
+  }
   next_post_[to] = n;  // only once enqueued: a failed post leaves no gap in the numbers
   return n;
 }
@@ -1184,7 +1231,9 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
       problem = "descriptor " + std::to_string(sequence) + " has an unknown kind " + std::to_string(d.kind());
     }
     for (auto& op : end_ops()) ops.push_back(op);
-    run_stream_batch(ops, incoming_, "staged transfer (from a hidden peer)", rank_);
+    // A chunk that more chunks of its transfer follow writes only its consumed count: apart.
+    const bool apart = d.kind() == Descriptor::kChunk && !d.last() && !abandoned && ops.size() == 1;
+    write_counts(ops, apart, "staged transfer (from a hidden peer)");
   } catch (const std::exception& e) {
     problem = e.what();
     refused_[from] = true;
@@ -1192,7 +1241,7 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
     if (d.kind() == Descriptor::kGet && !answered) __atomic_store_n(done, d.ticket, __ATOMIC_RELEASE);  // no answer comes
     try {  // the channel and the initiator's wait still move on
       auto end = end_ops();
-      run_stream_batch(end, incoming_, "staged transfer (from a hidden peer, after an error)", rank_);
+      write_counts(end, false, "staged transfer (from a hidden peer, after an error)");
     } catch (const std::exception& again) {
       problem += "; then: " + std::string(again.what()) + " (the initiator's wait will time out)";
     }
