@@ -8,7 +8,7 @@
 #            test_staging_pool test_gpu_soak staged_bench staging_memory_lab 03_jacobi
 #          tests/gpu/run_entries.sh --pack BUILD gpu-pack     (gpu-pack is in .gitignore; carry it)
 #   there: COMMIT=<short hash> BUDGET=500 bench/run_staged_rows.sh gpu-pack OUT MACHINE   (about 8 min)
-# OUT gets staged.csv, jacobi.csv, jacobi_concurrent.csv (MESHMEM_HALO_SENDS=concurrent), summary.txt
+# OUT gets staged.csv, jacobi.csv, jacobi_serial.csv (MESHMEM_HALO_SENDS=serial), summary.txt
 # and logs.tgz (the device tool returns 8 files).
 set -uo pipefail
 pack=$(cd "${1:?pack}" && pwd); out=${2:?out}; machine=${3:?machine}
@@ -21,7 +21,7 @@ ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 # Each step is a shell command run in the pack (tests/gpu/run_entries.sh 'cmd'); its lines
 # that start with RESULT go into the summary.
 result() { echo "2>&1 | awk '{print} /$1/{print \"RESULT \" \$0}'"; }
-staged="mpirun -np 2 --bind-to none bench/staged_bench --csv \$O/staged.csv --commit \$C --machine \$M --date \$D $(result '^staged_'); exit \${PIPESTATUS[0]}"
+staged="mpirun -np 2 --bind-to none bench/staged_bench --call-times --csv \$O/staged.csv --commit \$C --machine \$M --date \$D $(result '^staged_'); exit \${PIPESTATUS[0]}"
 memlab="mpirun -np 4 --bind-to none bench/staging_memory_lab --bytes 4G $(result '^ +[0-9]+ +[0-9a-f]+:'); exit \${PIPESTATUS[0]}"
 jacobi() {  # ranks [halos] [csv]: both sizes, staged forced (--halo=meshmem) and --halo=mpi, every run checked
   echo "for s in '4096 2000' '16384 1000'; do set -- \$s; for h in ${2:-meshmem mpi}; do" \
@@ -33,10 +33,10 @@ jacobi() {  # ranks [halos] [csv]: both sizes, staged forced (--halo=meshmem) an
 # 4 ranks on 2 GPUs under peer access off: ranks sharing a GPU on ipc, the others staged.
 mix() { echo "CUDA_VISIBLE_DEVICES=0,1 ctest --test-dir . -R '^$1\$' --output-on-failure --timeout 200 $(result 'Test +#'); exit \${PIPESTATUS[0]}"; }
 steps=("cmd staged_bench 120 $staged" "cmd memlab 45 $memlab" "cmd jacobi_np2 80 $(jacobi 2)")
-# MESHMEM_HALO_SENDS=concurrent (the middle ranks' two staged neighbours at once): its own CSV,
-# whose meshmem rows are that variant, and its GPU entries.
+# MESHMEM_HALO_SENDS=serial (the middle ranks' two staged neighbours one after the other, the
+# default until 2026-11-28) as the control: its own CSV, whose meshmem rows are that variant.
 [ "$ngpu" -ge 4 ] && steps+=("cmd jacobi_np4 110 $(jacobi 4)"
-  "cmd jacobi_np4_concurrent 130 MESHMEM_HALO_SENDS=concurrent; export MESHMEM_HALO_SENDS; $(jacobi 4 meshmem jacobi_concurrent.csv)"
+  "cmd jacobi_np4_serial 130 MESHMEM_HALO_SENDS=serial; export MESHMEM_HALO_SENDS; $(jacobi 4 meshmem jacobi_serial.csv)"
   "entry gpu.halo_sends_concurrent.np4 120" "entry gpu.halo_sends_concurrent_window.np4 120"
   "entry gpu.halo_sends_serial.np4 120" "entry gpu.halo_sends_serial_window.np4 120"
   "entry gpu.isolated_forced_staged.np4 120")
@@ -45,11 +45,11 @@ steps+=("cmd mix_peer_access_off 150 $(mix gpu.peer_access_off.np4)"
         "cmd mix_soak 90 $(mix gpu.soak_peer_access_off.np4)"
         "entry gpu.forced_staged.np4 150" "entry gpu.staged.np4 90" "entry gpu.staging_pool.np4 60"
         "entry gpu.soak_forced_staged.np4 90" "entry gpu.forced_staged_real_use.np2 120"
-        "entry gpu.isolated_staged.np2 60" "entry gpu.staged_one_agent.np4 90")
+        "entry gpu.isolated_staged.np2 60" "entry gpu.staged_one_agent.np4 90" "entry gpu.staged_held_lane.np2 90")
 "$root/tests/gpu/run_entries.sh" "$pack" "$logs/steps" "${steps[@]}"
 rc=$?
 cp "$logs/steps/summary.txt" "$out/"
-for f in staged.csv jacobi.csv jacobi_concurrent.csv; do [ -f "$logs/$f" ] && cp "$logs/$f" "$out/"; done
+for f in staged.csv jacobi.csv jacobi_serial.csv; do [ -f "$logs/$f" ] && cp "$logs/$f" "$out/"; done
 tar czf "$out/logs.tgz" -C "$logs" .
 rm -rf "$logs"
 exit $rc

@@ -615,11 +615,12 @@ TEST_F(DeviceWindow, BadArguments) {
 #include "halo_grid.hpp"
 
 // MESHMEM_HALO_SENDS reaches the device runtime (the halo_sends entries run the halo cases
-// with each value): device_info names `concurrent` where it is set, and only there.
+// with each value): device_info says `serial` where it is set, and only there (`concurrent`
+// is the default).
 TEST_F(DeviceWindow, HaloExchangeSendsAsTheKnobSays) {
   const char* knob = std::getenv("MESHMEM_HALO_SENDS");
-  const bool concurrent = knob != nullptr && std::strcmp(knob, "concurrent") == 0;
-  EXPECT_EQ(comm->device_info().find("halo sends concurrent") != std::string::npos, concurrent)
+  const bool serial = knob != nullptr && std::strcmp(knob, "serial") == 0;
+  EXPECT_EQ(comm->device_info().find("halo sends serial") != std::string::npos, serial)
       << "rank " << me << ", MESHMEM_HALO_SENDS=" << (knob ? knob : "(unset)") << ": " << comm->device_info();
 }
 
