@@ -115,8 +115,6 @@ StagingAgent::StagingAgent(Setup setup)
     // which may wait for those peers (two ranks sending to each other would hold each other).
     CurrentDevice current(device_);
     ipc::check_cuda(cudaStreamCreateWithFlags(&incoming_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", what);
-    posted_apart_ = std::make_unique<CountsApart>(what);
-    consumed_apart_ = std::make_unique<CountsApart>(what);
   }
   slot_use_.assign(static_cast<std::size_t>(nslots_), SlotUse{});
   pulse_ = std::make_shared<WorkerPulse>("the staging agent of rank " + std::to_string(rank_));
@@ -131,6 +129,8 @@ StagingAgent::~StagingAgent() {
   // pending work may be destroyed; CUDA releases them once that work is done.
   if (!drain()) log(LogLevel::Error, "staged transport: transfers still waiting or running at teardown");
   stop();
+  for (const CountAfterCopy& c : consumed_after_copies_)
+    if (c.pooled) events_.give_back(c.copied);  // the pool destroys them
   for (auto& [d, lane] : lanes_) {
     CurrentDevice current(d);
     for (cudaEvent_t e : lane.copied) (void)cudaEventDestroy(e);
@@ -301,8 +301,7 @@ bool StagingAgent::drain() noexcept {
     if (Clock::now() > deadline) return false;
     backoff.pause();
   }
-  return incoming_ == nullptr ||
-         (idle(incoming_, device_) && idle(consumed_apart_->stream(), device_) && idle(posted_apart_->stream(), device_));
+  return incoming_ == nullptr || idle(incoming_, device_);
 }
 
 void StagingAgent::reclaim_words() {
@@ -337,6 +336,7 @@ void StagingAgent::run() {
   bool streams_hold_work = false;
   auto busy = [&] {
     if (!waiting.empty() || !visible_.empty()) return true;
+    if (!posted_after_copies_.empty() || !consumed_after_copies_.empty()) return true;
     for (const auto& q : outgoing_)
       if (!q.empty()) return true;
     return false;
@@ -399,9 +399,10 @@ void StagingAgent::run() {
       next_stream_watch_ = Clock::now() + std::chrono::milliseconds(100);
     }
     const bool started = start_ready(waiting);
+    const bool counted = write_counts_after_copies();
     const bool carried = poll_incoming();
     const bool pumped = pump();
-    if (started || carried || pumped) {
+    if (started || counted || carried || pumped) {
       streams_hold_work = true;  // until the next look at the streams says otherwise
       backoff.reset();
       last_work = Clock::now();
@@ -749,7 +750,7 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
     d.rows = p.rows;
     d.dst = o.dst + p.row * o.dst_pitch + p.col;
     d.control = chunk | (p.last ? Descriptor::kLast : 0);
-    // More pieces follow: the count goes apart, the lane goes on with the next copy.
+    // More pieces follow: this thread writes the count, the lane goes on with the next copy.
     const cudaEvent_t copied = o.host_source || p.last ? nullptr : own.copied[s];
     slot_use_[s] = SlotUse{nullptr, o.reader, post(o.reader, d, copied)};
     o.pieces.advance();
@@ -842,7 +843,7 @@ void StagingAgent::watch_readers() {
       for (const auto& [done, ticket] : gets) ops.push_back(stream_write_op(done, ticket));
       try {
         CurrentDevice current(device_);
-        write_counts(ops, false, "staged transfer (ending gets a dead peer did not answer)");
+        run_stream_batch(ops, incoming_, "staged transfer (ending gets a dead peer did not answer)", rank_);
       } catch (const std::exception& e) {
         log(LogLevel::Error, std::string(e.what()) + "; the gets' ends are set from the host");
         for (const auto& [done, ticket] : gets) __atomic_store_n(done, ticket, __ATOMIC_RELEASE);
@@ -1037,47 +1038,48 @@ bool StagingAgent::ring_has_room(int reader) const {
   return n <= ControlWords::kRing || consumed_by(reader) >= n - ControlWords::kRing;
 }
 
-CountsApart::CountsApart(const std::string& what) : stream_(what), copied_(what), joined_(what) {}
-
 namespace {
-// The message is built only on a failure: these run for every piece.
-void check_on_rank(cudaError_t rc, const char* api, const char* call, int rank) {
-  if (rc != cudaSuccess) ipc::check_cuda(rc, api, std::string(call) + " on rank " + std::to_string(rank));
+// Raises `word` to `value` (a stream write of a later count may have come first).
+void raise_count(std::uint64_t* word, std::uint64_t value) {
+  std::uint64_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+  while (seen < value && !__atomic_compare_exchange_n(word, &seen, value, true, __ATOMIC_RELEASE, __ATOMIC_ACQUIRE)) {
+  }
 }
 }  // namespace
 
-void CountsApart::write_after(cudaStream_t copies, cudaEvent_t copied, std::vector<CUstreamBatchMemOpParams>& ops,
-                              int rank, const char* call) {
-  if (copied == nullptr) {
-    copied = copied_.get();
-    check_on_rank(cudaEventRecord(copied, copies), "cudaEventRecord", call, rank);
+bool StagingAgent::write_counts_after_copies() {
+  bool any = false;
+  for (auto* pending : {&posted_after_copies_, &consumed_after_copies_}) {
+    // One stream's copies end in order: the oldest not done holds the rest.
+    while (!pending->empty()) {
+      const CountAfterCopy c = pending->front();
+      const cudaError_t rc = cudaEventQuery(c.copied);
+      if (rc == cudaErrorNotReady) break;
+      pending->pop_front();
+      if (c.pooled) events_.give_back(c.copied);
+      if (rc != cudaSuccess) {
+        // The transfer's last count (its stream's) ends it or its wait times out; the error
+        // goes to this rank's next call.
+        (void)cudaGetLastError();
+        const std::string message = "staged transport on rank " + std::to_string(rank_) +
+                                    ": cudaEventQuery after a chunk's copy failed: " + cudaGetErrorString(rc);
+        log(LogLevel::Error, message);
+        std::lock_guard<std::mutex> lock(m_);
+        if (error_.empty()) error_ = message;
+        continue;
+      }
+      raise_count(c.word, c.value);
+      any = true;
+    }
   }
-  check_on_rank(cudaStreamWaitEvent(stream_.get(), copied, 0), "cudaStreamWaitEvent", call, rank);
-  run_stream_batch(ops, stream_.get(), call, rank);
-  apart_ = true;
-}
-
-void CountsApart::join(cudaStream_t copies, int rank, const char* call) {
-  if (!apart_) return;
-  check_on_rank(cudaEventRecord(joined_.get(), stream_.get()), "cudaEventRecord", call, rank);
-  check_on_rank(cudaStreamWaitEvent(copies, joined_.get(), 0), "cudaStreamWaitEvent", call, rank);
-  apart_ = false;
-}
-
-void StagingAgent::write_counts(std::vector<CUstreamBatchMemOpParams>& ops, bool apart, const char* call) {
-  if (apart) {
-    consumed_apart_->write_after(incoming_, nullptr, ops, rank_, call);
-    return;
-  }
-  consumed_apart_->join(incoming_, rank_, call);
-  run_stream_batch(ops, incoming_, call, rank_);
+  return any;
 }
 
 // Writes descriptor `d` into the next entry of the channel to `reader` (from this thread: the
 // entry is free, and the reader reads it only once the count covers it), then the posted
-// count from this rank's GPU, after the copies before it on its lane (apart from the lane
-// where `copied` is given: CountsApart); returns its number. The caller saw the entry free
-// (ring_has_room). One stream write per chunk: sixteen (one per descriptor word) cost about
+// count from this rank's GPU, after the copies before it on its lane (from this thread once
+// `copied` is done, where it is given: CountAfterCopy); returns its number. The caller saw the
+// entry free (ring_has_room). One stream write per chunk: sixteen (one per descriptor word) cost about
 // a quarter of the channel's bandwidth on H200.
 std::uint64_t StagingAgent::post(int reader, Descriptor d, cudaEvent_t copied) {
   static_assert(sizeof(Descriptor) == ControlWords::kDescriptorWords * sizeof(std::uint64_t),
@@ -1093,11 +1095,10 @@ std::uint64_t StagingAgent::post(int reader, Descriptor d, cudaEvent_t copied) {
   // GPU's write of the count follows the driver's doorbell write; a host with a weaker order
   // (ARM) needs a store fence here that makes the entry visible to another CPU first.
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  std::vector<CUstreamBatchMemOpParams> ops{stream_write_op(control_.posted(to), n)};
   if (copied != nullptr) {
-    posted_apart_->write_after(own.stream, copied, ops, rank_, "staged transfer (channel post)");
+    posted_after_copies_.push_back(CountAfterCopy{copied, false, control_.posted(to), n});
   } else {
-    posted_apart_->join(own.stream, rank_, "staged transfer (channel post)");
+    std::vector<CUstreamBatchMemOpParams> ops{stream_write_op(control_.posted(to), n)};
     run_stream_batch(ops, own.stream, "staged transfer (channel post)", rank_);
   }
   next_post_[to] = n;  // only once enqueued: a failed post leaves no gap in the numbers
@@ -1231,9 +1232,17 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
       problem = "descriptor " + std::to_string(sequence) + " has an unknown kind " + std::to_string(d.kind());
     }
     for (auto& op : end_ops()) ops.push_back(op);
-    // A chunk that more chunks of its transfer follow writes only its consumed count: apart.
-    const bool apart = d.kind() == Descriptor::kChunk && !d.last() && !abandoned && ops.size() == 1;
-    write_counts(ops, apart, "staged transfer (from a hidden peer)");
+    // A chunk that more chunks of its transfer follow has only its consumed count to write:
+    // this thread writes it once the copy is done (CountAfterCopy).
+    if (d.kind() == Descriptor::kChunk && !d.last() && !abandoned && ops.size() == 1) {
+      const cudaEvent_t copied = events_.take(what);
+      const cudaError_t rc = cudaEventRecord(copied, incoming_);
+      if (rc != cudaSuccess) events_.give_back(copied);
+      ipc::check_cuda(rc, "cudaEventRecord", what);
+      consumed_after_copies_.push_back(CountAfterCopy{copied, true, control_.consumed(from), sequence});
+    } else {
+      run_stream_batch(ops, incoming_, "staged transfer (from a hidden peer)", rank_);
+    }
   } catch (const std::exception& e) {
     problem = e.what();
     refused_[from] = true;
@@ -1241,7 +1250,7 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
     if (d.kind() == Descriptor::kGet && !answered) __atomic_store_n(done, d.ticket, __ATOMIC_RELEASE);  // no answer comes
     try {  // the channel and the initiator's wait still move on
       auto end = end_ops();
-      write_counts(end, false, "staged transfer (from a hidden peer, after an error)");
+      run_stream_batch(end, incoming_, "staged transfer (from a hidden peer, after an error)", rank_);
     } catch (const std::exception& again) {
       problem += "; then: " + std::string(again.what()) + " (the initiator's wait will time out)";
     }

@@ -70,7 +70,6 @@
 #include "../progress_watch.hpp"
 #include "../worker_pulse.hpp"
 #include "captured_handoff.hpp"
-#include "device_runtime.hpp"
 #include "event_pool.hpp"
 #include "kernels.hpp"
 #include "meshmem/ipc/awake_clock.hpp"
@@ -113,31 +112,6 @@ struct StagedRequest {
   bool word_is_lent = false;  // an eager transfer's word: back to the free list after its end
   std::uint64_t ticket = 0;
   std::size_t bytes() const { return width * rows; }
-};
-
-// The channel's counts of a copy stream, written apart from its copies. A stream write between
-// two copies on one stream idles that copy engine about 3.5 us (bench/pipeline_lab, 4 x H200:
-// 16 copies of 4 MiB to host take 1,258 us, 1,317 us with a write after each), so the count of
-// a piece that more pieces follow goes on a stream of its own, after an event of its copy.
-// Before the copy stream writes a count itself (a transfer's last piece, with its signal and
-// done word), it waits for the counts written apart since the last time (join), so that each
-// count only grows. Made on the current device; used by the agent's thread only.
-class CountsApart {
- public:
-  explicit CountsApart(const std::string& what);
-  // `ops` once the work enqueued on `copies` so far is done: `copied`, an event of `copies`
-  // recorded after it (null: recorded here).
-  void write_after(cudaStream_t copies, cudaEvent_t copied, std::vector<CUstreamBatchMemOpParams>& ops, int rank,
-                   const char* call);
-  // `copies` waits for every count written apart since the last join.
-  void join(cudaStream_t copies, int rank, const char* call);
-  cudaStream_t stream() const { return stream_.get(); }
-
- private:
-  OwnedStream stream_;
-  OwnedEvent copied_;
-  OwnedEvent joined_;
-  bool apart_ = false;  // counts written apart since the last join
 };
 
 // The control words after the slots in each rank's region of the pool (1 MiB):
@@ -330,10 +304,10 @@ class StagingAgent {
   std::uint64_t consumed_by(int reader) const;
   bool ring_has_room(int reader) const;
   // `copied`: an event recorded after the piece's copy into its slot, where more pieces of the
-  // transfer follow (its count is then written apart); null: the count goes on the lane.
+  // transfer follow (the host then writes its count: CountAfterCopy); null: the lane does.
   std::uint64_t post(int reader, Descriptor d, cudaEvent_t copied = nullptr);
-  // What the incoming stream writes after a chunk (its consumed count, and a transfer's end).
-  void write_counts(std::vector<CUstreamBatchMemOpParams>& ops, bool apart, const char* call);
+  // Writes the counts of CountAfterCopy whose copies are done, oldest first; true if any.
+  bool write_counts_after_copies();
   void carry_out(int writer, std::uint64_t sequence, const Descriptor& d);
   void* resolve(std::uint64_t window, std::uint64_t offset, std::size_t width, std::size_t rows, std::size_t pitch,
                 std::string* problem);
@@ -357,8 +331,22 @@ class StagingAgent {
   FaultPlan faults_;
   std::map<int, Lane> lanes_;
   cudaStream_t incoming_ = nullptr;    // chunks from hidden peers, onto this rank's GPU
-  std::unique_ptr<CountsApart> posted_apart_;    // with incoming_: posted counts of this GPU's lane
-  std::unique_ptr<CountsApart> consumed_apart_;  // with incoming_: consumed counts of incoming_
+  // A channel count that this thread writes once a copy is done, instead of a stream write
+  // after the copy: a stream write between two copies on one stream idles that copy engine
+  // about 3.5 us (bench/pipeline_lab, 4 x H200: 16 copies of 4 MiB to host take 1,258 us, 1,317
+  // with a write after each), and a stream of its own for the writes would be one more stream
+  // that a waiting stream of this process can hold (README "GPU queues"). Only for pieces that
+  // more pieces of their transfer follow: a transfer's last piece has its count (and end)
+  // written by its stream, which covers the pieces before it. The host raises a count, never
+  // lowers it, so that a later count the stream wrote first stands.
+  struct CountAfterCopy {
+    cudaEvent_t copied;  // recorded after the copy
+    bool pooled;         // `copied` came from events_ (incoming chunks)
+    std::uint64_t* word;
+    std::uint64_t value;
+  };
+  std::deque<CountAfterCopy> posted_after_copies_;    // this GPU's lane: posted counts
+  std::deque<CountAfterCopy> consumed_after_copies_;  // incoming_: consumed counts
   std::vector<SlotUse> slot_use_;
   std::size_t next_slot_ = 0;
   std::vector<std::uint64_t> next_post_;  // by node index: descriptors posted to that rank
