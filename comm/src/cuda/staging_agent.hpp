@@ -10,10 +10,12 @@
 // - The channel (the default, MESHMEM_STAGING_CHANNELS=always, and the only way where the
 //   peer's GPU is hidden from this process): the two agents share the work through a channel
 //   in the pool. The writer's GPU copies a chunk into a slot of the writer's region, the
-//   writer's agent writes a descriptor (what to copy where) into the ring, and the writer's
-//   GPU then writes the channel's posted count after the copy; the reader's agent, which
-//   polls its incoming channels, copies the chunk to its own GPU and writes the channel's
-//   consumed count, and after the last chunk the signal and the initiator's done word. A get
+//   writer's agent writes a descriptor (what to copy where) into the ring, and the channel's
+//   posted count follows the copy; the reader's agent, which polls its incoming channels,
+//   copies the chunk to its own GPU, the consumed count follows that copy, and after the last
+//   chunk the signal and the initiator's done word. A transfer's last chunk has its counts
+//   written by the GPU (a stream write after the copy); the chunks before it by the agent once
+//   the copy's event is done (CountAfterCopy: no stream write between two copies). A get
 //   from a hidden peer is a request on the channel that the peer's agent answers with chunks
 //   of its window.
 //
