@@ -25,7 +25,7 @@ cudaError_t copy_rows(void* dst, std::size_t dst_pitch, const void* src, std::si
 }  // namespace
 
 // One entry of a channel's ring, ControlWords::kDescriptorWords words, written by the
-// writer's agent (host stores) before its GPU writes the posted count that covers it.
+// writer's agent (host stores) before the posted count that covers it is written.
 struct StagingAgent::Descriptor {
   static constexpr std::uint64_t kChunk = 1, kGet = 2;  // kinds (bits 0..7 of `control`)
   static constexpr std::uint64_t kLast = 1u << 8;      // the last chunk: the signal and done word follow
@@ -129,8 +129,8 @@ StagingAgent::~StagingAgent() {
   // pending work may be destroyed; CUDA releases them once that work is done.
   if (!drain()) log(LogLevel::Error, "staged transport: transfers still waiting or running at teardown");
   stop();
-  for (const CountAfterCopy& c : consumed_after_copies_)
-    if (c.pooled) events_.give_back(c.copied);  // the pool destroys them
+  for (const auto* pending : {&posted_after_copies_, &consumed_after_copies_})
+    for (const CountAfterCopy& c : *pending) events_.give_back(c.copied);  // the pool destroys them
   for (auto& [d, lane] : lanes_) {
     CurrentDevice current(d);
     for (cudaEvent_t e : lane.copied) (void)cudaEventDestroy(e);
@@ -385,6 +385,7 @@ void StagingAgent::run() {
       // are not carried out.
       if (stop_) {
         lock.unlock();
+        (void)write_counts_after_copies();  // copies already done still free their slots for the peers
         give_up_all(waiting);
         return;
       }
@@ -750,9 +751,25 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
     d.rows = p.rows;
     d.dst = o.dst + p.row * o.dst_pitch + p.col;
     d.control = chunk | (p.last ? Descriptor::kLast : 0);
-    // More pieces follow: this thread writes the count, the lane goes on with the next copy.
-    const cudaEvent_t copied = o.host_source || p.last ? nullptr : own.copied[s];
-    slot_use_[s] = SlotUse{nullptr, o.reader, post(o.reader, d, copied)};
+    // More pieces follow: this thread writes the count once this event is done, the lane goes
+    // on with the next copy. An event of its own: the slot's may be recorded again (the slot
+    // reused, by a later count of the stream or a dead reader) before this one is looked at,
+    // and would then hold every count behind it until that later copy.
+    cudaEvent_t copied = nullptr;
+    if (!o.host_source && !p.last) {
+      copied = events_.take(o.what);
+      const cudaError_t rc = cudaEventRecord(copied, own.stream);
+      if (rc != cudaSuccess) events_.give_back(copied);
+      ipc::check_cuda(rc, "cudaEventRecord", o.what);
+    }
+    std::uint64_t number = 0;
+    try {
+      number = post(o.reader, d, copied);
+    } catch (...) {
+      if (copied != nullptr) events_.give_back(copied);
+      throw;
+    }
+    slot_use_[s] = SlotUse{nullptr, o.reader, number};
     o.pieces.advance();
     *moved = true;
     if (o.answer) faults_.hit(FaultPoint::StagedAnswer);
@@ -998,7 +1015,7 @@ std::string StagingAgent::describe_state(std::size_t waiting) const {
     const std::uint64_t consumed = __atomic_load_n(control_.consumed(i), __ATOMIC_ACQUIRE);
     if (next_post_[i] != taken || seen_[i] != consumed)
       add("channel to rank " + std::to_string(peer) + ": " + std::to_string(next_post_[i]) + " posted, " +
-          std::to_string(posted) + " of them written by the GPU, " + std::to_string(taken) +
+          std::to_string(posted) + " of them counted, " + std::to_string(taken) +
           " taken there; from it: " + std::to_string(seen_[i]) + " seen, " + std::to_string(consumed) + " consumed here");
   }
   for (const auto& [device, lane] : lanes_) {
@@ -1053,16 +1070,21 @@ bool StagingAgent::write_counts_after_copies() {
     // One stream's copies end in order: the oldest not done holds the rest.
     while (!pending->empty()) {
       const CountAfterCopy c = pending->front();
-      const cudaError_t rc = cudaEventQuery(c.copied);
+      // A later count the stream wrote covers it already.
+      const cudaError_t rc =
+          __atomic_load_n(c.word, __ATOMIC_ACQUIRE) >= c.value ? cudaSuccess : cudaEventQuery(c.copied);
       if (rc == cudaErrorNotReady) break;
       pending->pop_front();
-      if (c.pooled) events_.give_back(c.copied);
+      events_.give_back(c.copied);
       if (rc != cudaSuccess) {
         // The transfer's last count (its stream's) ends it or its wait times out; the error
         // goes to this rank's next call.
         (void)cudaGetLastError();
-        const std::string message = "staged transport on rank " + std::to_string(rank_) +
-                                    ": cudaEventQuery after a chunk's copy failed: " + cudaGetErrorString(rc);
+        const bool posted = pending == &posted_after_copies_;
+        const std::string message = "staged transport on rank " + std::to_string(rank_) + ": cudaEventQuery after " +
+                                    (posted ? "a chunk's copy to rank " : "the copy of a chunk from rank ") +
+                                    std::to_string(c.peer) + " failed (its " + (posted ? "posted" : "consumed") +
+                                    " count " + std::to_string(c.value) + " is not written): " + cudaGetErrorString(rc);
         log(LogLevel::Error, message);
         std::lock_guard<std::mutex> lock(m_);
         if (error_.empty()) error_ = message;
@@ -1096,7 +1118,7 @@ std::uint64_t StagingAgent::post(int reader, Descriptor d, cudaEvent_t copied) {
   // (ARM) needs a store fence here that makes the entry visible to another CPU first.
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (copied != nullptr) {
-    posted_after_copies_.push_back(CountAfterCopy{copied, false, control_.posted(to), n});
+    posted_after_copies_.push_back(CountAfterCopy{copied, reader, control_.posted(to), n});
   } else {
     std::vector<CUstreamBatchMemOpParams> ops{stream_write_op(control_.posted(to), n)};
     run_stream_batch(ops, own.stream, "staged transfer (channel post)", rank_);
@@ -1239,7 +1261,7 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
       const cudaError_t rc = cudaEventRecord(copied, incoming_);
       if (rc != cudaSuccess) events_.give_back(copied);
       ipc::check_cuda(rc, "cudaEventRecord", what);
-      consumed_after_copies_.push_back(CountAfterCopy{copied, true, control_.consumed(from), sequence});
+      consumed_after_copies_.push_back(CountAfterCopy{copied, writer, control_.consumed(from), sequence});
     } else {
       run_stream_batch(ops, incoming_, "staged transfer (from a hidden peer)", rank_);
     }

@@ -13,9 +13,10 @@
 //   writer's agent writes a descriptor (what to copy where) into the ring, and the channel's
 //   posted count follows the copy; the reader's agent, which polls its incoming channels,
 //   copies the chunk to its own GPU, the consumed count follows that copy, and after the last
-//   chunk the signal and the initiator's done word. A transfer's last chunk has its counts
-//   written by the GPU (a stream write after the copy); the chunks before it by the agent once
-//   the copy's event is done (CountAfterCopy: no stream write between two copies). A get
+//   chunk the signal and the initiator's done word. The chunks that more chunks of their
+//   transfer follow have their counts written by the agent once the copy's event is done
+//   (CountAfterCopy: no stream write between two copies); every other count (a last chunk,
+//   a get's request, a chunk copied by the host or refused) by the GPU, a stream write. A get
 //   from a hidden peer is a request on the channel that the peer's agent answers with chunks
 //   of its window.
 //
@@ -120,8 +121,9 @@ struct StagedRequest {
 //   lane counters   one per lane: transfers that ended on it (the host takes words back)
 //   barrier flags   one per rank of the Comm, then the leaders' mark (the stream barrier's,
 //                   stream_barrier.cpp)
-//   posted          per node rank: descriptors this rank posted to it (written by this GPU)
-//   consumed        per node rank: its descriptors this rank consumed (written by this GPU)
+//   posted          per node rank: descriptors this rank posted to it (written by this GPU
+//                   after the copy, or by this rank's agent once the copy is done)
+//   consumed        per node rank: its descriptors this rank consumed (the same)
 //   failed          per node rank: its descriptors this rank could not carry out (host)
 //   rings           per node rank: kRing descriptors of kDescriptorWords words to it
 //   transfer words  the rest: one done word per transfer in flight or captured
@@ -305,8 +307,9 @@ class StagingAgent {
   std::string slot_holders() const;
   std::uint64_t consumed_by(int reader) const;
   bool ring_has_room(int reader) const;
-  // `copied`: an event recorded after the piece's copy into its slot, where more pieces of the
-  // transfer follow (the host then writes its count: CountAfterCopy); null: the lane does.
+  // `copied`: an event (from events_) recorded after the piece's copy into its slot, where
+  // more pieces of the transfer follow (the host then writes its count: CountAfterCopy, which
+  // gives the event back); null: the lane does.
   std::uint64_t post(int reader, Descriptor d, cudaEvent_t copied = nullptr);
   // Writes the counts of CountAfterCopy whose copies are done, oldest first; true if any.
   bool write_counts_after_copies();
@@ -342,8 +345,8 @@ class StagingAgent {
   // written by its stream, which covers the pieces before it. The host raises a count, never
   // lowers it, so that a later count the stream wrote first stands.
   struct CountAfterCopy {
-    cudaEvent_t copied;  // recorded after the copy
-    bool pooled;         // `copied` came from events_ (incoming chunks)
+    cudaEvent_t copied;  // recorded after the copy (from events_, given back once looked at)
+    int peer;            // the reader (posted) or the writer (consumed), for errors
     std::uint64_t* word;
     std::uint64_t value;
   };
