@@ -129,8 +129,8 @@ StagingAgent::~StagingAgent() {
   // pending work may be destroyed; CUDA releases them once that work is done.
   if (!drain()) log(LogLevel::Error, "staged transport: transfers still waiting or running at teardown");
   stop();
-  for (const auto* pending : {&posted_after_copies_, &consumed_after_copies_})
-    for (const CountAfterCopy& c : *pending) events_.give_back(c.copied);  // the pool destroys them
+  for (const CountAfterCopy& c : consumed_after_copies_)
+    if (c.pooled) events_.give_back(c.copied);  // the pool destroys them
   for (auto& [d, lane] : lanes_) {
     CurrentDevice current(d);
     for (cudaEvent_t e : lane.copied) (void)cudaEventDestroy(e);
@@ -751,25 +751,12 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
     d.rows = p.rows;
     d.dst = o.dst + p.row * o.dst_pitch + p.col;
     d.control = chunk | (p.last ? Descriptor::kLast : 0);
-    // More pieces follow: this thread writes the count once this event is done, the lane goes
-    // on with the next copy. An event of its own: the slot's may be recorded again (the slot
-    // reused, by a later count of the stream or a dead reader) before this one is looked at,
-    // and would then hold every count behind it until that later copy.
-    cudaEvent_t copied = nullptr;
-    if (!o.host_source && !p.last) {
-      copied = events_.take(o.what);
-      const cudaError_t rc = cudaEventRecord(copied, own.stream);
-      if (rc != cudaSuccess) events_.give_back(copied);
-      ipc::check_cuda(rc, "cudaEventRecord", o.what);
-    }
-    std::uint64_t number = 0;
-    try {
-      number = post(o.reader, d, copied);
-    } catch (...) {
-      if (copied != nullptr) events_.give_back(copied);
-      throw;
-    }
-    slot_use_[s] = SlotUse{nullptr, o.reader, number};
+    // More pieces follow: this thread writes the count once the slot's copy event is done, the
+    // lane goes on with the next copy. (Where a dead reader's slots are freed, a slot's event
+    // can be recorded again before its count is looked at: the counts behind it then wait for
+    // that later copy of the lane. A count reused slots cover is dropped unqueried.)
+    const cudaEvent_t copied = o.host_source || p.last ? nullptr : own.copied[s];
+    slot_use_[s] = SlotUse{nullptr, o.reader, post(o.reader, d, copied)};
     o.pieces.advance();
     *moved = true;
     if (o.answer) faults_.hit(FaultPoint::StagedAnswer);
@@ -1075,7 +1062,7 @@ bool StagingAgent::write_counts_after_copies() {
           __atomic_load_n(c.word, __ATOMIC_ACQUIRE) >= c.value ? cudaSuccess : cudaEventQuery(c.copied);
       if (rc == cudaErrorNotReady) break;
       pending->pop_front();
-      events_.give_back(c.copied);
+      if (c.pooled) events_.give_back(c.copied);
       if (rc != cudaSuccess) {
         // The transfer's last count (its stream's) ends it or its wait times out; the error
         // goes to this rank's next call.
@@ -1118,7 +1105,7 @@ std::uint64_t StagingAgent::post(int reader, Descriptor d, cudaEvent_t copied) {
   // (ARM) needs a store fence here that makes the entry visible to another CPU first.
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (copied != nullptr) {
-    posted_after_copies_.push_back(CountAfterCopy{copied, reader, control_.posted(to), n});
+    posted_after_copies_.push_back(CountAfterCopy{copied, false, reader, control_.posted(to), n});
   } else {
     std::vector<CUstreamBatchMemOpParams> ops{stream_write_op(control_.posted(to), n)};
     run_stream_batch(ops, own.stream, "staged transfer (channel post)", rank_);
@@ -1261,7 +1248,7 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
       const cudaError_t rc = cudaEventRecord(copied, incoming_);
       if (rc != cudaSuccess) events_.give_back(copied);
       ipc::check_cuda(rc, "cudaEventRecord", what);
-      consumed_after_copies_.push_back(CountAfterCopy{copied, writer, control_.consumed(from), sequence});
+      consumed_after_copies_.push_back(CountAfterCopy{copied, true, writer, control_.consumed(from), sequence});
     } else {
       run_stream_batch(ops, incoming_, "staged transfer (from a hidden peer)", rank_);
     }

@@ -307,9 +307,8 @@ class StagingAgent {
   std::string slot_holders() const;
   std::uint64_t consumed_by(int reader) const;
   bool ring_has_room(int reader) const;
-  // `copied`: an event (from events_) recorded after the piece's copy into its slot, where
-  // more pieces of the transfer follow (the host then writes its count: CountAfterCopy, which
-  // gives the event back); null: the lane does.
+  // `copied`: the slot's event, recorded after the piece's copy into it, where more pieces of
+  // the transfer follow (the host then writes its count: CountAfterCopy); null: the lane does.
   std::uint64_t post(int reader, Descriptor d, cudaEvent_t copied = nullptr);
   // Writes the counts of CountAfterCopy whose copies are done, oldest first; true if any.
   bool write_counts_after_copies();
@@ -345,7 +344,8 @@ class StagingAgent {
   // written by its stream, which covers the pieces before it. The host raises a count, never
   // lowers it, so that a later count the stream wrote first stands.
   struct CountAfterCopy {
-    cudaEvent_t copied;  // recorded after the copy (from events_, given back once looked at)
+    cudaEvent_t copied;  // recorded after the copy
+    bool pooled;         // `copied` came from events_ (incoming chunks; given back once looked at)
     int peer;            // the reader (posted) or the writer (consumed), for errors
     std::uint64_t* word;
     std::uint64_t value;
