@@ -16,6 +16,7 @@ cd "$pack" || exit 1
 { timeout 60 bench/pipeline_lab --slots 4; timeout 60 bench/pipeline_lab --slots 8 --chunks 256K,512K,1M,2M; } > "$out/lab.txt" 2>&1
 echo "pipeline_lab rc $?" >> "$out/summary.txt"
 rc=0
+# CONFIGS: CHUNK/SLOTS pairs, the chunk in whole MiB (nM).
 for cfg in ${CONFIGS:-4M/4 2M/4 2M/8 1M/8 1M/16 8M/4}; do
   chunk=${cfg%/*}; slots=${cfg#*/}
   bytes=$(( ${chunk%M} * 1048576 ))
