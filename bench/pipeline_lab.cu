@@ -82,10 +82,12 @@ class Lab {
     int rate_khz = 0;
     LK(cudaDeviceGetAttribute(&rate_khz, cudaDevAttrClockRate, 0));
     spin_cycles_ = static_cast<long long>(rate_khz) * 5;  // 5 ms
+    // Per slot: its copy in is done (GPU 0's stream), its copy out is done (GPU 1's).
+    copied_.resize(slots);
+    freed_.resize(slots);
     for (int d = 0; d < 2; ++d) {
       LK(cudaSetDevice(d));
-      copied_.resize(slots), freed_.resize(slots);
-      for (int s = 0; s < slots; ++s) LK(cudaEventCreateWithFlags(d == 0 ? &copied_[s] : &freed_[s], cudaEventDisableTiming));
+      for (cudaEvent_t& e : d == 0 ? copied_ : freed_) LK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
       LK(cudaEventCreateWithFlags(&last_[d], cudaEventDisableTiming));
     }
     LK(cudaSetDevice(0));

@@ -40,6 +40,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <numeric>
 #include <meshmem/meshmem.hpp>
 #include <string>
 #include <thread>
@@ -396,19 +397,15 @@ int measure(const Setup& cfg) {
       const unsigned long long seed = (put ? 0x1000ull : 0x2000ull) + size;
       const std::size_t checked = size + kGuard;  // the buffers have kGuard bytes past max_size
 
-      // The operations of rank 0, each enqueued on s; host_ns adds the time inside comm calls,
-      // first_ns is the first call's of a loop (made with nothing of meshmem's in flight).
-      double host_ns = 0, first_ns = -1;
-      std::vector<double> calls_ns;  // this loop's, one by one
+      // The operations of rank 0, each enqueued on s; calls_ns: the host time inside each comm
+      // call of the loop, in order (the first made with nothing of meshmem's in flight).
+      std::vector<double> calls_ns;
       calls_ns.reserve(static_cast<std::size_t>(iters) + 2 * static_cast<std::size_t>(warm));
       auto meshmem_op = [&] {
         const auto t0 = Clock::now();
         if (put) comm.put(win, 1, 0, mbuf, size, s);
         else comm.get(mbuf, win, 1, 0, size, s);
-        const double ns = std::chrono::duration<double, std::nano>(Clock::now() - t0).count();
-        host_ns += ns;
-        if (first_ns < 0) first_ns = ns;
-        calls_ns.push_back(ns);
+        calls_ns.push_back(std::chrono::duration<double, std::nano>(Clock::now() - t0).count());
       };
       auto driver_op = [&] {
         if (put) CK(cudaMemcpyPeerAsync(obuf, other, cbuf, cfg.device, size, s));
@@ -471,8 +468,6 @@ int measure(const Setup& cfg) {
           for (auto& v : variants) {
             if (!v.active) continue;
             CK(cudaStreamSynchronize(s));
-            host_ns = 0;
-            first_ns = -1;
             calls_ns.clear();
             const auto t0 = Clock::now();
             v.op();
@@ -482,9 +477,10 @@ int measure(const Setup& cfg) {
             CK(cudaStreamSynchronize(s));
             const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
             v.best_s = std::min(v.best_s, secs);
-            v.best_host_ns = std::min(v.best_host_ns, host_ns / iters);
-            if (first_ns >= 0) v.best_first_ns = std::min(v.best_first_ns, first_ns);
             if (!calls_ns.empty()) {
+              const double total_ns = std::accumulate(calls_ns.begin(), calls_ns.end(), 0.0);
+              v.best_host_ns = std::min(v.best_host_ns, total_ns / iters);
+              v.best_first_ns = std::min(v.best_first_ns, calls_ns.front());
               if (cfg.call_times) {
                 std::printf("# %s %zu B rep %d host time per call (us):", bench_name, size, rep);
                 for (double ns : calls_ns) std::printf(" %.1f", ns / 1e3);

@@ -1088,8 +1088,8 @@ bool StagingAgent::write_counts_after_copies() {
 // entry is free, and the reader reads it only once the count covers it), then the posted
 // count from this rank's GPU, after the copies before it on its lane (from this thread once
 // `copied` is done, where it is given: CountAfterCopy); returns its number. The caller saw the
-// entry free (ring_has_room). One stream write per chunk: sixteen (one per descriptor word) cost about
-// a quarter of the channel's bandwidth on H200.
+// entry free (ring_has_room). One stream write per chunk: sixteen (one per descriptor word)
+// cost about a quarter of the channel's bandwidth on H200.
 std::uint64_t StagingAgent::post(int reader, Descriptor d, cudaEvent_t copied) {
   static_assert(sizeof(Descriptor) == ControlWords::kDescriptorWords * sizeof(std::uint64_t),
                 "a descriptor fills its ring entry");
