@@ -9,9 +9,20 @@
 //   d2h-cut+memop    ... each followed by a stream write of a pinned word (a channel's posted count)
 //   pipe             device-to-host into slot i on GPU 0, host-to-device from it on GPU 1 (events), K slots
 //   pipe+memop       the same, with a stream write after every copy on both GPUs (posted, consumed)
+// With --sm B, the same through the SMs (B blocks of 512 threads per kernel, 16-byte loads and
+// stores through the mapped pinned memory; no copy engine):
+//   sm-d2h, sm-h2d   one kernel copying S (GPU 0 to host, host to GPU 1)
+//   sm-both          both at once
+//   sm-pipe          a kernel on GPU 0 copies chunk i into slot i mod K, a kernel on GPU 1 copies it
+//                    out, both at once: block b of each moves the b-th share of every chunk and
+//                    hands it over through a pair of pinned counters of its own (ready, freed), so
+//                    no block waits for another block of its kernel. The chunk is the hand-over size.
+// With --lanes N the chunked cases spread their chunks over N streams per GPU (chunk i on stream
+// i mod N): whether a copy's start-up and drain overlap the copy before it on another stream.
 // The time is from the end of the spin kernel to the end of the last copy (both on GPU 0's
 // clock; GPU 0 waits for GPU 1's last event). A row whose enqueueing outran the spin says so.
-//   pipeline_lab [--sizes 64M,256M] [--chunks 512K,1M,2M,4M,8M] [--slots 4] [--reps 5]
+//   pipeline_lab [--sizes 64M,256M] [--chunks 512K,1M,2M,4M,8M] [--slots 4] [--lanes 1] [--reps 5]
+//                [--sm B [--sm-chunks 256K,512K,1M,2M]]
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -43,9 +54,81 @@ __global__ void spin(long long cycles) {
   }
 }
 
+// Copies n 16-byte words from src to dst with this block's threads, four loads in flight per
+// thread. Loads bypass the caches (__ldcv): a slot is written again by the other GPU.
+__device__ void block_copy(uint4* dst, const uint4* src, std::size_t n) {
+  const std::size_t step = blockDim.x;
+  for (std::size_t k = threadIdx.x; k < n; k += 4 * step) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (k + u * step < n) v[u] = __ldcv(src + k + u * step);
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (k + u * step < n) dst[k + u * step] = v[u];
+  }
+}
+
+__device__ std::size_t smaller(std::size_t a, std::size_t b) { return a < b ? a : b; }
+
+// Block b's share of a range of n words: [*first, *first + *count).
+__device__ void share(std::size_t n, std::size_t* first, std::size_t* count) {
+  const std::size_t per = (n + gridDim.x - 1) / gridDim.x;
+  *first = smaller(n, blockIdx.x * per);
+  *count = smaller(n - *first, per);
+}
+
+__global__ void sm_copy(uint4* dst, const uint4* src, std::size_t n) {
+  std::size_t first = 0, count = 0;
+  share(n, &first, &count);
+  block_copy(dst + first, src + first, count);
+}
+
+__device__ void wait_at_least(const volatile unsigned long long* word, unsigned long long value) {
+  if (threadIdx.x == 0) {
+    while (*word < value) {
+    }
+    __threadfence_system();
+  }
+  __syncthreads();
+}
+
+__device__ void publish(volatile unsigned long long* word, unsigned long long value) {
+  __threadfence_system();  // this thread's copies are out
+  __syncthreads();         // and every thread's
+  if (threadIdx.x == 0) *word = value;
+}
+
+// sm-pipe's two halves: n words in chunks of `chunk` words through `slots` slots.
+__global__ void sm_produce(uint4* slots, const uint4* src, std::size_t n, std::size_t chunk, int nslots,
+                           unsigned long long* ready, const unsigned long long* freed) {
+  const std::size_t chunks = (n + chunk - 1) / chunk;
+  for (std::size_t i = 0; i < chunks; ++i) {
+    const std::size_t len = smaller(chunk, n - i * chunk);
+    std::size_t first = 0, count = 0;
+    share(len, &first, &count);
+    if (i >= static_cast<std::size_t>(nslots)) wait_at_least(freed + blockIdx.x, i - nslots + 1);
+    block_copy(slots + (i % nslots) * chunk + first, src + i * chunk + first, count);
+    publish(ready + blockIdx.x, i + 1);
+  }
+}
+
+__global__ void sm_consume(uint4* dst, const uint4* slots, std::size_t n, std::size_t chunk, int nslots,
+                           const unsigned long long* ready, unsigned long long* freed) {
+  const std::size_t chunks = (n + chunk - 1) / chunk;
+  for (std::size_t i = 0; i < chunks; ++i) {
+    const std::size_t len = smaller(chunk, n - i * chunk);
+    std::size_t first = 0, count = 0;
+    share(len, &first, &count);
+    wait_at_least(ready + blockIdx.x, i + 1);
+    block_copy(dst + i * chunk + first, slots + (i % nslots) * chunk + first, count);
+    publish(freed + blockIdx.x, i + 1);
+  }
+}
+
 struct Gpu {
   int device = 0;
-  cudaStream_t stream = nullptr;
+  std::vector<cudaStream_t> streams;  // streams[0] also carries the whole copies and the timing
   char* buf = nullptr;
 };
 
@@ -66,11 +149,12 @@ std::vector<std::size_t> parse_list(const std::string& text) {
 
 class Lab {
  public:
-  Lab(std::size_t max_bytes, std::size_t max_chunk, int slots) : slots_(slots) {
+  Lab(std::size_t max_bytes, std::size_t max_chunk, int slots, int lanes) : slots_(slots), lanes_(lanes) {
     for (int d = 0; d < 2; ++d) {
       gpu_[d].device = d;
       LK(cudaSetDevice(d));
-      LK(cudaStreamCreateWithFlags(&gpu_[d].stream, cudaStreamNonBlocking));
+      gpu_[d].streams.resize(static_cast<std::size_t>(lanes));
+      for (cudaStream_t& st : gpu_[d].streams) LK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
       LK(cudaMalloc(&gpu_[d].buf, max_bytes));
       LK(cudaMemset(gpu_[d].buf, d + 1, max_bytes));
     }
@@ -79,6 +163,7 @@ class Lab {
     LK(cudaMallocHost(&host2_, max_bytes));  // both-ways: the h2d half's source
     LK(cudaMallocHost(&slots_mem_, max_chunk * static_cast<std::size_t>(slots)));
     LK(cudaMallocHost(&words_, 4096));
+    LK(cudaMallocHost(&flags_, 2 * kMaxBlocks * sizeof(unsigned long long)));
     int rate_khz = 0;
     LK(cudaDeviceGetAttribute(&rate_khz, cudaDevAttrClockRate, 0));
     spin_cycles_ = static_cast<long long>(rate_khz) * 5;  // 5 ms
@@ -88,7 +173,8 @@ class Lab {
     for (int d = 0; d < 2; ++d) {
       LK(cudaSetDevice(d));
       for (cudaEvent_t& e : d == 0 ? copied_ : freed_) LK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-      LK(cudaEventCreateWithFlags(&last_[d], cudaEventDisableTiming));
+      joins_[d].resize(static_cast<std::size_t>(lanes));
+      for (cudaEvent_t& e : joins_[d]) LK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     }
     LK(cudaSetDevice(0));
     LK(cudaEventCreate(&t0_));
@@ -102,19 +188,27 @@ class Lab {
     double best_us = 1e30;
     for (int rep = 0; rep < reps; ++rep) {
       LK(cudaSetDevice(0));
-      spin<<<1, 1, 0, gpu_[0].stream>>>(spin_cycles_);
+      spin<<<1, 1, 0, stream(0, 0)>>>(spin_cycles_);
       LK(cudaGetLastError());
-      LK(cudaEventRecord(t0_, gpu_[0].stream));
-      LK(cudaSetDevice(1));
-      LK(cudaStreamWaitEvent(gpu_[1].stream, t0_, 0));
+      LK(cudaEventRecord(t0_, stream(0, 0)));
+      for (int d = 0; d < 2; ++d) {
+        LK(cudaSetDevice(d));
+        for (cudaStream_t st : gpu_[d].streams)
+          if (st != stream(0, 0)) LK(cudaStreamWaitEvent(st, t0_, 0));
+      }
       const auto h0 = std::chrono::steady_clock::now();
       enqueue();
       const double host_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
-      LK(cudaSetDevice(1));
-      LK(cudaEventRecord(last_[1], gpu_[1].stream));
+      // Every stream of both GPUs joins GPU 0's first stream, which records the end.
+      for (int d = 0; d < 2; ++d) {
+        LK(cudaSetDevice(d));
+        for (int l = 0; l < lanes_; ++l) LK(cudaEventRecord(joins_[d][l], stream(d, l)));
+      }
       LK(cudaSetDevice(0));
-      LK(cudaStreamWaitEvent(gpu_[0].stream, last_[1], 0));
-      LK(cudaEventRecord(t1_, gpu_[0].stream));
+      for (int d = 0; d < 2; ++d)
+        for (int l = 0; l < lanes_; ++l)
+          if (d != 0 || l != 0) LK(cudaStreamWaitEvent(stream(0, 0), joins_[d][l], 0));
+      LK(cudaEventRecord(t1_, stream(0, 0)));
       LK(cudaEventSynchronize(t1_));
       if (host_ms > 4.5) *outran = true;
       float ms = 0;
@@ -124,17 +218,21 @@ class Lab {
     return best_us;
   }
 
-  void d2h(char* dst, const char* src, std::size_t n) {
+  // Chunk i's stream on GPU d.
+  cudaStream_t stream(int d, std::size_t i) const {
+    return gpu_[d].streams[i % static_cast<std::size_t>(lanes_)];
+  }
+  void d2h(char* dst, const char* src, std::size_t n, std::size_t i = 0) {
     LK(cudaSetDevice(0));
-    LK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, gpu_[0].stream));
+    LK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream(0, i)));
   }
-  void h2d(char* dst, const char* src, std::size_t n) {
+  void h2d(char* dst, const char* src, std::size_t n, std::size_t i = 0) {
     LK(cudaSetDevice(1));
-    LK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, gpu_[1].stream));
+    LK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, stream(1, i)));
   }
-  void memop(int d, int word, std::uint64_t value) {
+  void memop(int d, int word, std::uint64_t value, std::size_t i) {
     LK(cudaSetDevice(d));
-    LK(cuStreamWriteValue64(reinterpret_cast<CUstream>(gpu_[d].stream), reinterpret_cast<CUdeviceptr>(words_ + word),
+    LK(cuStreamWriteValue64(reinterpret_cast<CUstream>(stream(d, i)), reinterpret_cast<CUdeviceptr>(words_ + word),
                             value, CU_STREAM_WRITE_VALUE_DEFAULT));
   }
 
@@ -156,6 +254,51 @@ class Lab {
     if (outran) std::printf("# (S %zu): the host's enqueueing outran the 5 ms spin in some run: those rows include host time\n", S);
   }
 
+  // The SM cases: B blocks per kernel, hand-over sizes `chunks`.
+  void run_sm(std::size_t S, const std::vector<std::size_t>& chunks, int blocks, int reps) {
+    bool outran = false;
+    const double t_d2h = best(reps, [&] { d2h(host_, gpu_[0].buf, S); }, &outran);
+    const double t_h2d = best(reps, [&] { h2d(gpu_[1].buf, host2_, S); }, &outran);
+    const double t_min = std::max(t_d2h, t_h2d);
+    auto row = [&](const char* name, std::size_t chunk, double us) {
+      std::printf("%-14s %10zu %10zu %12.1f %10.2f %12.3f\n", name, S, chunk, us, S / us / 1e3, t_min / us);
+    };
+    const std::size_t n = S / 16;
+    auto sm_d2h = [&] {
+      LK(cudaSetDevice(0));
+      sm_copy<<<blocks, 512, 0, stream(0, 0)>>>(reinterpret_cast<uint4*>(host_), reinterpret_cast<const uint4*>(gpu_[0].buf), n);
+      LK(cudaGetLastError());
+    };
+    auto sm_h2d = [&] {
+      LK(cudaSetDevice(1));
+      sm_copy<<<blocks, 512, 0, stream(1, 0)>>>(reinterpret_cast<uint4*>(gpu_[1].buf), reinterpret_cast<const uint4*>(host2_), n);
+      LK(cudaGetLastError());
+    };
+    row("sm-d2h", S, best(reps, sm_d2h, &outran));
+    row("sm-h2d", S, best(reps, sm_h2d, &outran));
+    row("sm-both", S, best(reps, [&] { sm_d2h(); sm_h2d(); }, &outran));
+    for (std::size_t C : chunks) {
+      // Counters start at 0 each run (the previous run ended; this one's kernels wait for the spin).
+      row("sm-pipe", C, best(reps, [&] {
+            std::fill(flags_, flags_ + 2 * kMaxBlocks, 0ull);
+            LK(cudaSetDevice(0));
+            sm_produce<<<blocks, 512, 0, stream(0, 0)>>>(reinterpret_cast<uint4*>(slots_mem_), reinterpret_cast<const uint4*>(gpu_[0].buf),
+                                                         n, C / 16, slots_, flags_, flags_ + kMaxBlocks);
+            LK(cudaGetLastError());
+            LK(cudaSetDevice(1));
+            sm_consume<<<blocks, 512, 0, stream(1, 0)>>>(reinterpret_cast<uint4*>(gpu_[1].buf), reinterpret_cast<const uint4*>(slots_mem_),
+                                                         n, C / 16, slots_, flags_, flags_ + kMaxBlocks);
+            LK(cudaGetLastError());
+          }, &outran));
+      // Every byte arrived (GPU 1's buffer against GPU 0's).
+      std::vector<char> a(S), b(S);
+      LK(cudaMemcpy(a.data(), gpu_[0].buf, S, cudaMemcpyDeviceToHost));
+      LK(cudaMemcpy(b.data(), gpu_[1].buf, S, cudaMemcpyDeviceToHost));
+      if (a != b) std::printf("# sm-pipe chunk %zu: GPU 1's copy differs from GPU 0's source\n", C);
+    }
+    if (outran) std::printf("# (S %zu): the host's enqueueing outran the 5 ms spin in some run: those rows include host time\n", S);
+  }
+
   template <class Row>
   void run_chunked(std::size_t S, std::size_t C, int reps, double t_min, Row& row, bool* outran_flag) {
     bool& outran = *outran_flag;
@@ -164,8 +307,8 @@ class Lab {
     for (int with_memop = 0; with_memop < 2; ++with_memop) {
       row(with_memop ? "d2h-cut+memop" : "d2h-cut", C, best(reps, [&] {
             for (std::size_t i = 0; i < n; ++i) {
-              d2h(slots_mem_ + (i % slots_) * C, gpu_[0].buf + i * C, piece(i));
-              if (with_memop) memop(0, 0, i + 1);
+              d2h(slots_mem_ + (i % slots_) * C, gpu_[0].buf + i * C, piece(i), i);
+              if (with_memop) memop(0, 0, i + 1, i);
             }
           }, &outran), t_min);
     }
@@ -175,15 +318,15 @@ class Lab {
               const std::size_t s = i % slots_;
               char* slot = slots_mem_ + s * C;
               LK(cudaSetDevice(0));
-              if (i >= static_cast<std::size_t>(slots_)) LK(cudaStreamWaitEvent(gpu_[0].stream, freed_[s], 0));
-              d2h(slot, gpu_[0].buf + i * C, piece(i));
-              if (with_memop) memop(0, 0, i + 1);
-              LK(cudaEventRecord(copied_[s], gpu_[0].stream));
+              if (i >= static_cast<std::size_t>(slots_)) LK(cudaStreamWaitEvent(stream(0, i), freed_[s], 0));
+              d2h(slot, gpu_[0].buf + i * C, piece(i), i);
+              if (with_memop) memop(0, 0, i + 1, i);
+              LK(cudaEventRecord(copied_[s], stream(0, i)));
               LK(cudaSetDevice(1));
-              LK(cudaStreamWaitEvent(gpu_[1].stream, copied_[s], 0));
-              h2d(gpu_[1].buf + i * C, slot, piece(i));
-              if (with_memop) memop(1, 8, i + 1);
-              LK(cudaEventRecord(freed_[s], gpu_[1].stream));
+              LK(cudaStreamWaitEvent(stream(1, i), copied_[s], 0));
+              h2d(gpu_[1].buf + i * C, slot, piece(i), i);
+              if (with_memop) memop(1, 8, i + 1, i);
+              LK(cudaEventRecord(freed_[s], stream(1, i)));
             }
           }, &outran), t_min);
     }
@@ -195,26 +338,34 @@ class Lab {
   char* host2_ = nullptr;
   char* slots_mem_ = nullptr;
   std::uint64_t* words_ = nullptr;
+  static constexpr int kMaxBlocks = 1024;
+  unsigned long long* flags_ = nullptr;  // sm-pipe: ready[kMaxBlocks], then freed[kMaxBlocks]
   int slots_;
+  int lanes_;
   long long spin_cycles_ = 0;
   std::vector<cudaEvent_t> copied_, freed_;
-  cudaEvent_t last_[2]{}, t0_ = nullptr, t1_ = nullptr;
+  std::vector<cudaEvent_t> joins_[2];  // per GPU and stream: its last work, for the end's join
+  cudaEvent_t t0_ = nullptr, t1_ = nullptr;
 };
 
 }  // namespace
 
 int main(int argc, char** argv) {
   std::vector<std::size_t> sizes = parse_list("64M,256M"), chunks = parse_list("512K,1M,2M,4M,8M");
-  int slots = 4, reps = 5;
+  int slots = 4, lanes = 1, reps = 5, sm_blocks = 0;
+  std::vector<std::size_t> sm_chunks = parse_list("256K,512K,1M,2M");
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const bool has = i + 1 < argc;
     if (a == "--sizes" && has) sizes = parse_list(argv[++i]);
     else if (a == "--chunks" && has) chunks = parse_list(argv[++i]);
     else if (a == "--slots" && has) slots = std::atoi(argv[++i]);
+    else if (a == "--lanes" && has) lanes = std::atoi(argv[++i]);
+    else if (a == "--sm" && has) sm_blocks = std::atoi(argv[++i]);
+    else if (a == "--sm-chunks" && has) sm_chunks = parse_list(argv[++i]);
     else if (a == "--reps" && has) reps = std::atoi(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: pipeline_lab [--sizes 64M,256M] [--chunks 512K,1M,2M,4M,8M] [--slots 4] [--reps 5]\n");
+      std::fprintf(stderr, "usage: pipeline_lab [--sizes 64M,256M] [--chunks 512K,1M,2M,4M,8M] [--slots 4] [--lanes 1] [--reps 5] [--sm B [--sm-chunks 256K,512K,1M,2M]]\n");
       return 2;
     }
   }
@@ -223,13 +374,29 @@ int main(int argc, char** argv) {
     std::printf("# pipeline_lab: needs 2 GPUs in this process (has %d); nothing measured\n", ngpu);
     return 0;
   }
-  if (slots < 2) {
-    std::fprintf(stderr, "pipeline_lab: --slots needs 2 or more\n");
+  if (slots < 2 || lanes < 1 || sm_blocks < 0 || sm_blocks > 1024) {
+    std::fprintf(stderr, "pipeline_lab: --slots needs 2 or more, --lanes 1 or more, --sm 1 .. 1024\n");
     return 2;
   }
-  Lab lab(*std::max_element(sizes.begin(), sizes.end()), *std::max_element(chunks.begin(), chunks.end()), slots);
-  std::printf("# pipeline_lab: GPU 0 -> pinned host -> GPU 1, %d slots, best of %d; ratio = time of min(d2h, h2d) / time\n", slots, reps);
+  for (std::size_t v : sizes)
+    if (sm_blocks > 0 && v % 16 != 0) {
+      std::fprintf(stderr, "pipeline_lab: --sm needs sizes in whole 16-byte words\n");
+      return 2;
+    }
+  for (std::size_t v : sm_chunks)
+    if (sm_blocks > 0 && (v % 16 != 0 || v > *std::max_element(chunks.begin(), chunks.end()))) {
+      std::fprintf(stderr, "pipeline_lab: --sm-chunks must be whole 16-byte words, at most the largest of --chunks\n");
+      return 2;
+    }
+  Lab lab(*std::max_element(sizes.begin(), sizes.end()), *std::max_element(chunks.begin(), chunks.end()), slots, lanes);
+  std::printf("# pipeline_lab: GPU 0 -> pinned host -> GPU 1, %d slots, %d stream(s) per GPU, best of %d; ratio = time of min(d2h, h2d) / time\n",
+              slots, lanes, reps);
   std::printf("%-14s %10s %10s %12s %10s %12s\n", "# case", "bytes", "chunk", "time (us)", "GB/s", "x min(d,h)");
+  if (sm_blocks > 0) {
+    std::printf("# SM copies: %d blocks of 512 threads per kernel; chunk = the hand-over size (sm-pipe)\n", sm_blocks);
+    for (std::size_t S : sizes) lab.run_sm(S, sm_chunks, sm_blocks, reps);
+    return 0;
+  }
   for (std::size_t S : sizes) lab.run(S, chunks, reps);
   return 0;
 }
