@@ -1,7 +1,9 @@
 // The node's staging pool (comm/src/cuda/staging_pool.hpp): every rank's region of pinned
 // host memory, made on its GPU's NUMA node, is reachable from every node rank's CPU and GPU;
 // a region outlives the process object that made it while others map it; make/destroy
-// cycles return descriptors and GPU memory to their baseline. Skipped without a GPU.
+// cycles return descriptors and GPU memory to their baseline. Also the queue in which the
+// staging agent and the transfer proxies keep handed-over transfers until their sources are
+// ready (ReadyQueue, event_pool.hpp). Skipped without a GPU.
 #include <cuda_runtime_api.h>
 #include <dirent.h>
 
@@ -16,6 +18,7 @@
 
 #include "bootstrap.hpp"
 #include "cuda/block_pool.hpp"
+#include "cuda/event_pool.hpp"
 #include "cuda/staging_pool.hpp"
 #include "cuda/transport_mpi_device.hpp"
 #include "fd_exchange.hpp"
@@ -369,6 +372,73 @@ TEST_F(StagingPoolTest, MpiDeviceSlotsStayMappedForTheNextComm) {
   EXPECT_GE(after[0], base + slots) << "the mpi-device slots' chunks were unmapped with their Comm (" << base << " -> "
                                     << after[0] << " bytes mapped)";
   EXPECT_EQ(after[1], after[0]) << "the second Comm did not reuse the first one's slots";
+}
+
+
+// ReadyQueue: a transfer is taken once its source is ready and never before one of its own
+// stream handed over earlier; a stream held back holds no other stream, nor transfers without
+// an event, nor those of the per-thread default stream; take_all hands over the rest.
+TEST_F(StagingPoolTest, ReadyQueueTakesEachStreamInOrderAndHoldsNoOther) {
+  struct Item {
+    cudaEvent_t ready;
+    cudaStream_t stream;
+    int id;
+  };
+  PooledBlock word = detail::take_block(BlockMemory::MappedHost, device, 8, "test");
+  auto* flag = static_cast<unsigned long long*>(word.get());
+  *flag = 0;
+  cudaStream_t held = nullptr, free_stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&held, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&free_stream, cudaStreamNonBlocking));
+  std::vector<cudaEvent_t> events(5);
+  for (cudaEvent_t& e : events) CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  wait_for_word<<<1, 1, 0, held>>>(flag);
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaEventRecord(events[0], held));         // 1: behind the kernel
+  CUDA_OK(cudaEventRecord(events[1], free_stream));  // 2: done at once, but handed over as `held`'s:
+                                                     //    taken before 1 only if it were asked
+  CUDA_OK(cudaEventRecord(events[2], free_stream));  // 3
+  CUDA_OK(cudaEventRecord(events[3], cudaStreamPerThread));  // 5
+  CUDA_OK(cudaEventRecord(events[4], held));         // 6: behind the kernel, handed over last
+  CUDA_OK(cudaStreamSynchronize(free_stream));
+  CUDA_OK(cudaStreamSynchronize(cudaStreamPerThread));
+  detail::ReadyQueue<Item> queue;
+  queue.push(Item{events[0], held, 1});
+  queue.push(Item{events[1], held, 2});
+  queue.push(Item{events[2], free_stream, 3});
+  queue.push(Item{nullptr, held, 4});  // no event (a rung doorbell): ready
+  queue.push(Item{events[3], cudaStreamPerThread, 5});
+  queue.push(Item{events[4], held, 6});
+  EXPECT_EQ(queue.size(), 6u);
+  std::vector<int> taken;
+  auto take = [&](const Item& item, cudaError_t rc) {
+    EXPECT_EQ(rc, cudaSuccess) << "transfer " << item.id;
+    taken.push_back(item.id);
+  };
+  EXPECT_TRUE(queue.take_ready(take));
+  std::sort(taken.begin(), taken.end());
+  EXPECT_EQ(taken, (std::vector<int>{3, 4, 5}));
+  EXPECT_EQ(queue.size(), 3u);
+  taken.clear();
+  EXPECT_FALSE(queue.take_ready(take)) << "the held stream's transfers were taken before its kernel ended";
+  __atomic_store_n(flag, 1ull, __ATOMIC_RELEASE);
+  CUDA_OK(cudaStreamSynchronize(held));
+  EXPECT_TRUE(queue.take_ready(take));
+  EXPECT_EQ(taken, (std::vector<int>{1, 2, 6}));  // the stream's own order
+  EXPECT_TRUE(queue.empty());
+  // What is left at the end is handed over whole.
+  queue.push(Item{events[0], held, 7});
+  queue.push(Item{events[3], cudaStreamPerThread, 8});
+  queue.push(Item{nullptr, free_stream, 9});
+  taken.clear();
+  queue.take_all([&](const Item& item) { taken.push_back(item.id); });
+  std::sort(taken.begin(), taken.end());
+  EXPECT_EQ(taken, (std::vector<int>{7, 8, 9}));
+  EXPECT_TRUE(queue.empty());
+  EXPECT_FALSE(queue.take_ready(take));
+  for (cudaEvent_t e : events) CUDA_OK(cudaEventDestroy(e));
+  CUDA_OK(cudaStreamDestroy(held));
+  CUDA_OK(cudaStreamDestroy(free_stream));
 }
 
 }  // namespace

@@ -1,7 +1,5 @@
 #include "event_pool.hpp"
 
-#include <algorithm>
-
 #include "meshmem/ipc/cuda_driver.hpp"
 
 namespace meshmem::detail {
@@ -27,14 +25,6 @@ cudaEvent_t EventPool::take(const std::string& what) {
 void EventPool::give_back(cudaEvent_t e) {
   std::lock_guard<std::mutex> lock(m_);
   spare_.push_back(e);
-}
-
-bool StreamsBehind::contains(cudaStream_t s) const {
-  return std::find(streams_.begin(), streams_.end(), s) != streams_.end();
-}
-
-void StreamsBehind::add(cudaStream_t s) {
-  if (s != cudaStreamPerThread && !contains(s)) streams_.push_back(s);
 }
 
 }  // namespace meshmem::detail

@@ -328,7 +328,7 @@ void StagingAgent::reclaim_words() {
 void StagingAgent::run() {
   relax_capture_mode_of_this_thread();
   tighten_timer_slack();
-  std::list<StagedRequest> waiting;  // handed over; sources not known to be ready yet
+  ReadyQueue<StagedRequest> waiting;  // handed over; sources not known to be ready yet
   // While some source is not ready or some transfer waits for a slot: at most 20 us between
   // polls, so a transfer starts (or goes on) at most that late.
   Backoff backoff(std::chrono::microseconds(20));
@@ -376,7 +376,7 @@ void StagingAgent::run() {
         }
       }
       while (!queue_.empty()) {
-        waiting.push_back(queue_.front());
+        waiting.push(queue_.front());
         queue_.pop_front();
       }
       // Stopping: after drain (bounded) gave up on sources that never became ready (or on
@@ -399,10 +399,13 @@ void StagingAgent::run() {
       pulse_->publish(describe_state(waiting.size()), pulse_now_ns());
       next_stream_watch_ = Clock::now() + std::chrono::milliseconds(100);
     }
+    // This rank's transfers are posted before its peers' chunks are carried out: a post starts
+    // the longer chain (the peer's GPU copy, its agent, the copy here, the done word back),
+    // which the caller's stream waits for as much as for its incoming chunks.
     const bool started = start_ready(waiting);
+    const bool pumped = pump();
     const bool counted = write_counts_after_copies();
     const bool carried = poll_incoming();
-    const bool pumped = pump();
     if (started || counted || carried || pumped) {
       streams_hold_work = true;  // until the next look at the streams says otherwise
       backoff.reset();
@@ -415,13 +418,12 @@ void StagingAgent::run() {
 
 // At stop, what is still waiting or half enqueued ends here: its done word is set from the
 // host (the caller's stream goes on), and the log says so.
-void StagingAgent::give_up_all(std::list<StagedRequest>& waiting) {
+void StagingAgent::give_up_all(ReadyQueue<StagedRequest>& waiting) {
   std::size_t n = 0;
-  for (const StagedRequest& r : waiting) {
+  waiting.take_all([&](const StagedRequest& r) {
     __atomic_store_n(r.done, r.ticket, __ATOMIC_RELEASE);
     ++n;
-  }
-  waiting.clear();
+  });
   for (const VisibleTransfer& t : visible_) {
     __atomic_store_n(t.request.done, t.request.ticket, __ATOMIC_RELEASE);
     ++n;
@@ -439,26 +441,10 @@ void StagingAgent::give_up_all(std::list<StagedRequest>& waiting) {
                              " transfer(s) still waiting or running when the agent stopped were ended unfinished");
 }
 
-// Starts every waiting transfer whose source is ready, oldest first; true if any. A caller
-// that runs ahead (an iterating code without a host wait) may have handed over thousands:
-// only the oldest of each stream is asked (the later ones of that stream come after it in
-// stream order), so a poll costs one query per stream, not one per transfer.
-bool StagingAgent::start_ready(std::list<StagedRequest>& waiting) {
-  bool any = false;
-  StreamsBehind behind;
-  for (auto it = waiting.begin(); it != waiting.end();) {
-    if (it->ready != nullptr && behind.contains(it->stream)) {
-      ++it;
-      continue;
-    }
-    const cudaError_t rc = it->ready == nullptr ? cudaSuccess : cudaEventQuery(it->ready);
-    if (rc == cudaErrorNotReady) {
-      behind.add(it->stream);
-      ++it;
-      continue;
-    }
-    const StagedRequest r = *it;
-    it = waiting.erase(it);
+// Starts every waiting transfer whose source is ready (ReadyQueue: one query per stream, not
+// one per transfer); true if any.
+bool StagingAgent::start_ready(ReadyQueue<StagedRequest>& waiting) {
+  return waiting.take_ready([&](const StagedRequest& r, cudaError_t rc) {
     if (r.ready != nullptr) events_.give_back(r.ready);
     if (rc != cudaSuccess) {
       (void)cudaGetLastError();
@@ -468,9 +454,7 @@ bool StagingAgent::start_ready(std::list<StagedRequest>& waiting) {
     } else {
       execute(r);
     }
-    any = true;
-  }
-  return any;
+  });
 }
 
 void StagingAgent::ended(bool answer) {

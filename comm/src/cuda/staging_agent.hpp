@@ -59,7 +59,6 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
-#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -281,8 +280,8 @@ class StagingAgent {
 
   void reclaim_words();  // under m_
   void run();
-  void give_up_all(std::list<StagedRequest>& waiting);
-  bool start_ready(std::list<StagedRequest>& waiting);
+  void give_up_all(ReadyQueue<StagedRequest>& waiting);
+  bool start_ready(ReadyQueue<StagedRequest>& waiting);
   bool poll_incoming();
   bool pump();
   void fail(const StagedRequest& r, const std::string& message);

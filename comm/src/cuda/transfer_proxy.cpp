@@ -643,7 +643,7 @@ class TransferProxy {
       note_error(where() + ": MPI_Irecv of headers failed");
       return;
     }
-    std::list<ProxyRequest> waiting;
+    ReadyQueue<ProxyRequest> waiting;
     Backoff backoff(std::chrono::microseconds(200));
     for (;;) {
       // Outside m_: a replay's hand-off submits (which takes it).
@@ -652,44 +652,31 @@ class TransferProxy {
         std::lock_guard<std::mutex> lock(m_);
         if (stop_) break;
         while (!queue_.empty()) {
-          waiting.push_back(queue_.front());
+          waiting.push(queue_.front());
           queue_.pop_front();
         }
       }
       try {
-        // Transfers whose source is ready, in the order they became so; only the oldest
-        // waiting transfer of each stream is asked.
-        StreamsBehind behind;
-        for (auto it = waiting.begin(); it != waiting.end();) {
-          if (it->ready && behind.contains(it->stream)) {
-            ++it;
-            continue;
-          }
-          const cudaError_t rc = it->ready ? cudaEventQuery(it->ready) : cudaSuccess;
-          if (rc == cudaErrorNotReady) {
-            behind.add(it->stream);
-            ++it;
-            continue;
-          }
-          const ProxyRequest r = *it;
-          it = waiting.erase(it);
-          if (r.ready) events_.give_back(r.ready);
+        // Transfers whose source is ready, in the order they became so (ReadyQueue: only the
+        // oldest waiting transfer of each stream is asked).
+        if (waiting.take_ready([&](const ProxyRequest& r, cudaError_t rc) {
+              if (r.ready) events_.give_back(r.ready);
+              if (rc != cudaSuccess) {
+                note_error(where() + ": the stream of a transfer to rank " + std::to_string(r.peer) + " failed: " +
+                           cudaGetErrorString(rc));
+                release_bounce(r);
+                end(r.word, r.ticket);
+                return;
+              }
+              try {
+                start(r);
+              } catch (const std::exception& e) {
+                note_error(e.what());
+                release_bounce(r);  // start() hands it over only with the wire's send
+                end(r.word, r.ticket);
+              }
+            }))
           busy = true;
-          if (rc != cudaSuccess) {
-            note_error(where() + ": the stream of a transfer to rank " + std::to_string(r.peer) + " failed: " +
-                       cudaGetErrorString(rc));
-            release_bounce(r);
-            end(r.word, r.ticket);
-            continue;
-          }
-          try {
-            start(r);
-          } catch (const std::exception& e) {
-            note_error(e.what());
-            release_bounce(r);  // start() hands it over only with the wire's send
-            end(r.word, r.ticket);
-          }
-        }
         for (;;) {
           int flag = 0;
           MPI_Status status;
@@ -739,10 +726,10 @@ class TransferProxy {
       MPI_Test(&o.request, &flag, MPI_STATUS_IGNORE);
       if (!flag) MPI_Request_free(&o.request);  // completes (or not) without us
     }
-    for (ProxyRequest& r : waiting) {
+    waiting.take_all([&](ProxyRequest& r) {
       if (r.ready) events_.give_back(r.ready);
       release_bounce(r);
-    }
+    });
   }
 
   std::shared_ptr<HandoffBoard<TransferProxy>> captured_;
