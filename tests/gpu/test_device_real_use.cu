@@ -1853,8 +1853,9 @@ TEST_F(RealUse, StreamOfAnotherDeviceIsRejected) {
 // ---- native peer atomics ----
 
 // Without native peer atomics (forced here: every pair on the GPU machines has them), a
-// signal Add into another GPU is refused before anything is enqueued: neither its data nor
-// its signal lands. Set still works, and Add into a rank on the same GPU is a local atomic.
+// signal Add into another GPU over ipc is refused before anything is enqueued: neither its
+// data nor its signal lands. Set still works, Add into a rank on the same GPU is a local
+// atomic, and routes whose target's thread applies the Add (staged, nccl, mpi-device) take it.
 TEST_F(RealUse, SignalAddWithoutNativePeerAtomicsIsRefused) {
   ScopedEnv atomics("MESHMEM_PEER_ATOMICS", "off");
   make_comm();
@@ -1862,10 +1863,11 @@ TEST_F(RealUse, SignalAddWithoutNativePeerAtomicsIsRefused) {
   const std::vector<std::string> bus = meshmem::test::gpu_bus_ids();
   ASSERT_FALSE(bus[me].empty()) << "no PCI bus id for this rank's GPU";
   auto on_my_gpu = [&](int r) { return bus[r] == bus[me]; };
-  // The staged route applies Add with an atomic on the target's own GPU: no peer atomics.
-  auto staged = [&](int r) { return comm->transport(r, Memory::Device) == TransportKind::Staged; };
-  const bool same_gpu = on_my_gpu(right) || staged(right);     // what I send: Add accepted
-  const bool left_same_gpu = on_my_gpu(left) || staged(left);  // what I receive
+  // Only the ipc route adds into the peer's GPU itself; the others (staged, nccl, mpi-device:
+  // simulated nodes) apply Add with an atomic on the target's own GPU: no peer atomics.
+  auto through_a_thread = [&](int r) { return comm->transport(r, Memory::Device) != TransportKind::Ipc; };
+  const bool same_gpu = on_my_gpu(right) || through_a_thread(right);     // what I send: Add accepted
+  const bool left_same_gpu = on_my_gpu(left) || through_a_thread(left);  // what I receive
   constexpr std::size_t kBytes = 4096;
   Window data = comm->alloc(kBytes);
   Signals sig = comm->alloc_signals(2);
