@@ -65,3 +65,9 @@ if(MESHMEM_HAVE_CUDA)
   add_executable(pipeline_lab pipeline_lab.cu)
   target_link_libraries(pipeline_lab PRIVATE meshmem::meshmem CUDA::cuda_driver)
 endif()
+# driver_call_lab: the host cost of each CUDA call the staging agent makes per small transfer,
+# and whether threads making them at once on streams of their own get through them faster.
+if(MESHMEM_HAVE_CUDA)
+  add_executable(driver_call_lab driver_call_lab.cu)
+  target_link_libraries(driver_call_lab PRIVATE meshmem::meshmem CUDA::cuda_driver)
+endif()

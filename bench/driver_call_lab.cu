@@ -1,0 +1,226 @@
+// driver_call_lab: the host cost of the CUDA calls the staging agent makes per small transfer,
+// and whether two or more threads making them at once, each on a stream of its own on one GPU,
+// get through them faster than one thread. The question behind the next step for issue 10's
+// Jacobi 4096^2 on 4 GPUs: a trace of the agents (bench/results/2026-11-28-nvidia-h200-x4-staged-
+// aa3e264.txt) found a middle rank making about 23 us of such calls per iteration on its one
+// thread; fewer calls, cheaper calls, or a second thread (outgoing and incoming apart) are the
+// candidates, and this lab prices each.
+//
+// One process, GPU 0, pinned host memory (cudaMallocHost). Each case makes --calls calls in
+// batches of 64 with a cudaStreamSynchronize between batches (not timed: only the enqueueing is);
+// the row is the mean host time per call (or per pair / per group for the combined cases).
+//   memcpy-d2h-default   cudaMemcpyAsync device -> pinned, cudaMemcpyDefault (the agent's copy)
+//   memcpy-d2h-kind      the same with cudaMemcpyDeviceToHost
+//   cu-memcpy-dtoh       cuMemcpyDtoHAsync
+//   memcpy-h2d-default, memcpy-h2d-kind, cu-memcpy-htod: the other way
+//   batch-1, batch-3     cuStreamBatchMemOp with 1 / 3 stream writes of pinned words
+//   event-record         cudaEventRecord
+//   event-query          cudaEventQuery of an event that is done
+//   pointer-attributes   cudaPointerGetAttributes of a device pointer (the agent's host-source test)
+//   set-device           cudaGetDevice + cudaSetDevice (the agent's CurrentDevice, same device)
+//   writer               copy d2h + event record + batch-1 (a small transfer's writer side)
+//   reader               copy h2d + batch-3 (its reader side: signal, done word, consumed count)
+//   writer+reader/T thr  T threads at once, each making writer then reader on a stream of its own:
+//                        the time per writer+reader of each thread while all run (no gain from
+//                        more threads if it grows T-fold)
+//   driver_call_lab [--bytes 32K] [--calls 4000] [--threads 1,2,4]
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench_check.hpp"
+
+namespace {
+
+#define LK(x)                                                                                         \
+  do {                                                                                                \
+    const auto rc_ = (x);                                                                             \
+    if (static_cast<int>(rc_) != 0) {                                                                 \
+      std::fprintf(stderr, "%s failed: %d (%s:%d)\n", #x, static_cast<int>(rc_), __FILE__, __LINE__); \
+      std::exit(1);                                                                                   \
+    }                                                                                                 \
+  } while (0)
+
+using Clock = std::chrono::steady_clock;
+constexpr int kBatch = 64;
+
+// What one thread needs: its stream, a device buffer, a pinned buffer, pinned words, an event.
+struct Lane {
+  cudaStream_t stream = nullptr;
+  char* device = nullptr;
+  char* host = nullptr;
+  std::uint64_t* words = nullptr;
+  cudaEvent_t event = nullptr;
+  explicit Lane(std::size_t bytes) {
+    LK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    LK(cudaMalloc(&device, bytes));
+    LK(cudaMallocHost(&host, bytes));
+    LK(cudaMallocHost(&words, 4096));
+    LK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  }
+  ~Lane() {
+    cudaStreamSynchronize(stream);
+    cudaEventDestroy(event);
+    cudaFreeHost(words);
+    cudaFreeHost(host);
+    cudaFree(device);
+    cudaStreamDestroy(stream);
+  }
+  Lane(const Lane&) = delete;
+  Lane& operator=(const Lane&) = delete;
+};
+
+CUstreamBatchMemOpParams write_op(std::uint64_t* word, std::uint64_t value) {
+  CUstreamBatchMemOpParams op{};
+  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+  op.writeValue.address = reinterpret_cast<CUdeviceptr>(word);
+  op.writeValue.value64 = value;
+  op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+  return op;
+}
+
+void batch(Lane& l, int n, std::uint64_t value) {
+  CUstreamBatchMemOpParams ops[3] = {write_op(l.words, value), write_op(l.words + 8, value), write_op(l.words + 16, value)};
+  LK(cuStreamBatchMemOp(reinterpret_cast<CUstream>(l.stream), static_cast<unsigned>(n), ops, 0));
+}
+
+// Mean host microseconds per call of `call` (i = 0 .. calls-1), synchronising `lane`'s stream
+// between batches of kBatch calls (not timed).
+double per_call(Lane& lane, int calls, const std::function<void(int)>& call) {
+  double us = 0;
+  for (int done = 0; done < calls;) {
+    const int n = std::min(kBatch, calls - done);
+    const auto t0 = Clock::now();
+    for (int i = 0; i < n; ++i) call(done + i);
+    us += std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+    LK(cudaStreamSynchronize(lane.stream));
+    done += n;
+  }
+  return us / calls;
+}
+
+std::vector<int> parse_counts(const std::string& text) {
+  std::vector<int> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    const int v = std::atoi(item.c_str());
+    if (v < 1 || v > 64) {
+      std::fprintf(stderr, "driver_call_lab: '%s' is not a thread count of 1 .. 64\n", item.c_str());
+      std::exit(2);
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::size_t bytes = 32 << 10;
+  int calls = 4000;
+  std::vector<int> threads = {1, 2, 4};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const bool has = i + 1 < argc;
+    if (a == "--bytes" && has && bench::parse_bytes(argv[i + 1], &bytes)) ++i;
+    else if (a == "--calls" && has && (calls = std::atoi(argv[i + 1])) > 0) ++i;
+    else if (a == "--threads" && has) threads = parse_counts(argv[++i]);
+    else {
+      std::fprintf(stderr, "usage: driver_call_lab [--bytes 32K] [--calls 4000] [--threads 1,2,4]\n");
+      return 2;
+    }
+  }
+  int ngpu = 0;
+  if (cudaGetDeviceCount(&ngpu) != cudaSuccess || ngpu < 1) {
+    std::printf("# driver_call_lab: no GPU; nothing measured\n");
+    return 0;
+  }
+  LK(cudaSetDevice(0));
+  cudaDeviceProp prop{};
+  LK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("# driver_call_lab: GPU 0 (%s), copies of %zu bytes, %d calls per row in batches of %d, host time "
+              "of the enqueueing only\n", prop.name, bytes, calls, kBatch);
+  std::printf("%-24s %8s %14s\n", "# case", "threads", "us per call");
+  auto row = [](const char* name, int t, double us) { std::printf("%-24s %8d %14.3f\n", name, t, us); };
+  {
+    Lane l(bytes);
+    const auto dev = reinterpret_cast<CUdeviceptr>(l.device);
+    const auto cs = reinterpret_cast<CUstream>(l.stream);
+    row("memcpy-d2h-default", 1, per_call(l, calls, [&](int) {
+          LK(cudaMemcpyAsync(l.host, l.device, bytes, cudaMemcpyDefault, l.stream));
+        }));
+    row("memcpy-d2h-kind", 1, per_call(l, calls, [&](int) {
+          LK(cudaMemcpyAsync(l.host, l.device, bytes, cudaMemcpyDeviceToHost, l.stream));
+        }));
+    row("cu-memcpy-dtoh", 1, per_call(l, calls, [&](int) { LK(cuMemcpyDtoHAsync(l.host, dev, bytes, cs)); }));
+    row("memcpy-h2d-default", 1, per_call(l, calls, [&](int) {
+          LK(cudaMemcpyAsync(l.device, l.host, bytes, cudaMemcpyDefault, l.stream));
+        }));
+    row("memcpy-h2d-kind", 1, per_call(l, calls, [&](int) {
+          LK(cudaMemcpyAsync(l.device, l.host, bytes, cudaMemcpyHostToDevice, l.stream));
+        }));
+    row("cu-memcpy-htod", 1, per_call(l, calls, [&](int) { LK(cuMemcpyHtoDAsync(dev, l.host, bytes, cs)); }));
+    row("batch-1", 1, per_call(l, calls, [&](int i) { batch(l, 1, static_cast<std::uint64_t>(i) + 1); }));
+    row("batch-3", 1, per_call(l, calls, [&](int i) { batch(l, 3, static_cast<std::uint64_t>(i) + 1); }));
+    row("event-record", 1, per_call(l, calls, [&](int) { LK(cudaEventRecord(l.event, l.stream)); }));
+    LK(cudaStreamSynchronize(l.stream));
+    row("event-query", 1, per_call(l, calls, [&](int) { LK(cudaEventQuery(l.event)); }));
+    row("pointer-attributes", 1, per_call(l, calls, [&](int) {
+          cudaPointerAttributes attributes{};
+          LK(cudaPointerGetAttributes(&attributes, l.device));
+        }));
+    row("set-device", 1, per_call(l, calls, [&](int) {
+          int d = -1;
+          LK(cudaGetDevice(&d));
+          LK(cudaSetDevice(d));
+        }));
+    row("writer", 1, per_call(l, calls, [&](int i) {
+          LK(cudaMemcpyAsync(l.host, l.device, bytes, cudaMemcpyDefault, l.stream));
+          LK(cudaEventRecord(l.event, l.stream));
+          batch(l, 1, static_cast<std::uint64_t>(i) + 1);
+        }));
+    row("reader", 1, per_call(l, calls, [&](int i) {
+          LK(cudaMemcpyAsync(l.device, l.host, bytes, cudaMemcpyDefault, l.stream));
+          batch(l, 3, static_cast<std::uint64_t>(i) + 1);
+        }));
+  }
+  for (int t : threads) {
+    std::vector<std::unique_ptr<Lane>> lanes;
+    for (int k = 0; k < t; ++k) lanes.push_back(std::make_unique<Lane>(bytes));
+    std::vector<double> us(static_cast<std::size_t>(t), 0.0);
+    std::atomic<int> arrived{0};
+    std::vector<std::thread> pool;
+    for (int k = 0; k < t; ++k) {
+      pool.emplace_back([&, k] {
+        LK(cudaSetDevice(0));
+        Lane& l = *lanes[static_cast<std::size_t>(k)];
+        arrived.fetch_add(1);
+        while (arrived.load() < t) {
+        }
+        us[static_cast<std::size_t>(k)] = per_call(l, calls, [&](int i) {
+          LK(cudaMemcpyAsync(l.host, l.device, bytes, cudaMemcpyDefault, l.stream));
+          LK(cudaEventRecord(l.event, l.stream));
+          batch(l, 1, static_cast<std::uint64_t>(i) + 1);
+          LK(cudaMemcpyAsync(l.device, l.host, bytes, cudaMemcpyDefault, l.stream));
+          batch(l, 3, static_cast<std::uint64_t>(i) + 1);
+        });
+      });
+    }
+    for (std::thread& th : pool) th.join();
+    row("writer+reader", t, *std::max_element(us.begin(), us.end()));
+  }
+  return 0;
+}
