@@ -1,5 +1,6 @@
 // Return-code checks and the common command line of the device benchmarks and studies: a
-// failed CUDA, driver or MPI call prints the call, the rank and the code, then aborts the job.
+// failed CUDA, driver or MPI call prints the call, the rank and the code, then aborts the job
+// (or, in a lab without MPI, ends the process).
 #pragma once
 
 #include <cuda.h>
@@ -18,10 +19,14 @@ inline int& check_rank() {
   return rank;
 }
 
+// Ends the job (MPI_Abort), or the process where MPI is not up (the single-process labs).
 [[noreturn]] inline void fail(const char* call, const std::string& why, const char* file, int line) {
   std::fprintf(stderr, "rank %d: %s failed: %s (%s:%d)\n", check_rank(), call, why.c_str(), file, line);
-  MPI_Abort(MPI_COMM_WORLD, 1);
-  std::abort();
+  int up = 0, down = 0;
+  MPI_Initialized(&up);
+  MPI_Finalized(&down);
+  if (up && !down) MPI_Abort(MPI_COMM_WORLD, 1);
+  std::exit(1);
 }
 
 // --csv FILE --commit C --machine M --date D (the rest is left to the program).

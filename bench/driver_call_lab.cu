@@ -44,15 +44,6 @@
 
 namespace {
 
-#define LK(x)                                                                                         \
-  do {                                                                                                \
-    const auto rc_ = (x);                                                                             \
-    if (static_cast<int>(rc_) != 0) {                                                                 \
-      std::fprintf(stderr, "%s failed: %d (%s:%d)\n", #x, static_cast<int>(rc_), __FILE__, __LINE__); \
-      std::exit(1);                                                                                   \
-    }                                                                                                 \
-  } while (0)
-
 using Clock = std::chrono::steady_clock;
 constexpr int kBatch = 64;
 
@@ -64,11 +55,11 @@ struct Lane {
   std::uint64_t* words = nullptr;
   cudaEvent_t event = nullptr;
   explicit Lane(std::size_t bytes) {
-    LK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    LK(cudaMalloc(&device, bytes));
-    LK(cudaMallocHost(&host, bytes));
-    LK(cudaMallocHost(&words, 4096));
-    LK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    CK(cudaMalloc(&device, bytes));
+    CK(cudaMallocHost(&host, bytes));
+    CK(cudaMallocHost(&words, 4096));
+    CK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
   }
   ~Lane() {
     cudaStreamSynchronize(stream);
@@ -93,7 +84,7 @@ CUstreamBatchMemOpParams write_op(std::uint64_t* word, std::uint64_t value) {
 
 void batch(Lane& l, int n, std::uint64_t value) {
   CUstreamBatchMemOpParams ops[3] = {write_op(l.words, value), write_op(l.words + 8, value), write_op(l.words + 16, value)};
-  LK(cuStreamBatchMemOp(reinterpret_cast<CUstream>(l.stream), static_cast<unsigned>(n), ops, 0));
+  CU(cuStreamBatchMemOp(reinterpret_cast<CUstream>(l.stream), static_cast<unsigned>(n), ops, 0));
 }
 
 // Mean host microseconds per call of `call` (i = 0 .. calls-1), synchronising `lane`'s stream
@@ -105,7 +96,7 @@ double per_call(Lane& lane, int calls, const std::function<void(int)>& call) {
     const auto t0 = Clock::now();
     for (int i = 0; i < n; ++i) call(done + i);
     us += std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-    LK(cudaStreamSynchronize(lane.stream));
+    CK(cudaStreamSynchronize(lane.stream));
     done += n;
   }
   return us / calls;
@@ -148,9 +139,9 @@ int main(int argc, char** argv) {
     std::printf("# driver_call_lab: no GPU; nothing measured\n");
     return 0;
   }
-  LK(cudaSetDevice(0));
+  CK(cudaSetDevice(0));
   cudaDeviceProp prop{};
-  LK(cudaGetDeviceProperties(&prop, 0));
+  CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("# driver_call_lab: GPU 0 (%s), copies of %zu bytes, %d calls per row in batches of %d, host time "
               "of the enqueueing only\n", prop.name, bytes, calls, kBatch);
   std::printf("%-24s %8s %14s\n", "# case", "threads", "us per call");
@@ -160,40 +151,40 @@ int main(int argc, char** argv) {
     const auto dev = reinterpret_cast<CUdeviceptr>(l.device);
     const auto cs = reinterpret_cast<CUstream>(l.stream);
     row("memcpy-d2h-default", 1, per_call(l, calls, [&](int) {
-          LK(cudaMemcpyAsync(l.host, l.device, bytes, cudaMemcpyDefault, l.stream));
+          CK(cudaMemcpyAsync(l.host, l.device, bytes, cudaMemcpyDefault, l.stream));
         }));
     row("memcpy-d2h-kind", 1, per_call(l, calls, [&](int) {
-          LK(cudaMemcpyAsync(l.host, l.device, bytes, cudaMemcpyDeviceToHost, l.stream));
+          CK(cudaMemcpyAsync(l.host, l.device, bytes, cudaMemcpyDeviceToHost, l.stream));
         }));
-    row("cu-memcpy-dtoh", 1, per_call(l, calls, [&](int) { LK(cuMemcpyDtoHAsync(l.host, dev, bytes, cs)); }));
+    row("cu-memcpy-dtoh", 1, per_call(l, calls, [&](int) { CU(cuMemcpyDtoHAsync(l.host, dev, bytes, cs)); }));
     row("memcpy-h2d-default", 1, per_call(l, calls, [&](int) {
-          LK(cudaMemcpyAsync(l.device, l.host, bytes, cudaMemcpyDefault, l.stream));
+          CK(cudaMemcpyAsync(l.device, l.host, bytes, cudaMemcpyDefault, l.stream));
         }));
     row("memcpy-h2d-kind", 1, per_call(l, calls, [&](int) {
-          LK(cudaMemcpyAsync(l.device, l.host, bytes, cudaMemcpyHostToDevice, l.stream));
+          CK(cudaMemcpyAsync(l.device, l.host, bytes, cudaMemcpyHostToDevice, l.stream));
         }));
-    row("cu-memcpy-htod", 1, per_call(l, calls, [&](int) { LK(cuMemcpyHtoDAsync(dev, l.host, bytes, cs)); }));
+    row("cu-memcpy-htod", 1, per_call(l, calls, [&](int) { CU(cuMemcpyHtoDAsync(dev, l.host, bytes, cs)); }));
     row("batch-1", 1, per_call(l, calls, [&](int i) { batch(l, 1, static_cast<std::uint64_t>(i) + 1); }));
     row("batch-3", 1, per_call(l, calls, [&](int i) { batch(l, 3, static_cast<std::uint64_t>(i) + 1); }));
-    row("event-record", 1, per_call(l, calls, [&](int) { LK(cudaEventRecord(l.event, l.stream)); }));
-    LK(cudaStreamSynchronize(l.stream));
-    row("event-query", 1, per_call(l, calls, [&](int) { LK(cudaEventQuery(l.event)); }));
+    row("event-record", 1, per_call(l, calls, [&](int) { CK(cudaEventRecord(l.event, l.stream)); }));
+    CK(cudaStreamSynchronize(l.stream));
+    row("event-query", 1, per_call(l, calls, [&](int) { CK(cudaEventQuery(l.event)); }));
     row("pointer-attributes", 1, per_call(l, calls, [&](int) {
           cudaPointerAttributes attributes{};
-          LK(cudaPointerGetAttributes(&attributes, l.device));
+          CK(cudaPointerGetAttributes(&attributes, l.device));
         }));
     row("set-device", 1, per_call(l, calls, [&](int) {
           int d = -1;
-          LK(cudaGetDevice(&d));
-          LK(cudaSetDevice(d));
+          CK(cudaGetDevice(&d));
+          CK(cudaSetDevice(d));
         }));
     row("writer", 1, per_call(l, calls, [&](int i) {
-          LK(cudaMemcpyAsync(l.host, l.device, bytes, cudaMemcpyDefault, l.stream));
-          LK(cudaEventRecord(l.event, l.stream));
+          CK(cudaMemcpyAsync(l.host, l.device, bytes, cudaMemcpyDefault, l.stream));
+          CK(cudaEventRecord(l.event, l.stream));
           batch(l, 1, static_cast<std::uint64_t>(i) + 1);
         }));
     row("reader", 1, per_call(l, calls, [&](int i) {
-          LK(cudaMemcpyAsync(l.device, l.host, bytes, cudaMemcpyDefault, l.stream));
+          CK(cudaMemcpyAsync(l.device, l.host, bytes, cudaMemcpyDefault, l.stream));
           batch(l, 3, static_cast<std::uint64_t>(i) + 1);
         }));
   }
@@ -205,16 +196,16 @@ int main(int argc, char** argv) {
     std::vector<std::thread> pool;
     for (int k = 0; k < t; ++k) {
       pool.emplace_back([&, k] {
-        LK(cudaSetDevice(0));
+        CK(cudaSetDevice(0));
         Lane& l = *lanes[static_cast<std::size_t>(k)];
         arrived.fetch_add(1);
         while (arrived.load() < t) {
         }
         us[static_cast<std::size_t>(k)] = per_call(l, calls, [&](int i) {
-          LK(cudaMemcpyAsync(l.host, l.device, bytes, cudaMemcpyDefault, l.stream));
-          LK(cudaEventRecord(l.event, l.stream));
+          CK(cudaMemcpyAsync(l.host, l.device, bytes, cudaMemcpyDefault, l.stream));
+          CK(cudaEventRecord(l.event, l.stream));
           batch(l, 1, static_cast<std::uint64_t>(i) + 1);
-          LK(cudaMemcpyAsync(l.device, l.host, bytes, cudaMemcpyDefault, l.stream));
+          CK(cudaMemcpyAsync(l.device, l.host, bytes, cudaMemcpyDefault, l.stream));
           batch(l, 3, static_cast<std::uint64_t>(i) + 1);
         });
       });

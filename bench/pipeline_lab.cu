@@ -39,15 +39,6 @@
 
 namespace {
 
-#define LK(x)                                                                                         \
-  do {                                                                                                \
-    const auto rc_ = (x);                                                                             \
-    if (static_cast<int>(rc_) != 0) {                                                                 \
-      std::fprintf(stderr, "%s failed: %d (%s:%d)\n", #x, static_cast<int>(rc_), __FILE__, __LINE__); \
-      std::exit(1);                                                                                   \
-    }                                                                                                 \
-  } while (0)
-
 __global__ void spin(long long cycles) {
   const long long start = clock64();
   while (clock64() - start < cycles) {
@@ -152,33 +143,33 @@ class Lab {
   Lab(std::size_t max_bytes, std::size_t max_chunk, int slots, int lanes) : slots_(slots), lanes_(lanes) {
     for (int d = 0; d < 2; ++d) {
       gpu_[d].device = d;
-      LK(cudaSetDevice(d));
+      CK(cudaSetDevice(d));
       gpu_[d].streams.resize(static_cast<std::size_t>(lanes));
-      for (cudaStream_t& st : gpu_[d].streams) LK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-      LK(cudaMalloc(&gpu_[d].buf, max_bytes));
-      LK(cudaMemset(gpu_[d].buf, d + 1, max_bytes));
+      for (cudaStream_t& st : gpu_[d].streams) CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      CK(cudaMalloc(&gpu_[d].buf, max_bytes));
+      CK(cudaMemset(gpu_[d].buf, d + 1, max_bytes));
     }
-    LK(cudaSetDevice(0));
-    LK(cudaMallocHost(&host_, max_bytes));   // whole-copy references
-    LK(cudaMallocHost(&host2_, max_bytes));  // both-ways: the h2d half's source
-    LK(cudaMallocHost(&slots_mem_, max_chunk * static_cast<std::size_t>(slots)));
-    LK(cudaMallocHost(&words_, 4096));
-    LK(cudaMallocHost(&flags_, 2 * kMaxBlocks * sizeof(unsigned long long)));
+    CK(cudaSetDevice(0));
+    CK(cudaMallocHost(&host_, max_bytes));   // whole-copy references
+    CK(cudaMallocHost(&host2_, max_bytes));  // both-ways: the h2d half's source
+    CK(cudaMallocHost(&slots_mem_, max_chunk * static_cast<std::size_t>(slots)));
+    CK(cudaMallocHost(&words_, 4096));
+    CK(cudaMallocHost(&flags_, 2 * kMaxBlocks * sizeof(unsigned long long)));
     int rate_khz = 0;
-    LK(cudaDeviceGetAttribute(&rate_khz, cudaDevAttrClockRate, 0));
+    CK(cudaDeviceGetAttribute(&rate_khz, cudaDevAttrClockRate, 0));
     spin_cycles_ = static_cast<long long>(rate_khz) * 5;  // 5 ms
     // Per slot: its copy in is done (GPU 0's stream), its copy out is done (GPU 1's).
     copied_.resize(slots);
     freed_.resize(slots);
     for (int d = 0; d < 2; ++d) {
-      LK(cudaSetDevice(d));
-      for (cudaEvent_t& e : d == 0 ? copied_ : freed_) LK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      CK(cudaSetDevice(d));
+      for (cudaEvent_t& e : d == 0 ? copied_ : freed_) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
       joins_[d].resize(static_cast<std::size_t>(lanes));
-      for (cudaEvent_t& e : joins_[d]) LK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      for (cudaEvent_t& e : joins_[d]) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     }
-    LK(cudaSetDevice(0));
-    LK(cudaEventCreate(&t0_));
-    LK(cudaEventCreate(&t1_));
+    CK(cudaSetDevice(0));
+    CK(cudaEventCreate(&t0_));
+    CK(cudaEventCreate(&t1_));
   }
 
   // Best time in microseconds of `reps` runs of `enqueue` (which enqueues on both streams),
@@ -187,32 +178,32 @@ class Lab {
   double best(int reps, F enqueue, bool* outran) {
     double best_us = 1e30;
     for (int rep = 0; rep < reps; ++rep) {
-      LK(cudaSetDevice(0));
+      CK(cudaSetDevice(0));
       spin<<<1, 1, 0, stream(0, 0)>>>(spin_cycles_);
-      LK(cudaGetLastError());
-      LK(cudaEventRecord(t0_, stream(0, 0)));
+      CK(cudaGetLastError());
+      CK(cudaEventRecord(t0_, stream(0, 0)));
       for (int d = 0; d < 2; ++d) {
-        LK(cudaSetDevice(d));
+        CK(cudaSetDevice(d));
         for (cudaStream_t st : gpu_[d].streams)
-          if (st != stream(0, 0)) LK(cudaStreamWaitEvent(st, t0_, 0));
+          if (st != stream(0, 0)) CK(cudaStreamWaitEvent(st, t0_, 0));
       }
       const auto h0 = std::chrono::steady_clock::now();
       enqueue();
       const double host_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
       // Every stream of both GPUs joins GPU 0's first stream, which records the end.
       for (int d = 0; d < 2; ++d) {
-        LK(cudaSetDevice(d));
-        for (int l = 0; l < lanes_; ++l) LK(cudaEventRecord(joins_[d][l], stream(d, l)));
+        CK(cudaSetDevice(d));
+        for (int l = 0; l < lanes_; ++l) CK(cudaEventRecord(joins_[d][l], stream(d, l)));
       }
-      LK(cudaSetDevice(0));
+      CK(cudaSetDevice(0));
       for (int d = 0; d < 2; ++d)
         for (int l = 0; l < lanes_; ++l)
-          if (d != 0 || l != 0) LK(cudaStreamWaitEvent(stream(0, 0), joins_[d][l], 0));
-      LK(cudaEventRecord(t1_, stream(0, 0)));
-      LK(cudaEventSynchronize(t1_));
+          if (d != 0 || l != 0) CK(cudaStreamWaitEvent(stream(0, 0), joins_[d][l], 0));
+      CK(cudaEventRecord(t1_, stream(0, 0)));
+      CK(cudaEventSynchronize(t1_));
       if (host_ms > 4.5) *outran = true;
       float ms = 0;
-      LK(cudaEventElapsedTime(&ms, t0_, t1_));
+      CK(cudaEventElapsedTime(&ms, t0_, t1_));
       best_us = std::min(best_us, 1e3 * ms);
     }
     return best_us;
@@ -223,16 +214,16 @@ class Lab {
     return gpu_[d].streams[i % static_cast<std::size_t>(lanes_)];
   }
   void d2h(char* dst, const char* src, std::size_t n, std::size_t i = 0) {
-    LK(cudaSetDevice(0));
-    LK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream(0, i)));
+    CK(cudaSetDevice(0));
+    CK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream(0, i)));
   }
   void h2d(char* dst, const char* src, std::size_t n, std::size_t i = 0) {
-    LK(cudaSetDevice(1));
-    LK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, stream(1, i)));
+    CK(cudaSetDevice(1));
+    CK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, stream(1, i)));
   }
   void memop(int d, int word, std::uint64_t value, std::size_t i) {
-    LK(cudaSetDevice(d));
-    LK(cuStreamWriteValue64(reinterpret_cast<CUstream>(stream(d, i)), reinterpret_cast<CUdeviceptr>(words_ + word),
+    CK(cudaSetDevice(d));
+    CU(cuStreamWriteValue64(reinterpret_cast<CUstream>(stream(d, i)), reinterpret_cast<CUdeviceptr>(words_ + word),
                             value, CU_STREAM_WRITE_VALUE_DEFAULT));
   }
 
@@ -265,14 +256,14 @@ class Lab {
     };
     const std::size_t n = S / 16;
     auto sm_d2h = [&] {
-      LK(cudaSetDevice(0));
+      CK(cudaSetDevice(0));
       sm_copy<<<blocks, 512, 0, stream(0, 0)>>>(reinterpret_cast<uint4*>(host_), reinterpret_cast<const uint4*>(gpu_[0].buf), n);
-      LK(cudaGetLastError());
+      CK(cudaGetLastError());
     };
     auto sm_h2d = [&] {
-      LK(cudaSetDevice(1));
+      CK(cudaSetDevice(1));
       sm_copy<<<blocks, 512, 0, stream(1, 0)>>>(reinterpret_cast<uint4*>(gpu_[1].buf), reinterpret_cast<const uint4*>(host2_), n);
-      LK(cudaGetLastError());
+      CK(cudaGetLastError());
     };
     row("sm-d2h", S, best(reps, sm_d2h, &outran));
     row("sm-h2d", S, best(reps, sm_h2d, &outran));
@@ -281,19 +272,19 @@ class Lab {
       // Counters start at 0 each run (the previous run ended; this one's kernels wait for the spin).
       row("sm-pipe", C, best(reps, [&] {
             std::fill(flags_, flags_ + 2 * kMaxBlocks, 0ull);
-            LK(cudaSetDevice(0));
+            CK(cudaSetDevice(0));
             sm_produce<<<blocks, 512, 0, stream(0, 0)>>>(reinterpret_cast<uint4*>(slots_mem_), reinterpret_cast<const uint4*>(gpu_[0].buf),
                                                          n, C / 16, slots_, flags_, flags_ + kMaxBlocks);
-            LK(cudaGetLastError());
-            LK(cudaSetDevice(1));
+            CK(cudaGetLastError());
+            CK(cudaSetDevice(1));
             sm_consume<<<blocks, 512, 0, stream(1, 0)>>>(reinterpret_cast<uint4*>(gpu_[1].buf), reinterpret_cast<const uint4*>(slots_mem_),
                                                          n, C / 16, slots_, flags_, flags_ + kMaxBlocks);
-            LK(cudaGetLastError());
+            CK(cudaGetLastError());
           }, &outran));
       // Every byte arrived (GPU 1's buffer against GPU 0's).
       std::vector<char> a(S), b(S);
-      LK(cudaMemcpy(a.data(), gpu_[0].buf, S, cudaMemcpyDeviceToHost));
-      LK(cudaMemcpy(b.data(), gpu_[1].buf, S, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(a.data(), gpu_[0].buf, S, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(b.data(), gpu_[1].buf, S, cudaMemcpyDeviceToHost));
       if (a != b) std::printf("# sm-pipe chunk %zu: GPU 1's copy differs from GPU 0's source\n", C);
     }
     if (outran) std::printf("# (S %zu): the host's enqueueing outran the 5 ms spin in some run: those rows include host time\n", S);
@@ -317,16 +308,16 @@ class Lab {
             for (std::size_t i = 0; i < n; ++i) {
               const std::size_t s = i % slots_;
               char* slot = slots_mem_ + s * C;
-              LK(cudaSetDevice(0));
-              if (i >= static_cast<std::size_t>(slots_)) LK(cudaStreamWaitEvent(stream(0, i), freed_[s], 0));
+              CK(cudaSetDevice(0));
+              if (i >= static_cast<std::size_t>(slots_)) CK(cudaStreamWaitEvent(stream(0, i), freed_[s], 0));
               d2h(slot, gpu_[0].buf + i * C, piece(i), i);
               if (with_memop) memop(0, 0, i + 1, i);
-              LK(cudaEventRecord(copied_[s], stream(0, i)));
-              LK(cudaSetDevice(1));
-              LK(cudaStreamWaitEvent(stream(1, i), copied_[s], 0));
+              CK(cudaEventRecord(copied_[s], stream(0, i)));
+              CK(cudaSetDevice(1));
+              CK(cudaStreamWaitEvent(stream(1, i), copied_[s], 0));
               h2d(gpu_[1].buf + i * C, slot, piece(i), i);
               if (with_memop) memop(1, 8, i + 1, i);
-              LK(cudaEventRecord(freed_[s], stream(1, i)));
+              CK(cudaEventRecord(freed_[s], stream(1, i)));
             }
           }, &outran), t_min);
     }
