@@ -374,42 +374,60 @@ TEST_F(StagingPoolTest, MpiDeviceSlotsStayMappedForTheNextComm) {
   EXPECT_EQ(after[1], after[0]) << "the second Comm did not reuse the first one's slots";
 }
 
-
 // ReadyQueue: a transfer is taken once its source is ready and never before one of its own
 // stream handed over earlier; a stream held back holds no other stream, nor transfers without
-// an event, nor those of the per-thread default stream; take_all hands over the rest.
+// an event, nor those of the per-thread default stream (one handle for many threads' streams:
+// each is asked); take_all hands over the rest.
 TEST_F(StagingPoolTest, ReadyQueueTakesEachStreamInOrderAndHoldsNoOther) {
   struct Item {
     cudaEvent_t ready;
     cudaStream_t stream;
     int id;
   };
-  PooledBlock word = detail::take_block(BlockMemory::MappedHost, device, 8, "test");
-  auto* flag = static_cast<unsigned long long*>(word.get());
+  // Releases the held stream and frees what the test made however it ends (a failed
+  // assertion returns early: the kernel must not spin on for the next test to wait behind).
+  struct Owned {
+    PooledBlock word;
+    unsigned long long* flag = nullptr;
+    cudaStream_t held = nullptr, free_stream = nullptr;
+    std::vector<cudaEvent_t> events;
+    ~Owned() {
+      if (flag != nullptr) __atomic_store_n(flag, 1ull, __ATOMIC_RELEASE);
+      if (held != nullptr) cudaStreamSynchronize(held);
+      for (cudaEvent_t e : events) cudaEventDestroy(e);
+      if (held != nullptr) cudaStreamDestroy(held);
+      if (free_stream != nullptr) cudaStreamDestroy(free_stream);
+    }
+  } o;
+  o.word = detail::take_block(BlockMemory::MappedHost, device, 8, "test");
+  unsigned long long* flag = static_cast<unsigned long long*>(o.word.get());
   *flag = 0;
-  cudaStream_t held = nullptr, free_stream = nullptr;
-  CUDA_OK(cudaStreamCreateWithFlags(&held, cudaStreamNonBlocking));
-  CUDA_OK(cudaStreamCreateWithFlags(&free_stream, cudaStreamNonBlocking));
-  std::vector<cudaEvent_t> events(5);
-  for (cudaEvent_t& e : events) CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  wait_for_word<<<1, 1, 0, held>>>(flag);
-  CUDA_OK(cudaGetLastError());
-  CUDA_OK(cudaEventRecord(events[0], held));         // 1: behind the kernel
-  CUDA_OK(cudaEventRecord(events[1], free_stream));  // 2: done at once, but handed over as `held`'s:
-                                                     //    taken before 1 only if it were asked
-  CUDA_OK(cudaEventRecord(events[2], free_stream));  // 3
-  CUDA_OK(cudaEventRecord(events[3], cudaStreamPerThread));  // 5
-  CUDA_OK(cudaEventRecord(events[4], held));         // 6: behind the kernel, handed over last
-  CUDA_OK(cudaStreamSynchronize(free_stream));
+  CUDA_OK(cudaStreamCreateWithFlags(&o.held, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&o.free_stream, cudaStreamNonBlocking));
+  o.events.resize(5);
+  for (cudaEvent_t& e : o.events) CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  const std::vector<cudaEvent_t>& ev = o.events;
+  // Done at once: ev[1] (handed over as the held stream's: taken before 1 only if it were
+  // asked), ev[2], ev[3]; behind the kernel: ev[0], ev[4].
+  CUDA_OK(cudaEventRecord(ev[1], o.free_stream));
+  CUDA_OK(cudaEventRecord(ev[2], o.free_stream));
+  CUDA_OK(cudaEventRecord(ev[3], cudaStreamPerThread));
+  CUDA_OK(cudaStreamSynchronize(o.free_stream));
   CUDA_OK(cudaStreamSynchronize(cudaStreamPerThread));
+  o.flag = flag;  // from here on the guard releases the kernel
+  wait_for_word<<<1, 1, 0, o.held>>>(flag);
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaEventRecord(ev[0], o.held));
+  CUDA_OK(cudaEventRecord(ev[4], o.held));
   detail::ReadyQueue<Item> queue;
-  queue.push(Item{events[0], held, 1});
-  queue.push(Item{events[1], held, 2});
-  queue.push(Item{events[2], free_stream, 3});
-  queue.push(Item{nullptr, held, 4});  // no event (a rung doorbell): ready
-  queue.push(Item{events[3], cudaStreamPerThread, 5});
-  queue.push(Item{events[4], held, 6});
-  EXPECT_EQ(queue.size(), 6u);
+  queue.push(Item{ev[0], o.held, 1});
+  queue.push(Item{ev[1], o.held, 2});
+  queue.push(Item{ev[2], o.free_stream, 3});
+  queue.push(Item{nullptr, o.held, 4});                // no event (a rung doorbell): ready
+  queue.push(Item{ev[0], cudaStreamPerThread, 5});     // per-thread, not ready: holds no other
+  queue.push(Item{ev[3], cudaStreamPerThread, 6});     // per-thread, ready
+  queue.push(Item{ev[4], o.held, 7});
+  EXPECT_EQ(queue.size(), 7u);
   std::vector<int> taken;
   auto take = [&](const Item& item, cudaError_t rc) {
     EXPECT_EQ(rc, cudaSuccess) << "transfer " << item.id;
@@ -417,28 +435,29 @@ TEST_F(StagingPoolTest, ReadyQueueTakesEachStreamInOrderAndHoldsNoOther) {
   };
   EXPECT_TRUE(queue.take_ready(take));
   std::sort(taken.begin(), taken.end());
-  EXPECT_EQ(taken, (std::vector<int>{3, 4, 5}));
-  EXPECT_EQ(queue.size(), 3u);
+  EXPECT_EQ(taken, (std::vector<int>{3, 4, 6}));
+  EXPECT_EQ(queue.size(), 4u);
   taken.clear();
-  EXPECT_FALSE(queue.take_ready(take)) << "the held stream's transfers were taken before its kernel ended";
+  EXPECT_FALSE(queue.take_ready(take)) << "transfers behind the held kernel were taken before it ended";
   __atomic_store_n(flag, 1ull, __ATOMIC_RELEASE);
-  CUDA_OK(cudaStreamSynchronize(held));
+  CUDA_OK(cudaStreamSynchronize(o.held));
   EXPECT_TRUE(queue.take_ready(take));
-  EXPECT_EQ(taken, (std::vector<int>{1, 2, 6}));  // the stream's own order
+  std::vector<int> held_order;
+  for (int id : taken)
+    if (id != 5) held_order.push_back(id);
+  EXPECT_EQ(held_order, (std::vector<int>{1, 2, 7})) << "the held stream's own order";
+  EXPECT_EQ(std::count(taken.begin(), taken.end(), 5), 1);
   EXPECT_TRUE(queue.empty());
   // What is left at the end is handed over whole.
-  queue.push(Item{events[0], held, 7});
-  queue.push(Item{events[3], cudaStreamPerThread, 8});
-  queue.push(Item{nullptr, free_stream, 9});
+  queue.push(Item{ev[0], o.held, 8});
+  queue.push(Item{ev[3], cudaStreamPerThread, 9});
+  queue.push(Item{nullptr, o.free_stream, 10});
   taken.clear();
   queue.take_all([&](const Item& item) { taken.push_back(item.id); });
   std::sort(taken.begin(), taken.end());
-  EXPECT_EQ(taken, (std::vector<int>{7, 8, 9}));
+  EXPECT_EQ(taken, (std::vector<int>{8, 9, 10}));
   EXPECT_TRUE(queue.empty());
   EXPECT_FALSE(queue.take_ready(take));
-  for (cudaEvent_t e : events) CUDA_OK(cudaEventDestroy(e));
-  CUDA_OK(cudaStreamDestroy(held));
-  CUDA_OK(cudaStreamDestroy(free_stream));
 }
 
 }  // namespace

@@ -1,16 +1,20 @@
 // Events that mark when a caller's stream reached a transfer (its source or destination is
 // ready), for a proxy thread that starts the transfer then: the staging agent, the NCCL proxy.
 // Reused rather than created per transfer (an event creation costs microseconds); every
-// event the pool made is destroyed with it.
+// event the pool made is destroyed with it. ReadyQueue: where such a thread keeps the
+// transfers handed to it until their events say so.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <deque>
+#include <iterator>
 #include <list>
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace meshmem::detail {

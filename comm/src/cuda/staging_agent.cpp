@@ -403,9 +403,10 @@ void StagingAgent::run() {
     // the longer chain (the peer's GPU copy, its agent, the copy here, the done word back),
     // which the caller's stream waits for as much as for its incoming chunks.
     const bool started = start_ready(waiting);
-    const bool pumped = pump();
+    bool pumped = pump();
     const bool counted = write_counts_after_copies();
     const bool carried = poll_incoming();
+    if (carried) pumped = pump() || pumped;  // answers to peers' gets go out in this turn too
     if (started || counted || carried || pumped) {
       streams_hold_work = true;  // until the next look at the streams says otherwise
       backoff.reset();
@@ -421,6 +422,7 @@ void StagingAgent::run() {
 void StagingAgent::give_up_all(ReadyQueue<StagedRequest>& waiting) {
   std::size_t n = 0;
   waiting.take_all([&](const StagedRequest& r) {
+    if (r.ready != nullptr) events_.give_back(r.ready);  // the pool destroys the events it holds
     __atomic_store_n(r.done, r.ticket, __ATOMIC_RELEASE);
     ++n;
   });

@@ -657,7 +657,7 @@ class TransferProxy {
         }
       }
       try {
-        // Transfers whose source is ready, in the order they became so (ReadyQueue: only the
+        // Transfers whose source is ready, each stream's in its order (ReadyQueue: only the
         // oldest waiting transfer of each stream is asked).
         if (waiting.take_ready([&](const ProxyRequest& r, cudaError_t rc) {
               if (r.ready) events_.give_back(r.ready);
