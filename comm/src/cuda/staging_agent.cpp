@@ -16,6 +16,8 @@ namespace meshmem::detail {
 
 namespace {
 
+constexpr std::size_t kTraceSteps = std::size_t(1) << 20;  // MESHMEM_TRACE_STAGED: steps kept per rank
+
 cudaError_t copy_rows(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch, std::size_t width,
                       std::size_t rows, cudaStream_t stream) {
   return rows == 1 ? cudaMemcpyAsync(dst, src, width, cudaMemcpyDefault, stream)
@@ -60,6 +62,8 @@ StagingAgent::StagingAgent(Setup setup)
       timeout_(setup.timeout),
       limit_(setup.limit),
       faults_(std::move(setup.faults)),
+      trace_(setup.trace_prefix.empty() ? "" : setup.trace_prefix + "." + std::to_string(setup.rank),
+             setup.trace_prefix.empty() ? 0 : kTraceSteps),
       held_after_(timeout_.count() != 0 ? std::min(std::chrono::milliseconds(2000), timeout_ / 2)
                                         : std::chrono::milliseconds(2000)),
       captured_(std::move(setup.captured)) {
@@ -129,6 +133,12 @@ StagingAgent::~StagingAgent() {
   // pending work may be destroyed; CUDA releases them once that work is done.
   if (!drain()) log(LogLevel::Error, "staged transport: transfers still waiting or running at teardown");
   stop();
+  if (trace_.on()) {
+    const std::string problem = trace_.write();
+    log(problem.empty() ? LogLevel::Info : LogLevel::Warn,
+        "staged transport on rank " + std::to_string(rank_) + ": step trace (MESHMEM_TRACE_STAGED) of " +
+            std::to_string(trace_.recorded()) + " steps " + (problem.empty() ? "written" : "not written: " + problem));
+  }
   for (const CountAfterCopy& c : consumed_after_copies_)
     if (c.pooled) events_.give_back(c.copied);  // the pool destroys them
   for (auto& [d, lane] : lanes_) {
@@ -193,6 +203,7 @@ void StagingAgent::release_captured_word(std::size_t word, const std::uint64_t* 
 std::uint64_t StagingAgent::submit(StagedRequest r) {
   std::lock_guard<std::mutex> lock(m_);
   r.ticket = ++submitted_;
+  trace_.record('S', r.peer, r.ticket);
   queue_.push_back(r);
   cv_.notify_all();
   return r.ticket;
@@ -447,6 +458,7 @@ void StagingAgent::give_up_all(ReadyQueue<StagedRequest>& waiting) {
 // one per transfer); true if any.
 bool StagingAgent::start_ready(ReadyQueue<StagedRequest>& waiting) {
   return waiting.take_ready([&](const StagedRequest& r, cudaError_t rc) {
+    trace_.record('R', r.peer, r.ticket);
     if (r.ready != nullptr) events_.give_back(r.ready);
     if (rc != cudaSuccess) {
       (void)cudaGetLastError();
@@ -724,6 +736,7 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
       } else {
         if (slot_use_[s].event != nullptr)
           ipc::check_cuda(cudaStreamWaitEvent(own.stream, slot_use_[s].event, 0), "cudaStreamWaitEvent", o.what);
+        trace_.record('P', o.reader, o.ticket, static_cast<std::int64_t>(p.width * p.rows));
         ipc::check_cuda(copy_rows(slot, p.width, from, o.src_pitch, p.width, p.rows, own.stream),
                         "cudaMemcpyAsync (to the staging slot)", o.what);
         // Until the post below succeeds, the slot is held by this copy (a failed post must not
@@ -743,6 +756,7 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
     // that later copy of the lane. A count reused slots cover is dropped unqueried.)
     const cudaEvent_t copied = o.host_source || p.last ? nullptr : own.copied[s];
     slot_use_[s] = SlotUse{nullptr, o.reader, post(o.reader, d, copied)};
+    trace_.record('O', o.reader, o.ticket, p.last ? 1 : 0);
     o.pieces.advance();
     *moved = true;
     if (o.answer) faults_.hit(FaultPoint::StagedAnswer);
@@ -1129,7 +1143,9 @@ bool StagingAgent::poll_incoming() {
         break;
       }
       faults_.hit(FaultPoint::StagedCarry);
+      trace_.record('I', writer, d.ticket, static_cast<std::int64_t>(d.done_rank));
       carry_out(writer, n, d);
+      trace_.record('E', writer, d.ticket, static_cast<std::int64_t>(d.done_rank));
     }
   }
   return any;

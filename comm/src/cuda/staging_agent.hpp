@@ -70,6 +70,7 @@
 #include "../fault.hpp"
 #include "../piece_cursor.hpp"
 #include "../progress_watch.hpp"
+#include "../step_trace.hpp"
 #include "../worker_pulse.hpp"
 #include "captured_handoff.hpp"
 #include "event_pool.hpp"
@@ -164,6 +165,7 @@ class StagingAgent {
     // process's pid namespace: the descriptor exchange checked each one's id (fd_exchange.cpp).
     std::vector<pid_t> pids;
     FaultPlan faults;  // staged.carry, staged.answer
+    std::string trace_prefix;  // MESHMEM_TRACE_STAGED: "" or where the step trace goes (+ "." + rank)
     std::chrono::milliseconds timeout{0};
     cuda::WaitLimit limit{};
     // Where replays of captured transfers ring (CapturedHandoff): polled while any exists.
@@ -332,6 +334,11 @@ class StagingAgent {
   std::chrono::milliseconds timeout_;
   cuda::WaitLimit limit_;
   FaultPlan faults_;
+  // MESHMEM_TRACE_STAGED: S handed over (caller's thread), R source seen ready, P copy into a
+  // slot enqueued (aux: bytes), O posted (aux: 1 for a transfer's last piece); I a peer's
+  // descriptor seen, E carried out (aux: the rank whose transfer it is). peer, id: the other
+  // rank and the transfer's ticket. Written at teardown.
+  StepTrace trace_;
   std::map<int, Lane> lanes_;
   cudaStream_t incoming_ = nullptr;    // chunks from hidden peers, onto this rank's GPU
   // A channel count that this thread writes once a copy is done, instead of a stream write

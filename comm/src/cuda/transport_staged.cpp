@@ -48,6 +48,17 @@ const TuningKnob<std::size_t> kStagingSlots{
     "staged transport: chunks in flight per rank; each rank's share of the node's pinned staging pool is "
     "slots x chunk plus 1 MiB of control words (rounded up to 2 MiB pages; meshmem-info prints it), made when some pair of the Comm routes through `staged`"};
 
+// "" (off) or a file prefix; "off" reads as "".
+std::string parse_trace_prefix(const char*, const std::string& raw) { return raw == "off" ? "" : raw; }
+std::string print_trace_prefix(const std::string& p) { return p.empty() ? "off" : p; }
+const TuningKnob<std::string> kTraceStaged{
+    "staged", "MESHMEM_TRACE_STAGED", "", parse_trace_prefix, print_trace_prefix,
+    "**test and tuning only**: a file prefix: each rank's staging agent keeps a timestamp of every step of its "
+    "transfers (handed over, source seen ready, copy enqueued, posted; a peer's chunk seen, carried out) and writes "
+    "them to `<prefix>.<rank>` when it ends (up to 2^20 steps, 32 MiB per rank while on); `bench/agent_trace.py "
+    "<prefix>` prints where the time went; `off`: none",
+    false};
+
 // Who drives the target GPU of a pair whose GPUs are both visible here. Measured on 2 x H200
 // (Jacobi 4096^2, 2 ranks, staged forced): the initiator's context driving the target GPU
 // took 4.77 ms per iteration, the target's own agent 0.37 ms: work of another process on a
@@ -203,6 +214,7 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
     setup.pids = topo.pid_of;
     setup.faults = ctx_.faults;
     setup.timeout = ctx_.options.timeout;
+    setup.trace_prefix = kTraceStaged.get(ctx_.options);
     setup.limit = device_->wait_limit();
     agent_ = std::make_shared<StagingAgent>(std::move(setup));
   });
