@@ -14,6 +14,7 @@
 //   cu-memcpy-dtoh       cuMemcpyDtoHAsync
 //   memcpy-h2d-default, memcpy-h2d-kind, cu-memcpy-htod: the other way
 //   batch-1, batch-3     cuStreamBatchMemOp with 1 / 3 stream writes of pinned words
+//   write-value          cuStreamWriteValue64 of one pinned word (batch-1 without the batch)
 //   event-record         cudaEventRecord
 //   event-query          cudaEventQuery of an event that is done
 //   pointer-attributes   cudaPointerGetAttributes of a device pointer (the agent's host-source test)
@@ -166,6 +167,10 @@ int main(int argc, char** argv) {
     row("cu-memcpy-htod", 1, per_call(l, calls, [&](int) { CU(cuMemcpyHtoDAsync(dev, l.host, bytes, cs)); }));
     row("batch-1", 1, per_call(l, calls, [&](int i) { batch(l, 1, static_cast<std::uint64_t>(i) + 1); }));
     row("batch-3", 1, per_call(l, calls, [&](int i) { batch(l, 3, static_cast<std::uint64_t>(i) + 1); }));
+    row("write-value", 1, per_call(l, calls, [&](int i) {
+          CU(cuStreamWriteValue64(cs, reinterpret_cast<CUdeviceptr>(l.words), static_cast<std::uint64_t>(i) + 1,
+                                  CU_STREAM_WRITE_VALUE_DEFAULT));
+        }));
     row("event-record", 1, per_call(l, calls, [&](int) { CK(cudaEventRecord(l.event, l.stream)); }));
     CK(cudaStreamSynchronize(l.stream));
     row("event-query", 1, per_call(l, calls, [&](int) { CK(cudaEventQuery(l.event)); }));
