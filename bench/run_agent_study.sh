@@ -13,12 +13,8 @@
 #   there: COMMIT=<short hash> bench/run_agent_study.sh gpu-pack OUT MACHINE   (about 3 min, 4 GPUs)
 # OUT gets jacobi.csv, summary.txt (the RESULT lines) and logs.tgz.
 set -uo pipefail
-pack=$(cd "${1:?pack}" && pwd); out=${2:?out}; machine=${3:?machine}
-root=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$out"; out=$(cd "$out" && pwd)
-logs=$(mktemp -d)
-export O=$logs C=${COMMIT:-unknown} M=$machine D=$(date -u +%F)
-result() { echo "2>&1 | awk '{print} /$1/{print \"RESULT \" \$0}'"; }
+. "$(dirname "$0")/study_steps.sh"
+study_begin "$@"
 run() {  # halo [env]: one Jacobi run of 4 ranks, 4096^2, 2000 iterations
   echo "${2:-} MESHMEM_TRANSPORTS=staged,shm,mpi timeout 60 mpirun -np 4 --bind-to none examples/03_jacobi --size 4096" \
     "--iters 2000 --halo=$1 --decomp=rows --check --csv \$O/jacobi.csv --commit \$C --machine \$M --date \$D $(result '^jacobi ');"
@@ -28,9 +24,4 @@ ab="for rep in 1 2 3; do $(run meshmem) $(run mpi) done"
 trace="$(run meshmem "MESHMEM_TRACE_STAGED=\$O/trace") python3 $root/bench/agent_trace.py \$O/trace $(result '^[0-9]')"
 "$root/tests/gpu/run_entries.sh" "$pack" "$logs/steps" "cmd driver_call_lab 120 $lab" "cmd jacobi 150 $ab" \
   "cmd trace 60 $trace"
-rc=$?
-cp "$logs/steps/summary.txt" "$out/"
-[ -f "$logs/jacobi.csv" ] && cp "$logs/jacobi.csv" "$out/"
-tar czf "$out/logs.tgz" -C "$logs" .
-rm -rf "$logs"
-exit $rc
+study_end $? jacobi.csv

@@ -11,16 +11,12 @@
 # OUT gets staged.csv, jacobi.csv, jacobi_serial.csv (MESHMEM_HALO_SENDS=serial), summary.txt
 # and logs.tgz (the device tool returns 8 files).
 set -uo pipefail
-pack=$(cd "${1:?pack}" && pwd); out=${2:?out}; machine=${3:?machine}
-root=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$out"; out=$(cd "$out" && pwd)
-logs=$(mktemp -d)
-export O=$logs C=${COMMIT:-unknown} M=$machine D=$(date -u +%F)
+. "$(dirname "$0")/study_steps.sh"
+study_begin "$@"
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 { nvidia-smi topo -m; nvidia-smi -L; } > "$logs/topo.txt" 2>&1
 # Each step is a shell command run in the pack (tests/gpu/run_entries.sh 'cmd'); its lines
 # that start with RESULT go into the summary.
-result() { echo "2>&1 | awk '{print} /$1/{print \"RESULT \" \$0}'"; }
 staged="mpirun -np 2 --bind-to none bench/staged_bench --call-times --csv \$O/staged.csv --commit \$C --machine \$M --date \$D $(result '^staged_'); exit \${PIPESTATUS[0]}"
 memlab="mpirun -np 4 --bind-to none bench/staging_memory_lab --bytes 4G $(result '^ +[0-9]+ +[0-9a-f]+:'); exit \${PIPESTATUS[0]}"
 jacobi() {  # ranks [halos] [csv]: both sizes, staged forced (--halo=meshmem) and --halo=mpi, every run checked
@@ -47,9 +43,4 @@ steps+=("cmd mix_peer_access_off 150 $(mix gpu.peer_access_off.np4)"
         "entry gpu.soak_forced_staged.np4 90" "entry gpu.forced_staged_real_use.np2 120"
         "entry gpu.isolated_staged.np2 60" "entry gpu.staged_one_agent.np4 90" "entry gpu.staged_held_lane.np2 90")
 "$root/tests/gpu/run_entries.sh" "$pack" "$logs/steps" "${steps[@]}"
-rc=$?
-cp "$logs/steps/summary.txt" "$out/"
-for f in staged.csv jacobi.csv jacobi_serial.csv; do [ -f "$logs/$f" ] && cp "$logs/$f" "$out/"; done
-tar czf "$out/logs.tgz" -C "$logs" .
-rm -rf "$logs"
-exit $rc
+study_end $? staged.csv jacobi.csv jacobi_serial.csv
