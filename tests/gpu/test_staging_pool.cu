@@ -433,15 +433,16 @@ TEST_F(StagingPoolTest, ReadyQueueTakesEachStreamInOrderAndHoldsNoOther) {
     EXPECT_EQ(rc, cudaSuccess) << "transfer " << item.id;
     taken.push_back(item.id);
   };
-  EXPECT_TRUE(queue.take_ready(take));
+  auto query = [](const Item& item) { return cudaEventQuery(item.ready); };
+  EXPECT_TRUE(queue.take_ready(query, take));
   std::sort(taken.begin(), taken.end());
   EXPECT_EQ(taken, (std::vector<int>{3, 4, 6}));
   EXPECT_EQ(queue.size(), 4u);
   taken.clear();
-  EXPECT_FALSE(queue.take_ready(take)) << "transfers behind the held kernel were taken before it ended";
+  EXPECT_FALSE(queue.take_ready(query, take)) << "transfers behind the held kernel were taken before it ended";
   __atomic_store_n(flag, 1ull, __ATOMIC_RELEASE);
   CUDA_OK(cudaStreamSynchronize(o.held));
-  EXPECT_TRUE(queue.take_ready(take));
+  EXPECT_TRUE(queue.take_ready(query, take));
   std::vector<int> held_order;
   for (int id : taken)
     if (id != 5) held_order.push_back(id);
@@ -457,7 +458,7 @@ TEST_F(StagingPoolTest, ReadyQueueTakesEachStreamInOrderAndHoldsNoOther) {
   std::sort(taken.begin(), taken.end());
   EXPECT_EQ(taken, (std::vector<int>{8, 9, 10}));
   EXPECT_TRUE(queue.empty());
-  EXPECT_FALSE(queue.take_ready(take));
+  EXPECT_FALSE(queue.take_ready(query, take));
 }
 
 }  // namespace

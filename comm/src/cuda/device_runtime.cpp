@@ -605,16 +605,23 @@ std::unique_ptr<DeviceRuntime> gpu_start_device_runtime(const CommContext& ctx, 
 }
 
 void CudaDeviceRuntime::wait_for_ticket(const std::uint64_t* done, std::uint64_t ticket, int peer, cudaStream_t stream,
-                                        bool owner_ends_it, const std::string& what) const {
+                                        bool owner_ends_it, const std::string& what, std::uint64_t* ready) const {
   if (wait_kernel_ || !owner_ends_it) {
-    const cudaError_t k =
-        cuda::launch_ticket_wait(done, ticket, cuda::FaultKind::Transfer, peer, wait_limit(), stream, early_launch_);
+    const cudaError_t k = cuda::launch_ticket_wait(ready, done, ticket, cuda::FaultKind::Transfer, peer, wait_limit(),
+                                                   stream, early_launch_);
     if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what);
     return;
   }
-  ipc::check_cu(ipc::cuda_driver().cuStreamWaitValue64(stream, reinterpret_cast<CUdeviceptr>(done), ticket,
-                                                       CU_STREAM_WAIT_VALUE_GEQ | wait_flags_),
-                "cuStreamWaitValue64 (transfer wait)", what);
+  if (ready == nullptr) {
+    ipc::check_cu(ipc::cuda_driver().cuStreamWaitValue64(stream, reinterpret_cast<CUdeviceptr>(done), ticket,
+                                                         CU_STREAM_WAIT_VALUE_GEQ | wait_flags_),
+                  "cuStreamWaitValue64 (transfer wait)", what);
+    return;
+  }
+  // The write comes after the stream's earlier work (a stream write fences what came before it).
+  std::vector<CUstreamBatchMemOpParams> ops{stream_write_op(ready, ticket),
+                                            stream_wait_op(done, ticket, CU_STREAM_WAIT_VALUE_GEQ | wait_flags_)};
+  run_stream_batch(ops, stream, "cuStreamBatchMemOp (transfer ready and wait)", rank_);
 }
 
 }  // namespace meshmem::detail

@@ -119,9 +119,11 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   // up after MESHMEM_TIMEOUT, or, where MESHMEM_STREAM_WAIT resolves to memop (this rank's GPU
   // is shared: a polling kernel would hold the time-sliced GPU from the very ranks the
   // transfer needs) and `owner_ends_it` (the transfer's owner ends it at the timeout, whatever
-  // the peer does), cuStreamWaitValue64, which holds no SM.
+  // the peer does), cuStreamWaitValue64, which holds no SM. Where `ready` is given (host
+  // memory mapped here), *ready is set to `ticket` first, once the stream's earlier work is
+  // done: the host thread carrying out the transfer starts on that.
   void wait_for_ticket(const std::uint64_t* done, std::uint64_t ticket, int peer, cudaStream_t stream,
-                       bool owner_ends_it, const std::string& what) const;
+                       bool owner_ends_it, const std::string& what, std::uint64_t* ready = nullptr) const;
   bool waits_with_kernel() const { return wait_kernel_; }
   // A barrier(stream) across nodes gave up (its proxy thread): the next call raises it.
   void report_barrier_failure(const std::string& failure) { fault_.report_host_barrier(failure); }

@@ -37,8 +37,9 @@ class EventPool {
 };
 
 // Transfers handed to a worker thread (the staging agent, a transfer proxy) whose sources
-// become ready on their callers' streams (T has `ready`, an event or null, and `stream`),
-// kept per stream in submission order. Events of one stream complete in that stream's order,
+// become ready on their callers' streams (T has `ready`, what says so: an event, a word the
+// stream writes, or null for ready at hand-over, and `stream`), kept per stream in
+// submission order. Marks of one stream are reached in that stream's order,
 // so a transfer behind one that is not ready cannot be ready either and is not queried: a
 // caller that runs far ahead of its GPU hands over thousands of transfers, and querying each
 // on every poll cost the staged Jacobi 2.6 x its time per iteration; even stepping over them
@@ -60,10 +61,10 @@ class ReadyQueue {
   std::size_t size() const { return size_; }
 
   // Hands every transfer whose source is ready to take(t, rc), oldest first within each
-  // stream; rc is cudaSuccess, or the error of its event's query (the stream failed). A
-  // transfer leaves the queue before take sees it. True if any was taken.
-  template <class Take>
-  bool take_ready(Take take) {
+  // stream; query(t) says whether it is: cudaSuccess, cudaErrorNotReady, or the error of its
+  // stream (then rc). A transfer leaves the queue before take sees it. True if any was taken.
+  template <class Query, class Take>
+  bool take_ready(Query query, Take take) {
     bool any = false;
     while (!now_.empty()) {
       T t = std::move(now_.front());
@@ -75,7 +76,7 @@ class ReadyQueue {
     for (auto it = by_stream_.begin(); it != by_stream_.end();) {
       std::deque<T>& fifo = it->second;
       while (!fifo.empty()) {
-        const cudaError_t rc = cudaEventQuery(fifo.front().ready);
+        const cudaError_t rc = query(fifo.front());
         if (rc == cudaErrorNotReady) break;
         T t = std::move(fifo.front());
         fifo.pop_front();
@@ -88,7 +89,7 @@ class ReadyQueue {
     // The per-thread default stream is one handle for as many streams as there are threads:
     // its transfers are in no one order, each is asked.
     for (auto it = per_thread_.begin(); it != per_thread_.end();) {
-      const cudaError_t rc = cudaEventQuery(it->ready);
+      const cudaError_t rc = query(*it);
       if (rc == cudaErrorNotReady) {
         ++it;
         continue;

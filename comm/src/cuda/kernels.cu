@@ -136,9 +136,12 @@ __global__ void wait_kernel(std::uint64_t* words, std::size_t count, Cmp cmp, st
     device::SignalWord(words[i]).store(then, ::cuda::memory_order_relaxed);
 }
 
-__global__ void ticket_wait_kernel(const std::uint64_t* word, std::uint64_t sequence, FaultKind fault, int peer,
-                                   WaitLimit limit, bool early) {
+__global__ void ticket_wait_kernel(std::uint64_t* ready, const std::uint64_t* word, std::uint64_t sequence,
+                                   FaultKind fault, int peer, WaitLimit limit, bool early) {
   after_previous_kernel(early);
+  // The stream's earlier work is complete (stream order, and the wait above for a programmatic
+  // launch): the host thread may start on the transfer once it sees this.
+  if (ready != nullptr) device::SignalWord(*ready).store(sequence, ::cuda::memory_order_release);
   (void)wait_word(word, Cmp::GE, sequence, limit, fault, peer, 0, 0);
 }
 
@@ -363,9 +366,9 @@ cudaError_t launch_rung_wait(HandoffSlot* slot, std::uint64_t* bell, const std::
   return launch(rung_wait_kernel, 1, 1, stream, early, slot, bell, done, fault, peer, limit, early);
 }
 
-cudaError_t launch_ticket_wait(const std::uint64_t* word, std::uint64_t sequence, FaultKind fault, int peer,
-                               WaitLimit limit, cudaStream_t stream, bool early) {
-  return launch(ticket_wait_kernel, 1, 1, stream, early, word, sequence, fault, peer, limit, early);
+cudaError_t launch_ticket_wait(std::uint64_t* ready, const std::uint64_t* word, std::uint64_t sequence, FaultKind fault,
+                               int peer, WaitLimit limit, cudaStream_t stream, bool early) {
+  return launch(ticket_wait_kernel, 1, 1, stream, early, ready, word, sequence, fault, peer, limit, early);
 }
 
 }  // namespace meshmem::detail::cuda

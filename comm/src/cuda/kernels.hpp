@@ -77,9 +77,11 @@ cudaError_t launch_wait(std::uint64_t* words, std::size_t count, Cmp cmp, std::u
 
 // Blocks `stream` until *word (host or device memory mapped here) reaches `sequence`: the end
 // of a step a host thread carries out (a staged or nccl transfer with rank `peer`); on
-// timeout the fault record gets `fault` and `peer`. (Captured steps: launch_rung_wait.)
-cudaError_t launch_ticket_wait(const std::uint64_t* word, std::uint64_t sequence, FaultKind fault, int peer,
-                               WaitLimit limit, cudaStream_t stream, bool early);
+// timeout the fault record gets `fault` and `peer`. First, where `ready` is given (host
+// memory mapped here), it sets *ready to `sequence`: the stream's work before it is done, the
+// host thread may start. (Captured steps: launch_rung_wait.)
+cudaError_t launch_ticket_wait(std::uint64_t* ready, const std::uint64_t* word, std::uint64_t sequence, FaultKind fault,
+                               int peer, WaitLimit limit, cudaStream_t stream, bool early);
 
 // A captured step's doorbell (pinned host memory; CapturedHandoff): `rung` counts the replays
 // that reached it (the device advances it), `ack` the replays its owner took up, `ticket` what

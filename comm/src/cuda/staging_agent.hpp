@@ -55,6 +55,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -89,8 +90,9 @@ struct StagedRequest {
   enum class Route { Visible, ToHidden, FromHidden };
   Route route = Route::Visible;
   int peer = -1;                // the other rank
-  cudaEvent_t ready = nullptr;  // recorded on the caller's stream: the source is ready (null:
-                                // handed over by a captured doorbell, rung once it is)
+  // Set to `ticket` by the caller's stream once the source is ready (ControlWords::ready;
+  // null: handed over by a captured doorbell, rung once it is).
+  const std::uint64_t* ready = nullptr;
   cudaStream_t stream = nullptr;  // the caller's stream (with `ready`): its transfers become ready in order
   void* dst = nullptr;          // Visible, FromHidden: an address here
   int dst_device = -1;
@@ -126,7 +128,10 @@ struct StagedRequest {
 //   consumed        per node rank: its descriptors this rank consumed (the same)
 //   failed          per node rank: its descriptors this rank could not carry out (host)
 //   rings           per node rank: kRing descriptors of kDescriptorWords words to it
-//   transfer words  the rest: one done word per transfer in flight or captured
+//   transfer words  half the rest: one done word per transfer in flight or captured
+//   ready words     the other half, one per transfer word: the caller's stream sets it to the
+//                   transfer's ticket once the transfer's source is ready (the agent polls
+//                   memory, not events: an event query costs the agent's thread ~0.8 us)
 // Node ranks are counted by their place in Topology::node_ranks.
 struct ControlWords {
   static constexpr std::size_t kBytes = std::size_t(1) << 20;
@@ -147,7 +152,8 @@ struct ControlWords {
   std::uint64_t* ring(std::size_t to) const { return failed(0) + round8(node_ranks) + to * kRing * kDescriptorWords; }
   std::uint64_t* transfer(std::size_t i) const { return ring(0) + node_ranks * kRing * kDescriptorWords + i; }
   std::size_t used_words() const { return static_cast<std::size_t>(transfer(0) - base); }
-  std::size_t transfer_count() const { return used_words() < kWords ? kWords - used_words() : 0; }
+  std::size_t transfer_count() const { return used_words() < kWords ? (kWords - used_words()) / 2 : 0; }
+  std::uint64_t* ready(std::size_t i) const { return transfer(transfer_count()) + i; }
 };
 
 class StagingAgent {
@@ -201,6 +207,9 @@ class StagingAgent {
   // A transfer was captured (Setup::captured has a live step now): the agent polls its
   // doorbells from now on, also if it slept.
   void captured_added();
+  // Transfer `ticket` (submitted) will never be marked ready by its stream (its wait could not
+  // be enqueued; the caller raised that): it ends without being started. `ready` is its word.
+  void withdraw(std::uint64_t ticket, std::uint64_t* ready);
 
   // Where hidden peers' transfers land: this rank's device windows by id (attach / release;
   // remove_window returns once nothing more is enqueued into it and what was has ended,
@@ -263,6 +272,7 @@ class StagingAgent {
     bool get_request = false;  // a get's request: one descriptor, no data
     bool answer = false;       // answers the reader's get (not one of this rank's transfers)
     bool host_source = false;  // the source is pageable host memory: copied by this thread
+    cudaMemcpyKind to_slot = cudaMemcpyDefault;  // the copies into slots (device to host where known)
     bool failure_counted = false;  // an answer to a refused get: its reader was told already
     // The source: this rank's window (answers) or kAddress and an address; no data when
     // `width` is 0 (a signal alone, or a refused get).
@@ -284,6 +294,7 @@ class StagingAgent {
   void run();
   void give_up_all(ReadyQueue<StagedRequest>& waiting);
   bool start_ready(ReadyQueue<StagedRequest>& waiting);
+  bool take_withdrawn(std::uint64_t ticket);  // true (and forgotten) if withdraw() named it
   bool poll_incoming();
   bool pump();
   void fail(const StagedRequest& r, const std::string& message);
@@ -402,6 +413,8 @@ class StagingAgent {
   std::vector<RemoteEnd> remote_lent_;  // words of transfers a hidden peer (or the answer to a get) ends
   std::uint64_t submitted_ = 0;
   std::uint64_t handled_ = 0;  // transfers enqueued to their end, or failed
+  std::vector<std::uint64_t> withdrawn_;  // under m_: tickets withdraw() ended unstarted
+  std::atomic<std::size_t> withdrawn_count_{0};  // withdrawn_.size(), read without m_
   std::uint64_t answers_ = 0;  // answers to hidden peers' gets not yet posted to their end
   bool stop_ = false;
   std::string error_;

@@ -659,7 +659,8 @@ class TransferProxy {
       try {
         // Transfers whose source is ready, each stream's in its order (ReadyQueue: only the
         // oldest waiting transfer of each stream is asked).
-        if (waiting.take_ready([&](const ProxyRequest& r, cudaError_t rc) {
+        if (waiting.take_ready([](const ProxyRequest& r) { return cudaEventQuery(r.ready); },
+                               [&](const ProxyRequest& r, cudaError_t rc) {
               if (r.ready) events_.give_back(r.ready);
               if (rc != cudaSuccess) {
                 note_error(where() + ": the stream of a transfer to rank " + std::to_string(r.peer) + " failed: " +

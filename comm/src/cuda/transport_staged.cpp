@@ -278,20 +278,21 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
   r.word = agent_->take_word(what(name, peer));
   r.done = agent_->control().transfer(r.word);
   r.word_is_lent = true;
-  r.ready = agent_->events().take(what(name, peer));
+  std::uint64_t* ready = agent_->control().ready(r.word);
+  r.ready = ready;
   r.stream = s;
-  const cudaError_t rc = cudaEventRecord(r.ready, s);
-  if (rc != cudaSuccess) {
-    agent_->events().give_back(r.ready);
-    agent_->release_word(r.word);
-    ipc::check_cuda(rc, "cudaEventRecord", what(name, peer));
-  }
   std::uint64_t* done = r.done;
   const bool visible = r.route == StagedRequest::Route::Visible;
   const std::uint64_t ticket = agent_->submit(r);
+  // The wait sets the ready word first (on the GPU, once the stream's earlier work is done).
   // The agent ends a visible transfer that stalls; one through a hidden peer's channel is
   // ended by that peer's agent, which may be dead: the wait kernel's own timeout then.
-  device_->wait_for_ticket(done, ticket, peer, s, visible, what(name, peer));
+  try {
+    device_->wait_for_ticket(done, ticket, peer, s, visible, what(name, peer), ready);
+  } catch (...) {
+    agent_->withdraw(ticket, ready);  // nothing will say its source is ready: it ends unstarted
+    throw;
+  }
 }
 
 // Under capture the graph gets a kernel that rings the request's doorbell on every replay
