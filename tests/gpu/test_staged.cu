@@ -473,6 +473,66 @@ TEST_F(Staged, ManySmallTransfersOnFourStreamsEachKeepTheirOrder) {
   cudaFree(src);
 }
 
+// Puts of at most 64 KiB from a rank's GPU go into a small slot by a kernel on the caller's
+// stream (MESHMEM_STAGING_EAGER), one slot per stream for the first 16 streams; the others,
+// and larger puts, through the agent's copy. 20 streams, sizes on both sides of the limit,
+// unaligned sources and destinations, each put to a range of its own: every byte lands, and
+// the poisoned bytes between the ranges stay.
+TEST_F(Staged, EagerAndAgentPutsOnMoreStreamsThanEagerSlotsLandWhole) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  constexpr int kStreams = 20, kRounds = 6;
+  constexpr std::size_t kSizes[] = {1, 4096 + 3, 65536, 65537, 777, 65536 - 5};
+  constexpr std::size_t kGap = 13, kSpan = 65537 + kGap;  // each put's range, unaligned by its gap
+  const std::size_t total = std::size_t(kStreams) * kRounds * kSpan;
+  Window win = comm->alloc(total + 64);
+  void* src = nullptr;
+  CUDA_OK(cudaMalloc(&src, total + 64));
+  std::vector<unsigned char> all(total);
+  auto place = [&](int k, int r) { return (std::size_t(k) * kRounds + r) * kSpan; };
+  for (int k = 0; k < kStreams; ++k)
+    for (int r = 0; r < kRounds; ++r) {
+      const std::size_t bytes = kSizes[(k + r) % 6];
+      const auto p = pattern(seed, key(bytes, me, 5000 + k * kRounds + r), bytes);
+      std::memcpy(all.data() + place(k, r), p.data(), bytes);
+    }
+  CUDA_OK(cudaMemcpy(static_cast<char*>(src) + 3, all.data(), total, cudaMemcpyHostToDevice));  // sources at +3
+  CUDA_OK(cudaMemset(win.local(), kPoison, total + 64));
+  cudaStream_t streams[kStreams];
+  for (auto& st : streams) CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  CUDA_OK(cudaDeviceSynchronize());
+  comm->barrier();
+  for (int r = 0; r < kRounds; ++r)
+    for (int k = 0; k < kStreams; ++k)
+      comm->put(win, right, place(k, r) + 5, static_cast<char*>(src) + 3 + place(k, r), kSizes[(k + r) % 6], streams[k]);
+  for (auto& st : streams) CUDA_OK(cudaStreamSynchronize(st));
+  comm->quiet(s);
+  comm->barrier();
+  std::vector<unsigned char> got(total + 64);
+  CUDA_OK(cudaMemcpy(got.data(), win.local(), got.size(), cudaMemcpyDeviceToHost));
+  int bad = 0;
+  std::vector<unsigned char> want(total + 64, kPoison);
+  for (int k = 0; k < kStreams; ++k)
+    for (int r = 0; r < kRounds; ++r) {
+      const std::size_t bytes = kSizes[(k + r) % 6];
+      const auto p = pattern(seed, key(bytes, left, 5000 + k * kRounds + r), bytes);
+      std::memcpy(want.data() + place(k, r) + 5, p.data(), bytes);
+    }
+  for (int k = 0; k < kStreams && bad < 5; ++k)
+    for (int r = 0; r < kRounds && bad < 5; ++r) {
+      const std::size_t at = place(k, r);
+      const long d = first_difference(got.data() + at, want.data() + at, kSpan);
+      if (d >= 0) {
+        ++bad;
+        ADD_FAILURE() << "stream " << k << " round " << r << " (" << kSizes[(k + r) % 6] << " bytes at +5): first wrong "
+                      << "byte at +" << d;
+      }
+    }
+  EXPECT_EQ(first_difference(got.data() + total, want.data() + total, 64), -1) << "the tail past the last range";
+  comm->barrier();
+  for (auto& st : streams) cudaStreamDestroy(st);
+  cudaFree(src);
+}
+
 // HaloExchange::complete() (halos written by kernels) is refused on every rank when some
 // pair of the exchange is staged, including ranks with no staged neighbour of their own
 // (before, only the senders refused and their neighbours' waits ran into the timeout); the

@@ -287,9 +287,25 @@ TEST_F(StagingPoolTest, GivingBackDoesNotWaitForARunningKernel) {
   blocks.push_back(detail::take_block(BlockMemory::Device, device, 3u << 20, "test"));
   blocks.push_back(detail::take_block(BlockMemory::MappedHost, device, 3u << 20, "test"));
   const std::size_t mapped = detail::block_pool_bytes(device);
-  cudaStream_t busy = nullptr, other = nullptr;
-  CUDA_OK(cudaStreamCreateWithFlags(&busy, cudaStreamNonBlocking));
-  CUDA_OK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+  // Releases the kernel and frees the streams however the test ends (a failed assertion
+  // returns early: the kernel must not spin on for the next test to wait behind).
+  struct Streams {
+    unsigned long long* flag = nullptr;
+    cudaStream_t busy = nullptr, other = nullptr;
+    ~Streams() {
+      if (flag != nullptr) __atomic_store_n(flag, 1ull, __ATOMIC_RELEASE);
+      for (cudaStream_t s : {busy, other})
+        if (s != nullptr) {
+          cudaStreamSynchronize(s);
+          cudaStreamDestroy(s);
+        }
+    }
+  } streams;
+  CUDA_OK(cudaStreamCreateWithFlags(&streams.busy, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&streams.other, cudaStreamNonBlocking));
+  const cudaStream_t busy = streams.busy, other = streams.other;
+  *flag = 0;
+  streams.flag = flag;  // from here on the guard releases the kernel
   wait_for_word<<<1, 1, 0, busy>>>(flag);
   CUDA_OK(cudaGetLastError());
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -313,8 +329,6 @@ TEST_F(StagingPoolTest, GivingBackDoesNotWaitForARunningKernel) {
   __atomic_store_n(flag, 1ull, __ATOMIC_RELEASE);
   CUDA_OK(cudaStreamSynchronize(busy));
   CUDA_OK(cudaStreamSynchronize(other));
-  CUDA_OK(cudaStreamDestroy(busy));
-  CUDA_OK(cudaStreamDestroy(other));
   EXPECT_LT(give_back, 1.0) << "giving 16 blocks back behind a running kernel took " << give_back << " s";
   EXPECT_LT(launch, 1.0) << "another thread's copy waited " << launch << " s";
   quiesce(device);

@@ -145,6 +145,21 @@ __global__ void ticket_wait_kernel(std::uint64_t* ready, const std::uint64_t* wo
   (void)wait_word(word, Cmp::GE, sequence, limit, fault, peer, 0, 0);
 }
 
+__global__ void slot_fill_kernel(SlotFill f, WaitLimit limit, bool early) {
+  after_previous_kernel(early);
+  // A slot's previous transfer that timed out is reported (fault record) and overwritten:
+  // its data was given up on ("its data may be incomplete").
+  if (f.prev_done != nullptr && threadIdx.x == 0)
+    (void)wait_word(f.prev_done, Cmp::GE, f.prev_ticket, limit, FaultKind::Transfer, f.prev_peer, 0, 0);
+  __syncthreads();
+  for (std::size_t r = 0; r < f.rows; ++r) device::copy_block(f.slot + r * f.width, f.src + r * f.src_pitch, f.width);
+  __threadfence_system();  // every thread's bytes are out before the ready word
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  device::SignalWord(*f.ready).store(f.ticket, ::cuda::memory_order_release);
+  (void)wait_word(f.done, Cmp::GE, f.ticket, limit, FaultKind::Transfer, f.peer, 0, 0);
+}
+
 // A board's closed word (HandoffClosed, the word after its bell).
 __device__ std::uint64_t board_closed(const std::uint64_t* closed) {
   return device::SignalWord(*const_cast<std::uint64_t*>(closed)).load(::cuda::memory_order_acquire);
@@ -364,6 +379,10 @@ cudaError_t launch_rung_ring(HandoffSlot* slot, std::uint64_t* bell, int peer, W
 cudaError_t launch_rung_wait(HandoffSlot* slot, std::uint64_t* bell, const std::uint64_t* done, FaultKind fault, int peer,
                              WaitLimit limit, cudaStream_t stream, bool early) {
   return launch(rung_wait_kernel, 1, 1, stream, early, slot, bell, done, fault, peer, limit, early);
+}
+
+cudaError_t launch_slot_fill(const SlotFill& fill, WaitLimit limit, cudaStream_t stream, bool early) {
+  return launch(slot_fill_kernel, 1, 256, stream, early, fill, limit, early);
 }
 
 cudaError_t launch_ticket_wait(std::uint64_t* ready, const std::uint64_t* word, std::uint64_t sequence, FaultKind fault,

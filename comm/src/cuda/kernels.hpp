@@ -83,6 +83,25 @@ cudaError_t launch_wait(std::uint64_t* words, std::size_t count, Cmp cmp, std::u
 cudaError_t launch_ticket_wait(std::uint64_t* ready, const std::uint64_t* word, std::uint64_t sequence, FaultKind fault,
                                int peer, WaitLimit limit, cudaStream_t stream, bool early);
 
+// A small staged put whose caller's stream fills its slot itself (StagedTransport's eager
+// puts): the slot (pinned host memory mapped here) is free once the transfer that used it
+// last ended (`prev_done` reached `prev_ticket`; null: never used); then `rows` rows of
+// `width` bytes, `src_pitch` apart on this GPU, go into it packed, and *ready is set to
+// `ticket`; then the stream waits for *done to reach it, as launch_ticket_wait does.
+struct SlotFill {
+  char* slot;
+  const char* src;
+  std::size_t width, rows, src_pitch;
+  const std::uint64_t* prev_done;
+  std::uint64_t prev_ticket;
+  int prev_peer;  // named by a timeout of the wait for the slot
+  std::uint64_t* ready;
+  const std::uint64_t* done;
+  std::uint64_t ticket;
+  int peer;
+};
+cudaError_t launch_slot_fill(const SlotFill& fill, WaitLimit limit, cudaStream_t stream, bool early);
+
 // A captured step's doorbell (pinned host memory; CapturedHandoff): `rung` counts the replays
 // that reached it (the device advances it), `ack` the replays its owner took up, `ticket` what
 // the owner's done word reaches at the end of the one taken up last.

@@ -276,7 +276,7 @@ void StagingAgent::remove_window(std::uint64_t id) {
 
 ControlWords StagingAgent::control_of(int rank) const {
   return ControlWords{reinterpret_cast<std::uint64_t*>(static_cast<char*>(pool_->region(rank)) +
-                                                       chunk_ * static_cast<std::size_t>(nslots_)),
+                                                       chunk_ * static_cast<std::size_t>(nslots_) + EagerSlots::kBytes),
                       control_.ranks, control_.node_ranks};
 }
 
@@ -543,10 +543,11 @@ void StagingAgent::execute(const StagedRequest& r) {
     o.signal_index = r.signal_index;
     o.value = r.value;
     o.op = r.op;
+    o.filled_slot = r.filled_slot;
     // A source in pageable host memory: cudaMemcpyAsync from it returns only once the lane's
     // earlier work is done, holding this thread; such chunks are copied by this thread into
     // slots the host sees free.
-    if (r.width > 0) {
+    if (r.width > 0 && r.filled_slot == StagedRequest::kAddress) {
       cudaPointerAttributes attributes{};
       const bool known = cudaPointerGetAttributes(&attributes, r.src) == cudaSuccess;
       (void)cudaGetLastError();
@@ -740,9 +741,22 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
     *moved = true;
     return true;
   }
+  if (o.filled_slot != StagedRequest::kAddress) {  // an eager put: its bytes are in its slot, one piece
+    if (!ring_has_room(o.reader)) return false;
+    d.slot_offset = o.filled_slot;
+    d.width = o.width;
+    d.rows = o.rows;
+    d.control = chunk | Descriptor::kLast;
+    trace_.record('P', o.reader, o.ticket, static_cast<std::int64_t>(o.width * o.rows));
+    post(o.reader, d, nullptr, true);
+    trace_.record('O', o.reader, o.ticket, 1);
+    *moved = true;
+    return true;
+  }
   std::size_t s = 0;
   while (!o.pieces.done() && ring_has_room(o.reader) && take_slot(o.host_source, &s)) {
     const PieceCursor::Piece p = o.pieces.current();
+    bool copy_pending = false;  // a last piece's copy into slot s, enqueued without an event
     char* slot = slots_ + s * chunk_;
     {
       // A window of this rank (an answer) stays allocated while its copy is enqueued;
@@ -761,10 +775,13 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
         trace_.record('P', o.reader, o.ticket, static_cast<std::int64_t>(p.width * p.rows));
         ipc::check_cuda(copy_rows(slot, p.width, from, o.src_pitch, p.width, p.rows, own.stream, o.to_slot),
                         "cudaMemcpyAsync (to the staging slot)", o.what);
+        // A piece that more follow has an event (its count is written once it is done); a
+        // last piece's post follows its copy on the lane, and only a failed post records one.
+        if (!p.last) ipc::check_cuda(cudaEventRecord(own.copied[s], own.stream), "cudaEventRecord", o.what);
         // Until the post below succeeds, the slot is held by this copy (a failed post must not
         // leave it free while the copy into it is pending).
-        ipc::check_cuda(cudaEventRecord(own.copied[s], own.stream), "cudaEventRecord", o.what);
         slot_use_[s] = SlotUse{own.copied[s], -1, 0};
+        copy_pending = p.last;
       }
     }
     d.slot_offset = s * chunk_;
@@ -777,7 +794,16 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
     // can be recorded again before its count is looked at: the counts behind it then wait for
     // that later copy of the lane. A count reused slots cover is dropped unqueried.)
     const cudaEvent_t copied = o.host_source || p.last ? nullptr : own.copied[s];
-    slot_use_[s] = SlotUse{nullptr, o.reader, post(o.reader, d, copied)};
+    std::uint64_t sequence = 0;
+    try {
+      sequence = post(o.reader, d, copied);
+    } catch (...) {
+      // The slot stays held until the copy into it is done (if this record fails too, the
+      // lane failed: nothing more of it runs).
+      if (copy_pending && cudaEventRecord(own.copied[s], own.stream) != cudaSuccess) (void)cudaGetLastError();
+      throw;
+    }
+    slot_use_[s] = SlotUse{nullptr, o.reader, sequence};
     trace_.record('O', o.reader, o.ticket, p.last ? 1 : 0);
     o.pieces.advance();
     *moved = true;
@@ -817,7 +843,10 @@ void StagingAgent::watch_readers() {
     for (std::size_t s = 0; s < slot_use_.size(); ++s) {
       if (slot_use_[s].reader != peer) continue;
       if (consumed_by(peer) < slot_use_[s].sequence) ++slots;
-      slot_use_[s] = SlotUse{own.copied[s], -1, 0};  // after this rank's own copy into it
+      // After this rank's own copy into it: recorded now (a last piece's copy has no event of
+      // its own), behind every copy of the lane so far.
+      if (cudaEventRecord(own.copied[s], own.stream) != cudaSuccess) (void)cudaGetLastError();  // the lane failed
+      slot_use_[s] = SlotUse{own.copied[s], -1, 0};
     }
     // Puts it was to end, and gets of this rank's it had not answered in full: nothing will
     // write their done words now. The error is recorded before they end, so that a caller
@@ -1112,7 +1141,7 @@ bool StagingAgent::write_counts_after_copies() {
 // `copied` is done, where it is given: CountAfterCopy); returns its number. The caller saw the
 // entry free (ring_has_room). One stream write per chunk: sixteen (one per descriptor word)
 // cost about a quarter of the channel's bandwidth on H200.
-std::uint64_t StagingAgent::post(int reader, Descriptor d, cudaEvent_t copied) {
+std::uint64_t StagingAgent::post(int reader, Descriptor d, cudaEvent_t copied, bool filled) {
   static_assert(sizeof(Descriptor) == ControlWords::kDescriptorWords * sizeof(std::uint64_t),
                 "a descriptor fills its ring entry");
   Lane& own = lanes_.at(device_);
@@ -1126,7 +1155,11 @@ std::uint64_t StagingAgent::post(int reader, Descriptor d, cudaEvent_t copied) {
   // GPU's write of the count follows the driver's doorbell write; a host with a weaker order
   // (ARM) needs a store fence here that makes the entry visible to another CPU first.
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (copied != nullptr) {
+  if (filled && __atomic_load_n(control_.posted(to), __ATOMIC_ACQUIRE) + 1 >= n) {
+    // Its bytes are in the slot, and every count before it is written: this thread writes
+    // it (a stream write would cost a driver call and the lane's latency).
+    raise_count(control_.posted(to), n);
+  } else if (copied != nullptr) {
     posted_after_copies_.push_back(CountAfterCopy{copied, false, reader, control_.posted(to), n});
   } else {
     std::vector<CUstreamBatchMemOpParams> ops{stream_write_op(control_.posted(to), n)};

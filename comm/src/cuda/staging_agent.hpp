@@ -90,6 +90,9 @@ struct StagedRequest {
   enum class Route { Visible, ToHidden, FromHidden };
   Route route = Route::Visible;
   int peer = -1;                // the other rank
+  // ToHidden, an eager put: the caller's stream copied the source into this slot (an offset
+  // in this rank's region of the pool, EagerSlots) before it set `ready`; kAddress: none.
+  std::uint64_t filled_slot = kAddress;
   // Set to `ticket` by the caller's stream once the source is ready (ControlWords::ready;
   // null: handed over by a captured doorbell, rung once it is).
   const std::uint64_t* ready = nullptr;
@@ -133,6 +136,14 @@ struct StagedRequest {
 //                   transfer's ticket once the transfer's source is ready (the agent polls
 //                   memory, not events: an event query costs the agent's thread ~0.8 us)
 // Node ranks are counted by their place in Topology::node_ranks.
+// Between each rank's slots and its control words: kSlots small slots that callers' streams
+// fill themselves (StagedTransport's eager puts), one per stream, taken on its first such put.
+struct EagerSlots {
+  static constexpr std::size_t kSlotBytes = std::size_t(64) << 10;
+  static constexpr std::size_t kSlots = 16;
+  static constexpr std::size_t kBytes = kSlotBytes * kSlots;
+};
+
 struct ControlWords {
   static constexpr std::size_t kBytes = std::size_t(1) << 20;
   static constexpr std::size_t kWords = kBytes / sizeof(std::uint64_t);
@@ -207,6 +218,35 @@ class StagingAgent {
   // A transfer was captured (Setup::captured has a live step now): the agent polls its
   // doorbells from now on, also if it slept.
   void captured_added();
+  // An eager put (r.route ToHidden, r.ready set, at most EagerSlots::kSlotBytes from this
+  // rank's GPU): if `stream` has an eager slot, or one is left for it, submits r with its
+  // slot and calls enqueue(slot, previous, ticket) under the eager lock, which enqueues the
+  // slot's fill on `stream` (cuda::SlotFill; `previous`: the slot's last transfer, to wait
+  // for); false (nothing submitted) where every slot belongs to another stream. What enqueue
+  // throws goes to the caller, the ticket in *ticket (then withdraw it).
+  struct EagerUse {
+    const std::uint64_t* done = nullptr;  // null: the slot was never used
+    std::uint64_t ticket = 0;
+    int peer = -1;
+  };
+  template <class Enqueue>
+  bool submit_eager(StagedRequest r, cudaStream_t stream, std::uint64_t* ticket, Enqueue enqueue) {
+    std::lock_guard<std::mutex> lock(eager_m_);
+    auto it = eager_of_.find(stream);
+    if (it == eager_of_.end()) {
+      if (eager_of_.size() == EagerSlots::kSlots) return false;
+      it = eager_of_.emplace(stream, eager_of_.size()).first;
+    }
+    const std::size_t i = it->second;
+    r.filled_slot = eager_offset(i);
+    const EagerUse before = eager_last_[i];
+    *ticket = submit(r);
+    enqueue(slots_ + r.filled_slot, before, *ticket);
+    eager_last_[i] = EagerUse{r.done, *ticket, r.peer};
+    return true;
+  }
+  std::uint64_t eager_offset(std::size_t i) const { return chunk_ * static_cast<std::size_t>(nslots_) + i * EagerSlots::kSlotBytes; }
+
   // Transfer `ticket` (submitted) will never be marked ready by its stream (its wait could not
   // be enqueued; the caller raised that): it ends without being started. `ready` is its word.
   void withdraw(std::uint64_t ticket, std::uint64_t* ready);
@@ -271,6 +311,7 @@ class StagingAgent {
     int reader = -1;
     bool get_request = false;  // a get's request: one descriptor, no data
     bool answer = false;       // answers the reader's get (not one of this rank's transfers)
+    std::uint64_t filled_slot = StagedRequest::kAddress;  // an eager put's slot, its bytes there already
     bool host_source = false;  // the source is pageable host memory: copied by this thread
     cudaMemcpyKind to_slot = cudaMemcpyDefault;  // the copies into slots (device to host where known)
     bool failure_counted = false;  // an answer to a refused get: its reader was told already
@@ -321,7 +362,9 @@ class StagingAgent {
   bool ring_has_room(int reader) const;
   // `copied`: the slot's event, recorded after the piece's copy into it, where more pieces of
   // the transfer follow (the host then writes its count: CountAfterCopy); null: the lane does.
-  std::uint64_t post(int reader, Descriptor d, cudaEvent_t copied = nullptr);
+  // `filled`: the bytes are in the slot already (an eager put): this thread writes the count
+  // where every earlier one is written.
+  std::uint64_t post(int reader, Descriptor d, cudaEvent_t copied = nullptr, bool filled = false);
   // Writes the counts of CountAfterCopy whose copies are done, oldest first; true if any.
   bool write_counts_after_copies();
   void carry_out(int writer, std::uint64_t sequence, const Descriptor& d);
@@ -413,6 +456,9 @@ class StagingAgent {
   std::vector<RemoteEnd> remote_lent_;  // words of transfers a hidden peer (or the answer to a get) ends
   std::uint64_t submitted_ = 0;
   std::uint64_t handled_ = 0;  // transfers enqueued to their end, or failed
+  std::mutex eager_m_;  // callers' threads: the eager slots
+  std::map<cudaStream_t, std::size_t> eager_of_;  // each stream's eager slot
+  EagerUse eager_last_[EagerSlots::kSlots];
   std::vector<std::uint64_t> withdrawn_;  // under m_: tickets withdraw() ended unstarted
   std::atomic<std::size_t> withdrawn_count_{0};  // withdrawn_.size(), read without m_
   std::uint64_t answers_ = 0;  // answers to hidden peers' gets not yet posted to their end

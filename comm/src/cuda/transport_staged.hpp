@@ -116,6 +116,7 @@ class StagedTransport final : public Transport {
                                std::size_t width, std::size_t rows, std::size_t dst_pitch, std::size_t src_pitch) const;
   // Hands one transfer to the agent; the caller's stream waits for its end.
   void transfer(StagedRequest r, int peer, Stream stream, const char* name);
+  bool fills_slot(const StagedRequest& r, cudaStream_t stream) const;
   void capture_transfer(const StagedRequest& r, cudaGraph_t graph, int peer, cudaStream_t stream, const char* name);
 
   CommContext ctx_;
@@ -124,6 +125,7 @@ class StagedTransport final : public Transport {
   std::vector<std::string> no_route_;
   std::size_t chunk_;
   int slots_;
+  bool eager_fill_;  // MESHMEM_STAGING_EAGER
   std::shared_ptr<StagingAgent> agent_;  // shared with window attachments (released later)
   std::shared_ptr<HandoffBoard<StagingAgent>> board_;  // shared with captured graphs
 };
