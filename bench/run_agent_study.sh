@@ -1,27 +1,34 @@
 #!/usr/bin/env bash
 # The staging agent's study for issue 10's last open row (Jacobi 4096^2 on 4 GPUs, staged
 # against MPI host-staged), in one device call, from a pack built on another machine:
-#   1. bench/driver_call_lab: what each CUDA call the agent makes per small transfer costs the
-#      host, and whether 2 or 4 threads making them on streams of their own go faster (fewer or
-#      cheaper calls, or a second agent thread?);
-#   2. Jacobi 4096^2 on 4 ranks, staged (MESHMEM_TRANSPORTS=staged,shm,mpi) then MPI, three
-#      times interleaved, every run checked;
-#   3. one more staged run with MESHMEM_TRACE_STAGED and bench/agent_trace.py's summary (where
-#      each transfer's time went, writer to reader).
-#   here:  cmake --build BUILD --target driver_call_lab 03_jacobi
+#   1. Jacobi on RANKS ranks (4 by default; one GPU each), 4096^2: staged forced
+#      (MESHMEM_TRANSPORTS=staged,shm,mpi) with small puts through the agent's copy
+#      (MESHMEM_STAGING_EAGER=off), then with eager slots (=on), then MPI host-staged, three
+#      times interleaved; 16384^2 once each; every run checked against a single GPU;
+#   2. one more staged run (eager on) with MESHMEM_TRACE_STAGED and bench/agent_trace.py's
+#      summary (where each transfer's time went, writer to reader);
+#   3. with LAB=1 first: bench/driver_call_lab (what each CUDA call of the agent costs).
+#   here:  cmake --build BUILD --target 03_jacobi driver_call_lab
 #          tests/gpu/run_entries.sh --pack BUILD gpu-pack     (gpu-pack is in .gitignore; carry it)
-#   there: COMMIT=<short hash> bench/run_agent_study.sh gpu-pack OUT MACHINE   (about 3 min, 4 GPUs)
+#   there: COMMIT=<short hash> bench/run_agent_study.sh gpu-pack OUT MACHINE   (about 2 min)
 # OUT gets jacobi.csv, summary.txt (the RESULT lines) and logs.tgz.
 set -uo pipefail
 . "$(dirname "$0")/study_steps.sh"
 study_begin "$@"
-run() {  # halo [env]: one Jacobi run of 4 ranks, 4096^2, 2000 iterations
-  echo "${2:-} MESHMEM_TRANSPORTS=staged,shm,mpi timeout 60 mpirun -np 4 --bind-to none examples/03_jacobi --size 4096" \
-    "--iters 2000 --halo=$1 --decomp=rows --check --csv \$O/jacobi.csv --commit \$C --machine \$M --date \$D $(result '^jacobi ');"
+ranks=${RANKS:-4}
+run() {  # size halo [env]: one checked Jacobi run
+  echo "echo 'RESULT next: $1 $2 ${3:-}';" \
+    "${3:-} MESHMEM_TRANSPORTS=staged,shm,mpi timeout 60 mpirun -np $ranks --bind-to none examples/03_jacobi" \
+    "--size $1 --iters 2000 --halo=$2 --decomp=rows --check --csv \$O/jacobi.csv --commit \$C --machine \$M --date \$D" \
+    "$(result '^jacobi ');"
+}
+ab() {  # size
+  echo "$(run "$1" meshmem MESHMEM_STAGING_EAGER=off) $(run "$1" meshmem MESHMEM_STAGING_EAGER=on) $(run "$1" mpi)"
 }
 lab="bench/driver_call_lab --threads 1,2,4 $(result '^[a-z]'); exit \${PIPESTATUS[0]}"
-ab="for rep in 1 2 3; do $(run meshmem) $(run mpi) done"
-trace="$(run meshmem "MESHMEM_TRACE_STAGED=\$O/trace") python3 $root/bench/agent_trace.py \$O/trace $(result '^[0-9]')"
-"$root/tests/gpu/run_entries.sh" "$pack" "$logs/steps" "cmd driver_call_lab 120 $lab" "cmd jacobi 150 $ab" \
-  "cmd trace 60 $trace"
+trace="$(run 4096 meshmem "MESHMEM_STAGING_EAGER=on MESHMEM_TRACE_STAGED=\$O/trace") python3 $root/bench/agent_trace.py \$O/trace $(result '^[0-9]')"
+steps=()
+[ "${LAB:-0}" = 1 ] && steps+=("cmd driver_call_lab 120 $lab")
+steps+=("cmd jacobi 150 for rep in 1 2 3; do $(ab 4096) done; $(ab 16384)" "cmd trace 60 $trace")
+"$root/tests/gpu/run_entries.sh" "$pack" "$logs/steps" "${steps[@]}"
 study_end $? jacobi.csv
