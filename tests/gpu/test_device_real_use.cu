@@ -1433,6 +1433,60 @@ TEST_P(StoppedProxy, GetFromAPeerWhoseProxyStopsEndsInTheTimeout) {
 INSTANTIATE_TEST_SUITE_P(Waits, StoppedProxy, ::testing::Values("kernel", "memop"),
                          [](const auto& info) { return std::string(info.param); });
 
+// A small staged put's stream fills its slot (MESHMEM_STAGING_STREAM_FILL) once the slot's
+// previous put ended. Rank 1's agent stops for 6 s at the first chunk it takes (rank 0's put
+// P1), with a 2 s timeout: P1's stream goes on after its timeout, and P2 on the same stream
+// finds the slot still held (rank 1 will copy P1 out of it later) and is copied by rank 0's
+// agent instead. Both land whole once rank 1 goes on (before, P2 was written over P1's
+// bytes in the slot after the wait for the slot timed out, and P1's range got P2's data;
+// rank 0's log says "fill slot was still held" now).
+TEST_F(RealUse, StreamFilledPutBehindATimedOutOneLeavesItsSlotAlone) {
+  constexpr int kStopMs = 6000;
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+  ScopedEnv transports("MESHMEM_TRANSPORTS", "staged,shm,mpi");
+  ScopedEnv fill("MESHMEM_STAGING_STREAM_FILL", "on");
+  const std::string plan = "1:staged.carry:stop=" + std::to_string(kStopMs);
+  ScopedEnv fault("MESHMEM_FAULT", plan.c_str());
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  constexpr std::size_t kBytes = 4096 + 5, kSecond = 8192;
+  Window win = comm->alloc(2 * kSecond);
+  DeviceBuffer a(kBytes), b(kBytes);
+  const auto want_a = pattern(seed, 71, kBytes), want_b = pattern(seed, 72, kBytes);
+  CUDA_OK(cudaMemcpy(a.p, want_a.data(), kBytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(b.p, want_b.data(), kBytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(win.local(), kPoison, 2 * kSecond));
+  CUDA_OK(cudaDeviceSynchronize());
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto t0 = std::chrono::steady_clock::now();
+  if (me == 0) {
+    comm->put(win, 1, 0, a.p, kBytes, s0);        // P1: taken by rank 1's agent, which stops
+    comm->put(win, 1, kSecond, b.p, kBytes, s0);  // P2: the slot is P1's until P1 ends
+    CUDA_OK(cudaStreamSynchronize(s0));
+    try {
+      comm->quiet(s0);
+      ADD_FAILURE() << "P1's timeout was not reported";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+    }
+  }
+  // Rank 1's agent goes on at 6 s and carries both out.
+  const auto left = std::chrono::milliseconds(kStopMs + 1000) - (std::chrono::steady_clock::now() - t0);
+  if (left.count() > 0) std::this_thread::sleep_for(left);
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (me == 1) {
+    std::vector<unsigned char> got(2 * kSecond);
+    for (int tries = 0; tries < 50; ++tries) {  // up to 5 s more for the copies
+      CUDA_OK(cudaMemcpy(got.data(), win.local(), got.size(), cudaMemcpyDeviceToHost));
+      if (first_difference(got.data() + kSecond, want_b.data(), kBytes) == -1) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    EXPECT_EQ(first_difference(got.data(), want_a.data(), kBytes), -1) << "P1's bytes";
+    EXPECT_EQ(first_difference(got.data() + kSecond, want_b.data(), kBytes), -1) << "P2's bytes";
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 // A peer killed with SIGKILL while this rank still has work that needs it: a device wait
 // for its signal and a barrier(stream) end on the GPU and are reported as Error(Timeout)
 // naming the signal / the peer, and Window::free and ~Comm end within a bound. Run only by

@@ -474,11 +474,11 @@ TEST_F(Staged, ManySmallTransfersOnFourStreamsEachKeepTheirOrder) {
 }
 
 // Puts of at most 64 KiB from a rank's GPU go into a small slot by a kernel on the caller's
-// stream (MESHMEM_STAGING_EAGER), one slot per stream for the first 16 streams; the others,
+// stream (MESHMEM_STAGING_STREAM_FILL), one slot per stream for the first 16 streams; the others,
 // and larger puts, through the agent's copy. 20 streams, sizes on both sides of the limit,
 // unaligned sources and destinations, each put to a range of its own: every byte lands, and
 // the poisoned bytes between the ranges stay.
-TEST_F(Staged, EagerAndAgentPutsOnMoreStreamsThanEagerSlotsLandWhole) {
+TEST_F(Staged, StreamFilledAndAgentPutsOnMoreStreamsThanFillSlotsLandWhole) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   constexpr int kStreams = 20, kRounds = 6;
   constexpr std::size_t kSizes[] = {1, 4096 + 3, 65536, 65537, 777, 65536 - 5};

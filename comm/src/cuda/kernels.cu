@@ -147,16 +147,19 @@ __global__ void ticket_wait_kernel(std::uint64_t* ready, const std::uint64_t* wo
 
 __global__ void slot_fill_kernel(SlotFill f, WaitLimit limit, bool early) {
   after_previous_kernel(early);
-  // A slot's previous transfer that timed out is reported (fault record) and overwritten:
-  // its data was given up on ("its data may be incomplete").
-  if (f.prev_done != nullptr && threadIdx.x == 0)
-    (void)wait_word(f.prev_done, Cmp::GE, f.prev_ticket, limit, FaultKind::Transfer, f.prev_peer, 0, 0);
+  // The slot's previous transfer timed out (reported: fault record): its reader may still copy
+  // out of the slot, so it is left alone and the agent copies this one (kSlotNotFilled).
+  __shared__ bool slot_free;
+  if (threadIdx.x == 0)
+    slot_free = f.prev_done == nullptr ||
+           wait_word(f.prev_done, Cmp::GE, f.prev_ticket, limit, FaultKind::Transfer, f.prev_peer, 0, 0);
   __syncthreads();
-  for (std::size_t r = 0; r < f.rows; ++r) device::copy_block(f.slot + r * f.width, f.src + r * f.src_pitch, f.width);
+  if (slot_free)
+    for (std::size_t r = 0; r < f.rows; ++r) device::copy_block(f.slot + r * f.width, f.src + r * f.src_pitch, f.width);
   __threadfence_system();  // every thread's bytes are out before the ready word
   __syncthreads();
   if (threadIdx.x != 0) return;
-  device::SignalWord(*f.ready).store(f.ticket, ::cuda::memory_order_release);
+  device::SignalWord(*f.ready).store(slot_free ? f.ticket : f.ticket | kSlotNotFilled, ::cuda::memory_order_release);
   (void)wait_word(f.done, Cmp::GE, f.ticket, limit, FaultKind::Transfer, f.peer, 0, 0);
 }
 

@@ -83,11 +83,14 @@ cudaError_t launch_wait(std::uint64_t* words, std::size_t count, Cmp cmp, std::u
 cudaError_t launch_ticket_wait(std::uint64_t* ready, const std::uint64_t* word, std::uint64_t sequence, FaultKind fault,
                                int peer, WaitLimit limit, cudaStream_t stream, bool early);
 
-// A small staged put whose caller's stream fills its slot itself (StagedTransport's eager
+// A small staged put whose caller's stream fills its slot itself (StagedTransport's stream-filled
 // puts): the slot (pinned host memory mapped here) is free once the transfer that used it
 // last ended (`prev_done` reached `prev_ticket`; null: never used); then `rows` rows of
 // `width` bytes, `src_pitch` apart on this GPU, go into it packed, and *ready is set to
-// `ticket`; then the stream waits for *done to reach it, as launch_ticket_wait does.
+// `ticket`; then the stream waits for *done to reach it, as launch_ticket_wait does. Where
+// the wait for the slot times out (a fault), nothing is copied and *ready is set to
+// `ticket | kSlotNotFilled`: the host thread copies from `src` (the stream still waits).
+constexpr std::uint64_t kSlotNotFilled = std::uint64_t(1) << 63;
 struct SlotFill {
   char* slot;
   const char* src;

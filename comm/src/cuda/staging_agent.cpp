@@ -211,6 +211,28 @@ std::uint64_t StagingAgent::submit(StagedRequest r) {
   return r.ticket;
 }
 
+bool StagingAgent::fill_slot_of(cudaStream_t stream, std::size_t* slot) {
+  const auto it = fill_of_.find(stream);
+  if (it != fill_of_.end()) {
+    *slot = it->second;
+    return true;
+  }
+  // A slot never used, or one whose stream's last transfer there has ended (a stream destroyed,
+  // or idle): taken over, so that the new stream's first fill waits for nothing.
+  for (std::size_t i = 0; i < FillSlots::kSlots; ++i) {
+    const FillUse& last = fill_last_[i];
+    const bool ended = last.done == nullptr || __atomic_load_n(last.done, __ATOMIC_ACQUIRE) >= last.ticket;
+    if (fill_used_[i] && !ended) continue;
+    if (fill_used_[i]) fill_of_.erase(fill_stream_[i]);
+    fill_used_[i] = true;
+    fill_stream_[i] = stream;
+    fill_of_[stream] = i;
+    *slot = i;
+    return true;
+  }
+  return false;
+}
+
 void StagingAgent::withdraw(std::uint64_t ticket, std::uint64_t* ready) {
   {
     std::lock_guard<std::mutex> lock(m_);
@@ -276,7 +298,7 @@ void StagingAgent::remove_window(std::uint64_t id) {
 
 ControlWords StagingAgent::control_of(int rank) const {
   return ControlWords{reinterpret_cast<std::uint64_t*>(static_cast<char*>(pool_->region(rank)) +
-                                                       chunk_ * static_cast<std::size_t>(nslots_) + EagerSlots::kBytes),
+                                                       chunk_ * static_cast<std::size_t>(nslots_) + FillSlots::kBytes),
                       control_.ranks, control_.node_ranks};
 }
 
@@ -417,6 +439,7 @@ void StagingAgent::run() {
       next_watch_ = Clock::now() + std::chrono::milliseconds(10);
     }
     if (Clock::now() >= next_stream_watch_) {
+      give_up_if_context_failed(waiting);
       streams_hold_work = watch_streams();
       pulse_->publish(describe_state(waiting.size()), pulse_now_ns());
       next_stream_watch_ = Clock::now() + std::chrono::milliseconds(100);
@@ -462,6 +485,35 @@ void StagingAgent::give_up_all(ReadyQueue<StagedRequest>& waiting) {
   if (n > 0)
     log(LogLevel::Error, "staged transport on rank " + std::to_string(rank_) + ": " + std::to_string(n) +
                              " transfer(s) still waiting or running when the agent stopped were ended unfinished");
+}
+
+// A failed context (an illegal address in some kernel of this process, say) fails every call
+// for good: the callers' streams never reach the operations that set the ready words of the
+// transfers still waiting, so these end here, with the error (before, their events' queries
+// returned it). An error that a second look no longer returns was not the context's.
+void StagingAgent::give_up_if_context_failed(ReadyQueue<StagedRequest>& waiting) {
+  if (waiting.empty()) return;
+  CurrentDevice current(device_);
+  const cudaStream_t lane = lanes_.at(device_).stream;
+  cudaError_t rc = cudaStreamQuery(lane);
+  if (rc == cudaSuccess || rc == cudaErrorNotReady) return;
+  (void)cudaGetLastError();
+  rc = cudaStreamQuery(lane);
+  if (rc == cudaSuccess || rc == cudaErrorNotReady) return;
+  (void)cudaGetLastError();
+  const std::string message = "staged transport on rank " + std::to_string(rank_) +
+                              ": the GPU context failed before the callers' streams reached their transfers (" +
+                              cudaGetErrorString(rc) + ")";
+  std::size_t n = 0;
+  waiting.take_all([&](const StagedRequest& r) {
+    __atomic_store_n(r.done, r.ticket, __ATOMIC_RELEASE);
+    if (r.word_is_lent) release_word(r.word);
+    ended(false);
+    ++n;
+  });
+  log(LogLevel::Error, message + "; " + std::to_string(n) + " transfer(s) ended unstarted");
+  std::lock_guard<std::mutex> lock(m_);
+  if (error_.empty()) error_ = message;
 }
 
 // Starts every waiting transfer whose source is ready (ReadyQueue: one look per stream, not
@@ -544,10 +596,20 @@ void StagingAgent::execute(const StagedRequest& r) {
     o.value = r.value;
     o.op = r.op;
     o.filled_slot = r.filled_slot;
+    if (r.filled_slot != StagedRequest::kAddress &&
+        (__atomic_load_n(r.ready, __ATOMIC_ACQUIRE) & cuda::kSlotNotFilled) != 0) {
+      // The kernel found the slot still held (a timed-out transfer's reader may copy out of
+      // it): copied from the source like any put. The word goes back to a plain ticket before
+      // it can be lent again (it is, only once this transfer ends).
+      o.filled_slot = StagedRequest::kAddress;
+      __atomic_store_n(const_cast<std::uint64_t*>(r.ready), r.ticket, __ATOMIC_RELEASE);
+      log(LogLevel::Warn, o.what + ": its stream's fill slot was still held by a transfer that timed out; "
+                                   "copied by the staging agent instead");
+    }
     // A source in pageable host memory: cudaMemcpyAsync from it returns only once the lane's
     // earlier work is done, holding this thread; such chunks are copied by this thread into
     // slots the host sees free.
-    if (r.width > 0 && r.filled_slot == StagedRequest::kAddress) {
+    if (r.width > 0 && o.filled_slot == StagedRequest::kAddress) {
       cudaPointerAttributes attributes{};
       const bool known = cudaPointerGetAttributes(&attributes, r.src) == cudaSuccess;
       (void)cudaGetLastError();
@@ -741,7 +803,7 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
     *moved = true;
     return true;
   }
-  if (o.filled_slot != StagedRequest::kAddress) {  // an eager put: its bytes are in its slot, one piece
+  if (o.filled_slot != StagedRequest::kAddress) {  // a stream-filled put: its bytes are in its slot, one piece
     if (!ring_has_room(o.reader)) return false;
     d.slot_offset = o.filled_slot;
     d.width = o.width;

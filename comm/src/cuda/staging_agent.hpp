@@ -15,8 +15,10 @@
 //   copies the chunk to its own GPU, the consumed count follows that copy, and after the last
 //   chunk the signal and the initiator's done word. The chunks that more chunks of their
 //   transfer follow have their counts written by the agent once the copy's event is done
-//   (CountAfterCopy: no stream write between two copies); every other count (a last chunk,
-//   a get's request, a chunk copied by the host or refused) by the GPU, a stream write. A get
+//   (CountAfterCopy: no stream write between two copies); a stream-filled put's (its bytes
+//   in its slot before its ready word) by the agent at once where every earlier count is
+//   written; every other count (a last chunk, a get's request, a chunk copied by the host or
+//   refused) by the GPU, a stream write. A get
 //   from a hidden peer is a request on the channel that the peer's agent answers with chunks
 //   of its window.
 //
@@ -48,7 +50,7 @@
 // out by itself, and would otherwise wait for ever behind the very queue that holds the lane.
 //
 // Transfers start in the order their sources become ready (the agent polls each one's ready
-// event), never in call order, so a transfer whose stream waits holds no other back. Each has
+// word, set by its caller's stream), never in call order, so a transfer whose stream waits holds no other back. Each has
 // a done word of its own (lent per transfer and taken back once it ended), which the caller's
 // stream waits for; tickets only grow, so a reused word never moves backwards.
 #pragma once
@@ -90,8 +92,8 @@ struct StagedRequest {
   enum class Route { Visible, ToHidden, FromHidden };
   Route route = Route::Visible;
   int peer = -1;                // the other rank
-  // ToHidden, an eager put: the caller's stream copied the source into this slot (an offset
-  // in this rank's region of the pool, EagerSlots) before it set `ready`; kAddress: none.
+  // ToHidden, a stream-filled put: the caller's stream copied the source into this slot (an offset
+  // in this rank's region of the pool, FillSlots) before it set `ready`; kAddress: none.
   std::uint64_t filled_slot = kAddress;
   // Set to `ticket` by the caller's stream once the source is ready (ControlWords::ready;
   // null: handed over by a captured doorbell, rung once it is).
@@ -122,12 +124,14 @@ struct StagedRequest {
   std::size_t bytes() const { return width * rows; }
 };
 
-// The control words after the slots in each rank's region of the pool (1 MiB):
+// The control words after the slots and the fill slots (FillSlots) in each rank's region of
+// the pool (1 MiB):
 //   lane counters   one per lane: transfers that ended on it (the host takes words back)
 //   barrier flags   one per rank of the Comm, then the leaders' mark (the stream barrier's,
 //                   stream_barrier.cpp)
 //   posted          per node rank: descriptors this rank posted to it (written by this GPU
-//                   after the copy, or by this rank's agent once the copy is done)
+//                   after the copy, or by this rank's agent once the copy is done or, for
+//                   a stream-filled put, at once)
 //   consumed        per node rank: its descriptors this rank consumed (the same)
 //   failed          per node rank: its descriptors this rank could not carry out (host)
 //   rings           per node rank: kRing descriptors of kDescriptorWords words to it
@@ -136,9 +140,10 @@ struct StagedRequest {
 //                   transfer's ticket once the transfer's source is ready (the agent polls
 //                   memory, not events: an event query costs the agent's thread ~0.8 us)
 // Node ranks are counted by their place in Topology::node_ranks.
+//
 // Between each rank's slots and its control words: kSlots small slots that callers' streams
-// fill themselves (StagedTransport's eager puts), one per stream, taken on its first such put.
-struct EagerSlots {
+// fill themselves (StagedTransport's stream-filled puts), one per stream.
+struct FillSlots {
   static constexpr std::size_t kSlotBytes = std::size_t(64) << 10;
   static constexpr std::size_t kSlots = 16;
   static constexpr std::size_t kBytes = kSlotBytes * kSlots;
@@ -196,8 +201,6 @@ class StagingAgent {
 
   void stop() noexcept;
 
-  // Events of this rank's device for the caller to record (caller's thread).
-  EventPool& events() { return events_; }
 
   // A done word for one transfer (ControlWords::transfer), or false when every word is in use.
   bool try_take_word(std::size_t* word);
@@ -218,34 +221,36 @@ class StagingAgent {
   // A transfer was captured (Setup::captured has a live step now): the agent polls its
   // doorbells from now on, also if it slept.
   void captured_added();
-  // An eager put (r.route ToHidden, r.ready set, at most EagerSlots::kSlotBytes from this
-  // rank's GPU): if `stream` has an eager slot, or one is left for it, submits r with its
-  // slot and calls enqueue(slot, previous, ticket) under the eager lock, which enqueues the
+  // Held by a caller's thread from submit (or submit_filled) to the enqueue of the operation
+  // that sets the transfer's ready word: one stream's ready words then come in the order of
+  // its tickets, which ReadyQueue relies on (it looks at each stream's oldest only), also
+  // where several threads hand over transfers on one stream.
+  std::unique_lock<std::mutex> hand_over() { return std::unique_lock<std::mutex>(hand_over_m_); }
+  // A stream-filled put (r.route ToHidden, r.ready set, at most FillSlots::kSlotBytes from this
+  // rank's GPU), under hand_over(): if `stream` has a fill slot, or one is free for it,
+  // submits r with its slot and calls enqueue(slot, previous, ticket), which enqueues the
   // slot's fill on `stream` (cuda::SlotFill; `previous`: the slot's last transfer, to wait
-  // for); false (nothing submitted) where every slot belongs to another stream. What enqueue
-  // throws goes to the caller, the ticket in *ticket (then withdraw it).
-  struct EagerUse {
+  // for); false (nothing submitted) where every slot belongs to another stream whose last
+  // transfer there has not ended. What enqueue throws goes to the caller, the ticket in
+  // *ticket (then withdraw it). A slot stays its stream's, so its previous transfer is that
+  // stream's, which the stream waited for already: the fill never waits on another stream.
+  struct FillUse {
     const std::uint64_t* done = nullptr;  // null: the slot was never used
     std::uint64_t ticket = 0;
     int peer = -1;
   };
   template <class Enqueue>
-  bool submit_eager(StagedRequest r, cudaStream_t stream, std::uint64_t* ticket, Enqueue enqueue) {
-    std::lock_guard<std::mutex> lock(eager_m_);
-    auto it = eager_of_.find(stream);
-    if (it == eager_of_.end()) {
-      if (eager_of_.size() == EagerSlots::kSlots) return false;
-      it = eager_of_.emplace(stream, eager_of_.size()).first;
-    }
-    const std::size_t i = it->second;
-    r.filled_slot = eager_offset(i);
-    const EagerUse before = eager_last_[i];
+  bool submit_filled(StagedRequest r, cudaStream_t stream, std::uint64_t* ticket, Enqueue enqueue) {
+    std::size_t i = 0;
+    if (!fill_slot_of(stream, &i)) return false;
+    r.filled_slot = fill_offset(i);
+    const FillUse before = fill_last_[i];
     *ticket = submit(r);
     enqueue(slots_ + r.filled_slot, before, *ticket);
-    eager_last_[i] = EagerUse{r.done, *ticket, r.peer};
+    fill_last_[i] = FillUse{r.done, *ticket, r.peer};
     return true;
   }
-  std::uint64_t eager_offset(std::size_t i) const { return chunk_ * static_cast<std::size_t>(nslots_) + i * EagerSlots::kSlotBytes; }
+  std::uint64_t fill_offset(std::size_t i) const { return chunk_ * static_cast<std::size_t>(nslots_) + i * FillSlots::kSlotBytes; }
 
   // Transfer `ticket` (submitted) will never be marked ready by its stream (its wait could not
   // be enqueued; the caller raised that): it ends without being started. `ready` is its word.
@@ -311,7 +316,7 @@ class StagingAgent {
     int reader = -1;
     bool get_request = false;  // a get's request: one descriptor, no data
     bool answer = false;       // answers the reader's get (not one of this rank's transfers)
-    std::uint64_t filled_slot = StagedRequest::kAddress;  // an eager put's slot, its bytes there already
+    std::uint64_t filled_slot = StagedRequest::kAddress;  // a stream-filled put's slot, its bytes there already
     bool host_source = false;  // the source is pageable host memory: copied by this thread
     cudaMemcpyKind to_slot = cudaMemcpyDefault;  // the copies into slots (device to host where known)
     bool failure_counted = false;  // an answer to a refused get: its reader was told already
@@ -336,6 +341,7 @@ class StagingAgent {
   void give_up_all(ReadyQueue<StagedRequest>& waiting);
   bool start_ready(ReadyQueue<StagedRequest>& waiting);
   bool take_withdrawn(std::uint64_t ticket);  // true (and forgotten) if withdraw() named it
+  void give_up_if_context_failed(ReadyQueue<StagedRequest>& waiting);
   bool poll_incoming();
   bool pump();
   void fail(const StagedRequest& r, const std::string& message);
@@ -362,7 +368,7 @@ class StagingAgent {
   bool ring_has_room(int reader) const;
   // `copied`: the slot's event, recorded after the piece's copy into it, where more pieces of
   // the transfer follow (the host then writes its count: CountAfterCopy); null: the lane does.
-  // `filled`: the bytes are in the slot already (an eager put): this thread writes the count
+  // `filled`: the bytes are in the slot already (a stream-filled put): this thread writes the count
   // where every earlier one is written.
   std::uint64_t post(int reader, Descriptor d, cudaEvent_t copied = nullptr, bool filled = false);
   // Writes the counts of CountAfterCopy whose copies are done, oldest first; true if any.
@@ -456,9 +462,12 @@ class StagingAgent {
   std::vector<RemoteEnd> remote_lent_;  // words of transfers a hidden peer (or the answer to a get) ends
   std::uint64_t submitted_ = 0;
   std::uint64_t handled_ = 0;  // transfers enqueued to their end, or failed
-  std::mutex eager_m_;  // callers' threads: the eager slots
-  std::map<cudaStream_t, std::size_t> eager_of_;  // each stream's eager slot
-  EagerUse eager_last_[EagerSlots::kSlots];
+  bool fill_slot_of(cudaStream_t stream, std::size_t* slot);  // under hand_over()
+  std::mutex hand_over_m_;  // callers' threads; guards the fill slots' state too
+  std::map<cudaStream_t, std::size_t> fill_of_;  // each stream's fill slot
+  cudaStream_t fill_stream_[FillSlots::kSlots] = {};  // each slot's stream (with fill_used_)
+  bool fill_used_[FillSlots::kSlots] = {};
+  FillUse fill_last_[FillSlots::kSlots];
   std::vector<std::uint64_t> withdrawn_;  // under m_: tickets withdraw() ended unstarted
   std::atomic<std::size_t> withdrawn_count_{0};  // withdrawn_.size(), read without m_
   std::uint64_t answers_ = 0;  // answers to hidden peers' gets not yet posted to their end

@@ -46,7 +46,7 @@ const TuningKnob<std::size_t> kStagingChunk{
 const TuningKnob<std::size_t> kStagingSlots{
     "staged", "MESHMEM_STAGING_SLOTS", 4, parse_slots, print_number,
     "staged transport: chunks in flight per rank; each rank's share of the node's pinned staging pool is "
-    "slots x chunk plus 1 MiB of small slots for eager puts (MESHMEM_STAGING_EAGER) and 1 MiB of control words (rounded up to 2 MiB pages; meshmem-info prints it), made when some pair of the Comm routes through `staged`"};
+    "slots x chunk plus 1 MiB of small slots for stream-filled puts (MESHMEM_STAGING_STREAM_FILL) and 1 MiB of control words (rounded up to 2 MiB pages; meshmem-info prints it), made when some pair of the Comm routes through `staged`"};
 
 // "" (off) or a file prefix; "off" reads as "".
 std::string parse_trace_prefix(const char*, const std::string& raw) { return raw == "off" ? "" : raw; }
@@ -66,17 +66,18 @@ const TuningKnob<std::string> kTraceStaged{
 // the bytes first. Not where ranks share a GPU: there the kernel waits for its process's time
 // slice, where a copy engine does not (1 x H200, Jacobi 4096^2 on 2 ranks: 374-380 us per
 // iteration against 298-299 us through the agent's copy).
-enum class EagerFill { Auto, On, Off };
-constexpr std::pair<const char*, EagerFill> kEagerChoices[] = {
-    {"auto", EagerFill::Auto}, {"on", EagerFill::On}, {"off", EagerFill::Off}};
-const TuningKnob<EagerFill> kStagingEager{
-    "staged", "MESHMEM_STAGING_EAGER", EagerFill::Auto, parse_named<kEagerChoices>, print_named<kEagerChoices>,
-    "staged transport: `on`: a put or put_signal of at most 64 KiB from this rank's GPU to a rank whose GPU is hidden "
-    "here goes into a small slot of the pool by a kernel on the caller's stream (the kernel that waits for the put's "
-    "end anyway), so the agent only posts it; one slot per stream, for the first 16 streams that put (others, "
-    "captured puts and the per-thread default stream go through the agent's copy); `off`: every put through the "
-    "agent's copy; `auto`: `on` unless this rank shares its GPU (MESHMEM_STREAM_WAIT resolves to memop: the kernel "
-    "would wait for its process's time slice, a copy engine does not)"};
+enum class StreamFill { Auto, On, Off };
+constexpr std::pair<const char*, StreamFill> kStreamFillChoices[] = {
+    {"auto", StreamFill::Auto}, {"on", StreamFill::On}, {"off", StreamFill::Off}};
+const TuningKnob<StreamFill> kStagingStreamFill{
+    "staged", "MESHMEM_STAGING_STREAM_FILL", StreamFill::Auto, parse_named<kStreamFillChoices>, print_named<kStreamFillChoices>,
+    "staged transport: `on`: a put, put_signal or halo send (strided rows are packed) of at most 64 KiB from this "
+    "rank's GPU to a rank whose GPU is hidden here goes into a small slot of the pool by a kernel on the caller's "
+    "stream (the kernel that waits for the put's end anyway), so the agent only posts it; 16 slots, one per stream, "
+    "a slot passing to another stream once its stream's last put there ended (other streams then, captured puts and "
+    "the per-thread default stream go through the agent's copy); `off`: every put through the agent's copy; `auto`: "
+    "`on` unless this rank shares its GPU (MESHMEM_STREAM_WAIT resolves to memop: the kernel would wait for its "
+    "process's time slice, a copy engine does not)"};
 
 // Who drives the target GPU of a pair whose GPUs are both visible here. Measured on 2 x H200
 // (Jacobi 4096^2, 2 ranks, staged forced): the initiator's context driving the target GPU
@@ -142,8 +143,8 @@ StagedTransport::StagedTransport(const CommContext& ctx)
       device_(static_cast<CudaDeviceRuntime*>(ctx.device)),
       chunk_(kStagingChunk.get(ctx.options)),
       slots_(static_cast<int>(kStagingSlots.get(ctx.options))),
-      eager_fill_(kStagingEager.get(ctx.options) == EagerFill::On ||
-                  (kStagingEager.get(ctx.options) == EagerFill::Auto && device_ != nullptr &&
+      stream_fill_(kStagingStreamFill.get(ctx.options) == StreamFill::On ||
+                  (kStagingStreamFill.get(ctx.options) == StreamFill::Auto && device_ != nullptr &&
                    device_->waits_with_kernel())) {
   const Topology& topo = ctx_.topo;
   no_route_.assign(static_cast<std::size_t>(topo.size), std::string());
@@ -214,10 +215,11 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
   std::vector<bool> hidden(static_cast<std::size_t>(topo.size), false);
   for (int r : topo.node_ranks)
     if (r != topo.rank && peer_device_[r] < 0) hidden[r] = true;
-  // Slots first (2 MiB aligned), then the control words (ControlWords).
+  // Slots first (2 MiB aligned), then the stream-filled slots (FillSlots), then the control
+  // words (ControlWords).
   const std::size_t slots_bytes = chunk_ * static_cast<std::size_t>(slots_);
   auto pool =
-      std::make_unique<StagingPool>(ctx_.boot, topo, ctx_.fds, slots_bytes + EagerSlots::kBytes + ControlWords::kBytes, device_->device(), devices, what);
+      std::make_unique<StagingPool>(ctx_.boot, topo, ctx_.fds, slots_bytes + FillSlots::kBytes + ControlWords::kBytes, device_->device(), devices, what);
   const std::string layout = pool->describe();
   board_ = std::make_shared<HandoffBoard<StagingAgent>>();
   agreed_step(ctx_.boot, what, [&] {
@@ -307,8 +309,9 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
   const bool visible = r.route == StagedRequest::Route::Visible;
   std::uint64_t ticket = 0;
   try {
-    // An eager put: the kernel fills the slot, then sets the ready word and waits as below.
-    if (fills_slot(r, s) && agent_->submit_eager(r, s, &ticket, [&](char* slot, const StagingAgent::EagerUse& before,
+    std::unique_lock<std::mutex> order = agent_->hand_over();
+    // A stream-filled put: the kernel fills the slot, then sets the ready word and waits as below.
+    if (fills_slot(r, s) && agent_->submit_filled(r, s, &ticket, [&](char* slot, const StagingAgent::FillUse& before,
                                                                     std::uint64_t t) {
           const cuda::SlotFill fill{slot,   static_cast<const char*>(r.src), r.width, r.rows, r.src_pitch, before.done,
                                     before.ticket, before.peer, ready,  done, t, peer};
@@ -330,11 +333,11 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
   }
 }
 
-// Whether the caller's stream fills the slot of this transfer itself (MESHMEM_STAGING_EAGER):
+// Whether the caller's stream fills the slot of this transfer itself (MESHMEM_STAGING_STREAM_FILL):
 // a small put to a hidden peer from memory of this rank's GPU, on a stream of one thread.
 bool StagedTransport::fills_slot(const StagedRequest& r, cudaStream_t stream) const {
-  if (!eager_fill_ || r.route != StagedRequest::Route::ToHidden || stream == cudaStreamPerThread) return false;
-  if (r.width == 0 || r.rows == 0 || r.width * r.rows > EagerSlots::kSlotBytes) return false;
+  if (!stream_fill_ || r.route != StagedRequest::Route::ToHidden || stream == cudaStreamPerThread) return false;
+  if (r.width == 0 || r.rows == 0 || r.width * r.rows > FillSlots::kSlotBytes) return false;
   cudaPointerAttributes attributes{};
   const bool known = cudaPointerGetAttributes(&attributes, r.src) == cudaSuccess;
   (void)cudaGetLastError();

@@ -11,19 +11,23 @@
 // why (MESHMEM_STAGING_CHANNELS, transport_staged.cpp): a process driving a GPU that another
 // process keeps busy waits for the driver's time slice. `when-hidden` keeps the one-agent
 // path, where this agent drives both GPUs where it sees both (the target's window is then
-// mapped here for the target's GPU). The caller's thread only records an event, takes a done
-// word, enqueues one wait on its stream and hands the request over, so a put returns in
-// microseconds whatever its size. The caller's stream then waits on the GPU until the
-// transfer's done word (in the pool, written after the last copy and the signal) reaches its
-// ticket, polled by a one-thread kernel that times out like every device wait.
+// mapped here for the target's GPU). The caller's thread only takes a done word, hands the
+// request over and enqueues one kernel on its stream, so a put returns in microseconds
+// whatever its size. The kernel first sets the transfer's ready word (in the pool) once the
+// stream's earlier work is done (or, where the GPU is shared and the agent ends the transfer,
+// a stream memory write and wait do), then waits on the GPU until the transfer's done word
+// (written after the last copy and the signal) reaches its ticket; it times out like every
+// device wait. For a put of at most 64 KiB from this GPU to a hidden peer the kernel first
+// copies the bytes into a small slot of its stream's (MESHMEM_STAGING_STREAM_FILL), so the
+// agent only posts it.
 //
-// Order: the agent polls each transfer's ready event and enqueues a transfer only once its
+// Order: the agent polls each transfer's ready word and enqueues a transfer only once its
 // source is ready, in the order sources become ready; its streams never wait on a caller's
 // stream. So a transfer whose stream waits (for a peer's signal, behind a graph launch that
 // holds a staged transfer) holds no other transfer back, as on the ipc route. Transfers of
 // one stream stay in order because the stream waits for each one's end. Done words are lent
 // per transfer and taken back once a lane's counter shows the transfer ended; with all of
-// them in use (about 130,000 transfers in flight) a call waits for the oldest, bounded by
+// them in use (about 64,000 transfers in flight) a call waits for the oldest, bounded by
 // MESHMEM_TIMEOUT. (Until this version transfers were enqueued in call order with a stream
 // wait on the event: such a transfer held every later one until MESHMEM_TIMEOUT.)
 //
@@ -125,7 +129,7 @@ class StagedTransport final : public Transport {
   std::vector<std::string> no_route_;
   std::size_t chunk_;
   int slots_;
-  bool eager_fill_;  // MESHMEM_STAGING_EAGER
+  bool stream_fill_;  // MESHMEM_STAGING_STREAM_FILL
   std::shared_ptr<StagingAgent> agent_;  // shared with window attachments (released later)
   std::shared_ptr<HandoffBoard<StagingAgent>> board_;  // shared with captured graphs
 };
