@@ -474,12 +474,18 @@ TEST_F(Staged, ManySmallTransfersOnFourStreamsEachKeepTheirOrder) {
 }
 
 // Puts of at most 64 KiB from a rank's GPU go into a small slot by a kernel on the caller's
-// stream (MESHMEM_STAGING_STREAM_FILL), one slot per stream for the first 16 streams; the others,
-// and larger puts, through the agent's copy. 20 streams, sizes on both sides of the limit,
+// stream (MESHMEM_STAGING_STREAM_FILL=on), 16 slots, one per stream; the streams beyond
+// (their slots' puts still running), and larger puts, through the agent's copy. 20 streams, sizes on both sides of the limit,
 // unaligned sources and destinations, each put to a range of its own: every byte lands, and
 // the poisoned bytes between the ranges stay.
 TEST_F(Staged, StreamFilledAndAgentPutsOnMoreStreamsThanFillSlotsLandWhole) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
+  // On also where ranks share a GPU (auto: off there).
+  comm.reset();
+  Options o = Options::from_environment();
+  o.set("MESHMEM_TRANSPORTS", "staged,shm,mpi");
+  o.set("MESHMEM_STAGING_STREAM_FILL", "on");
+  comm = std::make_unique<Comm>(MPI_COMM_WORLD, o);
   constexpr int kStreams = 20, kRounds = 6;
   constexpr std::size_t kSizes[] = {1, 4096 + 3, 65536, 65537, 777, 65536 - 5};
   constexpr std::size_t kGap = 13, kSpan = 65537 + kGap;  // each put's range, unaligned by its gap
