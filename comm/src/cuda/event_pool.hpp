@@ -2,7 +2,7 @@
 // ready), for a proxy thread that starts the transfer then: the staging agent, the NCCL proxy.
 // Reused rather than created per transfer (an event creation costs microseconds); every
 // event the pool made is destroyed with it. ReadyQueue: where such a thread keeps the
-// transfers handed to it until their events say so.
+// transfers handed to it until their marks (these events, or words the streams write) say so.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -506,8 +506,7 @@ void StagingAgent::give_up_if_context_failed(ReadyQueue<StagedRequest>& waiting)
                               cudaGetErrorString(rc) + ")";
   std::size_t n = 0;
   waiting.take_all([&](const StagedRequest& r) {
-    __atomic_store_n(r.done, r.ticket, __ATOMIC_RELEASE);
-    if (r.word_is_lent) release_word(r.word);
+    end_unstarted(r);
     ended(false);
     ++n;
   });
@@ -525,9 +524,7 @@ bool StagingAgent::start_ready(ReadyQueue<StagedRequest>& waiting) {
   return waiting.take_ready(ready, [&](const StagedRequest& r, cudaError_t) {
     trace_.record('R', r.peer, r.ticket);
     if (r.ready != nullptr && withdrawn_count_.load(std::memory_order_acquire) != 0 && take_withdrawn(r.ticket)) {
-      // Its caller raised the error already; the done word ends it for anything behind it.
-      __atomic_store_n(r.done, r.ticket, __ATOMIC_RELEASE);
-      if (r.word_is_lent) release_word(r.word);
+      end_unstarted(r);  // its caller raised the error already
       ended(false);
       return;
     }
@@ -564,6 +561,12 @@ void StagingAgent::fail(const StagedRequest& r, const std::string& message) {
     std::lock_guard<std::mutex> lock(m_);
     if (error_.empty()) error_ = message;
   }
+  end_unstarted(r);
+}
+
+// Ends a transfer that never started from the host: its done word (its caller's stream goes
+// on) and, lent, the word back.
+void StagingAgent::end_unstarted(const StagedRequest& r) {
   __atomic_store_n(r.done, r.ticket, __ATOMIC_RELEASE);
   if (r.word_is_lent) release_word(r.word);
 }

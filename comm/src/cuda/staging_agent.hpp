@@ -345,6 +345,7 @@ class StagingAgent {
   bool poll_incoming();
   bool pump();
   void fail(const StagedRequest& r, const std::string& message);
+  void end_unstarted(const StagedRequest& r);
   void execute(const StagedRequest& r);
   void enqueue_visible_piece(const StagedRequest& r, const PieceCursor::Piece& p, std::size_t s, const std::string& what);
   void end_visible(const StagedRequest& r, bool signal, const std::string& what);

@@ -308,10 +308,11 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
   std::uint64_t* done = r.done;
   const bool visible = r.route == StagedRequest::Route::Visible;
   std::uint64_t ticket = 0;
+  const bool stream_fills = fills_slot(r, s);  // outside the lock: a driver call
   try {
     std::unique_lock<std::mutex> order = agent_->hand_over();
     // A stream-filled put: the kernel fills the slot, then sets the ready word and waits as below.
-    if (fills_slot(r, s) && agent_->submit_filled(r, s, &ticket, [&](char* slot, const StagingAgent::FillUse& before,
+    if (stream_fills && agent_->submit_filled(r, s, &ticket, [&](char* slot, const StagingAgent::FillUse& before,
                                                                     std::uint64_t t) {
           const cuda::SlotFill fill{slot,   static_cast<const char*>(r.src), r.width, r.rows, r.src_pitch, before.done,
                                     before.ticket, before.peer, ready,  done, t, peer};
