@@ -569,6 +569,42 @@ TEST_F(DeviceWindow, KernelsWriteIntoPeersThroughDeviceApi) {
   CUDA_OK(cudaStreamSynchronize(stream));
 }
 
+namespace {
+// One block per (destination offset, source offset, length): device::copy_block between
+// pointers of every relative alignment within 16 bytes.
+__host__ __device__ constexpr std::size_t copy_len(unsigned block) {
+  return block % 4 == 0 ? 1 : block % 4 == 1 ? 15 : block % 4 == 2 ? 33 : 4099;
+}
+constexpr std::size_t kCopyRegion = 4099 + 64;  // room for both offsets and guard bytes
+__global__ void copy_block_kernel(unsigned char* dst, const unsigned char* src) {
+  const unsigned b = blockIdx.x;
+  const std::size_t len = copy_len(b), so = (b / 4) % 16, doff = b / 64;
+  device::copy_block(dst + b * kCopyRegion + 16 + doff, src + b * kCopyRegion + so, len);
+}
+}  // namespace
+
+// The device API's block copy moves every byte, and only those, whatever the two pointers'
+// alignments (a row 8 bytes into a 16-byte line, odd offsets), with the whole block.
+TEST_F(DeviceWindow, BlockCopyMovesEveryByteAtEveryRelativeAlignment) {
+  const unsigned blocks = 16 * 16 * 4;
+  const std::size_t bytes = blocks * kCopyRegion;
+  const auto data = pattern(seed, key(bytes, me, me, 11), bytes);
+  DeviceBuffer src(bytes), dst(bytes);
+  upload(src.p, data.data(), bytes);
+  CUDA_OK(fill_now(dst.p, kPoison, bytes));
+  copy_block_kernel<<<blocks, 256, 0, stream>>>(static_cast<unsigned char*>(dst.p), static_cast<const unsigned char*>(src.p));
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaStreamSynchronize(stream));
+  const auto got = to_host(dst.p, bytes);
+  for (unsigned b = 0; b < blocks; ++b) {
+    const std::size_t len = copy_len(b), so = (b / 4) % 16, doff = b / 64;
+    std::vector<unsigned char> want(kCopyRegion, static_cast<unsigned char>(kPoison));
+    std::memcpy(want.data() + 16 + doff, data.data() + b * kCopyRegion + so, len);
+    ASSERT_EQ(first_difference(got.data() + b * kCopyRegion, want.data(), kCopyRegion), -1)
+        << "block " << b << ": " << len << " bytes from source offset " << so << " to destination offset " << doff;
+  }
+}
+
 TEST_F(DeviceWindow, AllocFreeCyclesReturnToBaseline) {
   { Window warm = comm->alloc(64u << 20); }
   CUDA_OK(cudaDeviceSynchronize());

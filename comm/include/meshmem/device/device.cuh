@@ -27,27 +27,38 @@ __device__ inline std::uint64_t* signal_ptr(const SignalsView& s, int rank, std:
   return s.peers[rank] + index;
 }
 
-// Copies with every thread of the calling block; 16-byte accesses where the two pointers
-// share their alignment. All threads of the block must call it with the same arguments.
+namespace detail {
+// The block copies `bytes` in accesses of T after a bytewise head that brings dst to T's
+// alignment (src then shares it: the caller checked), and a bytewise tail.
+template <class T>
+__device__ inline void copy_block_as(unsigned char* d, const unsigned char* s, std::size_t bytes) {
+  const std::size_t t = threadIdx.x;
+  const std::size_t n = blockDim.x;
+  std::size_t head = (sizeof(T) - (reinterpret_cast<std::uintptr_t>(d) & (sizeof(T) - 1))) & (sizeof(T) - 1);
+  if (head > bytes) head = bytes;
+  for (std::size_t i = t; i < head; i += n) d[i] = s[i];
+  const std::size_t wide = (bytes - head) / sizeof(T);
+  auto* dw = reinterpret_cast<T*>(d + head);
+  const auto* sw = reinterpret_cast<const T*>(s + head);
+  for (std::size_t i = t; i < wide; i += n) dw[i] = sw[i];
+  for (std::size_t i = head + wide * sizeof(T) + t; i < bytes; i += n) d[i] = s[i];
+}
+}  // namespace detail
+
+// Copies with every thread of the calling block, in the widest accesses (16, 8, 4, 2 bytes)
+// that the two pointers' alignments share: a row that starts 8 bytes into a 16-byte line
+// (a grid's interior after its ghost column) still moves in 8-byte accesses, which matters
+// most where the destination is host memory (every access crosses the bus). All threads of
+// the block must call it with the same arguments.
 __device__ inline void copy_block(void* dst, const void* src, std::size_t bytes) {
   auto* d = static_cast<unsigned char*>(dst);
   const auto* s = static_cast<const unsigned char*>(src);
-  const std::size_t t = threadIdx.x;
-  const std::size_t n = blockDim.x;
-  const auto da = reinterpret_cast<std::uintptr_t>(d);
-  const auto sa = reinterpret_cast<std::uintptr_t>(s);
-  if ((da & 15) == (sa & 15)) {
-    std::size_t head = (16 - (da & 15)) & 15;
-    if (head > bytes) head = bytes;
-    for (std::size_t i = t; i < head; i += n) d[i] = s[i];
-    const std::size_t wide = (bytes - head) / 16;
-    auto* d16 = reinterpret_cast<uint4*>(d + head);
-    const auto* s16 = reinterpret_cast<const uint4*>(s + head);
-    for (std::size_t i = t; i < wide; i += n) d16[i] = s16[i];
-    for (std::size_t i = head + wide * 16 + t; i < bytes; i += n) d[i] = s[i];
-  } else {
-    for (std::size_t i = t; i < bytes; i += n) d[i] = s[i];
-  }
+  const auto shared = reinterpret_cast<std::uintptr_t>(d) ^ reinterpret_cast<std::uintptr_t>(s);
+  if ((shared & 15) == 0) detail::copy_block_as<uint4>(d, s, bytes);
+  else if ((shared & 7) == 0) detail::copy_block_as<std::uint64_t>(d, s, bytes);
+  else if ((shared & 3) == 0) detail::copy_block_as<std::uint32_t>(d, s, bytes);
+  else if ((shared & 1) == 0) detail::copy_block_as<std::uint16_t>(d, s, bytes);
+  else detail::copy_block_as<unsigned char>(d, s, bytes);
 }
 
 __device__ inline void put_block(const WindowView& w, int target, std::size_t offset, const void* src,
