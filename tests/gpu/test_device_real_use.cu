@@ -77,6 +77,14 @@ __global__ void wait_for_host_flag(const std::uint64_t* flag) {
   }
 }
 
+// Spins for `ns`, then traps: the process's GPU context fails for good (a sticky error).
+__global__ void spin_then_trap(std::uint64_t ns) {
+  const std::uint64_t start = now_ns();
+  while (now_ns() - start < ns) {
+  }
+  __trap();
+}
+
 // Writes `value` into word `index` of `target`'s part of a window through the device API.
 __global__ void store_into_peer(device::WindowView view, int target, std::size_t offset, std::uint64_t value) {
   *device::peer_ptr<std::uint64_t>(view, target, offset) = value;
@@ -1633,6 +1641,74 @@ TEST_F(RealUse, KilledReaderLeavesTheStagingSlotsToOthers) {
   }
   const bool failed = HasFailure();
   std::printf("[ killed reader ] rank %d %s\n", me, failed ? "FAILED" : "PASSED");
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::_Exit(failed ? 1 : 0);
+}
+
+// Rank 0's GPU context fails (a kernel traps) while its staged puts wait on their stream for
+// the source to be ready: the ready words are never written. The staging agent must end those
+// transfers with the context's error, seen by the next quiet() within seconds (it looks every
+// 100 ms), not leave them waiting for ever (MESHMEM_TIMEOUT is 60 s here and is not what ends
+// them); then free and ~Comm on both ranks end. One put goes through the agent's copy, one
+// small one through the stream fill where that is on. Run by gpu.sticky_error_staged (it spoils
+// rank 0's process for every later test); both ranks print a verdict.
+TEST_F(RealUse, FailedContextEndsStagedTransfersWaitingForTheirStream) {
+  if (!env_is("MESHMEM_TEST_STICKY_ERROR", "1"))
+    GTEST_SKIP() << "makes a sticky CUDA error: run by gpu.sticky_error_staged (MESHMEM_TEST_STICKY_ERROR=1)";
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "60");
+  make_comm();
+  ASSERT_EQ(n, 2) << "written for two ranks";
+  ASSERT_EQ(comm->transport(1 - me, Memory::Device), TransportKind::Staged);
+  constexpr std::size_t kBytes = std::size_t(8) << 20;
+  Window win = comm->alloc(kBytes);
+  DeviceBuffer src(kBytes);
+  CUDA_OK(fill_now(src.p, 1, kBytes));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto run = [&] {
+    if (me == 0) {
+      spin_then_trap<<<1, 1, 0, s0>>>(300'000'000);  // 300 ms: both puts are enqueued behind it first
+      CUDA_OK(cudaGetLastError());
+      comm->put(win, 1, 0, src.p, kBytes, s0);
+      comm->put(win, 1, 3, src.p, 4099, s0);
+      const auto t0 = std::chrono::steady_clock::now();
+      std::string error;
+      while (error.empty() && seconds_since(t0) < 20) {
+        try {
+          comm->quiet();
+        } catch (const Error& e) {
+          error = e.what();
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      EXPECT_NE(error.find("the GPU context failed"), std::string::npos)
+          << (error.empty() ? std::string("no error within 20 s") : error);
+      EXPECT_LT(seconds_since(t0), 5.0) << "the failed context was reported late";
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    // Teardown with one rank's context failed: bounded on both ranks; rank 0's calls may raise.
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      win.free();
+    } catch (const Error& e) {
+      if (me == 1) ADD_FAILURE() << "rank 1's Window::free raised: " << e.what();
+    }
+    try {
+      comm.reset();
+    } catch (const Error& e) {
+      ADD_FAILURE() << "~Comm raised: " << e.what();
+    }
+    EXPECT_LT(seconds_since(t0), 30.0) << "free and ~Comm with rank 0's context failed";
+  };
+  try {
+    run();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "rank " << me << " raised: " << e.what();
+  }
+  const bool failed = HasFailure();
+  std::printf("[ sticky error ] rank %d %s\n", me, failed ? "FAILED" : "PASSED");
   std::fflush(stdout);
   std::fflush(stderr);
   std::_Exit(failed ? 1 : 0);
