@@ -302,6 +302,13 @@ ControlWords StagingAgent::control_of(int rank) const {
                       control_.ranks, control_.node_ranks};
 }
 
+// The first error since the caller last took it is the one its next call raises; later ones
+// are only logged.
+void StagingAgent::keep_error(const std::string& message) {
+  std::lock_guard<std::mutex> lock(m_);
+  if (error_.empty()) error_ = message;
+}
+
 std::string StagingAgent::take_error() {
   std::string failed;
   for (int peer : hidden_) {
@@ -511,8 +518,7 @@ void StagingAgent::give_up_if_context_failed(ReadyQueue<StagedRequest>& waiting)
     ++n;
   });
   log(LogLevel::Error, message + "; " + std::to_string(n) + " transfer(s) ended unstarted");
-  std::lock_guard<std::mutex> lock(m_);
-  if (error_.empty()) error_ = message;
+  keep_error(message);
 }
 
 // Starts every waiting transfer whose source is ready (ReadyQueue: one look per stream, not
@@ -557,10 +563,7 @@ void StagingAgent::ended(bool answer) {
 // (earlier transfers of that stream ended before its source was ready: stream order).
 void StagingAgent::fail(const StagedRequest& r, const std::string& message) {
   log(LogLevel::Error, message);
-  {
-    std::lock_guard<std::mutex> lock(m_);
-    if (error_.empty()) error_ = message;
-  }
+  keep_error(message);
   end_unstarted(r);
 }
 
@@ -759,10 +762,7 @@ void StagingAgent::end_visible(const StagedRequest& r, bool signal, const std::s
 // caller's next call.
 void StagingAgent::abandon_visible(const StagedRequest& r, const std::string& message) {
   log(LogLevel::Error, message);
-  {
-    std::lock_guard<std::mutex> lock(m_);
-    if (error_.empty()) error_ = message;
-  }
+  keep_error(message);
   try {
     end_visible(r, false, message);
   } catch (const std::exception& e) {
@@ -886,8 +886,7 @@ void StagingAgent::abandon_outgoing(const Outgoing& o, const std::string& messag
     // Once per transfer: a refused get was counted when it was refused (carry_out).
     if (!o.failure_counted) __atomic_add_fetch(control_.failed(local_index(o.reader)), 1, __ATOMIC_RELEASE);
   } else {
-    std::lock_guard<std::mutex> lock(m_);
-    if (error_.empty()) error_ = message;
+    keep_error(message);
   }
   __atomic_store_n(control_of(o.done_rank).transfer(o.done_word), o.ticket, __ATOMIC_RELEASE);
 }
@@ -1088,8 +1087,7 @@ void StagingAgent::end_held(Lane& lane, int device) {
       gpu_queue_hint();
   log(LogLevel::Error, message);
   // The error first: a caller whose stream goes on at the write below finds it at its next call.
-  std::lock_guard<std::mutex> lock(m_);
-  if (error_.empty()) error_ = message;
+  keep_error(message);
   for (const auto& [done, ticket] : ends)
     if (__atomic_load_n(done, __ATOMIC_ACQUIRE) < ticket) __atomic_store_n(done, ticket, __ATOMIC_RELEASE);
 }
@@ -1189,8 +1187,7 @@ bool StagingAgent::write_counts_after_copies() {
                                     std::to_string(c.peer) + " failed (its " + (posted ? "posted" : "consumed") +
                                     " count " + std::to_string(c.value) + " is not written): " + cudaGetErrorString(rc);
         log(LogLevel::Error, message);
-        std::lock_guard<std::mutex> lock(m_);
-        if (error_.empty()) error_ = message;
+        keep_error(message);
         continue;
       }
       raise_count(c.word, c.value);
@@ -1394,8 +1391,7 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
   if (ends && refused_[from]) {
     refused_[from] = false;
     if (d.kind() == Descriptor::kChunk && d.window == StagedRequest::kAddress) {
-      std::lock_guard<std::mutex> lock(m_);
-      if (error_.empty()) error_ = "a staged get from rank " + std::to_string(writer) + " was refused there or here (see the logs)";
+      keep_error("a staged get from rank " + std::to_string(writer) + " was refused there or here (see the logs)");
     } else {
       __atomic_add_fetch(control_.failed(from), 1, __ATOMIC_RELEASE);
     }

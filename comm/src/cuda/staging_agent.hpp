@@ -344,6 +344,7 @@ class StagingAgent {
   void give_up_if_context_failed(ReadyQueue<StagedRequest>& waiting);
   bool poll_incoming();
   bool pump();
+  void keep_error(const std::string& message);  // the first one since take_error(), under m_
   void fail(const StagedRequest& r, const std::string& message);
   void end_unstarted(const StagedRequest& r);
   void execute(const StagedRequest& r);
