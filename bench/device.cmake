@@ -71,3 +71,9 @@ if(MESHMEM_HAVE_CUDA)
   add_executable(driver_call_lab driver_call_lab.cu)
   target_link_libraries(driver_call_lab PRIVATE meshmem::meshmem CUDA::cuda_driver)
 endif()
+# fill_lab: GPU time of a stream-filled put's copy into a pinned slot (blocks, threads, source
+# alignment) against the copy engine's.
+if(MESHMEM_HAVE_CUDA)
+  add_executable(fill_lab fill_lab.cu)
+  target_link_libraries(fill_lab PRIVATE meshmem::meshmem)
+endif()
