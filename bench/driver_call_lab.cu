@@ -24,6 +24,11 @@
 //   writer+reader/T thr  T threads at once, each making writer then reader on a stream of its own:
 //                        the time per writer+reader of each thread while all run (no gain from
 //                        more threads if it grows T-fold)
+//   writer, reader / app ahead   the writer and reader rows again while another thread of the
+//                        process runs ahead of its GPU as Jacobi's does (a spin kernel of 200 us,
+//                        then 100 empty kernels, over and over on a stream of its own, so that it
+//                        waits in the driver for room in the launch queue): whether the agent's
+//                        calls cost more while the application's thread is blocked in the driver
 //   driver_call_lab [--bytes 32K] [--calls 4000] [--threads 1,2,4]
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -44,6 +49,15 @@
 #include "bench_check.hpp"
 
 namespace {
+
+__global__ void spin_kernel(std::uint64_t ns) {
+  std::uint64_t start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ns);
+}
+__global__ void empty_kernel() {}
 
 using Clock = std::chrono::steady_clock;
 constexpr int kBatch = 64;
@@ -192,6 +206,40 @@ int main(int argc, char** argv) {
           CK(cudaMemcpyAsync(l.device, l.host, bytes, cudaMemcpyDefault, l.stream));
           batch(l, 3, static_cast<std::uint64_t>(i) + 1);
         }));
+  }
+  {
+    // An application thread far ahead of its GPU, blocked in the driver on a full launch queue.
+    std::atomic<bool> stop{false};
+    std::atomic<long> launched{0};
+    std::thread app([&] {
+      CK(cudaSetDevice(0));
+      cudaStream_t s = nullptr;
+      CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      while (!stop.load()) {
+        spin_kernel<<<1, 1, 0, s>>>(200'000);
+        for (int k = 0; k < 100; ++k) empty_kernel<<<1, 1, 0, s>>>();
+        CK(cudaGetLastError());
+        launched.fetch_add(101);
+      }
+      CK(cudaStreamSynchronize(s));
+      CK(cudaStreamDestroy(s));
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));  // its queue fills
+    Lane l(bytes);
+    const long before = launched.load();
+    row("writer / app ahead", 1, per_call(l, calls, [&](int i) {
+          CK(cudaMemcpyAsync(l.host, l.device, bytes, cudaMemcpyDefault, l.stream));
+          CK(cudaEventRecord(l.event, l.stream));
+          batch(l, 1, static_cast<std::uint64_t>(i) + 1);
+        }));
+    row("reader / app ahead", 1, per_call(l, calls, [&](int i) {
+          CK(cudaMemcpyAsync(l.device, l.host, bytes, cudaMemcpyDefault, l.stream));
+          batch(l, 3, static_cast<std::uint64_t>(i) + 1);
+        }));
+    const long during = launched.load() - before;
+    stop.store(true);
+    app.join();
+    std::printf("# (the application thread launched %ld kernels meanwhile)\n", during);
   }
   for (int t : threads) {
     std::vector<std::unique_ptr<Lane>> lanes;
