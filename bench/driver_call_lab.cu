@@ -24,6 +24,10 @@
 //   writer+reader/T thr  T threads at once, each making writer then reader on a stream of its own:
 //                        the time per writer+reader of each thread while all run (no gain from
 //                        more threads if it grows T-fold)
+//   memcpy-d2h-pool, memcpy-h2d-pool, writer-pool, reader-pool   the same with the host side in
+//                        memory like the staging pool's (meshmem::ipc::SharedHostMemory: VMM host-NUMA
+//                        memory, 2 MiB pages, mapped for GPU 0) instead of cudaMallocHost's: whether
+//                        the pool's memory makes the agent's copy calls dearer
 //   writer, reader / app ahead   the writer and reader rows again while another thread of the
 //                        process runs ahead of its GPU as Jacobi's does (a spin kernel of 200 us,
 //                        then 100 empty kernels, over and over on a stream of its own, so that it
@@ -45,6 +49,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <meshmem/ipc/vmm.hpp>
 
 #include "bench_check.hpp"
 
@@ -206,6 +212,39 @@ int main(int argc, char** argv) {
           CK(cudaMemcpyAsync(l.device, l.host, bytes, cudaMemcpyDefault, l.stream));
           batch(l, 3, static_cast<std::uint64_t>(i) + 1);
         }));
+  }
+  {
+    // The host side in the staging pool's kind of memory.
+    const int numa = meshmem::ipc::host_numa_node_of(0);
+    if (numa < 0) {
+      std::printf("# GPU 0 cannot allocate VMM host-NUMA memory: no pool rows\n");
+    } else {
+      const std::size_t granule = meshmem::ipc::host_numa_granularity(numa);
+      auto pool = meshmem::ipc::SharedHostMemory::create(meshmem::ipc::vmm_round(bytes + 4096, granule), numa, {0});
+      Lane l(bytes);
+      char* host = static_cast<char*>(pool.data());
+      auto* words = reinterpret_cast<std::uint64_t*>(host + bytes);
+      auto pool_batch = [&](int n, std::uint64_t value) {
+        CUstreamBatchMemOpParams ops[3] = {write_op(words, value), write_op(words + 8, value), write_op(words + 16, value)};
+        CU(cuStreamBatchMemOp(reinterpret_cast<CUstream>(l.stream), static_cast<unsigned>(n), ops, 0));
+      };
+      row("memcpy-d2h-pool", 1, per_call(l, calls, [&](int) {
+            CK(cudaMemcpyAsync(host, l.device, bytes, cudaMemcpyDefault, l.stream));
+          }));
+      row("memcpy-h2d-pool", 1, per_call(l, calls, [&](int) {
+            CK(cudaMemcpyAsync(l.device, host, bytes, cudaMemcpyDefault, l.stream));
+          }));
+      row("batch-3-pool", 1, per_call(l, calls, [&](int i) { pool_batch(3, static_cast<std::uint64_t>(i) + 1); }));
+      row("writer-pool", 1, per_call(l, calls, [&](int i) {
+            CK(cudaMemcpyAsync(host, l.device, bytes, cudaMemcpyDefault, l.stream));
+            CK(cudaEventRecord(l.event, l.stream));
+            pool_batch(1, static_cast<std::uint64_t>(i) + 1);
+          }));
+      row("reader-pool", 1, per_call(l, calls, [&](int i) {
+            CK(cudaMemcpyAsync(l.device, host, bytes, cudaMemcpyDefault, l.stream));
+            pool_batch(3, static_cast<std::uint64_t>(i) + 1);
+          }));
+    }
   }
   {
     // An application thread far ahead of its GPU, blocked in the driver on a full launch queue.
