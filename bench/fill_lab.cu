@@ -12,7 +12,8 @@
 //   copy-engine      cudaMemcpyAsync device -> pinned (the agent's copy)
 //   fill BxT +A      B blocks of T threads, each copying its share of the bytes with
 //                    device::copy_block, then __threadfence_system (as the fill kernel), source
-//                    at offset A (0: both 16-byte aligned; 8: 8 bytes into a line)
+//                    at offset A (0: both 16-byte aligned; 8: 8 bytes into a line; 1: odd, so
+//                    byte accesses, as every misaligned row was before 76fa6ef)
 //   fill_lab [--sizes 4K,16K,32K,64K] [--reps 2000]
 #include <cuda_runtime.h>
 
@@ -106,7 +107,7 @@ int main(int argc, char** argv) {
   for (std::size_t bytes : list) {
     const double ce = us_per_op(s, reps, [&] { CK(cudaMemcpyAsync(slot, src, bytes, cudaMemcpyDeviceToHost, s)); });
     std::printf("%-20s %10zu %12.2f\n", "copy-engine", bytes, ce);
-    for (int shift : {0, 8})
+    for (int shift : {0, 8, 1})
       for (const auto& sh : shapes) {
         const double t = us_per_op(s, reps, [&] { fill_kernel<<<sh[0], sh[1], 0, s>>>(slot, src + shift, bytes); });
         const std::string name = "fill " + std::to_string(sh[0]) + "x" + std::to_string(sh[1]) + " +" + std::to_string(shift);
