@@ -480,7 +480,7 @@ TEST_F(Staged, ManySmallTransfersOnFourStreamsEachKeepTheirOrder) {
 // the poisoned bytes between the ranges stay.
 TEST_F(Staged, StreamFilledAndAgentPutsOnMoreStreamsThanFillSlotsLandWhole) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
-  // On also where ranks share a GPU (auto: off there).
+  // On whatever the default (off) and placement (auto is off where ranks share a GPU).
   comm.reset();
   Options o = Options::from_environment();
   o.set("MESHMEM_TRANSPORTS", "staged,shm,mpi");
