@@ -475,9 +475,10 @@ TEST_F(Staged, ManySmallTransfersOnFourStreamsEachKeepTheirOrder) {
 
 // Puts of at most 64 KiB from a rank's GPU go into a small slot by a kernel on the caller's
 // stream (MESHMEM_STAGING_STREAM_FILL=on), 16 slots, one per stream; the streams beyond
-// (their slots' puts still running), and larger puts, through the agent's copy. 20 streams, sizes on both sides of the limit,
-// unaligned sources and destinations, each put to a range of its own: every byte lands, and
-// the poisoned bytes between the ranges stay.
+// (their slots' puts still running), larger puts and odd sources, through the agent's copy. 20
+// streams, sizes on both sides of the limit, sources 4, 8 or 16 bytes into a line or odd,
+// unaligned destinations, each put to a range of its own: every byte lands, and the poisoned
+// bytes between the ranges stay.
 TEST_F(Staged, StreamFilledAndAgentPutsOnMoreStreamsThanFillSlotsLandWhole) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   // On whatever the default (off) and placement (auto is off where ranks share a GPU).
@@ -488,20 +489,22 @@ TEST_F(Staged, StreamFilledAndAgentPutsOnMoreStreamsThanFillSlotsLandWhole) {
   comm = std::make_unique<Comm>(MPI_COMM_WORLD, o);
   constexpr int kStreams = 20, kRounds = 6;
   constexpr std::size_t kSizes[] = {1, 4096 + 3, 65536, 65537, 777, 65536 - 5};
-  constexpr std::size_t kGap = 13, kSpan = 65537 + kGap;  // each put's range, unaligned by its gap
+  constexpr std::size_t kGap = 15, kSpan = 65537 + kGap;  // each put's range, a multiple of 16
   const std::size_t total = std::size_t(kStreams) * kRounds * kSpan;
   Window win = comm->alloc(total + 64);
   void* src = nullptr;
   CUDA_OK(cudaMalloc(&src, total + 64));
-  std::vector<unsigned char> all(total);
+  std::vector<unsigned char> all(total + 64);
   auto place = [&](int k, int r) { return (std::size_t(k) * kRounds + r) * kSpan; };
+  // Sources 4, 8 or 16 bytes into a line (filled by the kernel), or odd (the agent's copy).
+  auto source = [&](int k, int r) { return place(k, r) + std::size_t(k % 4 == 3 ? 3 : 4 << (k % 4)) % 16; };
   for (int k = 0; k < kStreams; ++k)
     for (int r = 0; r < kRounds; ++r) {
       const std::size_t bytes = kSizes[(k + r) % 6];
       const auto p = pattern(seed, key(bytes, me, 5000 + k * kRounds + r), bytes);
-      std::memcpy(all.data() + place(k, r), p.data(), bytes);
+      std::memcpy(all.data() + source(k, r), p.data(), bytes);
     }
-  CUDA_OK(cudaMemcpy(static_cast<char*>(src) + 3, all.data(), total, cudaMemcpyHostToDevice));  // sources at +3
+  CUDA_OK(cudaMemcpy(src, all.data(), all.size(), cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemset(win.local(), kPoison, total + 64));
   cudaStream_t streams[kStreams];
   for (auto& st : streams) CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
@@ -509,7 +512,7 @@ TEST_F(Staged, StreamFilledAndAgentPutsOnMoreStreamsThanFillSlotsLandWhole) {
   comm->barrier();
   for (int r = 0; r < kRounds; ++r)
     for (int k = 0; k < kStreams; ++k)
-      comm->put(win, right, place(k, r) + 5, static_cast<char*>(src) + 3 + place(k, r), kSizes[(k + r) % 6], streams[k]);
+      comm->put(win, right, place(k, r) + 5, static_cast<char*>(src) + source(k, r), kSizes[(k + r) % 6], streams[k]);
   for (auto& st : streams) CUDA_OK(cudaStreamSynchronize(st));
   comm->quiet(s);
   comm->barrier();

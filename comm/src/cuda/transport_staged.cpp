@@ -343,6 +343,10 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
 bool StagedTransport::fills_slot(const StagedRequest& r, cudaStream_t stream) const {
   if (!stream_fill_ || r.route != StagedRequest::Route::ToHidden || stream == cudaStreamPerThread) return false;
   if (r.width == 0 || r.rows == 0 || r.width * r.rows > FillSlots::kSlotBytes) return false;
+  // Rows that the kernel would copy in accesses of less than 4 bytes (the slot is 16-aligned,
+  // rows packed) go through the copy engine: bytewise, one block takes 8-13 us for 32-64 KiB
+  // where 4- to 16-byte accesses are at the launch floor (bench/fill_lab, 1 x H200).
+  if (((reinterpret_cast<std::uintptr_t>(r.src) | (r.rows > 1 ? r.src_pitch | r.width : 0)) & 3) != 0) return false;
   cudaPointerAttributes attributes{};
   const bool known = cudaPointerGetAttributes(&attributes, r.src) == cudaSuccess;
   (void)cudaGetLastError();
