@@ -103,9 +103,23 @@ CUstreamBatchMemOpParams write_op(std::uint64_t* word, std::uint64_t value) {
   return op;
 }
 
-void batch(Lane& l, int n, std::uint64_t value) {
-  CUstreamBatchMemOpParams ops[3] = {write_op(l.words, value), write_op(l.words + 8, value), write_op(l.words + 16, value)};
-  CU(cuStreamBatchMemOp(reinterpret_cast<CUstream>(l.stream), static_cast<unsigned>(n), ops, 0));
+// n (1 .. 3) stream writes of `value` into words[0], [8], [16].
+void batch(cudaStream_t stream, std::uint64_t* words, int n, std::uint64_t value) {
+  CUstreamBatchMemOpParams ops[3] = {write_op(words, value), write_op(words + 8, value), write_op(words + 16, value)};
+  CU(cuStreamBatchMemOp(reinterpret_cast<CUstream>(stream), static_cast<unsigned>(n), ops, 0));
+}
+void batch(Lane& l, int n, std::uint64_t value) { batch(l.stream, l.words, n, value); }
+
+// A small transfer's writer side (copy into the slot `host`, event record, posted count in
+// `words`) and reader side (copy out of it; signal, done word, consumed count), call i.
+void writer_calls(Lane& l, char* host, std::uint64_t* words, std::size_t bytes, int i) {
+  CK(cudaMemcpyAsync(host, l.device, bytes, cudaMemcpyDefault, l.stream));
+  CK(cudaEventRecord(l.event, l.stream));
+  batch(l.stream, words, 1, static_cast<std::uint64_t>(i) + 1);
+}
+void reader_calls(Lane& l, char* host, std::uint64_t* words, std::size_t bytes, int i) {
+  CK(cudaMemcpyAsync(l.device, host, bytes, cudaMemcpyDefault, l.stream));
+  batch(l.stream, words, 3, static_cast<std::uint64_t>(i) + 1);
 }
 
 // Mean host microseconds per call of `call` (i = 0 .. calls-1), synchronising `lane`'s stream
@@ -203,15 +217,8 @@ int main(int argc, char** argv) {
           CK(cudaGetDevice(&d));
           CK(cudaSetDevice(d));
         }));
-    row("writer", 1, per_call(l, calls, [&](int i) {
-          CK(cudaMemcpyAsync(l.host, l.device, bytes, cudaMemcpyDefault, l.stream));
-          CK(cudaEventRecord(l.event, l.stream));
-          batch(l, 1, static_cast<std::uint64_t>(i) + 1);
-        }));
-    row("reader", 1, per_call(l, calls, [&](int i) {
-          CK(cudaMemcpyAsync(l.device, l.host, bytes, cudaMemcpyDefault, l.stream));
-          batch(l, 3, static_cast<std::uint64_t>(i) + 1);
-        }));
+    row("writer", 1, per_call(l, calls, [&](int i) { writer_calls(l, l.host, l.words, bytes, i); }));
+    row("reader", 1, per_call(l, calls, [&](int i) { reader_calls(l, l.host, l.words, bytes, i); }));
   }
   {
     // The host side in the staging pool's kind of memory.
@@ -224,26 +231,15 @@ int main(int argc, char** argv) {
       Lane l(bytes);
       char* host = static_cast<char*>(pool.data());
       auto* words = reinterpret_cast<std::uint64_t*>(host + bytes);
-      auto pool_batch = [&](int n, std::uint64_t value) {
-        CUstreamBatchMemOpParams ops[3] = {write_op(words, value), write_op(words + 8, value), write_op(words + 16, value)};
-        CU(cuStreamBatchMemOp(reinterpret_cast<CUstream>(l.stream), static_cast<unsigned>(n), ops, 0));
-      };
       row("memcpy-d2h-pool", 1, per_call(l, calls, [&](int) {
             CK(cudaMemcpyAsync(host, l.device, bytes, cudaMemcpyDefault, l.stream));
           }));
       row("memcpy-h2d-pool", 1, per_call(l, calls, [&](int) {
             CK(cudaMemcpyAsync(l.device, host, bytes, cudaMemcpyDefault, l.stream));
           }));
-      row("batch-3-pool", 1, per_call(l, calls, [&](int i) { pool_batch(3, static_cast<std::uint64_t>(i) + 1); }));
-      row("writer-pool", 1, per_call(l, calls, [&](int i) {
-            CK(cudaMemcpyAsync(host, l.device, bytes, cudaMemcpyDefault, l.stream));
-            CK(cudaEventRecord(l.event, l.stream));
-            pool_batch(1, static_cast<std::uint64_t>(i) + 1);
-          }));
-      row("reader-pool", 1, per_call(l, calls, [&](int i) {
-            CK(cudaMemcpyAsync(l.device, host, bytes, cudaMemcpyDefault, l.stream));
-            pool_batch(3, static_cast<std::uint64_t>(i) + 1);
-          }));
+      row("batch-3-pool", 1, per_call(l, calls, [&](int i) { batch(l.stream, words, 3, static_cast<std::uint64_t>(i) + 1); }));
+      row("writer-pool", 1, per_call(l, calls, [&](int i) { writer_calls(l, host, words, bytes, i); }));
+      row("reader-pool", 1, per_call(l, calls, [&](int i) { reader_calls(l, host, words, bytes, i); }));
     }
   }
   {
@@ -266,15 +262,8 @@ int main(int argc, char** argv) {
     std::this_thread::sleep_for(std::chrono::milliseconds(500));  // its queue fills
     Lane l(bytes);
     const long before = launched.load();
-    row("writer / app ahead", 1, per_call(l, calls, [&](int i) {
-          CK(cudaMemcpyAsync(l.host, l.device, bytes, cudaMemcpyDefault, l.stream));
-          CK(cudaEventRecord(l.event, l.stream));
-          batch(l, 1, static_cast<std::uint64_t>(i) + 1);
-        }));
-    row("reader / app ahead", 1, per_call(l, calls, [&](int i) {
-          CK(cudaMemcpyAsync(l.device, l.host, bytes, cudaMemcpyDefault, l.stream));
-          batch(l, 3, static_cast<std::uint64_t>(i) + 1);
-        }));
+    row("writer / app ahead", 1, per_call(l, calls, [&](int i) { writer_calls(l, l.host, l.words, bytes, i); }));
+    row("reader / app ahead", 1, per_call(l, calls, [&](int i) { reader_calls(l, l.host, l.words, bytes, i); }));
     const long during = launched.load() - before;
     stop.store(true);
     app.join();
@@ -294,11 +283,8 @@ int main(int argc, char** argv) {
         while (arrived.load() < t) {
         }
         us[static_cast<std::size_t>(k)] = per_call(l, calls, [&](int i) {
-          CK(cudaMemcpyAsync(l.host, l.device, bytes, cudaMemcpyDefault, l.stream));
-          CK(cudaEventRecord(l.event, l.stream));
-          batch(l, 1, static_cast<std::uint64_t>(i) + 1);
-          CK(cudaMemcpyAsync(l.device, l.host, bytes, cudaMemcpyDefault, l.stream));
-          batch(l, 3, static_cast<std::uint64_t>(i) + 1);
+          writer_calls(l, l.host, l.words, bytes, i);
+          reader_calls(l, l.host, l.words, bytes, i);
         });
       });
     }
