@@ -8,6 +8,7 @@
 // Only API calls that c57ba70 had are used outside the MESHMEM_TEST_NEW_API part, so that
 // the file also builds against c57ba70 (where these tests fail or hang).
 #include <cuda_runtime_api.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -1651,12 +1652,16 @@ TEST_F(RealUse, KilledReaderLeavesTheStagingSlotsToOthers) {
 // transfers with the context's error, seen by the next quiet() within seconds (it looks every
 // 100 ms), not leave them waiting for ever (MESHMEM_TIMEOUT is 60 s here and is not what ends
 // them); then free and ~Comm on both ranks end. One put goes through the agent's copy, one
-// small one through the stream fill where that is on. Run by gpu.sticky_error_staged (it spoils
+// small one through the stream fill (on here). Run by gpu.sticky_error_staged (it spoils
 // rank 0's process for every later test); both ranks print a verdict.
 TEST_F(RealUse, FailedContextEndsStagedTransfersWaitingForTheirStream) {
   if (!env_is("MESHMEM_TEST_STICKY_ERROR", "1"))
     GTEST_SKIP() << "makes a sticky CUDA error: run by gpu.sticky_error_staged (MESHMEM_TEST_STICKY_ERROR=1)";
+  // Under MPS a trap is fatal to every client of the GPU, rank 1 included.
+  if (std::getenv("CUDA_MPS_PIPE_DIRECTORY") != nullptr || access("/tmp/nvidia-mps/control", F_OK) == 0)
+    GTEST_SKIP() << "an MPS server may serve this GPU: a trap there ends every client's context";
   ScopedEnv timeout("MESHMEM_TIMEOUT", "60");
+  ScopedEnv fill("MESHMEM_STAGING_STREAM_FILL", "on");  // the small put through the fill
   make_comm();
   ASSERT_EQ(n, 2) << "written for two ranks";
   ASSERT_EQ(comm->transport(1 - me, Memory::Device), TransportKind::Staged);
@@ -1695,11 +1700,7 @@ TEST_F(RealUse, FailedContextEndsStagedTransfersWaitingForTheirStream) {
     } catch (const Error& e) {
       if (me == 1) ADD_FAILURE() << "rank 1's Window::free raised: " << e.what();
     }
-    try {
-      comm.reset();
-    } catch (const Error& e) {
-      ADD_FAILURE() << "~Comm raised: " << e.what();
-    }
+    comm.reset();
     EXPECT_LT(seconds_since(t0), 30.0) << "free and ~Comm with rank 0's context failed";
   };
   try {

@@ -496,8 +496,12 @@ TEST_F(Staged, StreamFilledAndAgentPutsOnMoreStreamsThanFillSlotsLandWhole) {
   CUDA_OK(cudaMalloc(&src, total + 64));
   std::vector<unsigned char> all(total + 64);
   auto place = [&](int k, int r) { return (std::size_t(k) * kRounds + r) * kSpan; };
-  // Sources 4, 8 or 16 bytes into a line (filled by the kernel), or odd (the agent's copy).
-  auto source = [&](int k, int r) { return place(k, r) + std::size_t(k % 4 == 3 ? 3 : 4 << (k % 4)) % 16; };
+  // Sources 4, 8 or 16 bytes into a line (filled by the kernel), or odd (the agent's copy), by
+  // round and stream: every stream wants a fill slot in some rounds, so 20 compete for 16.
+  auto source = [&](int k, int r) {
+    const int a = (k + r) % 4;
+    return place(k, r) + std::size_t(a == 3 ? 3 : 4 << a) % 16;
+  };
   for (int k = 0; k < kStreams; ++k)
     for (int r = 0; r < kRounds; ++r) {
       const std::size_t bytes = kSizes[(k + r) % 6];

@@ -145,7 +145,7 @@ __global__ void ticket_wait_kernel(std::uint64_t* ready, const std::uint64_t* wo
   (void)wait_word(word, Cmp::GE, sequence, limit, fault, peer, 0, 0);
 }
 
-__global__ void slot_fill_kernel(SlotFill f, WaitLimit limit, bool early) {
+__global__ void __launch_bounds__(1024) slot_fill_kernel(SlotFill f, WaitLimit limit, bool early) {
   after_previous_kernel(early);
   // The slot's previous transfer timed out (reported: fault record): its reader may still copy
   // out of the slot, so it is left alone and the agent copies this one (kSlotNotFilled).

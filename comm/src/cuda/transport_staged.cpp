@@ -75,7 +75,8 @@ constexpr std::pair<const char*, StreamFill> kStreamFillChoices[] = {
 const TuningKnob<StreamFill> kStagingStreamFill{
     "staged", "MESHMEM_STAGING_STREAM_FILL", StreamFill::Off, parse_named<kStreamFillChoices>, print_named<kStreamFillChoices>,
     "staged transport: `on`: a put, put_signal or halo send (strided rows are packed) of at most 64 KiB from this "
-    "rank's GPU to a rank whose GPU is hidden here goes into a small slot of the pool by a kernel on the caller's "
+    "rank's GPU (its rows 4-byte aligned; others are copied bytewise there) to a rank whose GPU is hidden here "
+    "goes into a small slot of the pool by a kernel on the caller's "
     "stream (the kernel that waits for the put's end anyway), so the agent only posts it; 16 slots, one per stream, "
     "a slot passing to another stream once its stream's last put there ended (other streams then, captured puts and "
     "the per-thread default stream go through the agent's copy); `off` (the default: `on` is not yet measured "
@@ -343,10 +344,11 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
 bool StagedTransport::fills_slot(const StagedRequest& r, cudaStream_t stream) const {
   if (!stream_fill_ || r.route != StagedRequest::Route::ToHidden || stream == cudaStreamPerThread) return false;
   if (r.width == 0 || r.rows == 0 || r.width * r.rows > FillSlots::kSlotBytes) return false;
-  // Rows that the kernel would copy in accesses of less than 4 bytes (the slot is 16-aligned,
-  // rows packed) go through the copy engine: bytewise, one block takes 8-13 us for 32-64 KiB
-  // where 4- to 16-byte accesses are at the launch floor (bench/fill_lab, 1 x H200).
-  if (((reinterpret_cast<std::uintptr_t>(r.src) | (r.rows > 1 ? r.src_pitch | r.width : 0)) & 3) != 0) return false;
+  // Rows that the kernel would copy in accesses of less than 4 bytes go through the copy
+  // engine: bytewise, one block takes 8-13 us for 32-64 KiB where 4- to 16-byte accesses are at
+  // the launch floor (bench/fill_lab, 1 x H200). The slot is 16-aligned and its rows packed, so
+  // row r is 4-aligned to its source when the source is and pitch - width is a multiple of 4.
+  if (((reinterpret_cast<std::uintptr_t>(r.src) | (r.rows > 1 ? r.src_pitch - r.width : 0)) & 3) != 0) return false;
   cudaPointerAttributes attributes{};
   const bool known = cudaPointerGetAttributes(&attributes, r.src) == cudaSuccess;
   (void)cudaGetLastError();
