@@ -481,7 +481,7 @@ TEST_F(Staged, ManySmallTransfersOnFourStreamsEachKeepTheirOrder) {
 // bytes between the ranges stay.
 TEST_F(Staged, StreamFilledAndAgentPutsOnMoreStreamsThanFillSlotsLandWhole) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
-  // On whatever the default (off) and placement (auto is off where ranks share a GPU).
+  // On also where ranks share a GPU (auto: off there).
   comm.reset();
   Options o = Options::from_environment();
   o.set("MESHMEM_TRANSPORTS", "staged,shm,mpi");

@@ -63,26 +63,24 @@ const TuningKnob<std::string> kTraceStaged{
 // 4096^2, 4 ranks, aa3e264's trace) the writer's agent spent 4-7 us from a source seen ready
 // to its posted count (a copy and a stream write enqueued, the lane's latency) out of 25 us
 // from source to reader; the kernel the put enqueues anyway (the wait for its end) can copy
-// the bytes first. Off by default: measured slower so far. 2 x H200 (a1c64c5, Jacobi 4096^2,
-// 2 ranks): 114-115 us per iteration on against 75-76 off, with the fill's copy bytewise for a
-// row 8 bytes into a line (~23 us for 32 KiB, bench/fill_lab; 76fa6ef: ~4.6), not re-measured
-// since; 1 x H200 shared by 2 ranks (76fa6ef): 323-329 us on against 298-302 off, the kernel
-// waiting for its process's time slice where a copy engine does not. `auto` is `on` where each
-// rank has a GPU of its own (waits are kernels), the case the design is for.
+// the bytes first. Measured on 2 x H200, one GPU per rank (f077928): Jacobi 4096^2 71.5-74.2
+// us per iteration on against 73.6-77.0 off (MPI 81.3-83.7), a 4 KiB put 19.3 us against
+// 26.7. Not where ranks share a GPU: there the kernel waits for its process's time slice,
+// where a copy engine does not (1 x H200, 2 ranks, 76fa6ef: 323-329 us on against 298-302
+// off). Hence `auto`. Rows copied bytewise are left to the copy engine (fills_slot).
 enum class StreamFill { Auto, On, Off };
 constexpr std::pair<const char*, StreamFill> kStreamFillChoices[] = {
     {"auto", StreamFill::Auto}, {"on", StreamFill::On}, {"off", StreamFill::Off}};
 const TuningKnob<StreamFill> kStagingStreamFill{
-    "staged", "MESHMEM_STAGING_STREAM_FILL", StreamFill::Off, parse_named<kStreamFillChoices>, print_named<kStreamFillChoices>,
+    "staged", "MESHMEM_STAGING_STREAM_FILL", StreamFill::Auto, parse_named<kStreamFillChoices>, print_named<kStreamFillChoices>,
     "staged transport: `on`: a put, put_signal or halo send (strided rows are packed) of at most 64 KiB from this "
     "rank's GPU (its rows 4-byte aligned; others are copied bytewise there) to a rank whose GPU is hidden here "
     "goes into a small slot of the pool by a kernel on the caller's "
     "stream (the kernel that waits for the put's end anyway), so the agent only posts it; 16 slots, one per stream, "
     "a slot passing to another stream once its stream's last put there ended (other streams then, captured puts and "
-    "the per-thread default stream go through the agent's copy); `off` (the default: `on` is not yet measured "
-    "faster, bench/README.md): every put through the agent's copy; `auto`: `on` unless this rank shares its GPU "
-    "(MESHMEM_STREAM_WAIT resolves to memop: the kernel would wait for its process's time slice, a copy engine "
-    "does not)"};
+    "the per-thread default stream go through the agent's copy); `off`: every put through the agent's copy; "
+    "`auto`: `on` unless this rank shares its GPU (MESHMEM_STREAM_WAIT resolves to memop: the kernel would wait "
+    "for its process's time slice, a copy engine does not)"};
 
 // Who drives the target GPU of a pair whose GPUs are both visible here. Measured on 2 x H200
 // (Jacobi 4096^2, 2 ranks, staged forced): the initiator's context driving the target GPU

@@ -17,9 +17,9 @@
 // stream's earlier work is done (or, where the GPU is shared and the agent ends the transfer,
 // a stream memory write and wait do), then waits on the GPU until the transfer's done word
 // (written after the last copy and the signal) reaches its ticket; it times out like every
-// device wait. With MESHMEM_STAGING_STREAM_FILL=on (off by default: not yet measured faster),
-// for a put of at most 64 KiB from this GPU to a hidden peer, its rows 4-byte aligned, the
-// kernel first copies the bytes into a small slot of its stream's, so the agent only posts it.
+// device wait. For a put of at most 64 KiB from this GPU to a hidden peer, its rows 4-byte
+// aligned, the kernel first copies the bytes into a small slot of its stream's, so the agent
+// only posts it (MESHMEM_STAGING_STREAM_FILL; by default not where ranks share a GPU).
 //
 // Order: the agent polls each transfer's ready word and enqueues a transfer only once its
 // source is ready, in the order sources become ready; its streams never wait on a caller's
