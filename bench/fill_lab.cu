@@ -56,19 +56,18 @@ double us_per_op(cudaStream_t s, int reps, Enqueue&& enqueue) {
   return 1000.0 * ms / reps;
 }
 
-std::vector<std::size_t> parse_sizes(const std::string& list) {
-  std::vector<std::size_t> out;
+// "4K,16K,32K" -> bytes (bench::parse_bytes per item); false on a bad item.
+bool parse_sizes(const std::string& list, std::vector<std::size_t>* out) {
   std::size_t at = 0;
-  while (at < list.size()) {
+  while (at <= list.size()) {
     std::size_t end = list.find(',', at);
     if (end == std::string::npos) end = list.size();
-    std::string item = list.substr(at, end - at);
-    std::size_t mult = 1;
-    if (!item.empty() && (item.back() == 'K' || item.back() == 'k')) mult = 1024, item.pop_back();
-    out.push_back(std::stoul(item) * mult);
+    std::size_t bytes = 0;
+    if (!bench::parse_bytes(list.substr(at, end - at), &bytes)) return false;
+    out->push_back(bytes);
     at = end + 1;
   }
-  return out;
+  return true;
 }
 
 }  // namespace
@@ -85,9 +84,18 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const std::vector<std::size_t> list = parse_sizes(sizes);
+  std::vector<std::size_t> list;
+  if (!parse_sizes(sizes, &list)) {
+    std::fprintf(stderr, "fill_lab: --sizes '%s' is not a list of sizes such as 4K,16K,32K\n", sizes.c_str());
+    return 2;
+  }
   std::size_t most = 0;
   for (std::size_t b : list) most = b > most ? b : most;
+  int ngpu = 0;
+  if (cudaGetDeviceCount(&ngpu) != cudaSuccess || ngpu < 1) {
+    std::printf("# fill_lab: no GPU; nothing measured\n");
+    return 0;
+  }
   CK(cudaSetDevice(0));
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
