@@ -74,7 +74,8 @@ constexpr std::pair<const char*, StreamFill> kStreamFillChoices[] = {
 const TuningKnob<StreamFill> kStagingStreamFill{
     "staged", "MESHMEM_STAGING_STREAM_FILL", StreamFill::Auto, parse_named<kStreamFillChoices>, print_named<kStreamFillChoices>,
     "staged transport: `on`: a put, put_signal or halo send (strided rows are packed) of at most 64 KiB from this "
-    "rank's GPU (its rows 4-byte aligned; others are copied bytewise there) to a rank whose GPU is hidden here "
+    "rank's GPU (its rows 4-byte aligned: others, which a kernel would copy bytewise, take the agent's copy) to a "
+    "rank whose GPU is hidden here "
     "goes into a small slot of the pool by a kernel on the caller's "
     "stream (the kernel that waits for the put's end anyway), so the agent only posts it; 16 slots, one per stream, "
     "a slot passing to another stream once its stream's last put there ended (other streams then, captured puts and "
