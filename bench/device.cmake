@@ -75,5 +75,5 @@ endif()
 # alignment) against the copy engine's.
 if(MESHMEM_HAVE_CUDA)
   add_executable(fill_lab fill_lab.cu)
-  target_link_libraries(fill_lab PRIVATE meshmem::meshmem)
+  target_link_libraries(fill_lab PRIVATE meshmem::meshmem CUDA::cuda_driver)
 endif()

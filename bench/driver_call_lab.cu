@@ -21,6 +21,8 @@
 //   set-device           cudaGetDevice + cudaSetDevice (the agent's CurrentDevice, same device)
 //   writer               copy d2h + event record + batch-1 (a small transfer's writer side)
 //   reader               copy h2d + batch-3 (its reader side: signal, done word, consumed count)
+//   reader-kernel        the reader's side as one kernel launch (the block copies the chunk out of
+//                        the slot, then writes the three words): one call instead of two
 //   writer+reader/T thr  T threads at once, each making writer then reader on a stream of its own:
 //                        the time per writer+reader of each thread while all run (no gain from
 //                        more threads if it grows T-fold)
@@ -64,6 +66,16 @@ __global__ void spin_kernel(std::uint64_t ns) {
   } while (now - start < ns);
 }
 __global__ void empty_kernel() {}
+
+// The reader's side in one launch: the block copies the chunk out of the slot, then writes the
+// three words (signal, done word, consumed count) after it, as the batch of stream writes does.
+__global__ void reader_kernel(char* dst, const char* slot, std::size_t bytes, std::uint64_t* words, std::uint64_t value) {
+  for (std::size_t i = threadIdx.x; i < bytes / 16; i += blockDim.x)
+    reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(slot)[i];
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x < 3) reinterpret_cast<volatile std::uint64_t*>(words)[8 * threadIdx.x] = value;
+}
 
 using Clock = std::chrono::steady_clock;
 constexpr int kBatch = 64;
@@ -219,6 +231,10 @@ int main(int argc, char** argv) {
         }));
     row("writer", 1, per_call(l, calls, [&](int i) { writer_calls(l, l.host, l.words, bytes, i); }));
     row("reader", 1, per_call(l, calls, [&](int i) { reader_calls(l, l.host, l.words, bytes, i); }));
+    row("reader-kernel", 1, per_call(l, calls, [&](int i) {
+          reader_kernel<<<1, 1024, 0, l.stream>>>(l.device, l.host, bytes, l.words, static_cast<std::uint64_t>(i) + 1);
+          CK(cudaGetLastError());
+        }));
   }
   {
     // The host side in the staging pool's kind of memory.

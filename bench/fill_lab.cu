@@ -14,7 +14,12 @@
 //                    device::copy_block, then __threadfence_system (as the fill kernel), source
 //                    at offset A (0: both 16-byte aligned; 8: 8 bytes into a line; 1: odd, so
 //                    byte accesses, as every misaligned row was before 76fa6ef)
+//   copy-engine-h2d  cudaMemcpyAsync pinned -> device, then a batch of 3 stream writes (the staging
+//                    agent's reader side for one chunk)
+//   pull 1x1024      one block of 1024 threads copying the chunk from the pinned slot into device
+//                    memory, then writing the 3 words (the reader's side as one kernel)
 //   fill_lab [--sizes 4K,16K,32K,64K] [--reps 2000]
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -29,6 +34,22 @@
 namespace {
 
 __global__ void empty_kernel() {}
+
+__global__ void pull_kernel(char* dst, const char* slot, std::size_t bytes, std::uint64_t* words, std::uint64_t value) {
+  meshmem::device::copy_block(dst, slot, bytes);
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x < 3) reinterpret_cast<volatile std::uint64_t*>(words)[8 * threadIdx.x] = value;
+}
+
+CUstreamBatchMemOpParams write_op(std::uint64_t* word, std::uint64_t value) {
+  CUstreamBatchMemOpParams op{};
+  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+  op.writeValue.address = reinterpret_cast<CUdeviceptr>(word);
+  op.writeValue.value64 = value;
+  op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+  return op;
+}
 
 __global__ void fill_kernel(char* dst, const char* src, std::size_t bytes) {
   // Each block a 16-byte multiple share, the last block the rest.
@@ -105,6 +126,10 @@ int main(int argc, char** argv) {
   char* slot = nullptr;
   CK(cudaMalloc(&src, most + 64));
   CK(cudaMallocHost(&slot, most + 64));
+  char* dst = nullptr;
+  std::uint64_t* words = nullptr;
+  CK(cudaMalloc(&dst, most + 64));
+  CK(cudaMallocHost(&words, 4096));
   CK(cudaMemset(src, 7, most + 64));
   std::printf("# fill_lab: GPU 0 (%s), device memory -> pinned host memory, %d operations back to back per row\n",
               prop.name, reps);
@@ -115,6 +140,16 @@ int main(int argc, char** argv) {
   for (std::size_t bytes : list) {
     const double ce = us_per_op(s, reps, [&] { CK(cudaMemcpyAsync(slot, src, bytes, cudaMemcpyDeviceToHost, s)); });
     std::printf("%-20s %10zu %12.2f\n", "copy-engine", bytes, ce);
+    std::uint64_t value = 0;
+    const double ce_in = us_per_op(s, reps, [&] {
+      CK(cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, s));
+      ++value;
+      CUstreamBatchMemOpParams ops[3] = {write_op(words, value), write_op(words + 8, value), write_op(words + 16, value)};
+      CU(cuStreamBatchMemOp(reinterpret_cast<CUstream>(s), 3, ops, 0));
+    });
+    std::printf("%-20s %10zu %12.2f\n", "copy-engine-h2d", bytes, ce_in);
+    const double pull = us_per_op(s, reps, [&] { pull_kernel<<<1, 1024, 0, s>>>(dst, slot, bytes, words, ++value); });
+    std::printf("%-20s %10zu %12.2f\n", "pull 1x1024", bytes, pull);
     for (int shift : {0, 8, 1})
       for (const auto& sh : shapes) {
         const double t = us_per_op(s, reps, [&] { fill_kernel<<<sh[0], sh[1], 0, s>>>(slot, src + shift, bytes); });
@@ -122,6 +157,8 @@ int main(int argc, char** argv) {
         std::printf("%-20s %10zu %12.2f\n", name.c_str(), bytes, t);
       }
   }
+  CK(cudaFreeHost(words));
+  CK(cudaFree(dst));
   CK(cudaFreeHost(slot));
   CK(cudaFree(src));
   CK(cudaStreamDestroy(s));
