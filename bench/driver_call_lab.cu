@@ -55,6 +55,7 @@
 #include <meshmem/ipc/vmm.hpp>
 
 #include "bench_check.hpp"
+#include "lab_gpu.hpp"
 
 namespace {
 
@@ -106,14 +107,7 @@ struct Lane {
   Lane& operator=(const Lane&) = delete;
 };
 
-CUstreamBatchMemOpParams write_op(std::uint64_t* word, std::uint64_t value) {
-  CUstreamBatchMemOpParams op{};
-  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-  op.writeValue.address = reinterpret_cast<CUdeviceptr>(word);
-  op.writeValue.value64 = value;
-  op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-  return op;
-}
+using bench::write_op;
 
 // n (1 .. 3) stream writes of `value` into words[0], [8], [16].
 void batch(cudaStream_t stream, std::uint64_t* words, int n, std::uint64_t value) {
@@ -181,14 +175,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  int ngpu = 0;
-  if (cudaGetDeviceCount(&ngpu) != cudaSuccess || ngpu < 1) {
-    std::printf("# driver_call_lab: no GPU; nothing measured\n");
-    return 0;
-  }
-  CK(cudaSetDevice(0));
   cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, 0));
+  if (!bench::use_gpu0("driver_call_lab", &prop)) return 0;
   std::printf("# driver_call_lab: GPU 0 (%s), copies of %zu bytes, %d calls per row in batches of %d, host time "
               "of the enqueueing only\n", prop.name, bytes, calls, kBatch);
   std::printf("%-24s %8s %14s\n", "# case", "threads", "us per call");

@@ -30,6 +30,7 @@
 #include <meshmem/device/device.cuh>
 
 #include "bench_check.hpp"
+#include "lab_gpu.hpp"
 
 namespace {
 
@@ -42,14 +43,7 @@ __global__ void pull_kernel(char* dst, const char* slot, std::size_t bytes, std:
   if (threadIdx.x < 3) reinterpret_cast<volatile std::uint64_t*>(words)[8 * threadIdx.x] = value;
 }
 
-CUstreamBatchMemOpParams write_op(std::uint64_t* word, std::uint64_t value) {
-  CUstreamBatchMemOpParams op{};
-  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-  op.writeValue.address = reinterpret_cast<CUdeviceptr>(word);
-  op.writeValue.value64 = value;
-  op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-  return op;
-}
+using bench::write_op;
 
 __global__ void fill_kernel(char* dst, const char* src, std::size_t bytes) {
   // Each block a 16-byte multiple share, the last block the rest.
@@ -112,14 +106,8 @@ int main(int argc, char** argv) {
   }
   std::size_t most = 0;
   for (std::size_t b : list) most = b > most ? b : most;
-  int ngpu = 0;
-  if (cudaGetDeviceCount(&ngpu) != cudaSuccess || ngpu < 1) {
-    std::printf("# fill_lab: no GPU; nothing measured\n");
-    return 0;
-  }
-  CK(cudaSetDevice(0));
   cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, 0));
+  if (!bench::use_gpu0("fill_lab", &prop)) return 0;
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   char* src = nullptr;
