@@ -7,11 +7,12 @@
 #      times interleaved; 16384^2 once each; every run checked against a single GPU;
 #   2. one more staged run (stream fill on) with MESHMEM_TRACE_STAGED and bench/agent_trace.py's
 #      summary (where each transfer's time went, writer to reader);
-#   3. with LAB=1 first: bench/driver_call_lab (what each CUDA call of the agent costs).
+#   3. staged_bench to 256 KiB on 2 ranks, the fill off then on (small puts' and gets' latency);
+#   4. with LAB=1 first: bench/driver_call_lab (what each CUDA call of the agent costs).
 #   here:  cmake --build BUILD --target 03_jacobi driver_call_lab
 #          tests/gpu/run_entries.sh --pack BUILD gpu-pack     (gpu-pack is in .gitignore; carry it)
-#   there: COMMIT=<short hash> bench/run_agent_study.sh gpu-pack OUT MACHINE   (about 2 min)
-# OUT gets jacobi.csv, summary.txt (the RESULT lines) and logs.tgz.
+#   there: COMMIT=<short hash> bench/run_agent_study.sh gpu-pack OUT MACHINE   (about 2.5 min)
+# OUT gets jacobi.csv, staged_small.csv, summary.txt (the RESULT lines) and logs.tgz.
 set -uo pipefail
 . "$(dirname "$0")/study_steps.sh"
 study_begin "$@"
@@ -29,6 +30,8 @@ lab="bench/driver_call_lab --threads 1,2,4 $(result '^[a-z]'); exit \${PIPESTATU
 trace="$(run 4096 meshmem "MESHMEM_STAGING_STREAM_FILL=on MESHMEM_TRACE_STAGED=\$O/trace") python3 $root/bench/agent_trace.py \$O/trace $(result '^[0-9]')"
 steps=()
 [ "${LAB:-0}" = 1 ] && steps+=("cmd driver_call_lab 120 $lab")
-steps+=("cmd jacobi 150 for rep in 1 2 3; do $(ab 4096) done; $(ab 16384)" "cmd trace 60 $trace")
+# Small staged puts and gets between two of the GPUs, the fill off then on (latency column).
+small="for f in off on; do echo \"RESULT next: staged_bench fill \$f\"; MESHMEM_STAGING_STREAM_FILL=\$f timeout 50 mpirun -np 2 --bind-to none bench/staged_bench --max-bytes 256K --iters 50 --csv \$O/staged_small.csv --commit \$C --machine \$M $(result 'staged_(put|get) (meshmem|d2h) '); done"
+steps+=("cmd jacobi 150 for rep in 1 2 3; do $(ab 4096) done; $(ab 16384)" "cmd trace 60 $trace" "cmd staged_small 110 $small")
 "$root/tests/gpu/run_entries.sh" "$pack" "$logs/steps" "${steps[@]}"
-study_end $? jacobi.csv
+study_end $? jacobi.csv staged_small.csv
