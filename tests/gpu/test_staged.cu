@@ -24,14 +24,19 @@ using meshmem::test::pattern;
 
 namespace {
 
+// The environment's options with the staged route forced for every pair.
+Options staged_options() {
+  Options o = Options::from_environment();
+  o.set("MESHMEM_TRANSPORTS", "staged,shm,mpi");
+  return o;
+}
+
 class Staged : public meshmem::test::MpiTest {
  protected:
   void SetUp() override {
     const std::string why = meshmem::test::select_gpu_on_every_rank();
     if (!why.empty()) GTEST_SKIP() << why;
-    Options o = Options::from_environment();
-    o.set("MESHMEM_TRANSPORTS", "staged,shm,mpi");
-    comm = std::make_unique<Comm>(MPI_COMM_WORLD, o);
+    comm = std::make_unique<Comm>(MPI_COMM_WORLD, staged_options());
     me = comm->rank();
     n = comm->size();
     right = (me + 1) % n;
@@ -483,8 +488,7 @@ TEST_F(Staged, StreamFilledAndAgentPutsOnMoreStreamsThanFillSlotsLandWhole) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   // On also where ranks share a GPU (auto: off there).
   comm.reset();
-  Options o = Options::from_environment();
-  o.set("MESHMEM_TRANSPORTS", "staged,shm,mpi");
+  Options o = staged_options();
   o.set("MESHMEM_STAGING_STREAM_FILL", "on");
   comm = std::make_unique<Comm>(MPI_COMM_WORLD, o);
   constexpr int kStreams = 20, kRounds = 6;
@@ -601,8 +605,7 @@ int open_fds() {
 TEST_F(Staged, BothWaysWithThousandsOfChunksEachNothingStalls) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   comm.reset();
-  Options o = Options::from_environment();
-  o.set("MESHMEM_TRANSPORTS", "staged,shm,mpi");
+  Options o = staged_options();
   o.set("MESHMEM_STAGING_CHUNK", "16384");
   Comm c(MPI_COMM_WORLD, o);
   const std::size_t bytes = (std::size_t(64) << 20) + 4099;  // 4,097 chunks
@@ -728,9 +731,7 @@ TEST_F(Staged, AllocFreeAndCommCyclesReturnToBaseline) {
   std::size_t free_no_comm = 0;
   CUDA_OK(cudaMemGetInfo(&free_no_comm, &total));
   for (int i = 0; i < 20; ++i) {
-    Options o = Options::from_environment();
-    o.set("MESHMEM_TRANSPORTS", "staged,shm,mpi");
-    Comm c(MPI_COMM_WORLD, o);
+    Comm c(MPI_COMM_WORLD, staged_options());
     Window w = c.alloc(1u << 20);
     c.put(w, (c.rank() + 1) % c.size(), 0, src, 1u << 20, s);
     CUDA_OK(cudaStreamSynchronize(s));
