@@ -201,7 +201,6 @@ class StagingAgent {
 
   void stop() noexcept;
 
-
   // A done word for one transfer (ControlWords::transfer), or false when every word is in use.
   bool try_take_word(std::size_t* word);
   // As try_take_word, but with every word in use (that many transfers waiting or running) the

@@ -142,14 +142,20 @@ std::unique_ptr<Transport> make_staged_transport(const CommContext& ctx) {
   return std::make_unique<StagedTransport>(ctx);
 }
 
+namespace {
+// MESHMEM_STAGING_STREAM_FILL resolved: `auto` is `on` where this rank's stream waits are kernels
+// (its GPU is its own).
+bool fills_by_stream(StreamFill fill, const CudaDeviceRuntime* device) {
+  return fill == StreamFill::On || (fill == StreamFill::Auto && device != nullptr && device->waits_with_kernel());
+}
+}  // namespace
+
 StagedTransport::StagedTransport(const CommContext& ctx)
     : ctx_(ctx),
       device_(static_cast<CudaDeviceRuntime*>(ctx.device)),
       chunk_(kStagingChunk.get(ctx.options)),
       slots_(static_cast<int>(kStagingSlots.get(ctx.options))),
-      stream_fill_(kStagingStreamFill.get(ctx.options) == StreamFill::On ||
-                  (kStagingStreamFill.get(ctx.options) == StreamFill::Auto && device_ != nullptr &&
-                   device_->waits_with_kernel())) {
+      stream_fill_(fills_by_stream(kStagingStreamFill.get(ctx.options), device_)) {
   const Topology& topo = ctx_.topo;
   no_route_.assign(static_cast<std::size_t>(topo.size), std::string());
   peer_device_.assign(static_cast<std::size_t>(topo.size), -1);
