@@ -30,6 +30,11 @@
 //                        memory like the staging pool's (meshmem::ipc::SharedHostMemory: VMM host-NUMA
 //                        memory, 2 MiB pages, mapped for GPU 0) instead of cudaMallocHost's: whether
 //                        the pool's memory makes the agent's copy calls dearer
+//   reader-pair          two readers one after the other (a middle rank of Jacobi gets a halo from
+//                        each neighbour at about the same time): 2 copies + 2 batches of 3
+//   reader-pair-batched  the same two as one cudaMemcpyBatchAsync of 2 copies and one batch of 6
+//                        stream writes: whether carrying out what came in together as one batch
+//                        saves the agent's time
 //   writer, reader / app ahead   the writer and reader rows again while another thread of the
 //                        process runs ahead of its GPU as Jacobi's does (a spin kernel of 200 us,
 //                        then 100 empty kernels, over and over on a stream of its own, so that it
@@ -109,9 +114,10 @@ struct Lane {
 
 using bench::write_op;
 
-// n (1 .. 3) stream writes of `value` into words[0], [8], [16].
+// n (1 .. 6) stream writes of `value` into words[0], [8], [16], ...
 void batch(cudaStream_t stream, std::uint64_t* words, int n, std::uint64_t value) {
-  CUstreamBatchMemOpParams ops[3] = {write_op(words, value), write_op(words + 8, value), write_op(words + 16, value)};
+  CUstreamBatchMemOpParams ops[6];
+  for (int k = 0; k < n; ++k) ops[k] = write_op(words + 8 * k, value);
   CU(cuStreamBatchMemOp(reinterpret_cast<CUstream>(stream), static_cast<unsigned>(n), ops, 0));
 }
 void batch(Lane& l, int n, std::uint64_t value) { batch(l.stream, l.words, n, value); }
@@ -126,6 +132,25 @@ void writer_calls(Lane& l, char* host, std::uint64_t* words, std::size_t bytes, 
 void reader_calls(Lane& l, char* host, std::uint64_t* words, std::size_t bytes, int i) {
   CK(cudaMemcpyAsync(l.device, host, bytes, cudaMemcpyDefault, l.stream));
   batch(l.stream, words, 3, static_cast<std::uint64_t>(i) + 1);
+}
+
+// Two readers' sides, from the two halves of `host` into the two halves of the device buffer
+// (each `bytes`): one after the other, or as one copy batch and one batch of stream writes.
+void reader_pair_calls(Lane& l, std::size_t bytes, int i) {
+  for (int k = 0; k < 2; ++k) {
+    CK(cudaMemcpyAsync(l.device + k * bytes, l.host + k * bytes, bytes, cudaMemcpyDefault, l.stream));
+    batch(l.stream, l.words + 24 * k, 3, static_cast<std::uint64_t>(i) + 1);
+  }
+}
+void reader_pair_batched_calls(Lane& l, std::size_t bytes, int i) {
+  void* dsts[2] = {l.device, l.device + bytes};
+  const void* srcs[2] = {l.host, l.host + bytes};
+  std::size_t sizes[2] = {bytes, bytes};
+  cudaMemcpyAttributes attributes{};
+  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  std::size_t first = 0;
+  CK(cudaMemcpyBatchAsync(dsts, srcs, sizes, 2, &attributes, &first, 1, l.stream));
+  batch(l.stream, l.words, 6, static_cast<std::uint64_t>(i) + 1);
 }
 
 // Mean host microseconds per call of `call` (i = 0 .. calls-1), synchronising `lane`'s stream
@@ -179,8 +204,8 @@ int main(int argc, char** argv) {
   if (!bench::use_gpu0("driver_call_lab", &prop)) return 0;
   std::printf("# driver_call_lab: GPU 0 (%s), copies of %zu bytes, %d calls per row in batches of %d, host time "
               "of the enqueueing only\n", prop.name, bytes, calls, kBatch);
-  std::printf("%-24s %8s %14s\n", "# case", "threads", "us per call");
-  auto row = [](const char* name, int t, double us) { std::printf("%-24s %8d %14.3f\n", name, t, us); };
+  std::printf("%-32s %8s %14s\n", "# case", "threads", "us per call");
+  auto row = [](const char* name, int t, double us) { std::printf("%-32s %8d %14.3f\n", name, t, us); };
   {
     Lane l(bytes);
     const auto dev = reinterpret_cast<CUdeviceptr>(l.device);
@@ -225,6 +250,11 @@ int main(int argc, char** argv) {
         }));
   }
   {
+    Lane pair(2 * bytes);
+    row("reader-pair", 1, per_call(pair, calls, [&](int i) { reader_pair_calls(pair, bytes, i); }));
+    row("reader-pair-batched", 1, per_call(pair, calls, [&](int i) { reader_pair_batched_calls(pair, bytes, i); }));
+  }
+  {
     // The host side in the staging pool's kind of memory.
     const int numa = meshmem::ipc::host_numa_node_of(0);
     if (numa < 0) {
@@ -265,9 +295,13 @@ int main(int argc, char** argv) {
     });
     std::this_thread::sleep_for(std::chrono::milliseconds(500));  // its queue fills
     Lane l(bytes);
+    Lane pair(2 * bytes);
     const long before = launched.load();
     row("writer / app ahead", 1, per_call(l, calls, [&](int i) { writer_calls(l, l.host, l.words, bytes, i); }));
     row("reader / app ahead", 1, per_call(l, calls, [&](int i) { reader_calls(l, l.host, l.words, bytes, i); }));
+    row("reader-pair / app ahead", 1, per_call(pair, calls, [&](int i) { reader_pair_calls(pair, bytes, i); }));
+    row("reader-pair-batched / app ahead", 1,
+        per_call(pair, calls, [&](int i) { reader_pair_batched_calls(pair, bytes, i); }));
     const long during = launched.load() - before;
     stop.store(true);
     app.join();
