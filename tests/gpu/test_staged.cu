@@ -156,6 +156,69 @@ TEST_F(Staged, SignalNeverAheadOfItsData) {
   cudaFree(bad);
 }
 
+// Both neighbours put_signal into this rank in every round at about the same time, so its
+// agent often takes both descriptors in one look at its channels and enqueues their copies and
+// stream writes together (one copy batch, one batch of writes): each signal still lands after
+// its own data. Sizes cycle through one small chunk, one large chunk and two chunks (a chunk
+// that more follow has its consumed count written after the copy by the host); the large last
+// chunks take long enough to copy that a signal enqueued ahead of them is seen (a build that
+// wrote the batch's signals before its copies failed here). The receiver's stream
+// waits for both signals of the round and a kernel checks both regions; with two ranks both
+// puts go to the one peer (two descriptors of one writer in a look).
+__global__ void check_from(const unsigned char* data, std::size_t bytes, std::uint64_t round, int from, unsigned* bad) {
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < bytes; i += gridDim.x * blockDim.x)
+    if (data[i] != static_cast<unsigned char>(round * 13 + i * 7 + from * 101)) atomicAdd(bad, 1u);
+}
+__global__ void fill_from(unsigned char* data, std::size_t bytes, std::uint64_t round, int from) {
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < bytes; i += gridDim.x * blockDim.x)
+    data[i] = static_cast<unsigned char>(round * 13 + i * 7 + from * 101);
+}
+
+TEST_F(Staged, SignalsFromBothNeighboursAtOnceNeverAheadOfTheirData) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  // One chunk, one chunk, two chunks with the default 4 MiB.
+  const std::size_t sizes[] = {(40u << 10) + 3, (3u << 20) + 5, (7u << 20) + 4099};
+  const std::size_t largest = sizes[2];
+  constexpr int kRounds = 40;
+  Window win = comm->alloc(2 * largest);  // [0]: from the left, [1]: from the right
+  Signals sig = comm->alloc_signals(4);   // 0 / 1: data from the left / right; 2 / 3: acks from the right / left
+  unsigned char* src = nullptr;
+  unsigned* bad = nullptr;
+  CUDA_OK(cudaMalloc(&src, largest));
+  CUDA_OK(cudaMalloc(&bad, sizeof(unsigned)));
+  CUDA_OK(cudaMemset(bad, 0, sizeof(unsigned)));
+  auto* region = static_cast<unsigned char*>(win.local());
+  CUDA_OK(cudaMemset(region, kPoison, 2 * largest));
+  fill_from<<<1, 32, 0, s>>>(src, 0, 0, 0);  // loaded before any wait is in flight (see SignalNeverAheadOfItsData)
+  check_from<<<1, 32, 0, s>>>(region, 0, 0, 0, bad);
+  CUDA_OK(cudaDeviceSynchronize());
+  comm->barrier();
+  for (std::uint64_t r = 1; r <= kRounds; ++r) {
+    const std::size_t bytes = sizes[r % 3];
+    if (r > 1) {  // both neighbours checked the last round
+      comm->wait_until(sig, 2, Cmp::GE, r - 1, s);
+      comm->wait_until(sig, 3, Cmp::GE, r - 1, s);
+    }
+    fill_from<<<64, 256, 0, s>>>(src, bytes, r, me);
+    comm->put_signal(win, right, 0, src, bytes, sig, 0, r, SignalOp::Set, s);
+    comm->put_signal(win, left, largest, src, bytes, sig, 1, r, SignalOp::Set, s);
+    comm->wait_until(sig, 0, Cmp::GE, r, s);
+    comm->wait_until(sig, 1, Cmp::GE, r, s);
+    check_from<<<64, 256, 0, s>>>(region, bytes, r, left, bad);
+    check_from<<<64, 256, 0, s>>>(region + largest, bytes, r, right, bad);
+    comm->signal(sig, left, 2, r, SignalOp::Set, s);
+    comm->signal(sig, right, 3, r, SignalOp::Set, s);
+  }
+  CUDA_OK(cudaStreamSynchronize(s));
+  unsigned h = 0;
+  CUDA_OK(cudaMemcpy(&h, bad, sizeof(h), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(h, 0u) << "bytes seen before their data landed, over " << kRounds << " rounds from ranks " << left << " and "
+                   << right;
+  comm->barrier();
+  cudaFree(src);
+  cudaFree(bad);
+}
+
 TEST_F(Staged, SignalAddFromEveryRankCountsEveryUpdate) {
   Signals sig = comm->alloc_signals(1);
   constexpr int kAdds = 50;

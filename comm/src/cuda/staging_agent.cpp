@@ -1231,10 +1231,14 @@ std::uint64_t StagingAgent::post(int reader, Descriptor d, cudaEvent_t copied, b
   return n;
 }
 
-// Takes every descriptor hidden peers posted here since the last look; true if any.
+// Takes every descriptor hidden peers posted here since the last look; true if any. What they
+// ask for is enqueued on incoming_ together at the end (flush_incoming), under windows_m_ from
+// the first descriptor's resolve to the enqueueing: a window freed meanwhile waits for it.
 bool StagingAgent::poll_incoming() {
   bool any = false;
   const std::size_t me = local_index(rank_);
+  std::unique_lock<std::mutex> windows(windows_m_, std::defer_lock);
+  std::optional<CurrentDevice> current;  // once something came: a look that finds nothing costs no call
   for (int writer : hidden_) {
     const std::size_t from = local_index(writer);
     if (broken_[from]) continue;
@@ -1259,12 +1263,20 @@ bool StagingAgent::poll_incoming() {
         __atomic_add_fetch(control_.failed(from), 1, __ATOMIC_RELEASE);
         break;
       }
+      if (faults_.armed() && windows.owns_lock()) {
+        // A fault may stop this thread here: not while it holds the windows.
+        flush_incoming();
+        windows.unlock();
+      }
       faults_.hit(FaultPoint::StagedCarry);
+      if (!windows.owns_lock()) windows.lock();
+      if (!current) current.emplace(device_);
       trace_.record('I', writer, d.ticket, static_cast<std::int64_t>(d.done_rank));
       carry_out(writer, n, d);
-      trace_.record('E', writer, d.ticket, static_cast<std::int64_t>(d.done_rank));
+      incoming_batch_.traced.push_back({writer, d.ticket, static_cast<std::int64_t>(d.done_rank)});
     }
   }
+  flush_incoming();
   return any;
 }
 
@@ -1273,12 +1285,14 @@ bool StagingAgent::poll_incoming() {
 // consumed count moves on in either case, also when the descriptor is refused (a window freed
 // here, a range outside it): then nothing is copied, no signal is raised for that transfer,
 // the failure is counted once (for the writer, or for this rank's own get) and the done word
-// still ends the transfer.
+// still ends the transfer. Under windows_m_; the copy and the writes go into incoming_batch_
+// (flush_incoming enqueues them), except a strided chunk's copy and an Add signal's kernel,
+// which are enqueued at once, after what the batch holds.
 void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descriptor& d) {
   const std::string what = "staged transfer from rank " + std::to_string(writer) + " to rank " + std::to_string(rank_);
   const std::size_t from = local_index(writer);
+  IncomingBatch& batch = incoming_batch_;
   std::string problem;
-  std::lock_guard<std::mutex> windows(windows_m_);  // the windows resolved stay until the copies are enqueued
   std::uint64_t* done = control_of(static_cast<int>(d.done_rank)).transfer(d.done_word);
   // A transfer's refusal is its own: the first descriptor of another one starts clean (one the
   // writer abandoned midway never sent its last).
@@ -1295,8 +1309,10 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
   const bool abandoned = d.kind() == Descriptor::kChunk &&
                          (__atomic_load_n(done, __ATOMIC_ACQUIRE) >= d.ticket ||
                           (gone_[from] && d.done_rank == static_cast<std::uint64_t>(rank_)));
-  bool answered = false;  // a get's answer is queued
-  std::vector<CUstreamBatchMemOpParams> ops;
+  const bool own_get = d.kind() == Descriptor::kChunk && d.window == StagedRequest::kAddress;
+  bool answered = false;      // a get's answer is queued
+  bool copy_batched = false;  // its copy went into the batch (the batch's round then)
+  std::uint64_t batch_round = 0;
   auto end_ops = [&] {  // what moves the channel on and ends the transfer, whatever happened
     std::vector<CUstreamBatchMemOpParams> end;
     if (d.kind() == Descriptor::kChunk && d.last() && !abandoned) {
@@ -1307,25 +1323,36 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
     return end;
   };
   try {
-    CurrentDevice current(device_);
     if (d.kind() == Descriptor::kChunk && abandoned) {
       // only the channel moves on
     } else if (d.kind() == Descriptor::kChunk) {
       void* dst = d.width == 0 ? nullptr : resolve(d.window, d.dst, d.width, d.rows, d.dst_pitch, &problem);
       if (dst != nullptr) {
         const char* slot = static_cast<const char*>(pool_->region(writer)) + d.slot_offset;
-        ipc::check_cuda(copy_rows(dst, d.dst_pitch, slot, d.width, d.width, d.rows, incoming_),
-                        "cudaMemcpyAsync (from a hidden peer's staging slot)", what);
+        if (d.rows == 1) {
+          batch.dsts.push_back(dst);
+          batch.srcs.push_back(slot);
+          batch.sizes.push_back(d.width);
+          batch.copied.push_back({writer, transfer, d.last(), own_get, false});
+          copy_batched = true;
+          batch_round = batch.round;
+        } else {
+          flush_incoming();
+          ipc::check_cuda(copy_rows(dst, d.dst_pitch, slot, d.width, d.width, d.rows, incoming_),
+                          "cudaMemcpy2DAsync (from a hidden peer's staging slot)", what);
+        }
       }
       if (!problem.empty()) refused_[from] = true;
       if (d.last() && !refused_[from] && d.signal_window != StagedRequest::kAddress) {
         auto* word = static_cast<std::uint64_t*>(
             resolve(d.signal_window, d.signal_index * sizeof(std::uint64_t), sizeof(std::uint64_t), 1, 0, &problem));
-        if (word != nullptr && d.op() == SignalOp::Add)
+        if (word != nullptr && d.op() == SignalOp::Add) {
+          flush_incoming();  // after the copy
           ipc::check_cuda(cuda::launch_copy(nullptr, nullptr, 0, word, d.value, d.op(), incoming_, false),
                           "signal kernel launch", what);
-        else if (word != nullptr)
-          ops.push_back(stream_write_op(word, d.value));
+        } else if (word != nullptr) {
+          batch.signals.push_back({stream_write_op(word, d.value), copy_batched});
+        }
       }
     } else if (d.kind() == Descriptor::kGet) {
       // Checked now (a refused get is answered with its done word alone), resolved again
@@ -1360,24 +1387,20 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
     } else {
       problem = "descriptor " + std::to_string(sequence) + " has an unknown kind " + std::to_string(d.kind());
     }
-    for (auto& op : end_ops()) ops.push_back(op);
     // A chunk that more chunks of its transfer follow has only its consumed count to write:
-    // this thread writes it once the copy is done (CountAfterCopy).
-    if (d.kind() == Descriptor::kChunk && !d.last() && !abandoned && ops.size() == 1) {
-      const cudaEvent_t copied = events_.take(what);
-      const cudaError_t rc = cudaEventRecord(copied, incoming_);
-      if (rc != cudaSuccess) events_.give_back(copied);
-      ipc::check_cuda(rc, "cudaEventRecord", what);
-      consumed_after_copies_.push_back(CountAfterCopy{copied, true, writer, control_.consumed(from), sequence});
-    } else {
-      run_stream_batch(ops, incoming_, "staged transfer (from a hidden peer)", rank_);
-    }
+    // this thread writes it once the copy is done (CountAfterCopy), unless the batch's stream
+    // writes go out anyway.
+    if (d.kind() == Descriptor::kChunk && !d.last() && !abandoned)
+      batch.ends.push_back({stream_write_op(control_.consumed(from), sequence), writer, control_.consumed(from), sequence});
+    else
+      for (const auto& op : end_ops()) batch.ends.push_back({op, -1, nullptr, 0});
   } catch (const std::exception& e) {
     problem = e.what();
     refused_[from] = true;
     if (answered) outgoing_[from].back().failure_counted = true;  // counted below
     if (d.kind() == Descriptor::kGet && !answered) __atomic_store_n(done, d.ticket, __ATOMIC_RELEASE);  // no answer comes
     try {  // the channel and the initiator's wait still move on
+      flush_incoming();
       auto end = end_ops();
       run_stream_batch(end, incoming_, "staged transfer (from a hidden peer, after an error)", rank_);
     } catch (const std::exception& again) {
@@ -1390,12 +1413,99 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
   const bool ends = d.kind() == Descriptor::kGet || d.last();
   if (ends && refused_[from]) {
     refused_[from] = false;
-    if (d.kind() == Descriptor::kChunk && d.window == StagedRequest::kAddress) {
-      keep_error("a staged get from rank " + std::to_string(writer) + " was refused there or here (see the logs)");
+    count_refusal(writer, own_get);
+    // Its copy, still in the batch, is not counted again if the batch fails.
+    if (copy_batched && batch.round == batch_round) batch.copied.back().counted = true;
+  }
+}
+
+// A transfer from `writer` refused here, counted once: for the writer (its failed count), or,
+// for the answer to this rank's own get, as this rank's error.
+void StagingAgent::count_refusal(int writer, bool own_get) {
+  if (own_get)
+    keep_error("a staged get from rank " + std::to_string(writer) + " was refused there or here (see the logs)");
+  else
+    __atomic_add_fetch(control_.failed(local_index(writer)), 1, __ATOMIC_RELEASE);
+}
+
+// Enqueues incoming_batch_ on incoming_: its copies (one cudaMemcpyBatchAsync where more than
+// one), then its stream writes in one batch, signals first, each after every copy of the
+// batch; where only consumed counts of chunks that more chunks follow wait, one event after
+// the copies instead, and this thread writes them (CountAfterCopy). A batch whose copies could
+// not be enqueued refuses their transfers (no signal; counted as carry_out counts a refusal)
+// and still writes the done words and counts: the channels and the initiators' waits move on.
+void StagingAgent::flush_incoming() noexcept {
+  IncomingBatch& b = incoming_batch_;
+  if (b.empty()) return;
+  const std::string what = "staged transport on rank " + std::to_string(rank_);
+  bool copies_failed = false;
+  if (!b.dsts.empty()) {
+    cudaError_t rc = cudaSuccess;
+    if (b.dsts.size() == 1) {
+      rc = cudaMemcpyAsync(b.dsts[0], b.srcs[0], b.sizes[0], cudaMemcpyDefault, incoming_);
     } else {
-      __atomic_add_fetch(control_.failed(from), 1, __ATOMIC_RELEASE);
+      cudaMemcpyAttributes attributes{};
+      attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      std::size_t first = 0;
+      rc = cudaMemcpyBatchAsync(b.dsts.data(), b.srcs.data(), b.sizes.data(), b.dsts.size(), &attributes, &first, 1,
+                                incoming_);
+    }
+    if (rc != cudaSuccess) {
+      (void)cudaGetLastError();
+      copies_failed = true;
+      std::string writers;
+      for (const auto& c : b.copied) writers += (writers.empty() ? "" : ", ") + std::to_string(c.writer);
+      log(LogLevel::Error, what + ": " + (b.dsts.size() == 1 ? "cudaMemcpyAsync" : "cudaMemcpyBatchAsync") + " of " +
+                               std::to_string(b.dsts.size()) + " chunks from hidden peers (ranks " + writers +
+                               ") failed: " + cudaGetErrorString(rc) +
+                               "; their transfers are refused (no signal; the writers' next calls say so)");
+      // In take order: a transfer whose last chunk is here is counted now (unless carry_out
+      // counted it), one that goes on at its end.
+      for (const auto& c : b.copied) {
+        const std::size_t from = local_index(c.writer);
+        if (c.last) {
+          if (!c.counted) count_refusal(c.writer, c.own_get);
+          if (current_[from] == c.transfer) refused_[from] = false;
+        } else if (current_[from] == c.transfer) {
+          refused_[from] = true;
+        }
+      }
     }
   }
+  std::vector<CUstreamBatchMemOpParams> ops;
+  for (const auto& [op, after_batched_copy] : b.signals)
+    if (!(copies_failed && after_batched_copy)) ops.push_back(op);
+  bool only_mid_counts = ops.empty();
+  for (const auto& e : b.ends) only_mid_counts = only_mid_counts && e.mid_writer >= 0;
+  cudaEvent_t copied = nullptr;
+  if (only_mid_counts) {
+    try {
+      copied = events_.take(what);
+      if (cudaEventRecord(copied, incoming_) != cudaSuccess) {
+        (void)cudaGetLastError();
+        events_.give_back(copied);
+        copied = nullptr;
+      }
+    } catch (const std::exception&) {
+      copied = nullptr;
+    }
+  }
+  if (copied != nullptr) {
+    // One event for them all, given back with the last.
+    for (std::size_t i = 0; i < b.ends.size(); ++i)
+      consumed_after_copies_.push_back(
+          CountAfterCopy{copied, i + 1 == b.ends.size(), b.ends[i].mid_writer, b.ends[i].word, b.ends[i].value});
+  } else {
+    for (const auto& e : b.ends) ops.push_back(e.op);
+    try {
+      run_stream_batch(ops, incoming_, "staged transfer (from a hidden peer)", rank_);
+    } catch (const std::exception& e) {
+      log(LogLevel::Error, what + ": " + e.what() + " (the initiators' waits will time out)");
+      keep_error(e.what());
+    }
+  }
+  for (const auto& [writer, ticket, done_rank] : b.traced) trace_.record('E', writer, ticket, done_rank);
+  b.clear();
 }
 
 // Under windows_m_: this rank's window `window` at `offset`, checked to hold `rows` rows of `width` bytes

@@ -18,7 +18,9 @@
 //   (CountAfterCopy: no stream write between two copies); a stream-filled put's (its bytes
 //   in its slot before its ready word) by the agent at once where every earlier count is
 //   written; every other count (a last chunk, a get's request, a chunk copied by the host or
-//   refused) by the GPU, a stream write. A get
+//   refused) by the GPU, a stream write. What the reader's agent takes from its channels in
+//   one look it enqueues together: the chunks' copies as one batch, then their signals, done
+//   words and counts as one batch of stream writes (IncomingBatch). A get
 //   from a hidden peer is a request on the channel that the peer's agent answers with chunks
 //   of its window.
 //
@@ -55,6 +57,7 @@
 // stream waits for; tickets only grow, so a reused word never moves backwards.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <atomic>
@@ -65,6 +68,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -375,6 +379,8 @@ class StagingAgent {
   // Writes the counts of CountAfterCopy whose copies are done, oldest first; true if any.
   bool write_counts_after_copies();
   void carry_out(int writer, std::uint64_t sequence, const Descriptor& d);
+  void count_refusal(int writer, bool own_get);
+  void flush_incoming() noexcept;
   void* resolve(std::uint64_t window, std::uint64_t offset, std::size_t width, std::size_t rows, std::size_t pitch,
                 std::string* problem);
   bool stalled(Clock::time_point moved) const {
@@ -397,8 +403,8 @@ class StagingAgent {
   FaultPlan faults_;
   // MESHMEM_TRACE_STAGED: S handed over (caller's thread), R source seen ready, P copy into a
   // slot enqueued (aux: bytes), O posted (aux: 1 for a transfer's last piece); I a peer's
-  // descriptor seen, E carried out (aux: the rank whose transfer it is). peer, id: the other
-  // rank and the transfer's ticket. Written at teardown.
+  // descriptor seen, E carried out (enqueued with the rest of its look; aux: the rank whose
+  // transfer it is). peer, id: the other rank and the transfer's ticket. Written at teardown.
   StepTrace trace_;
   std::map<int, Lane> lanes_;
   cudaStream_t incoming_ = nullptr;    // chunks from hidden peers, onto this rank's GPU
@@ -419,6 +425,55 @@ class StagingAgent {
   };
   std::deque<CountAfterCopy> posted_after_copies_;    // this GPU's lane: posted counts
   std::deque<CountAfterCopy> consumed_after_copies_;  // incoming_: consumed counts
+  // What one look at the incoming channels took (poll_incoming), enqueued on incoming_ at its
+  // end as one copy batch and one batch of stream writes (flush_incoming): a middle rank of
+  // Jacobi gets a halo from each neighbour at about the same time, and two driver calls
+  // instead of four save its agent 2.4-3 us per pair (bench/driver_call_lab's reader-pair
+  // rows, 1 x H200). Whatever carry_out enqueues on incoming_ directly (a strided chunk's 2D
+  // copy, an Add signal's kernel, the ends after an error) comes after a flush: stream order
+  // stays take order, and each signal, done word and consumed count follows its copy.
+  struct IncomingBatch {
+    std::vector<void*> dsts;  // the contiguous chunks' copies
+    std::vector<const void*> srcs;
+    std::vector<std::size_t> sizes;
+    struct Copied {  // per copy: how its transfer is refused if the copies fail
+      int writer;
+      std::pair<std::uint64_t, std::uint64_t> transfer;  // (done rank, ticket)
+      bool last;     // its transfer's last chunk
+      bool own_get;  // the answer to this rank's get
+      bool counted;  // carry_out counted the transfer's refusal already
+    };
+    std::vector<Copied> copied;
+    // Set signals of last chunks, written before the ends; dropped where the copies fail and
+    // they follow one of them.
+    std::vector<std::pair<CUstreamBatchMemOpParams, bool>> signals;
+    struct End {  // a done word or consumed count, in take order
+      CUstreamBatchMemOpParams op;
+      int mid_writer;  // >= 0: the consumed count of a chunk that more chunks follow (CountAfterCopy-able)
+      std::uint64_t* word;
+      std::uint64_t value;
+    };
+    std::vector<End> ends;
+    struct Traced {  // MESHMEM_TRACE_STAGED's E step, once enqueued
+      int writer;
+      std::uint64_t ticket;
+      std::int64_t done_rank;
+    };
+    std::vector<Traced> traced;
+    bool empty() const { return dsts.empty() && signals.empty() && ends.empty() && traced.empty(); }
+    std::uint64_t round = 0;  // how many times it was enqueued
+    void clear() {
+      ++round;
+      dsts.clear();
+      srcs.clear();
+      sizes.clear();
+      copied.clear();
+      signals.clear();
+      ends.clear();
+      traced.clear();
+    }
+  };
+  IncomingBatch incoming_batch_;  // under windows_m_ while it holds copies
   std::vector<SlotUse> slot_use_;
   std::size_t next_slot_ = 0;
   std::vector<std::uint64_t> next_post_;  // by node index: descriptors posted to that rank
