@@ -54,6 +54,11 @@ constexpr PointInfo kPoints[kFaultPointCount] = {
      "carries it out"},
     {FaultPoint::StagedAnswer, "staged.answer",
      "a staged transport agent has posted a chunk of its answer to a node peer's get on the channel, before it goes on"},
+    {FaultPoint::StagedCopyIn, "staged.copy_in",
+     "a staged transport agent enqueues the copies onto its GPU of the chunks that one look at its channels took "
+     "(with faults armed, each descriptor's alone); `fail` makes those copies fail as if the driver refused them: their "
+     "transfers are refused (no signal), the writer's next call says so",
+     true},
 };
 
 constexpr int kMaxRank = 1 << 20;

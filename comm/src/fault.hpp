@@ -55,9 +55,11 @@ enum class FaultPoint : unsigned {
                       // chunk, or a get's request) from its channel, before it carries it out
   StagedAnswer,       // "staged.answer": a staged transport agent has posted a chunk of its
                       // answer to a node peer's get, before it goes on
+  StagedCopyIn,       // "staged.copy_in": a staged transport agent enqueues the copies of node
+                      // peers' chunks that one look at its channels took (`fail`: they fail)
 };
-constexpr unsigned kFaultPointCount = 12;
-static_assert(static_cast<unsigned>(FaultPoint::StagedAnswer) + 1 == kFaultPointCount,
+constexpr unsigned kFaultPointCount = 13;
+static_assert(static_cast<unsigned>(FaultPoint::StagedCopyIn) + 1 == kFaultPointCount,
               "a point added to FaultPoint is added to the count and to fault.cpp's list of names");
 
 const char* to_string(FaultPoint point) noexcept;

@@ -161,10 +161,11 @@ TEST_F(Staged, SignalNeverAheadOfItsData) {
 // stream writes together (one copy batch, one batch of writes): each signal still lands after
 // its own data. Sizes cycle through one small chunk, one large chunk and two chunks (a chunk
 // that more follow has its consumed count written after the copy by the host); the large last
-// chunks take long enough to copy that a signal enqueued ahead of them is seen (a build that
-// wrote the batch's signals before its copies failed here). The receiver's stream
-// waits for both signals of the round and a kernel checks both regions; with two ranks both
-// puts go to the one peer (two descriptors of one writer in a look).
+// chunks take long enough to copy that a signal enqueued ahead of them would be seen with a
+// GPU per rank (where two ranks time-share one GPU, a build that wrote the batch's signals
+// before its copies still passed: the copy ends while the other rank holds the GPU). The
+// receiver's stream waits for both signals of the round and a kernel checks both regions;
+// with two ranks both puts go to the one peer (two descriptors of one writer in a look).
 __global__ void check_from(const unsigned char* data, std::size_t bytes, std::uint64_t round, int from, unsigned* bad) {
   for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < bytes; i += gridDim.x * blockDim.x)
     if (data[i] != static_cast<unsigned char>(round * 13 + i * 7 + from * 101)) atomicAdd(bad, 1u);
@@ -217,6 +218,70 @@ TEST_F(Staged, SignalsFromBothNeighboursAtOnceNeverAheadOfTheirData) {
   comm->barrier();
   cudaFree(src);
   cudaFree(bad);
+}
+
+// The copies of incoming chunks fail on the target (MESHMEM_FAULT 1:staged.copy_in:fail, the
+// first and second time rank 1's agent enqueues such copies): rank 0's put_signal with Set,
+// then one with Add, are refused there. Nothing lands in the poisoned window, neither signal
+// is raised, rank 0's stream still moves on and its next quiet names rank 1 and the transfer;
+// a third put_signal lands whole with its signal.
+TEST_F(Staged, ChunksWhoseCopyFailsAreRefusedWithoutTheirSignal) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  comm.reset();
+  Options o = staged_options();
+  o.set("MESHMEM_FAULT", "1:staged.copy_in:fail,1:staged.copy_in:fail:hit=2");
+  comm = std::make_unique<Comm>(MPI_COMM_WORLD, o);
+  constexpr std::size_t kBytes = (1u << 20) + 3, kAt = 5, kSpan = kBytes + 64;
+  Window win = comm->alloc(kSpan);
+  Signals sig = comm->alloc_signals(2);
+  void* src = nullptr;
+  CUDA_OK(cudaMalloc(&src, kBytes));
+  const auto mine = pattern(seed, key(kBytes, me, 7), kBytes);
+  CUDA_OK(cudaMemcpy(src, mine.data(), kBytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(win.local(), kPoison, kSpan));
+  CUDA_OK(cudaDeviceSynchronize());
+  comm->barrier();
+  auto refused = [&](const char* which) {
+    CUDA_OK(cudaStreamSynchronize(s));  // rank 1 still writes the done word: the stream moves on
+    std::string error;
+    try {
+      comm->quiet(s);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    EXPECT_NE(error.find("rank 1 could not carry out 1 staged transfer(s)"), std::string::npos)
+        << which << ": " << (error.empty() ? std::string("no error") : error);
+  };
+  if (me == 0) {
+    comm->put_signal(win, 1, kAt, src, kBytes, sig, 0, 7, SignalOp::Set, s);
+    refused("put_signal Set");
+    comm->put_signal(win, 1, kAt, src, kBytes, sig, 1, 1, SignalOp::Add, s);
+    refused("put_signal Add");
+  }
+  comm->barrier();
+  std::vector<unsigned char> got(kSpan), want(kSpan, kPoison);
+  if (me == 1) {
+    EXPECT_EQ(sig.read(0), 0u) << "a refused put_signal's Set landed";
+    EXPECT_EQ(sig.read(1), 0u) << "a refused put_signal's Add landed";
+    CUDA_OK(cudaMemcpy(got.data(), win.local(), kSpan, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(first_difference(got.data(), want.data(), kSpan), -1) << "a refused transfer wrote into the window";
+  }
+  comm->barrier();
+  if (me == 0) {
+    comm->put_signal(win, 1, kAt, src, kBytes, sig, 0, 9, SignalOp::Set, s);
+    comm->quiet(s);
+    CUDA_OK(cudaStreamSynchronize(s));
+  }
+  if (me == 1) {
+    comm->wait_until(sig, 0, Cmp::GE, 9, s);
+    CUDA_OK(cudaStreamSynchronize(s));
+    CUDA_OK(cudaMemcpy(got.data(), win.local(), kSpan, cudaMemcpyDeviceToHost));
+    const auto sent = pattern(seed, key(kBytes, 0, 7), kBytes);
+    std::memcpy(want.data() + kAt, sent.data(), kBytes);
+    EXPECT_EQ(first_difference(got.data(), want.data(), kSpan), -1) << "the put after the refused ones";
+  }
+  comm->barrier();
+  cudaFree(src);
 }
 
 TEST_F(Staged, SignalAddFromEveryRankCountsEveryUpdate) {

@@ -255,9 +255,11 @@ CUstreamBatchMemOpParams stream_wait_op(const std::uint64_t* address, std::uint6
 }
 
 void run_stream_batch(std::vector<CUstreamBatchMemOpParams>& ops, Stream stream, const char* call, int rank) {
-  // The driver takes at most 256 operations a call; the parts stay in order on the stream.
-  for (std::size_t i = 0; i < ops.size(); i += 256) {
-    const unsigned count = static_cast<unsigned>(std::min<std::size_t>(256, ops.size() - i));
+  // The driver takes fewer than 256 operations a call (cuda.h); the parts stay in order on
+  // the stream.
+  constexpr std::size_t kMostOps = 255;
+  for (std::size_t i = 0; i < ops.size(); i += kMostOps) {
+    const unsigned count = static_cast<unsigned>(std::min<std::size_t>(kMostOps, ops.size() - i));
     const CUresult rc = ipc::cuda_driver().cuStreamBatchMemOp(stream, count, ops.data() + i, 0);
     if (rc != CUDA_SUCCESS) ipc::check_cu(rc, "cuStreamBatchMemOp", std::string(call) + " on rank " + std::to_string(rank));
   }

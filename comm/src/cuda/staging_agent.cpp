@@ -85,7 +85,7 @@ StagingAgent::StagingAgent(Setup setup)
   seen_.assign(setup.node_ranks.size(), 0);
   failed_seen_.assign(setup.node_ranks.size(), 0);
   outgoing_.resize(setup.node_ranks.size());
-  current_.assign(setup.node_ranks.size(), {~std::uint64_t(0), 0});
+  current_.assign(setup.node_ranks.size(), kNoTransfer);
   refused_.assign(setup.node_ranks.size(), false);
   broken_.assign(setup.node_ranks.size(), false);
   gone_.assign(setup.node_ranks.size(), false);
@@ -1347,11 +1347,14 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
         auto* word = static_cast<std::uint64_t*>(
             resolve(d.signal_window, d.signal_index * sizeof(std::uint64_t), sizeof(std::uint64_t), 1, 0, &problem));
         if (word != nullptr && d.op() == SignalOp::Add) {
-          flush_incoming();  // after the copy
-          ipc::check_cuda(cuda::launch_copy(nullptr, nullptr, 0, word, d.value, d.op(), incoming_, false),
-                          "signal kernel launch", what);
+          bool copy_failed = false;  // then refused and counted by the flush: no signal
+          flush_incoming(copy_batched ? &copy_failed : nullptr);  // the kernel after the copy
+          if (!copy_failed)
+            ipc::check_cuda(cuda::launch_copy(nullptr, nullptr, 0, word, d.value, d.op(), incoming_, false),
+                            "signal kernel launch", what);
         } else if (word != nullptr) {
-          batch.signals.push_back({stream_write_op(word, d.value), copy_batched});
+          batch.signals.push_back(
+              {stream_write_op(word, d.value), copy_batched ? static_cast<long>(batch.dsts.size()) - 1 : -1});
         }
       }
     } else if (d.kind() == Descriptor::kGet) {
@@ -1417,6 +1420,9 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
     // Its copy, still in the batch, is not counted again if the batch fails.
     if (copy_batched && batch.round == batch_round) batch.copied.back().counted = true;
   }
+  // A transfer ends with its last chunk: a failed copy of one of its earlier chunks, still in
+  // the batch, no longer marks the channel's next transfer (see flush_incoming).
+  if (d.kind() == Descriptor::kChunk && d.last()) current_[from] = kNoTransfer;
 }
 
 // A transfer from `writer` refused here, counted once: for the writer (its failed count), or,
@@ -1434,48 +1440,61 @@ void StagingAgent::count_refusal(int writer, bool own_get) {
 // the copies instead, and this thread writes them (CountAfterCopy). A batch whose copies could
 // not be enqueued refuses their transfers (no signal; counted as carry_out counts a refusal)
 // and still writes the done words and counts: the channels and the initiators' waits move on.
-void StagingAgent::flush_incoming() noexcept {
+void StagingAgent::flush_incoming(bool* last_copy_failed) noexcept {
   IncomingBatch& b = incoming_batch_;
   if (b.empty()) return;
   const std::string what = "staged transport on rank " + std::to_string(rank_);
-  bool copies_failed = false;
+  // Copies that could not be enqueued, by place in the batch.
+  std::vector<bool> failed(b.dsts.size(), false);
   if (!b.dsts.empty()) {
-    cudaError_t rc = cudaSuccess;
-    if (b.dsts.size() == 1) {
-      rc = cudaMemcpyAsync(b.dsts[0], b.srcs[0], b.sizes[0], cudaMemcpyDefault, incoming_);
-    } else {
+    cudaError_t rc = cudaErrorNotSupported;
+    const bool injected = faults_.hit(FaultPoint::StagedCopyIn);  // MESHMEM_FAULT ...:staged.copy_in:fail
+#if CUDART_VERSION >= 13000
+    if (b.dsts.size() > 1 && batch_copies_ && !injected) {
       cudaMemcpyAttributes attributes{};
       attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
       std::size_t first = 0;
       rc = cudaMemcpyBatchAsync(b.dsts.data(), b.srcs.data(), b.sizes.data(), b.dsts.size(), &attributes, &first, 1,
                                 incoming_);
+      if (rc != cudaSuccess) {
+        (void)cudaGetLastError();
+        // Each copy on its own then (one that is enqueued twice lands the same bytes twice,
+        // before the writes that follow).
+        if (rc == cudaErrorNotSupported) batch_copies_ = false;
+        log(LogLevel::Warn, what + ": cudaMemcpyBatchAsync of " + std::to_string(b.dsts.size()) +
+                                " chunks from hidden peers failed (" + cudaGetErrorString(rc) + "); copied one by one" +
+                                (batch_copies_ ? "" : ", from now on too"));
+      }
     }
+#endif
     if (rc != cudaSuccess) {
-      (void)cudaGetLastError();
-      copies_failed = true;
-      std::string writers;
-      for (const auto& c : b.copied) writers += (writers.empty() ? "" : ", ") + std::to_string(c.writer);
-      log(LogLevel::Error, what + ": " + (b.dsts.size() == 1 ? "cudaMemcpyAsync" : "cudaMemcpyBatchAsync") + " of " +
-                               std::to_string(b.dsts.size()) + " chunks from hidden peers (ranks " + writers +
-                               ") failed: " + cudaGetErrorString(rc) +
-                               "; their transfers are refused (no signal; the writers' next calls say so)");
-      // In take order: a transfer whose last chunk is here is counted now (unless carry_out
-      // counted it), one that goes on at its end.
-      for (const auto& c : b.copied) {
+      for (std::size_t i = 0; i < b.dsts.size(); ++i) {
+        rc = injected ? cudaErrorUnknown : cudaMemcpyAsync(b.dsts[i], b.srcs[i], b.sizes[i], cudaMemcpyDefault, incoming_);
+        if (rc == cudaSuccess) continue;
+        (void)cudaGetLastError();
+        failed[i] = true;
+        const IncomingBatch::Copied& c = b.copied[i];
+        log(LogLevel::Error, what + ": cudaMemcpyAsync of " + std::to_string(b.sizes[i]) + " bytes from rank " +
+                                 std::to_string(c.writer) + "'s staging slot failed: " + cudaGetErrorString(rc) +
+                                 (injected ? " (MESHMEM_FAULT staged.copy_in)" : "") +
+                                 "; its transfer is refused (no signal; " +
+                                 (c.own_get ? "this rank's next call says so)" : "the writer's next call says so)"));
+        // A transfer whose last chunk this is is counted now (unless carry_out counted it),
+        // one that goes on at its end.
         const std::size_t from = local_index(c.writer);
         if (c.last) {
           if (!c.counted) count_refusal(c.writer, c.own_get);
-          if (current_[from] == c.transfer) refused_[from] = false;
         } else if (current_[from] == c.transfer) {
           refused_[from] = true;
         }
       }
     }
+    if (last_copy_failed != nullptr) *last_copy_failed = failed.back();
   }
   std::vector<CUstreamBatchMemOpParams> ops;
-  for (const auto& [op, after_batched_copy] : b.signals)
-    if (!(copies_failed && after_batched_copy)) ops.push_back(op);
-  bool only_mid_counts = ops.empty();
+  for (const auto& [op, copy] : b.signals)
+    if (copy < 0 || !failed[static_cast<std::size_t>(copy)]) ops.push_back(op);
+  bool only_mid_counts = ops.empty() && !b.ends.empty();
   for (const auto& e : b.ends) only_mid_counts = only_mid_counts && e.mid_writer >= 0;
   cudaEvent_t copied = nullptr;
   if (only_mid_counts) {

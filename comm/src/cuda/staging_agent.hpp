@@ -380,7 +380,8 @@ class StagingAgent {
   bool write_counts_after_copies();
   void carry_out(int writer, std::uint64_t sequence, const Descriptor& d);
   void count_refusal(int writer, bool own_get);
-  void flush_incoming() noexcept;
+  // `last_copy_failed`: set where the batch's last copy could not be enqueued.
+  void flush_incoming(bool* last_copy_failed = nullptr) noexcept;
   void* resolve(std::uint64_t window, std::uint64_t offset, std::size_t width, std::size_t rows, std::size_t pitch,
                 std::string* problem);
   bool stalled(Clock::time_point moved) const {
@@ -430,8 +431,9 @@ class StagingAgent {
   // Jacobi gets a halo from each neighbour at about the same time, and two driver calls
   // instead of four save its agent 2.4-3 us per pair (bench/driver_call_lab's reader-pair
   // rows, 1 x H200). Whatever carry_out enqueues on incoming_ directly (a strided chunk's 2D
-  // copy, an Add signal's kernel, the ends after an error) comes after a flush: stream order
-  // stays take order, and each signal, done word and consumed count follows its copy.
+  // copy, an Add signal's kernel, the ends after an error) comes after a flush, so each
+  // signal, done word and consumed count follows its copy, and a channel's consumed counts
+  // stay in take order.
   struct IncomingBatch {
     std::vector<void*> dsts;  // the contiguous chunks' copies
     std::vector<const void*> srcs;
@@ -444,9 +446,10 @@ class StagingAgent {
       bool counted;  // carry_out counted the transfer's refusal already
     };
     std::vector<Copied> copied;
-    // Set signals of last chunks, written before the ends; dropped where the copies fail and
-    // they follow one of them.
-    std::vector<std::pair<CUstreamBatchMemOpParams, bool>> signals;
+    // Set signals of last chunks, written after every copy and before every end of the batch
+    // (earlier descriptors' ends included: a signal only has to follow its own copy); each
+    // with its copy's place in the batch (-1: none there), dropped where that copy failed.
+    std::vector<std::pair<CUstreamBatchMemOpParams, long>> signals;
     struct End {  // a done word or consumed count, in take order
       CUstreamBatchMemOpParams op;
       int mid_writer;  // >= 0: the consumed count of a chunk that more chunks follow (CountAfterCopy-able)
@@ -474,6 +477,8 @@ class StagingAgent {
     }
   };
   IncomingBatch incoming_batch_;  // under windows_m_ while it holds copies
+  bool batch_copies_ = true;      // cudaMemcpyBatchAsync (false once the driver said it is not supported)
+  static constexpr std::pair<std::uint64_t, std::uint64_t> kNoTransfer{~std::uint64_t(0), ~std::uint64_t(0)};
   std::vector<SlotUse> slot_use_;
   std::size_t next_slot_ = 0;
   std::vector<std::uint64_t> next_post_;  // by node index: descriptors posted to that rank
