@@ -16,6 +16,8 @@ first --skip percent left out as warm-up), the median, p10 and p90 in microsecon
   seen -> carried out             the reader's driver calls (copy, stream writes)
   source ready -> carried out     the whole handover, writer to reader
 A transfer of several pieces counts its first P and I and its last O and E.
+Then, per rank as a reader, how many descriptors each batch it enqueued held (step L: one look
+at its channels, enqueued as one copy batch and one batch of stream writes).
 """
 import glob
 import os
@@ -62,9 +64,13 @@ def main(argv):
         return 1
     # writer[(rank, ticket)] = {step: ns}; reader[(writer, ticket)] = {step: ns} for its own puts
     writer, reader = {}, {}
+    looks = {}  # looks[rank][descriptors] = batches
     for rank, path in sorted(files.items()):
         for ns, step, peer, ident, aux in read(path):
-            if step in 'SRPO':
+            if step == 'L':
+                per = looks.setdefault(rank, {})
+                per[ident] = per.get(ident, 0) + 1
+            elif step in 'SRPO':
                 w = writer.setdefault((rank, ident), {})
                 if step in 'SRP':
                     w.setdefault(step, ns)
@@ -99,6 +105,9 @@ def main(argv):
                 except KeyError:
                     pass  # a step of it is not in the trace (a get, a refused or abandoned one)
             print('%-6d %-32s %s' % (rank, name, summary(values)))
+    print('# descriptors per batch the reader enqueued (one look at its channels): count of batches')
+    for rank in sorted(looks):
+        print('%-6d %s' % (rank, '  '.join('%d: %d' % (k, v) for k, v in sorted(looks[rank].items()))))
     return 0
 
 

@@ -1524,6 +1524,7 @@ void StagingAgent::flush_incoming(bool* last_copy_failed) noexcept {
     }
   }
   for (const auto& [writer, ticket, done_rank] : b.traced) trace_.record('E', writer, ticket, done_rank);
+  if (!b.traced.empty()) trace_.record('L', -1, b.traced.size(), static_cast<std::int64_t>(b.dsts.size()));
   b.clear();
 }
 

@@ -405,7 +405,8 @@ class StagingAgent {
   // MESHMEM_TRACE_STAGED: S handed over (caller's thread), R source seen ready, P copy into a
   // slot enqueued (aux: bytes), O posted (aux: 1 for a transfer's last piece); I a peer's
   // descriptor seen, E carried out (enqueued with the rest of its look; aux: the rank whose
-  // transfer it is). peer, id: the other rank and the transfer's ticket. Written at teardown.
+  // transfer it is). peer, id: the other rank and the transfer's ticket. L a look's batch
+  // enqueued (peer -1, id: its descriptors, aux: its copies). Written at teardown.
   StepTrace trace_;
   std::map<int, Lane> lanes_;
   cudaStream_t incoming_ = nullptr;    // chunks from hidden peers, onto this rank's GPU
