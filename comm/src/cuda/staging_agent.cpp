@@ -1289,7 +1289,10 @@ bool StagingAgent::poll_incoming() {
 // (flush_incoming enqueues them), except a strided chunk's copy and an Add signal's kernel,
 // which are enqueued at once, after what the batch holds.
 void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descriptor& d) {
-  const std::string what = "staged transfer from rank " + std::to_string(writer) + " to rank " + std::to_string(rank_);
+  // For messages only (built when one is needed: this runs per descriptor, on the halo's path).
+  const auto what = [&] {
+    return "staged transfer from rank " + std::to_string(writer) + " to rank " + std::to_string(rank_);
+  };
   const std::size_t from = local_index(writer);
   IncomingBatch& batch = incoming_batch_;
   std::string problem;
@@ -1339,7 +1342,7 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
         } else {
           flush_incoming();
           ipc::check_cuda(copy_rows(dst, d.dst_pitch, slot, d.width, d.width, d.rows, incoming_),
-                          "cudaMemcpy2DAsync (from a hidden peer's staging slot)", what);
+                          "cudaMemcpy2DAsync (from a hidden peer's staging slot)", what());
         }
       }
       if (!problem.empty()) refused_[from] = true;
@@ -1351,7 +1354,7 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
           flush_incoming(copy_batched ? &copy_failed : nullptr);  // the kernel after the copy
           if (!copy_failed)
             ipc::check_cuda(cuda::launch_copy(nullptr, nullptr, 0, word, d.value, d.op(), incoming_, false),
-                            "signal kernel launch", what);
+                            "signal kernel launch", what());
         } else if (word != nullptr) {
           batch.signals.push_back(
               {stream_write_op(word, d.value), copy_batched ? static_cast<long>(batch.dsts.size()) - 1 : -1});
@@ -1410,7 +1413,7 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
       problem += "; then: " + std::string(again.what()) + " (the initiator's wait will time out)";
     }
   }
-  if (!problem.empty()) log(LogLevel::Error, what + ": " + problem);
+  if (!problem.empty()) log(LogLevel::Error, what() + ": " + problem);
   // Counted once per transfer, at its end: for the writer (its put or the request of its get),
   // or, for an answer to this rank's own get, here.
   const bool ends = d.kind() == Descriptor::kGet || d.last();
@@ -1443,7 +1446,7 @@ void StagingAgent::count_refusal(int writer, bool own_get) {
 void StagingAgent::flush_incoming(bool* last_copy_failed) noexcept {
   IncomingBatch& b = incoming_batch_;
   if (b.empty()) return;
-  const std::string what = "staged transport on rank " + std::to_string(rank_);
+  const auto what = [&] { return "staged transport on rank " + std::to_string(rank_); };  // messages only
   // Copies that could not be enqueued, by place in the batch.
   std::vector<bool> failed(b.dsts.size(), false);
   if (!b.dsts.empty()) {
@@ -1461,7 +1464,7 @@ void StagingAgent::flush_incoming(bool* last_copy_failed) noexcept {
         // Each copy on its own then (one that is enqueued twice lands the same bytes twice,
         // before the writes that follow).
         if (rc == cudaErrorNotSupported) batch_copies_ = false;
-        log(LogLevel::Warn, what + ": cudaMemcpyBatchAsync of " + std::to_string(b.dsts.size()) +
+        log(LogLevel::Warn, what() + ": cudaMemcpyBatchAsync of " + std::to_string(b.dsts.size()) +
                                 " chunks from hidden peers failed (" + cudaGetErrorString(rc) + "); copied one by one" +
                                 (batch_copies_ ? "" : ", from now on too"));
       }
@@ -1474,7 +1477,7 @@ void StagingAgent::flush_incoming(bool* last_copy_failed) noexcept {
         (void)cudaGetLastError();
         failed[i] = true;
         const IncomingBatch::Copied& c = b.copied[i];
-        log(LogLevel::Error, what + ": cudaMemcpyAsync of " + std::to_string(b.sizes[i]) + " bytes from rank " +
+        log(LogLevel::Error, what() + ": cudaMemcpyAsync of " + std::to_string(b.sizes[i]) + " bytes from rank " +
                                  std::to_string(c.writer) + "'s staging slot failed: " + cudaGetErrorString(rc) +
                                  (injected ? " (MESHMEM_FAULT staged.copy_in)" : "") +
                                  "; its transfer is refused (no signal; " +
@@ -1499,7 +1502,7 @@ void StagingAgent::flush_incoming(bool* last_copy_failed) noexcept {
   cudaEvent_t copied = nullptr;
   if (only_mid_counts) {
     try {
-      copied = events_.take(what);
+      copied = events_.take(what());
       if (cudaEventRecord(copied, incoming_) != cudaSuccess) {
         (void)cudaGetLastError();
         events_.give_back(copied);
@@ -1519,7 +1522,7 @@ void StagingAgent::flush_incoming(bool* last_copy_failed) noexcept {
     try {
       run_stream_batch(ops, incoming_, "staged transfer (from a hidden peer)", rank_);
     } catch (const std::exception& e) {
-      log(LogLevel::Error, what + ": " + e.what() + " (the initiators' waits will time out)");
+      log(LogLevel::Error, what() + ": " + e.what() + " (the initiators' waits will time out)");
       keep_error(e.what());
     }
   }
