@@ -19,10 +19,19 @@
 //                    no block waits for another block of its kernel. The chunk is the hand-over size.
 // With --lanes N the chunked cases spread their chunks over N streams per GPU (chunk i on stream
 // i mod N): whether a copy's start-up and drain overlap the copy before it on another stream.
+// With --transfers T (2 or more) two more rows per chunk size: T transfers of S back to back,
+// as staged_bench's back-to-back puts on one stream,
+//   pipe-serial      each transfer's first copy waits for the previous transfer's last one: the
+//                    stream of a staged put waits for the put's end at its target (README
+//                    Semantics: a put is complete at its target once its stream passed it)
+//   pipe-overlap     each transfer's first copy waits only for a free slot: what the stream
+//                    could do if it waited only until the put's source was read (the pipeline's
+//                    fill and drain paid once for all T)
+// (bytes column: S x T; the reference is T x min(d2h, h2d)).
 // The time is from the end of the spin kernel to the end of the last copy (both on GPU 0's
 // clock; GPU 0 waits for GPU 1's last event). A row whose enqueueing outran the spin says so.
 //   pipeline_lab [--sizes 64M,256M] [--chunks 512K,1M,2M,4M,8M] [--slots 4] [--lanes 1] [--reps 5]
-//                [--sm B [--sm-chunks 256K,512K,1M,2M]]
+//                [--transfers T] [--sm B [--sm-chunks 256K,512K,1M,2M]]
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -140,7 +149,8 @@ std::vector<std::size_t> parse_list(const std::string& text) {
 
 class Lab {
  public:
-  Lab(std::size_t max_bytes, std::size_t max_chunk, int slots, int lanes) : slots_(slots), lanes_(lanes) {
+  Lab(std::size_t max_bytes, std::size_t max_chunk, int slots, int lanes, int transfers)
+      : slots_(slots), lanes_(lanes), transfers_(transfers) {
     for (int d = 0; d < 2; ++d) {
       gpu_[d].device = d;
       CK(cudaSetDevice(d));
@@ -167,6 +177,8 @@ class Lab {
       joins_[d].resize(static_cast<std::size_t>(lanes));
       for (cudaEvent_t& e : joins_[d]) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     }
+    CK(cudaSetDevice(1));
+    CK(cudaEventCreateWithFlags(&landed_, cudaEventDisableTiming));
     CK(cudaSetDevice(0));
     CK(cudaEventCreate(&t0_));
     CK(cudaEventCreate(&t1_));
@@ -303,6 +315,33 @@ class Lab {
             }
           }, &outran), t_min);
     }
+    if (transfers_ > 1) {
+      const std::size_t T = static_cast<std::size_t>(transfers_);
+      auto big_row = [&](const char* name, double us) {
+        std::printf("%-14s %10zu %10zu %12.1f %10.2f %12.3f\n", name, S * T, C, us, S * T / us / 1e3, T * t_min / us);
+      };
+      for (int serial = 1; serial >= 0; --serial) {
+        big_row(serial ? "pipe-serial" : "pipe-overlap", best(reps, [&] {
+                  for (std::size_t t = 0; t < T; ++t)
+                    for (std::size_t i = 0; i < n; ++i) {
+                      const std::size_t g = t * n + i;  // slots are reused across transfers
+                      const std::size_t s = g % slots_;
+                      char* slot = slots_mem_ + s * C;
+                      CK(cudaSetDevice(0));
+                      if (serial && t > 0 && i < static_cast<std::size_t>(lanes_))  // each lane's first of the transfer
+                        CK(cudaStreamWaitEvent(stream(0, g), landed_, 0));
+                      if (g >= static_cast<std::size_t>(slots_)) CK(cudaStreamWaitEvent(stream(0, g), freed_[s], 0));
+                      d2h(slot, gpu_[0].buf + i * C, piece(i), g);
+                      CK(cudaEventRecord(copied_[s], stream(0, g)));
+                      CK(cudaSetDevice(1));
+                      CK(cudaStreamWaitEvent(stream(1, g), copied_[s], 0));
+                      h2d(gpu_[1].buf + i * C, slot, piece(i), g);
+                      CK(cudaEventRecord(freed_[s], stream(1, g)));
+                      if (i + 1 == n) CK(cudaEventRecord(landed_, stream(1, g)));
+                    }
+                }, &outran));
+      }
+    }
     for (int with_memop = 0; with_memop < 2; ++with_memop) {
       row(with_memop ? "pipe+memop" : "pipe", C, best(reps, [&] {
             for (std::size_t i = 0; i < n; ++i) {
@@ -333,6 +372,8 @@ class Lab {
   unsigned long long* flags_ = nullptr;  // sm-pipe: ready[kMaxBlocks], then freed[kMaxBlocks]
   int slots_;
   int lanes_;
+  int transfers_;
+  cudaEvent_t landed_ = nullptr;  // --transfers: recorded after a transfer's last host-to-device copy
   long long spin_cycles_ = 0;
   std::vector<cudaEvent_t> copied_, freed_;
   std::vector<cudaEvent_t> joins_[2];  // per GPU and stream: its last work, for the end's join
@@ -343,7 +384,7 @@ class Lab {
 
 int main(int argc, char** argv) {
   std::vector<std::size_t> sizes = parse_list("64M,256M"), chunks = parse_list("512K,1M,2M,4M,8M");
-  int slots = 4, lanes = 1, reps = 5, sm_blocks = 0;
+  int slots = 4, lanes = 1, reps = 5, sm_blocks = 0, transfers = 1;
   std::vector<std::size_t> sm_chunks = parse_list("256K,512K,1M,2M");
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -355,8 +396,9 @@ int main(int argc, char** argv) {
     else if (a == "--sm" && has) sm_blocks = std::atoi(argv[++i]);
     else if (a == "--sm-chunks" && has) sm_chunks = parse_list(argv[++i]);
     else if (a == "--reps" && has) reps = std::atoi(argv[++i]);
+    else if (a == "--transfers" && has) transfers = std::atoi(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: pipeline_lab [--sizes 64M,256M] [--chunks 512K,1M,2M,4M,8M] [--slots 4] [--lanes 1] [--reps 5] [--sm B [--sm-chunks 256K,512K,1M,2M]]\n");
+      std::fprintf(stderr, "usage: pipeline_lab [--sizes 64M,256M] [--chunks 512K,1M,2M,4M,8M] [--slots 4] [--lanes 1] [--reps 5] [--transfers T] [--sm B [--sm-chunks 256K,512K,1M,2M]]\n");
       return 2;
     }
   }
@@ -365,8 +407,8 @@ int main(int argc, char** argv) {
     std::printf("# pipeline_lab: needs 2 GPUs in this process (has %d); nothing measured\n", ngpu);
     return 0;
   }
-  if (slots < 2 || lanes < 1 || sm_blocks < 0 || sm_blocks > 1024) {
-    std::fprintf(stderr, "pipeline_lab: --slots needs 2 or more, --lanes 1 or more, --sm 1 .. 1024\n");
+  if (slots < 2 || lanes < 1 || sm_blocks < 0 || sm_blocks > 1024 || transfers < 1 || transfers > 64) {
+    std::fprintf(stderr, "pipeline_lab: --slots needs 2 or more, --lanes 1 or more, --sm 1 .. 1024, --transfers 1 .. 64\n");
     return 2;
   }
   for (std::size_t v : sizes)
@@ -379,7 +421,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "pipeline_lab: --sm-chunks must be whole 16-byte words, at most the largest of --chunks\n");
       return 2;
     }
-  Lab lab(*std::max_element(sizes.begin(), sizes.end()), *std::max_element(chunks.begin(), chunks.end()), slots, lanes);
+  Lab lab(*std::max_element(sizes.begin(), sizes.end()), *std::max_element(chunks.begin(), chunks.end()), slots, lanes,
+          transfers);
   std::printf("# pipeline_lab: GPU 0 -> pinned host -> GPU 1, %d slots, %d stream(s) per GPU, best of %d; ratio = time of min(d2h, h2d) / time\n",
               slots, lanes, reps);
   std::printf("%-14s %10s %10s %12s %10s %12s\n", "# case", "bytes", "chunk", "time (us)", "GB/s", "x min(d,h)");
