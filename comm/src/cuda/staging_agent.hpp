@@ -420,7 +420,8 @@ class StagingAgent {
   // lowers it, so that a later count the stream wrote first stands.
   struct CountAfterCopy {
     cudaEvent_t copied;  // recorded after the copy
-    bool pooled;         // `copied` came from events_ (incoming chunks; given back once looked at)
+    bool pooled;         // `copied` came from events_ (incoming chunks; given back once looked at,
+                         // by the last of the entries that share it: flush_incoming)
     int peer;            // the reader (posted) or the writer (consumed), for errors
     std::uint64_t* word;
     std::uint64_t value;
