@@ -24,10 +24,12 @@ using meshmem::test::pattern;
 
 namespace {
 
-// The environment's options with the staged route forced for every pair.
-Options staged_options() {
+// The environment's options with the staged route forced for every pair (and `knob` set to
+// `value` where one is given).
+Options staged_options(const char* knob = nullptr, const char* value = nullptr) {
   Options o = Options::from_environment();
   o.set("MESHMEM_TRANSPORTS", "staged,shm,mpi");
+  if (knob != nullptr) o.set(knob, value);
   return o;
 }
 
@@ -109,17 +111,17 @@ TEST_F(Staged, PutSignalAndGetEverySize) {
 // Several put_signals back to back on one stream, each overwriting the same range with new
 // data: the signal of each lands after its own data, never ahead (the receiver checks the
 // data of every signal value it sees at once, on the GPU: a kernel compares and counts).
-__global__ void check_round(const unsigned char* data, std::size_t bytes, const std::uint64_t* word, std::uint64_t round,
-                            unsigned* bad) {
+// Round `round`'s bytes from rank `from` (0 where the sender does not matter): the receiver
+// checks them on the GPU once their signal is seen, counting the wrong ones.
+__global__ void check_round(const unsigned char* data, std::size_t bytes, std::uint64_t round, int from, unsigned* bad) {
   // The caller's stream waited for the signal >= round: the data is that round's or a later one's
   // only if the sender ran ahead, which it cannot (it waits for our ack).
   for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < bytes; i += gridDim.x * blockDim.x)
-    if (data[i] != static_cast<unsigned char>(round * 13 + i * 7)) atomicAdd(bad, 1u);
-  (void)word;
+    if (data[i] != static_cast<unsigned char>(round * 13 + i * 7 + from * 101)) atomicAdd(bad, 1u);
 }
-__global__ void fill_round(unsigned char* data, std::size_t bytes, std::uint64_t round) {
+__global__ void fill_round(unsigned char* data, std::size_t bytes, std::uint64_t round, int from) {
   for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < bytes; i += gridDim.x * blockDim.x)
-    data[i] = static_cast<unsigned char>(round * 13 + i * 7);
+    data[i] = static_cast<unsigned char>(round * 13 + i * 7 + from * 101);
 }
 
 TEST_F(Staged, SignalNeverAheadOfItsData) {
@@ -135,16 +137,16 @@ TEST_F(Staged, SignalNeverAheadOfItsData) {
   CUDA_OK(cudaMemset(bad, 0, sizeof(unsigned)));
   // Load this test's kernels before any wait is in flight: under CUDA's lazy loading a first
   // launch may synchronise the context behind a polling wait (see kernels.hpp, preload_kernels).
-  fill_round<<<1, 32, 0, s>>>(static_cast<unsigned char*>(src), 0, 0);
-  check_round<<<1, 32, 0, s>>>(static_cast<const unsigned char*>(win.local()), 0, nullptr, 0, bad);
+  fill_round<<<1, 32, 0, s>>>(static_cast<unsigned char*>(src), 0, 0, 0);
+  check_round<<<1, 32, 0, s>>>(static_cast<const unsigned char*>(win.local()), 0, 0, 0, bad);
   CUDA_OK(cudaDeviceSynchronize());
   comm->barrier();
   for (std::uint64_t r = 1; r <= kRounds; ++r) {
     if (r > 1) comm->wait_until(sig, 1, Cmp::GE, r - 1, s);  // right checked the last round
-    fill_round<<<64, 256, 0, s>>>(static_cast<unsigned char*>(src), kBytes, r);
+    fill_round<<<64, 256, 0, s>>>(static_cast<unsigned char*>(src), kBytes, r, 0);
     comm->put_signal(win, right, 0, src, kBytes, sig, 0, r, SignalOp::Set, s);
     comm->wait_until(sig, 0, Cmp::GE, r, s);
-    check_round<<<64, 256, 0, s>>>(static_cast<const unsigned char*>(win.local()), kBytes, nullptr, r, bad);
+    check_round<<<64, 256, 0, s>>>(static_cast<const unsigned char*>(win.local()), kBytes, r, 0, bad);
     comm->signal(sig, left, 1, r, SignalOp::Set, s);
   }
   CUDA_OK(cudaStreamSynchronize(s));
@@ -166,14 +168,6 @@ TEST_F(Staged, SignalNeverAheadOfItsData) {
 // before its copies still passed: the copy ends while the other rank holds the GPU). The
 // receiver's stream waits for both signals of the round and a kernel checks both regions;
 // with two ranks both puts go to the one peer (two descriptors of one writer in a look).
-__global__ void check_from(const unsigned char* data, std::size_t bytes, std::uint64_t round, int from, unsigned* bad) {
-  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < bytes; i += gridDim.x * blockDim.x)
-    if (data[i] != static_cast<unsigned char>(round * 13 + i * 7 + from * 101)) atomicAdd(bad, 1u);
-}
-__global__ void fill_from(unsigned char* data, std::size_t bytes, std::uint64_t round, int from) {
-  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < bytes; i += gridDim.x * blockDim.x)
-    data[i] = static_cast<unsigned char>(round * 13 + i * 7 + from * 101);
-}
 
 TEST_F(Staged, SignalsFromBothNeighboursAtOnceNeverAheadOfTheirData) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
@@ -190,8 +184,8 @@ TEST_F(Staged, SignalsFromBothNeighboursAtOnceNeverAheadOfTheirData) {
   CUDA_OK(cudaMemset(bad, 0, sizeof(unsigned)));
   auto* region = static_cast<unsigned char*>(win.local());
   CUDA_OK(cudaMemset(region, kPoison, 2 * largest));
-  fill_from<<<1, 32, 0, s>>>(src, 0, 0, 0);  // loaded before any wait is in flight (see SignalNeverAheadOfItsData)
-  check_from<<<1, 32, 0, s>>>(region, 0, 0, 0, bad);
+  fill_round<<<1, 32, 0, s>>>(src, 0, 0, 0);  // loaded before any wait is in flight (see SignalNeverAheadOfItsData)
+  check_round<<<1, 32, 0, s>>>(region, 0, 0, 0, bad);
   CUDA_OK(cudaDeviceSynchronize());
   comm->barrier();
   for (std::uint64_t r = 1; r <= kRounds; ++r) {
@@ -200,13 +194,13 @@ TEST_F(Staged, SignalsFromBothNeighboursAtOnceNeverAheadOfTheirData) {
       comm->wait_until(sig, 2, Cmp::GE, r - 1, s);
       comm->wait_until(sig, 3, Cmp::GE, r - 1, s);
     }
-    fill_from<<<64, 256, 0, s>>>(src, bytes, r, me);
+    fill_round<<<64, 256, 0, s>>>(src, bytes, r, me);
     comm->put_signal(win, right, 0, src, bytes, sig, 0, r, SignalOp::Set, s);
     comm->put_signal(win, left, largest, src, bytes, sig, 1, r, SignalOp::Set, s);
     comm->wait_until(sig, 0, Cmp::GE, r, s);
     comm->wait_until(sig, 1, Cmp::GE, r, s);
-    check_from<<<64, 256, 0, s>>>(region, bytes, r, left, bad);
-    check_from<<<64, 256, 0, s>>>(region + largest, bytes, r, right, bad);
+    check_round<<<64, 256, 0, s>>>(region, bytes, r, left, bad);
+    check_round<<<64, 256, 0, s>>>(region + largest, bytes, r, right, bad);
     comm->signal(sig, left, 2, r, SignalOp::Set, s);
     comm->signal(sig, right, 3, r, SignalOp::Set, s);
   }
@@ -228,9 +222,7 @@ TEST_F(Staged, SignalsFromBothNeighboursAtOnceNeverAheadOfTheirData) {
 TEST_F(Staged, ChunksWhoseCopyFailsAreRefusedWithoutTheirSignal) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   comm.reset();
-  Options o = staged_options();
-  o.set("MESHMEM_FAULT", "1:staged.copy_in:fail,1:staged.copy_in:fail:hit=2");
-  comm = std::make_unique<Comm>(MPI_COMM_WORLD, o);
+  comm = std::make_unique<Comm>(MPI_COMM_WORLD, staged_options("MESHMEM_FAULT", "1:staged.copy_in:fail,1:staged.copy_in:fail:hit=2"));
   constexpr std::size_t kBytes = (1u << 20) + 3, kAt = 5, kSpan = kBytes + 64;
   Window win = comm->alloc(kSpan);
   Signals sig = comm->alloc_signals(2);
@@ -616,9 +608,7 @@ TEST_F(Staged, StreamFilledAndAgentPutsOnMoreStreamsThanFillSlotsLandWhole) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   // On also where ranks share a GPU (auto: off there).
   comm.reset();
-  Options o = staged_options();
-  o.set("MESHMEM_STAGING_STREAM_FILL", "on");
-  comm = std::make_unique<Comm>(MPI_COMM_WORLD, o);
+  comm = std::make_unique<Comm>(MPI_COMM_WORLD, staged_options("MESHMEM_STAGING_STREAM_FILL", "on"));
   constexpr int kStreams = 20, kRounds = 6;
   constexpr std::size_t kSizes[] = {1, 4096 + 3, 65536, 65537, 777, 65536 - 5};
   constexpr std::size_t kGap = 15, kSpan = 65537 + kGap;  // each put's range, a multiple of 16
@@ -733,9 +723,7 @@ int open_fds() {
 TEST_F(Staged, BothWaysWithThousandsOfChunksEachNothingStalls) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   comm.reset();
-  Options o = staged_options();
-  o.set("MESHMEM_STAGING_CHUNK", "16384");
-  Comm c(MPI_COMM_WORLD, o);
+  Comm c(MPI_COMM_WORLD, staged_options("MESHMEM_STAGING_CHUNK", "16384"));
   const std::size_t bytes = (std::size_t(64) << 20) + 4099;  // 4,097 chunks
   Window win = c.alloc(2 * bytes);
   Signals sig = c.alloc_signals(2);
