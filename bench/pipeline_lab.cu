@@ -30,8 +30,10 @@
 // (bytes column: S x T; the reference is T x min(d2h, h2d)).
 // The time is from the end of the spin kernel to the end of the last copy (both on GPU 0's
 // clock; GPU 0 waits for GPU 1's last event). A row whose enqueueing outran the spin says so.
+// With --one-gpu GPU 0 plays both sides (its device-to-host and host-to-device copy engines over
+// its one full-duplex link): a proxy where only one GPU is lent, not the figure of two GPUs.
 //   pipeline_lab [--sizes 64M,256M] [--chunks 512K,1M,2M,4M,8M] [--slots 4] [--lanes 1] [--reps 5]
-//                [--transfers T] [--sm B [--sm-chunks 256K,512K,1M,2M]]
+//                [--transfers T] [--one-gpu] [--sm B [--sm-chunks 256K,512K,1M,2M]]
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -149,17 +151,17 @@ std::vector<std::size_t> parse_list(const std::string& text) {
 
 class Lab {
  public:
-  Lab(std::size_t max_bytes, std::size_t max_chunk, int slots, int lanes, int transfers)
+  Lab(std::size_t max_bytes, std::size_t max_chunk, int slots, int lanes, int transfers, bool one_gpu)
       : slots_(slots), lanes_(lanes), transfers_(transfers) {
     for (int d = 0; d < 2; ++d) {
-      gpu_[d].device = d;
-      CK(cudaSetDevice(d));
+      gpu_[d].device = one_gpu ? 0 : d;
+      on(d);
       gpu_[d].streams.resize(static_cast<std::size_t>(lanes));
       for (cudaStream_t& st : gpu_[d].streams) CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
       CK(cudaMalloc(&gpu_[d].buf, max_bytes));
       CK(cudaMemset(gpu_[d].buf, d + 1, max_bytes));
     }
-    CK(cudaSetDevice(0));
+    on(0);
     CK(cudaMallocHost(&host_, max_bytes));   // whole-copy references
     CK(cudaMallocHost(&host2_, max_bytes));  // both-ways: the h2d half's source
     CK(cudaMallocHost(&slots_mem_, max_chunk * static_cast<std::size_t>(slots)));
@@ -172,14 +174,14 @@ class Lab {
     copied_.resize(slots);
     freed_.resize(slots);
     for (int d = 0; d < 2; ++d) {
-      CK(cudaSetDevice(d));
+      on(d);
       for (cudaEvent_t& e : d == 0 ? copied_ : freed_) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
       joins_[d].resize(static_cast<std::size_t>(lanes));
       for (cudaEvent_t& e : joins_[d]) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     }
-    CK(cudaSetDevice(1));
+    on(1);
     CK(cudaEventCreateWithFlags(&landed_, cudaEventDisableTiming));
-    CK(cudaSetDevice(0));
+    on(0);
     CK(cudaEventCreate(&t0_));
     CK(cudaEventCreate(&t1_));
   }
@@ -190,12 +192,12 @@ class Lab {
   double best(int reps, F enqueue, bool* outran) {
     double best_us = 1e30;
     for (int rep = 0; rep < reps; ++rep) {
-      CK(cudaSetDevice(0));
+      on(0);
       spin<<<1, 1, 0, stream(0, 0)>>>(spin_cycles_);
       CK(cudaGetLastError());
       CK(cudaEventRecord(t0_, stream(0, 0)));
       for (int d = 0; d < 2; ++d) {
-        CK(cudaSetDevice(d));
+        on(d);
         for (cudaStream_t st : gpu_[d].streams)
           if (st != stream(0, 0)) CK(cudaStreamWaitEvent(st, t0_, 0));
       }
@@ -204,10 +206,10 @@ class Lab {
       const double host_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
       // Every stream of both GPUs joins GPU 0's first stream, which records the end.
       for (int d = 0; d < 2; ++d) {
-        CK(cudaSetDevice(d));
+        on(d);
         for (int l = 0; l < lanes_; ++l) CK(cudaEventRecord(joins_[d][l], stream(d, l)));
       }
-      CK(cudaSetDevice(0));
+      on(0);
       for (int d = 0; d < 2; ++d)
         for (int l = 0; l < lanes_; ++l)
           if (d != 0 || l != 0) CK(cudaStreamWaitEvent(stream(0, 0), joins_[d][l], 0));
@@ -221,20 +223,23 @@ class Lab {
     return best_us;
   }
 
+  // Makes side d's GPU current (0: the source, 1: the target; the same GPU under --one-gpu).
+  void on(int d) const { CK(cudaSetDevice(gpu_[d].device)); }
+
   // Chunk i's stream on GPU d.
   cudaStream_t stream(int d, std::size_t i) const {
     return gpu_[d].streams[i % static_cast<std::size_t>(lanes_)];
   }
   void d2h(char* dst, const char* src, std::size_t n, std::size_t i = 0) {
-    CK(cudaSetDevice(0));
+    on(0);
     CK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream(0, i)));
   }
   void h2d(char* dst, const char* src, std::size_t n, std::size_t i = 0) {
-    CK(cudaSetDevice(1));
+    on(1);
     CK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, stream(1, i)));
   }
   void memop(int d, int word, std::uint64_t value, std::size_t i) {
-    CK(cudaSetDevice(d));
+    on(d);
     CU(cuStreamWriteValue64(reinterpret_cast<CUstream>(stream(d, i)), reinterpret_cast<CUdeviceptr>(words_ + word),
                             value, CU_STREAM_WRITE_VALUE_DEFAULT));
   }
@@ -268,12 +273,12 @@ class Lab {
     };
     const std::size_t n = S / 16;
     auto sm_d2h = [&] {
-      CK(cudaSetDevice(0));
+      on(0);
       sm_copy<<<blocks, 512, 0, stream(0, 0)>>>(reinterpret_cast<uint4*>(host_), reinterpret_cast<const uint4*>(gpu_[0].buf), n);
       CK(cudaGetLastError());
     };
     auto sm_h2d = [&] {
-      CK(cudaSetDevice(1));
+      on(1);
       sm_copy<<<blocks, 512, 0, stream(1, 0)>>>(reinterpret_cast<uint4*>(gpu_[1].buf), reinterpret_cast<const uint4*>(host2_), n);
       CK(cudaGetLastError());
     };
@@ -284,11 +289,11 @@ class Lab {
       // Counters start at 0 each run (the previous run ended; this one's kernels wait for the spin).
       row("sm-pipe", C, best(reps, [&] {
             std::fill(flags_, flags_ + 2 * kMaxBlocks, 0ull);
-            CK(cudaSetDevice(0));
+            on(0);
             sm_produce<<<blocks, 512, 0, stream(0, 0)>>>(reinterpret_cast<uint4*>(slots_mem_), reinterpret_cast<const uint4*>(gpu_[0].buf),
                                                          n, C / 16, slots_, flags_, flags_ + kMaxBlocks);
             CK(cudaGetLastError());
-            CK(cudaSetDevice(1));
+            on(1);
             sm_consume<<<blocks, 512, 0, stream(1, 0)>>>(reinterpret_cast<uint4*>(gpu_[1].buf), reinterpret_cast<const uint4*>(slots_mem_),
                                                          n, C / 16, slots_, flags_, flags_ + kMaxBlocks);
             CK(cudaGetLastError());
@@ -327,13 +332,13 @@ class Lab {
                       const std::size_t g = t * n + i;  // slots are reused across transfers
                       const std::size_t s = g % slots_;
                       char* slot = slots_mem_ + s * C;
-                      CK(cudaSetDevice(0));
+                      on(0);
                       if (serial && t > 0 && i < static_cast<std::size_t>(lanes_))  // each lane's first of the transfer
                         CK(cudaStreamWaitEvent(stream(0, g), landed_, 0));
                       if (g >= static_cast<std::size_t>(slots_)) CK(cudaStreamWaitEvent(stream(0, g), freed_[s], 0));
                       d2h(slot, gpu_[0].buf + i * C, piece(i), g);
                       CK(cudaEventRecord(copied_[s], stream(0, g)));
-                      CK(cudaSetDevice(1));
+                      on(1);
                       CK(cudaStreamWaitEvent(stream(1, g), copied_[s], 0));
                       h2d(gpu_[1].buf + i * C, slot, piece(i), g);
                       CK(cudaEventRecord(freed_[s], stream(1, g)));
@@ -347,12 +352,12 @@ class Lab {
             for (std::size_t i = 0; i < n; ++i) {
               const std::size_t s = i % slots_;
               char* slot = slots_mem_ + s * C;
-              CK(cudaSetDevice(0));
+              on(0);
               if (i >= static_cast<std::size_t>(slots_)) CK(cudaStreamWaitEvent(stream(0, i), freed_[s], 0));
               d2h(slot, gpu_[0].buf + i * C, piece(i), i);
               if (with_memop) memop(0, 0, i + 1, i);
               CK(cudaEventRecord(copied_[s], stream(0, i)));
-              CK(cudaSetDevice(1));
+              on(1);
               CK(cudaStreamWaitEvent(stream(1, i), copied_[s], 0));
               h2d(gpu_[1].buf + i * C, slot, piece(i), i);
               if (with_memop) memop(1, 8, i + 1, i);
@@ -385,6 +390,7 @@ class Lab {
 int main(int argc, char** argv) {
   std::vector<std::size_t> sizes = parse_list("64M,256M"), chunks = parse_list("512K,1M,2M,4M,8M");
   int slots = 4, lanes = 1, reps = 5, sm_blocks = 0, transfers = 1;
+  bool one_gpu = false;
   std::vector<std::size_t> sm_chunks = parse_list("256K,512K,1M,2M");
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -397,14 +403,15 @@ int main(int argc, char** argv) {
     else if (a == "--sm-chunks" && has) sm_chunks = parse_list(argv[++i]);
     else if (a == "--reps" && has) reps = std::atoi(argv[++i]);
     else if (a == "--transfers" && has) transfers = std::atoi(argv[++i]);
+    else if (a == "--one-gpu") one_gpu = true;
     else {
-      std::fprintf(stderr, "usage: pipeline_lab [--sizes 64M,256M] [--chunks 512K,1M,2M,4M,8M] [--slots 4] [--lanes 1] [--reps 5] [--transfers T] [--sm B [--sm-chunks 256K,512K,1M,2M]]\n");
+      std::fprintf(stderr, "usage: pipeline_lab [--sizes 64M,256M] [--chunks 512K,1M,2M,4M,8M] [--slots 4] [--lanes 1] [--reps 5] [--transfers T] [--one-gpu] [--sm B [--sm-chunks 256K,512K,1M,2M]]\n");
       return 2;
     }
   }
   int ngpu = 0;
-  if (cudaGetDeviceCount(&ngpu) != cudaSuccess || ngpu < 2) {
-    std::printf("# pipeline_lab: needs 2 GPUs in this process (has %d); nothing measured\n", ngpu);
+  if (cudaGetDeviceCount(&ngpu) != cudaSuccess || ngpu < (one_gpu ? 1 : 2)) {
+    std::printf("# pipeline_lab: needs %d GPU(s) in this process (has %d); nothing measured\n", one_gpu ? 1 : 2, ngpu);
     return 0;
   }
   if (slots < 2 || lanes < 1 || sm_blocks < 0 || sm_blocks > 1024 || transfers < 1 || transfers > 64) {
@@ -422,9 +429,9 @@ int main(int argc, char** argv) {
       return 2;
     }
   Lab lab(*std::max_element(sizes.begin(), sizes.end()), *std::max_element(chunks.begin(), chunks.end()), slots, lanes,
-          transfers);
-  std::printf("# pipeline_lab: GPU 0 -> pinned host -> GPU 1, %d slots, %d stream(s) per GPU, best of %d; ratio = time of min(d2h, h2d) / time\n",
-              slots, lanes, reps);
+          transfers, one_gpu);
+  std::printf("# pipeline_lab: GPU 0 -> pinned host -> GPU %d, %d slots, %d stream(s) per GPU, best of %d; ratio = time of min(d2h, h2d) / time\n",
+              one_gpu ? 0 : 1, slots, lanes, reps);
   std::printf("%-14s %10s %10s %12s %10s %12s\n", "# case", "bytes", "chunk", "time (us)", "GB/s", "x min(d,h)");
   if (sm_blocks > 0) {
     std::printf("# SM copies: %d blocks of 512 threads per kernel; chunk = the hand-over size (sm-pipe)\n", sm_blocks);

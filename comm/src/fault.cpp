@@ -59,6 +59,12 @@ constexpr PointInfo kPoints[kFaultPointCount] = {
      "(with faults armed, each descriptor's alone); `fail` makes those copies fail as if the driver refused them: their "
      "transfers are refused (no signal), the writer's next call says so",
      true},
+    {FaultPoint::StagedEndsIn, "staged.ends_in",
+     "a staged transport agent enqueues the stream writes that end the chunks it carried out from node peers "
+     "(signals, done words, consumed counts); `fail` makes that enqueue fail as if the driver refused it: those "
+     "transfers' waits end at MESHMEM_TIMEOUT or when their peer's process is seen to end, and this rank's next call "
+     "says so",
+     true},
 };
 
 constexpr int kMaxRank = 1 << 20;

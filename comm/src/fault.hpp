@@ -57,9 +57,11 @@ enum class FaultPoint : unsigned {
                       // answer to a node peer's get, before it goes on
   StagedCopyIn,       // "staged.copy_in": a staged transport agent enqueues the copies of node
                       // peers' chunks that one look at its channels took (`fail`: they fail)
+  StagedEndsIn,       // "staged.ends_in": ... enqueues the stream writes that end them (signals,
+                      // done words, consumed counts; `fail`: that enqueue fails)
 };
-constexpr unsigned kFaultPointCount = 13;
-static_assert(static_cast<unsigned>(FaultPoint::StagedCopyIn) + 1 == kFaultPointCount,
+constexpr unsigned kFaultPointCount = 14;
+static_assert(static_cast<unsigned>(FaultPoint::StagedEndsIn) + 1 == kFaultPointCount,
               "a point added to FaultPoint is added to the count and to fault.cpp's list of names");
 
 const char* to_string(FaultPoint point) noexcept;

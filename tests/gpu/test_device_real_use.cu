@@ -1719,20 +1719,27 @@ TEST_F(RealUse, FailedContextEndsStagedTransfersWaitingForTheirStream) {
 // is posted and not answered in full: MESHMEM_TEST_KILL_OWNER=carry kills it as its agent
 // takes the get's request from the channel (1:staged.carry:kill: nothing answered),
 // =answer after it posted the answer's second chunk of three (1:staged.answer:kill:hit=2).
-// Rank 0's get must end soon after rank 1's process did, reported with the process's end,
-// not after MESHMEM_TIMEOUT (here 20 s; for ever with 0): before, only a put's done word was
-// ended from here when its reader died. A later get from the dead rank fails at once. Run by
-// gpu.killed_owner_staged and gpu.killed_owner_midway_staged (mpirun --enable-recovery);
-// rank 0 prints the verdict.
+// =end: rank 1 answers in full, but rank 0's agent cannot enqueue the end of the answer's last
+// chunk (0:staged.ends_in:fail); rank 1 dies 3 s later (before, that get counted as answered
+// once its end was queued, so it waited for MESHMEM_TIMEOUT: 20.0 s on 1 x H200).
+// Rank 0's get must end soon after rank 1's process did, reported with the process's end
+// (=end: or the failed enqueue, which comes first), not after MESHMEM_TIMEOUT (here 20 s; for
+// ever with 0): before, only a put's done word was ended from here when its reader died. A
+// later get from the dead rank fails at once. Run by gpu.killed_owner_staged,
+// gpu.killed_owner_midway_staged and gpu.killed_owner_end_failed_staged (mpirun
+// --enable-recovery); rank 0 prints the verdict.
 TEST_F(RealUse, KilledOwnerEndsTheGetsItOwed) {
   const char* how = std::getenv("MESHMEM_TEST_KILL_OWNER");
   const std::string mode = how == nullptr ? "" : how;
-  if (mode != "carry" && mode != "answer")
-    GTEST_SKIP() << "kills a rank: run by gpu.killed_owner_staged and gpu.killed_owner_midway_staged "
-                    "(MESHMEM_TEST_KILL_OWNER=carry or answer, mpirun --enable-recovery)";
+  if (mode != "carry" && mode != "answer" && mode != "end")
+    GTEST_SKIP() << "kills a rank: run by gpu.killed_owner_staged, gpu.killed_owner_midway_staged and "
+                    "gpu.killed_owner_end_failed_staged (MESHMEM_TEST_KILL_OWNER=carry, answer or end, mpirun "
+                    "--enable-recovery)";
   ScopedEnv timeout("MESHMEM_TIMEOUT", "20");
   ScopedEnv wait("MESHMEM_STREAM_WAIT", "kernel");
-  ScopedEnv fault("MESHMEM_FAULT", mode == "carry" ? "1:staged.carry:kill" : "1:staged.answer:kill:hit=2");
+  ScopedEnv fault("MESHMEM_FAULT", mode == "carry"    ? "1:staged.carry:kill"
+                                   : mode == "answer" ? "1:staged.answer:kill:hit=2"
+                                                      : "0:staged.ends_in:fail");
   ScopedEnv chunk("MESHMEM_STAGING_CHUNK", "4194304");  // the get's answer is three chunks
   make_comm();
   ASSERT_EQ(n, 2) << "written for two ranks (rank 1 is killed)";
@@ -1742,7 +1749,18 @@ TEST_F(RealUse, KilledOwnerEndsTheGetsItOwed) {
   CUDA_OK(fill_now(win.local(), 0x5A, kBytes));
   DeviceBuffer dst(kBytes);
   CUDA_OK(fill_now(dst.p, kPoison, kBytes));
-  meet_then_await_the_kill(*comm, s0, me, 1);  // rank 1 dies at rank 0's get request (or midway through its answer)
+  if (mode == "end") {
+    // Its agent answers the get meanwhile (milliseconds); then it dies, as in a crash.
+    comm->barrier(s0);
+    CUDA_OK(cudaStreamSynchronize(s0));
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (me == 1) {
+      std::this_thread::sleep_for(std::chrono::seconds(3));
+      std::raise(SIGKILL);
+    }
+  } else {
+    meet_then_await_the_kill(*comm, s0, me, 1);  // rank 1 dies at rank 0's get request (or midway through its answer)
+  }
   // Under a catch-all: a call that raises must not leave for TearDown's collectives.
   const auto survivor = [&] {
     auto expect_reported = [&](const char* what) { expect_process_end_reported(*comm, s0, 1, what); };
@@ -1752,7 +1770,19 @@ TEST_F(RealUse, KilledOwnerEndsTheGetsItOwed) {
     const double first = seconds_since(t0);
     EXPECT_LT(first, 10.0) << "the get from the killed rank ended only after " << first
                            << " s: it waited for MESHMEM_TIMEOUT (20 s) instead of the process's end";
-    expect_reported("the get from the killed rank");
+    if (mode == "end") {
+      try {
+        comm->quiet(s0);
+        ADD_FAILURE() << "the get whose end could not be enqueued was not reported";
+      } catch (const Error& e) {
+        const std::string message = e.what();
+        EXPECT_TRUE(message.find("staged.ends_in") != std::string::npos ||
+                    message.find("rank 1's process") != std::string::npos)
+            << message;
+      }
+    } else {
+      expect_reported("the get from the killed rank");
+    }
     t0 = std::chrono::steady_clock::now();
     comm->get(dst.p, win, 1, 0, 4096, s0);
     EXPECT_TRUE(finishes(s0, 40)) << "the second get from the killed rank did not end";

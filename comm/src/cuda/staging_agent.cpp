@@ -1317,12 +1317,19 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
   bool copy_batched = false;  // its copy went into the batch (the batch's round then)
   std::uint64_t batch_round = 0;
   auto end_ops = [&] {  // what moves the channel on and ends the transfer, whatever happened
-    std::vector<CUstreamBatchMemOpParams> end;
+    std::vector<IncomingBatch::End> end;
     if (d.kind() == Descriptor::kChunk && d.last() && !abandoned) {
-      end.push_back(stream_write_op(done, d.ticket));
-      if (d.done_rank == static_cast<std::uint64_t>(rank_)) last_answered_[d.done_word] = d.ticket;
+      IncomingBatch::End e;
+      e.op = stream_write_op(done, d.ticket);
+      if (d.done_rank == static_cast<std::uint64_t>(rank_)) {
+        e.answered_word = d.done_word;
+        e.ticket = d.ticket;
+      }
+      end.push_back(e);
     }
-    end.push_back(stream_write_op(control_.consumed(from), sequence));
+    IncomingBatch::End count;
+    count.op = stream_write_op(control_.consumed(from), sequence);
+    end.push_back(count);
     return end;
   };
   try {
@@ -1396,10 +1403,16 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
     // A chunk that more chunks of its transfer follow has only its consumed count to write:
     // this thread writes it once the copy is done (CountAfterCopy), unless the batch's stream
     // writes go out anyway.
-    if (d.kind() == Descriptor::kChunk && !d.last() && !abandoned)
-      batch.ends.push_back({stream_write_op(control_.consumed(from), sequence), writer, control_.consumed(from), sequence});
-    else
-      for (const auto& op : end_ops()) batch.ends.push_back({op, -1, nullptr, 0});
+    if (d.kind() == Descriptor::kChunk && !d.last() && !abandoned) {
+      IncomingBatch::End mid;
+      mid.op = stream_write_op(control_.consumed(from), sequence);
+      mid.mid_writer = writer;
+      mid.word = control_.consumed(from);
+      mid.value = sequence;
+      batch.ends.push_back(mid);
+    } else {
+      for (const auto& e : end_ops()) batch.ends.push_back(e);
+    }
   } catch (const std::exception& e) {
     problem = e.what();
     refused_[from] = true;
@@ -1407,8 +1420,8 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
     if (d.kind() == Descriptor::kGet && !answered) __atomic_store_n(done, d.ticket, __ATOMIC_RELEASE);  // no answer comes
     try {  // the channel and the initiator's wait still move on
       flush_incoming();
-      auto end = end_ops();
-      run_stream_batch(end, incoming_, "staged transfer (from a hidden peer, after an error)", rank_);
+      std::vector<CUstreamBatchMemOpParams> ops;
+      write_ends(ops, end_ops(), "staged transfer (from a hidden peer, after an error)");
     } catch (const std::exception& again) {
       problem += "; then: " + std::string(again.what()) + " (the initiator's wait will time out)";
     }
@@ -1444,8 +1457,24 @@ void StagingAgent::count_refusal(int writer, bool own_get) {
 // not be enqueued refuses their transfers (no signal; counted as carry_out counts a refusal)
 // and still writes the done words and counts: the channels and the initiators' waits move on.
 void StagingAgent::flush_incoming(bool* last_copy_failed) noexcept {
+  if (incoming_batch_.empty()) return;
+  try {
+    enqueue_incoming(last_copy_failed);
+  } catch (const std::exception& e) {  // memory for the batch's bookkeeping
+    if (last_copy_failed != nullptr) *last_copy_failed = true;
+    try {
+      log(LogLevel::Error, "staged transport on rank " + std::to_string(rank_) + ": carrying out " +
+                               std::to_string(incoming_batch_.traced.size()) + " chunk(s) from hidden peers failed: " +
+                               e.what() + " (their initiators' waits will time out)");
+      keep_error(e.what());
+    } catch (...) {
+    }
+  }
+  incoming_batch_.clear();
+}
+
+void StagingAgent::enqueue_incoming(bool* last_copy_failed) {
   IncomingBatch& b = incoming_batch_;
-  if (b.empty()) return;
   const auto what = [&] { return "staged transport on rank " + std::to_string(rank_); };  // messages only
   // Copies that could not be enqueued, by place in the batch.
   std::vector<bool> failed(b.dsts.size(), false);
@@ -1518,9 +1547,8 @@ void StagingAgent::flush_incoming(bool* last_copy_failed) noexcept {
       consumed_after_copies_.push_back(
           CountAfterCopy{copied, i + 1 == b.ends.size(), b.ends[i].mid_writer, b.ends[i].word, b.ends[i].value});
   } else {
-    for (const auto& e : b.ends) ops.push_back(e.op);
     try {
-      run_stream_batch(ops, incoming_, "staged transfer (from a hidden peer)", rank_);
+      write_ends(ops, b.ends, "staged transfer (from a hidden peer)");
     } catch (const std::exception& e) {
       log(LogLevel::Error, what() + ": " + e.what() + " (the initiators' waits will time out)");
       keep_error(e.what());
@@ -1528,7 +1556,18 @@ void StagingAgent::flush_incoming(bool* last_copy_failed) noexcept {
   }
   for (const auto& [writer, ticket, done_rank] : b.traced) trace_.record('E', writer, ticket, done_rank);
   if (!b.traced.empty()) trace_.record('L', -1, b.traced.size(), static_cast<std::int64_t>(b.dsts.size()));
-  b.clear();
+}
+
+void StagingAgent::write_ends(std::vector<CUstreamBatchMemOpParams>& ops, const std::vector<IncomingBatch::End>& ends,
+                              const char* call) {
+  for (const auto& e : ends) ops.push_back(e.op);
+  if (faults_.hit(FaultPoint::StagedEndsIn))  // MESHMEM_FAULT ...:staged.ends_in:fail
+    throw Error(ErrorCode::Cuda, std::string(call) + ": cuStreamBatchMemOp of " + std::to_string(ops.size()) +
+                                     " stream writes on rank " + std::to_string(rank_) +
+                                     " failed (MESHMEM_FAULT staged.ends_in)");
+  run_stream_batch(ops, incoming_, call, rank_);
+  for (const auto& e : ends)
+    if (e.answered_word != IncomingBatch::kNoWord) last_answered_[e.answered_word] = e.ticket;
 }
 
 // Under windows_m_: this rank's window `window` at `offset`, checked to hold `rows` rows of `width` bytes

@@ -380,8 +380,10 @@ class StagingAgent {
   bool write_counts_after_copies();
   void carry_out(int writer, std::uint64_t sequence, const Descriptor& d);
   void count_refusal(int writer, bool own_get);
-  // `last_copy_failed`: set where the batch's last copy could not be enqueued.
+  // `last_copy_failed`: set where the batch's last copy could not be enqueued. Never throws:
+  // what it could not enqueue is kept as this rank's error, and those transfers' waits time out.
   void flush_incoming(bool* last_copy_failed = nullptr) noexcept;
+  void enqueue_incoming(bool* last_copy_failed);
   void* resolve(std::uint64_t window, std::uint64_t offset, std::size_t width, std::size_t rows, std::size_t pitch,
                 std::string* problem);
   bool stalled(Clock::time_point moved) const {
@@ -437,6 +439,7 @@ class StagingAgent {
   // signal, done word and consumed count follows its copy, and a channel's consumed counts
   // stay in take order.
   struct IncomingBatch {
+    static constexpr std::size_t kNoWord = ~std::size_t(0);
     std::vector<void*> dsts;  // the contiguous chunks' copies
     std::vector<const void*> srcs;
     std::vector<std::size_t> sizes;
@@ -454,9 +457,13 @@ class StagingAgent {
     std::vector<std::pair<CUstreamBatchMemOpParams, long>> signals;
     struct End {  // a done word or consumed count, in take order
       CUstreamBatchMemOpParams op;
-      int mid_writer;  // >= 0: the consumed count of a chunk that more chunks follow (CountAfterCopy-able)
-      std::uint64_t* word;
-      std::uint64_t value;
+      int mid_writer = -1;  // >= 0: the consumed count of a chunk that more chunks follow (CountAfterCopy-able)
+      std::uint64_t* word = nullptr;
+      std::uint64_t value = 0;
+      // The done word of this rank's own get (kNoWord: none), marked answered (last_answered_)
+      // once this write is enqueued: watch_readers ends only gets whose end is not.
+      std::size_t answered_word = kNoWord;
+      std::uint64_t ticket = 0;
     };
     std::vector<End> ends;
     struct Traced {  // MESHMEM_TRACE_STAGED's E step, once enqueued
@@ -479,6 +486,10 @@ class StagingAgent {
     }
   };
   IncomingBatch incoming_batch_;  // under windows_m_ while it holds copies
+  // Enqueues `ops`, then `ends`, in one batch on incoming_; then marks the ends of this rank's
+  // own gets among them answered (last_answered_).
+  void write_ends(std::vector<CUstreamBatchMemOpParams>& ops, const std::vector<IncomingBatch::End>& ends,
+                  const char* call);
   bool batch_copies_ = true;      // cudaMemcpyBatchAsync (false once the driver said it is not supported)
   static constexpr std::pair<std::uint64_t, std::uint64_t> kNoTransfer{~std::uint64_t(0), ~std::uint64_t(0)};
   std::vector<SlotUse> slot_use_;
