@@ -3,6 +3,11 @@
 // MESHMEM_TRANSPORTS=staged,shm,mpi where peer access works, against the copies it is made of
 // and the driver's own host staging, all measured on rank 0 in one run:
 //   meshmem            comm.put into / comm.get from rank 1's device window, device buffer
+//   meshmem-2-streams  the same puts and gets taking turns on two streams of rank 0 (the loop
+//                      ends when both passed their last): each stream waits for its own
+//                      transfer's end at the target, so one transfer's pipeline fill and drain
+//                      can overlap the other's. What a caller gets today from overlapping
+//                      transfers, against meshmem's one-stream rows (each waits for the one before)
 //   meshmem-host-call  the host time spent inside those calls, the mean of a loop's (latency
 //                      column only)
 //   meshmem-host-call-first  the same, of a loop's first call alone (nothing of meshmem's in
@@ -21,7 +26,7 @@
 // staged_get (the reverse). Prints an OSU-style table and the target ratios; --csv appends
 // the rows in the bench/results format.
 //   mpirun -np 2 staged_bench [--csv FILE --commit C --machine M --date D]
-//                             [--max-bytes N] [--iters N] [--reps N] [--call-times]
+//                             [--min-bytes N] [--max-bytes N] [--iters N] [--reps N] [--call-times]
 //     --call-times: also prints each meshmem call's host time, of every timed loop
 //   mpirun -np 2 staged_bench --idle SECONDS
 //     instead: what a CUDA graph of a captured staged put costs while it exists (its owner
@@ -136,8 +141,9 @@ bool parse_count(const std::string& text, int* out) {
 void usage(std::FILE* f) {
   std::fprintf(f,
                "usage: mpirun -np 2 staged_bench [--csv FILE] [--commit C] [--machine M] [--date D]\n"
-               "                                 [--max-bytes N] [--iters N] [--reps N] [--call-times]\n"
+               "                                 [--min-bytes N] [--max-bytes N] [--iters N] [--reps N] [--call-times]\n"
                "  --max-bytes N  largest size (default 1G; K/M/G suffixes); sizes 4K, 16K, ... up to it\n"
+               "  --min-bytes N  leaves out the sizes below N (default 4K)\n"
                "  --iters N      operations per timed loop (default 100; fewer where a loop would move\n"
                "                 more than 4 GiB, at least 3)\n"
                "  --reps N       timed loops per size and variant, taking turns; the fastest is reported\n"
@@ -203,6 +209,7 @@ struct Setup {
   int device, devices;
   bool transports_from_user;
   std::string transports;
+  std::size_t min_bytes = 4096;  // --min-bytes
 };
 
 // ---- --idle ----
@@ -294,7 +301,8 @@ int idle_cost(const Setup& cfg) {
 int measure(const Setup& cfg) {
   const bool origin = g_rank == 0;
   std::vector<std::size_t> sizes;
-  for (std::size_t s = 4 * kKiB; s <= std::min(cfg.max_bytes, kGiB); s *= 4) sizes.push_back(s);
+  for (std::size_t s = 4 * kKiB; s <= std::min(cfg.max_bytes, kGiB); s *= 4)
+    if (s >= cfg.min_bytes) sizes.push_back(s);
   if (sizes.empty()) sizes.push_back(cfg.max_bytes);  // --max-bytes below 4 KiB: that size alone
   const std::size_t max_size = sizes.back();
 
@@ -350,6 +358,10 @@ int measure(const Setup& cfg) {
   void* hbuf2 = nullptr;      // both-ways: the other GPU's side of the host memory
   cudaStream_t so = nullptr;  // both-ways: a stream on the other GPU
   cudaEvent_t both_fork = nullptr, both_join = nullptr;
+  cudaStream_t s2 = nullptr;  // meshmem-2-streams: the second stream (rank 0's GPU)
+  cudaEvent_t s2_join = nullptr;
+  CK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  CK(cudaEventCreateWithFlags(&s2_join, cudaEventDisableTiming));
   int other = -1;
   if (origin) {
     CK(cudaMalloc(&mbuf, max_size + kGuard));
@@ -407,6 +419,20 @@ int measure(const Setup& cfg) {
         else comm.get(mbuf, win, 1, 0, size, s);
         calls_ns.push_back(std::chrono::duration<double, std::nano>(Clock::now() - t0).count());
       };
+      // Odd operations of a loop on s2; the loop's end joins s2 into s (join_s2).
+      int turn = 0;
+      auto meshmem_two_op = [&] {
+        cudaStream_t on = (turn++ % 2 == 0) ? s : s2;
+        const auto t0 = Clock::now();
+        if (put) comm.put(win, 1, 0, mbuf, size, on);
+        else comm.get(mbuf, win, 1, 0, size, on);
+        calls_ns.push_back(std::chrono::duration<double, std::nano>(Clock::now() - t0).count());
+      };
+      auto join_s2 = [&] {
+        CK(cudaEventRecord(s2_join, s2));
+        CK(cudaStreamWaitEvent(s, s2_join, 0));
+        turn = 0;
+      };
       auto driver_op = [&] {
         if (put) CK(cudaMemcpyPeerAsync(obuf, other, cbuf, cfg.device, size, s));
         else CK(cudaMemcpyPeerAsync(cbuf, cfg.device, obuf, other, size, s));
@@ -433,8 +459,10 @@ int measure(const Setup& cfg) {
         std::function<void()> op;
         double best_s = 1e30, best_host_ns = 1e30, best_first_ns = 1e30, best_median_ns = 1e30;
         double best_first_op_ns = 1e30;  // the loop's first op, timed around it (any variant)
+        std::function<void()> finish = [] {};  // after the loop's last op, before s is synchronised
       };
       Variant variants[] = {{"meshmem", staged != 0, meshmem_op},
+                            {"meshmem-2-streams", staged != 0, meshmem_two_op, 1e30, 1e30, 1e30, 1e30, 1e30, join_s2},
                             {"driver-staged", other >= 0, driver_op},
                             {"d2h", true, d2h_op},
                             {"h2d", true, h2d_op},
@@ -447,8 +475,10 @@ int measure(const Setup& cfg) {
       // 2. Warm-up (rank 0; rank 1 waits in the barrier).
       if (origin) {
         for (auto& v : variants)
-          if (v.active)
+          if (v.active) {
             for (int w = 0; w < warm; ++w) v.op();
+            v.finish();
+          }
         CK(cudaStreamSynchronize(s));
       }
       comm.barrier();
@@ -474,6 +504,7 @@ int measure(const Setup& cfg) {
             v.best_first_op_ns =
                 std::min(v.best_first_op_ns, std::chrono::duration<double, std::nano>(Clock::now() - t0).count());
             for (int i = 1; i < iters; ++i) v.op();
+            v.finish();
             CK(cudaStreamSynchronize(s));
             const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
             v.best_s = std::min(v.best_s, secs);
@@ -518,7 +549,7 @@ int measure(const Setup& cfg) {
         for (auto& v : variants) {
           if (!v.active) continue;
           const bool is_meshmem = std::strcmp(v.name, "meshmem") == 0;
-          if (is_meshmem && !ok) {
+          if (std::strncmp(v.name, "meshmem", 7) == 0 && !ok) {
             std::printf("  %-10s %-17s %12zu   (left out: the data check failed)\n", bench_name, v.name, size);
             continue;
           }
@@ -543,16 +574,17 @@ int measure(const Setup& cfg) {
         any = true;
         const double m = find_bw(bench_name, "meshmem", size), d2h = find_bw(bench_name, "d2h", size),
                      h2d = find_bw(bench_name, "h2d", size), drv = find_bw(bench_name, "driver-staged", size),
-                     both = find_bw(bench_name, "both-ways", size);
+                     both = find_bw(bench_name, "both-ways", size), m2 = find_bw(bench_name, "meshmem-2-streams", size);
         const double link = std::min(d2h, h2d);
-        char r1[32] = "n/a", r2[32] = "n/a", r3[32] = "n/a";
+        char r1[32] = "n/a", r2[32] = "n/a", r3[32] = "n/a", r4[32] = "n/a";
         if (m > 0 && link > 0) std::snprintf(r1, sizeof(r1), "%.3f", m / link);
+        if (m2 > 0 && link > 0) std::snprintf(r4, sizeof(r4), "%.3f", m2 / link);
         if (m > 0 && drv > 0) std::snprintf(r2, sizeof(r2), "%.3f", m / drv);
         if (m > 0 && both > 0) std::snprintf(r3, sizeof(r3), "%.3f", m / both);
         std::printf("%s %5zu MiB: meshmem %7.2f GB/s, d2h %7.2f, h2d %7.2f, driver-staged %7.2f, both-ways %7.2f; "
                     "meshmem/min(d2h,h2d) %s (target >= 0.9), meshmem/driver-staged %s (target >= 1.3), "
-                    "meshmem/both-ways %s\n",
-                    bench_name, size / kMiB, m, d2h, h2d, drv, both, r1, r2, r3);
+                    "meshmem/both-ways %s; meshmem-2-streams %7.2f GB/s, /min(d2h,h2d) %s\n",
+                    bench_name, size / kMiB, m, d2h, h2d, drv, both, r1, r2, r3, m2, r4);
         if (drv > 0 && link > 0 && drv > 1.2 * std::max(d2h, h2d))
           std::printf("  note: driver-staged is faster than the host link: the driver took a direct path, so it is not a "
                       "host-staged baseline here\n");
@@ -589,7 +621,10 @@ int measure(const Setup& cfg) {
   if (failed) status = 1;
 
   CK(cudaStreamSynchronize(s));
+  CK(cudaStreamSynchronize(s2));
   CK(cudaStreamDestroy(s));
+  CK(cudaStreamDestroy(s2));
+  CK(cudaEventDestroy(s2_join));
   CK(cudaFree(counters));
   if (origin) {
     CK(cudaFree(mbuf));
@@ -632,6 +667,7 @@ int main(int argc, char** argv) {
     bool ok = true;
     if (a == "--help" || a == "-h") help = true;
     else if (a == "--max-bytes" && has_value) ok = bench::parse_bytes(argv[++i], &cfg.max_bytes);
+    else if (a == "--min-bytes" && has_value) ok = bench::parse_bytes(argv[++i], &cfg.min_bytes);
     else if (a == "--iters" && has_value) ok = parse_count(argv[++i], &cfg.iters);
     else if (a == "--reps" && has_value) ok = parse_count(argv[++i], &cfg.reps);
     else if (a == "--idle" && has_value) ok = parse_count(argv[++i], &cfg.idle_seconds);
