@@ -1464,7 +1464,7 @@ void StagingAgent::flush_incoming(bool* last_copy_failed) noexcept {
     if (last_copy_failed != nullptr) *last_copy_failed = true;
     try {
       log(LogLevel::Error, "staged transport on rank " + std::to_string(rank_) + ": carrying out " +
-                               std::to_string(incoming_batch_.traced.size()) + " chunk(s) from hidden peers failed: " +
+                               std::to_string(incoming_batch_.traced.size()) + " descriptor(s) (chunks, get requests) from hidden peers failed: " +
                                e.what() + " (their initiators' waits will time out)");
       keep_error(e.what());
     } catch (...) {
