@@ -77,3 +77,10 @@ if(MESHMEM_HAVE_CUDA)
   add_executable(fill_lab fill_lab.cu)
   target_link_libraries(fill_lab PRIVATE meshmem::meshmem CUDA::cuda_driver)
 endif()
+# timeslice_lab: two processes sharing one GPU, one's stream waiting for a word the other's
+# stream writes after a copy (the study behind small staged puts between ranks sharing a GPU).
+if(MESHMEM_HAVE_CUDA)
+  add_executable(timeslice_lab timeslice_lab.cu)
+  target_link_libraries(timeslice_lab PRIVATE CUDA::cuda_driver CUDA::cudart MPI::MPI_C)
+  target_compile_definitions(timeslice_lab PRIVATE OMPI_SKIP_MPICXX=1 MPICH_SKIP_MPICXX=1)
+endif()

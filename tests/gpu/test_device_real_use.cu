@@ -1384,24 +1384,36 @@ TEST_F(RealUse, CapturedBarrierWithAPeerThatNeverComesTimesOut) {
 // the put's header, for longer than the timeout: the put's stream is released within the
 // timeout, not when the peer wakes up, and the next put raises Timeout naming the rank. With
 // kernel waits the wait kernel gives up; with memop waits (cuStreamWaitValue64, the choice
-// where ranks share a GPU) the proxy's watchdog ends the transfer.
+// where ranks share a GPU) the proxy's watchdog ends the transfer. The same for a staged
+// transfer through the channel of a peer whose staging agent stops as it takes the
+// transfer's descriptor: with memop waits this rank's agent ends it (end_overdue).
 class StoppedProxy : public RealUse, public ::testing::WithParamInterface<const char*> {
  protected:
-  // Rank 1's proxy thread stops for kStopMs at its first header, with a 2 s timeout; rank 0
-  // runs `transfer` (one put or get to rank 1 on s0) twice: the first one's stream must go on
-  // after the timeout, not after the stop, and the second must raise Timeout naming rank 1.
-  void transfer_ends_in_the_timeout(const char* what, const std::function<void(Window&, DeviceBuffer&)>& transfer) {
+  // Rank 1's proxy thread (staged: its staging agent) stops for kStopMs at its first header
+  // (descriptor), with a 2 s timeout; rank 0 runs `transfer` (one put or get to rank 1 on s0)
+  // twice: the first one's stream must go on after the timeout, not after the stop, and the
+  // second must raise Timeout naming rank 1.
+  void transfer_ends_in_the_timeout(const char* what, const std::function<void(Window&, DeviceBuffer&)>& transfer,
+                                    bool staged = false) {
     constexpr int kStopMs = 6000;
     ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
     ScopedEnv wait("MESHMEM_STREAM_WAIT", GetParam());
-    const std::string plan = "1:proxy.header:stop=" + std::to_string(kStopMs);
+    const std::string plan = (staged ? "1:staged.carry:stop=" : "1:proxy.header:stop=") + std::to_string(kStopMs);
     ScopedEnv fault("MESHMEM_FAULT", plan.c_str());
+    std::optional<ScopedEnv> transports, channels;
+    if (staged) {
+      transports.emplace("MESHMEM_TRANSPORTS", "staged,shm,mpi");
+      channels.emplace("MESHMEM_STAGING_CHANNELS", "always");  // through rank 1's agent
+    }
     make_comm();
+    const TransportKind route = n >= 2 && me == 0 ? comm->transport(1, Memory::Device) : TransportKind::Mpi;
     int proxied = n >= 2 && me == 0 &&
-                  (comm->transport(1, Memory::Device) == TransportKind::Nccl ||
-                   comm->transport(1, Memory::Device) == TransportKind::MpiDevice);
+                  (staged ? route == TransportKind::Staged
+                          : route == TransportKind::Nccl || route == TransportKind::MpiDevice);
     MPI_Bcast(&proxied, 1, MPI_INT, 0, MPI_COMM_WORLD);
-    if (!proxied) GTEST_SKIP() << "needs rank 0 to reach rank 1 through the nccl or mpi-device transport";
+    if (!proxied)
+      GTEST_SKIP() << (staged ? "needs rank 0 to reach rank 1 through the staged transport"
+                              : "needs rank 0 to reach rank 1 through the nccl or mpi-device transport");
     constexpr std::size_t kBytes = 4096;
     Window win = comm->alloc(kBytes);
     DeviceBuffer buf(kBytes);
@@ -1439,6 +1451,17 @@ TEST_P(StoppedProxy, GetFromAPeerWhoseProxyStopsEndsInTheTimeout) {
   transfer_ends_in_the_timeout("get", [&](Window& win, DeviceBuffer& dst) { comm->get(dst.p, win, 1, 0, dst.bytes, s0); });
 }
 
+// Staged (forced): rank 1's agent stops as it takes the put's last chunk (the get's request).
+TEST_P(StoppedProxy, StagedPutToAPeerWhoseAgentStopsEndsInTheTimeout) {
+  transfer_ends_in_the_timeout(
+      "staged put", [&](Window& win, DeviceBuffer& src) { comm->put(win, 1, 0, src.p, src.bytes, s0); }, true);
+}
+
+TEST_P(StoppedProxy, StagedGetFromAPeerWhoseAgentStopsEndsInTheTimeout) {
+  transfer_ends_in_the_timeout(
+      "staged get", [&](Window& win, DeviceBuffer& dst) { comm->get(dst.p, win, 1, 0, dst.bytes, s0); }, true);
+}
+
 INSTANTIATE_TEST_SUITE_P(Waits, StoppedProxy, ::testing::Values("kernel", "memop"),
                          [](const auto& info) { return std::string(info.param); });
 
@@ -1446,14 +1469,22 @@ INSTANTIATE_TEST_SUITE_P(Waits, StoppedProxy, ::testing::Values("kernel", "memop
 // previous put ended. Rank 1's agent stops for 6 s at the first chunk it takes (rank 0's put
 // P1), with a 2 s timeout: P1's stream goes on after its timeout, and P2 on the same stream
 // finds the slot still held (rank 1 will copy P1 out of it later) and is copied by rank 0's
-// agent instead. Both land whole once rank 1 goes on (before, P2 was written over P1's
-// bytes in the slot after the wait for the slot timed out, and P1's range got P2's data;
-// rank 0's log says "fill slot was still held" now).
-TEST_F(RealUse, StreamFilledPutBehindATimedOutOneLeavesItsSlotAlone) {
+// agent instead (before, P2 was written over P1's bytes in the slot after the wait for the
+// slot timed out, and P1's range got P2's data; rank 0's log says "fill slot was still held"
+// now). With kernel waits (the wait kernel gives up, the done words stay) both land whole
+// once rank 1 goes on; with memop waits rank 0's agent ends them at the timeout (their done
+// words set), so rank 1 drops them: each range then holds its own bytes or none, never the
+// other put's.
+class StalledFill : public RealUse, public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(StalledFill, StreamFilledPutBehindATimedOutOneLeavesItsSlotAlone) {
   constexpr int kStopMs = 6000;
+  const bool kernel_waits = std::string(GetParam()) == "kernel";
   ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+  ScopedEnv wait("MESHMEM_STREAM_WAIT", GetParam());
   ScopedEnv transports("MESHMEM_TRANSPORTS", "staged,shm,mpi");
   ScopedEnv fill("MESHMEM_STAGING_STREAM_FILL", "on");
+  ScopedEnv channels("MESHMEM_STAGING_CHANNELS", "always");  // through rank 1's agent
   const std::string plan = "1:staged.carry:stop=" + std::to_string(kStopMs);
   ScopedEnv fault("MESHMEM_FAULT", plan.c_str());
   make_comm();
@@ -1479,22 +1510,34 @@ TEST_F(RealUse, StreamFilledPutBehindATimedOutOneLeavesItsSlotAlone) {
       EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
     }
   }
-  // Rank 1's agent goes on at 6 s and carries both out.
+  // Rank 1's agent goes on at 6 s and carries both out (kernel waits) or drops them.
   const auto left = std::chrono::milliseconds(kStopMs + 1000) - (std::chrono::steady_clock::now() - t0);
   if (left.count() > 0) std::this_thread::sleep_for(left);
   MPI_Barrier(MPI_COMM_WORLD);
   if (me == 1) {
     std::vector<unsigned char> got(2 * kSecond);
-    for (int tries = 0; tries < 50; ++tries) {  // up to 5 s more for the copies
+    const std::vector<unsigned char> poison(kBytes, kPoison);
+    for (int tries = 0; tries < (kernel_waits ? 50 : 10); ++tries) {  // up to 5 s more for the copies
       CUDA_OK(cudaMemcpy(got.data(), win.local(), got.size(), cudaMemcpyDeviceToHost));
       if (first_difference(got.data() + kSecond, want_b.data(), kBytes) == -1) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
-    EXPECT_EQ(first_difference(got.data(), want_a.data(), kBytes), -1) << "P1's bytes";
-    EXPECT_EQ(first_difference(got.data() + kSecond, want_b.data(), kBytes), -1) << "P2's bytes";
+    const auto holds = [&](std::size_t at, const std::vector<unsigned char>& want) {
+      return first_difference(got.data() + at, want.data(), kBytes) == -1;
+    };
+    if (kernel_waits) {
+      EXPECT_TRUE(holds(0, want_a)) << "P1's bytes";
+      EXPECT_TRUE(holds(kSecond, want_b)) << "P2's bytes";
+    } else {
+      EXPECT_TRUE(holds(0, want_a) || holds(0, poison)) << "P1's range holds neither P1's bytes nor the poison";
+      EXPECT_TRUE(holds(kSecond, want_b) || holds(kSecond, poison)) << "P2's range holds neither P2's bytes nor the poison";
+    }
   }
   MPI_Barrier(MPI_COMM_WORLD);
 }
+
+INSTANTIATE_TEST_SUITE_P(Waits, StalledFill, ::testing::Values("kernel", "memop"),
+                         [](const auto& info) { return std::string(info.param); });
 
 // A peer killed with SIGKILL while this rank still has work that needs it: a device wait
 // for its signal and a barrier(stream) end on the GPU and are reported as Error(Timeout)

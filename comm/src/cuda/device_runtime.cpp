@@ -35,8 +35,8 @@ const TuningKnob<StreamWait> kStreamWait{
     "polling kernel that gives up after MESHMEM_TIMEOUT and reports it; about 2x lower put_signal latency than "
     "memop), `memop` (cuStreamWaitValue64: holds no SM, so it is faster where ranks share a GPU, but a "
     "`wait_until` cannot time out; a transfer is still ended at the timeout, by the staging agent (also one held in "
-    "a GPU queue), by the proxy thread's watchdog or by the halo exchange's watch thread; staged transfers through a hidden peer's channel keep the kernel, as only that peer "
-    "ends them); `auto` = `kernel`, or `memop` where another rank of the Comm uses this rank's GPU (same UUID, "
+    "a GPU queue), by the proxy thread's watchdog or by the halo exchange's watch thread (a staged transfer through a hidden peer's channel: "
+    "by this rank's staging agent, MESHMEM_TIMEOUT after it was posted in full, its late chunks then dropped)); `auto` = `kernel`, or `memop` where another rank of the Comm uses this rank's GPU (same UUID, "
     "on this node or another: containers, simulated nodes; a MIG instance is a GPU of its own; a polling kernel would "
     "hold the time-sliced GPU from the ranks it waits for). Either wait stalls its GPU queue (a kernel once work is "
     "queued behind it): see MESHMEM_GPU_QUEUES"};

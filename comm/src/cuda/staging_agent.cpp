@@ -63,6 +63,7 @@ StagingAgent::StagingAgent(Setup setup)
       local_of_(static_cast<std::size_t>(setup.ranks), 0),
       timeout_(setup.timeout),
       limit_(setup.limit),
+      ends_channel_transfers_(setup.ends_channel_transfers),
       faults_(std::move(setup.faults)),
       trace_(setup.trace_prefix.empty() ? "" : setup.trace_prefix + "." + std::to_string(setup.rank),
              setup.trace_prefix.empty() ? 0 : kTraceSteps),
@@ -304,12 +305,15 @@ ControlWords StagingAgent::control_of(int rank) const {
 
 // The first error since the caller last took it is the one its next call raises; later ones
 // are only logged.
-void StagingAgent::keep_error(const std::string& message) {
+void StagingAgent::keep_error(const std::string& message, ErrorCode code) {
   std::lock_guard<std::mutex> lock(m_);
-  if (error_.empty()) error_ = message;
+  if (!error_.empty()) return;
+  error_ = message;
+  error_code_ = code;
 }
 
-std::string StagingAgent::take_error() {
+std::string StagingAgent::take_error(ErrorCode* code) {
+  *code = ErrorCode::Cuda;
   std::string failed;
   for (int peer : hidden_) {
     const std::uint64_t now = __atomic_load_n(control_of(peer).failed(local_index(rank_)), __ATOMIC_ACQUIRE);
@@ -321,6 +325,7 @@ std::string StagingAgent::take_error() {
     }
   }
   std::lock_guard<std::mutex> lock(m_);
+  if (!error_.empty()) *code = error_code_;
   if (!failed.empty()) return error_.empty() ? failed : std::exchange(error_, std::string()) + "; " + failed;
   return std::exchange(error_, std::string());
 }
@@ -443,6 +448,7 @@ void StagingAgent::run() {
     }
     if (!hidden_.empty() && Clock::now() >= next_watch_) {
       watch_readers();
+      if (ends_channel_transfers_) end_overdue();
       next_watch_ = Clock::now() + std::chrono::milliseconds(10);
     }
     if (Clock::now() >= next_stream_watch_) {
@@ -631,7 +637,8 @@ void StagingAgent::execute(const StagedRequest& r) {
   if (r.word_is_lent) {
     std::lock_guard<std::mutex> lock(m_);
     remote_lent_.push_back(
-        RemoteEnd{r.done, r.ticket, r.word, r.route == StagedRequest::Route::ToHidden ? r.peer : rank_, r.peer});
+        RemoteEnd{r.done, r.ticket, r.word, r.route == StagedRequest::Route::ToHidden ? r.peer : rank_, r.peer,
+                  std::nullopt});
   }
   outgoing_[local_index(r.peer)].push_back(std::move(o));
 }
@@ -664,8 +671,10 @@ bool StagingAgent::pump() {
     }
     if (moved) t.moved = Clock::now();
     if (!left && stalled(t.moved)) {
-      abandon_visible(r, what + ": no staging slot came free within " + describe_timeout(timeout_) + " (" +
-                             slot_holders() + ")" + gpu_queue_hint());
+      abandon_visible(r,
+                      what + ": no staging slot came free within " + describe_timeout(timeout_) + " (" +
+                          slot_holders() + ")" + gpu_queue_hint(),
+                      ErrorCode::Timeout);
       left = true;
     }
     any = any || moved || left;
@@ -695,10 +704,13 @@ bool StagingAgent::pump() {
       }
       if (moved) o.moved = Clock::now();
       if (!left && stalled(o.moved)) {
-        abandon_outgoing(o, o.what + ": rank " + std::to_string(o.reader) + " took nothing from this rank's channel within " +
-                                describe_timeout(timeout_) + " (" + slot_holders() + ")" + gpu_queue_hint());
+        abandon_outgoing(o,
+                         o.what + ": rank " + std::to_string(o.reader) + " took nothing from this rank's channel within " +
+                             describe_timeout(timeout_) + " (" + slot_holders() + ")" + gpu_queue_hint(),
+                         ErrorCode::Timeout);
         left = true;
       }
+      if (left && !o.answer && ends_channel_transfers_) mark_posted(o.done_word, o.ticket);
       any = any || moved || left;
       if (!left) break;
       const bool answer = o.answer;
@@ -760,9 +772,9 @@ void StagingAgent::end_visible(const StagedRequest& r, bool signal, const std::s
 // A visible transfer that cannot go on: no signal; its done word ends it after the pieces
 // already enqueued (or at once, from the host, if even that fails); the error goes to the
 // caller's next call.
-void StagingAgent::abandon_visible(const StagedRequest& r, const std::string& message) {
+void StagingAgent::abandon_visible(const StagedRequest& r, const std::string& message, ErrorCode code) {
   log(LogLevel::Error, message);
-  keep_error(message);
+  keep_error(message, code);
   try {
     end_visible(r, false, message);
   } catch (const std::exception& e) {
@@ -880,13 +892,13 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
 // An outgoing transfer that cannot go on: nothing more of it is posted, its done word is set
 // from the host (the reader never sees its last descriptor), and the error goes to whoever
 // initiated it: this rank's next call, or (an answer) the reader's, through the failed count.
-void StagingAgent::abandon_outgoing(const Outgoing& o, const std::string& message) {
+void StagingAgent::abandon_outgoing(const Outgoing& o, const std::string& message, ErrorCode code) {
   log(LogLevel::Error, message);
   if (o.answer) {
     // Once per transfer: a refused get was counted when it was refused (carry_out).
     if (!o.failure_counted) __atomic_add_fetch(control_.failed(local_index(o.reader)), 1, __ATOMIC_RELEASE);
   } else {
-    keep_error(message);
+    keep_error(message, code);
   }
   __atomic_store_n(control_of(o.done_rank).transfer(o.done_word), o.ticket, __ATOMIC_RELEASE);
 }
@@ -938,7 +950,10 @@ void StagingAgent::watch_readers() {
                                   std::to_string(puts.size()) + " put(s) to it and " + std::to_string(gets.size()) +
                                   " get(s) from it ended unfinished, and transfers with it fail";
       log(LogLevel::Warn, message);
-      if ((!puts.empty() || !gets.empty()) && error_.empty()) error_ = message;
+      if ((!puts.empty() || !gets.empty()) && error_.empty()) {
+        error_ = message;
+        error_code_ = ErrorCode::Cuda;
+      }
       // A put's done word is the dead reader's to write: set from here.
       for (const RemoteEnd* e : puts) __atomic_store_n(const_cast<std::uint64_t*>(e->done), e->ticket, __ATOMIC_RELEASE);
       // The words of puts to it that ended are free again; those of puts ended here are never
@@ -969,6 +984,51 @@ void StagingAgent::watch_readers() {
       }
     }
   }
+}
+
+void StagingAgent::mark_posted(std::size_t word, std::uint64_t ticket) {
+  std::lock_guard<std::mutex> lock(m_);
+  for (RemoteEnd& e : remote_lent_)
+    if (e.word == word && e.ticket == ticket) e.posted = Clock::now();
+}
+
+// The callers' streams wait for these with stream memory waits, which cannot time out by
+// themselves (a shared GPU: a polling kernel there would hold the time-sliced GPU from the
+// peer whose copy it waits for, 2.2 ms per small put, bench/timeslice_lab). A put whose
+// reader lives but has not ended it, or a get whose owner has not answered it in full, is
+// ended from the host, the error kept first. Its word is never lent again: the peer may still
+// write its end later, which must not move a reused word back; and its done word having
+// reached its ticket, chunks of it that still come are not carried out (carry_out).
+void StagingAgent::end_overdue() {
+  if (timeout_.count() == 0) return;
+  const auto now = Clock::now();
+  std::vector<std::pair<std::uint64_t*, std::uint64_t>> ends;  // (done word, ticket)
+  {
+    std::lock_guard<std::mutex> lock(m_);
+    for (auto it = remote_lent_.begin(); it != remote_lent_.end();) {
+      const RemoteEnd& e = *it;
+      if (!e.posted || now - *e.posted < timeout_ || __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket) {
+        ++it;
+        continue;
+      }
+      const bool put = e.writer == e.peer;
+      const std::string message =
+          "staged " + std::string(put ? "put to" : "get from") + " rank " + std::to_string(e.peer) + " (transfer " +
+          std::to_string(e.ticket) + " of rank " + std::to_string(rank_) + "): rank " + std::to_string(e.peer) +
+          (put ? " did not land it" : " did not answer it in full") + " within " + describe_timeout(timeout_) +
+          " of its last descriptor; ended from the host, its data may be incomplete (" + slot_holders() + ")";
+      log(LogLevel::Error, message);
+      if (error_.empty()) {
+        error_ = message;
+        error_code_ = ErrorCode::Timeout;
+      }
+      ends.emplace_back(const_cast<std::uint64_t*>(e.done), e.ticket);
+      it = remote_lent_.erase(it);
+    }
+  }
+  // After the error: a caller whose stream goes on finds it at its next call.
+  for (const auto& [done, ticket] : ends)
+    if (__atomic_load_n(done, __ATOMIC_ACQUIRE) < ticket) __atomic_store_n(done, ticket, __ATOMIC_RELEASE);
 }
 
 // A slot that may be written now, the next in turn first: one a hidden reader consumed (as
@@ -1087,7 +1147,7 @@ void StagingAgent::end_held(Lane& lane, int device) {
       gpu_queue_hint();
   log(LogLevel::Error, message);
   // The error first: a caller whose stream goes on at the write below finds it at its next call.
-  keep_error(message);
+  keep_error(message, ErrorCode::Timeout);
   for (const auto& [done, ticket] : ends)
     if (__atomic_load_n(done, __ATOMIC_ACQUIRE) < ticket) __atomic_store_n(done, ticket, __ATOMIC_RELEASE);
 }

@@ -51,6 +51,12 @@
 // callers' streams wait with a stream memory wait where the GPU is shared, which cannot time
 // out by itself, and would otherwise wait for ever behind the very queue that holds the lane.
 //
+// Where callers' streams wait with stream memory waits (a shared GPU), a transfer through a
+// channel that its live peer has not ended MESHMEM_TIMEOUT after it was posted in full is
+// ended from here (end_overdue), as the wait kernel would give up elsewhere; its word is not
+// lent again, and what of it the peer takes later is dropped there (its done word reached
+// its ticket).
+//
 // Transfers start in the order their sources become ready (the agent polls each one's ready
 // word, set by its caller's stream), never in call order, so a transfer whose stream waits holds no other back. Each has
 // a done word of its own (lent per transfer and taken back once it ended), which the caller's
@@ -194,6 +200,10 @@ class StagingAgent {
     std::string trace_prefix;  // MESHMEM_TRACE_STAGED: "" or where the step trace goes (+ "." + rank)
     std::chrono::milliseconds timeout{0};
     cuda::WaitLimit limit{};
+    // Callers' streams wait for transfers through hidden peers' channels with stream memory
+    // waits (a shared GPU), which cannot time out by themselves: this agent ends such a
+    // transfer that its peer has not ended MESHMEM_TIMEOUT after it was posted in full.
+    bool ends_channel_transfers = false;
     // Where replays of captured transfers ring (CapturedHandoff): polled while any exists.
     // Required.
     std::shared_ptr<HandoffBoard<StagingAgent>> captured;
@@ -274,8 +284,9 @@ class StagingAgent {
   std::string held_report();
 
   // The first error the agent met, or a count of this rank's transfers that hidden peers
-  // could not carry out, once ("" if none).
-  std::string take_error();
+  // could not carry out, once ("" if none); *code: Timeout where the first error was a wait
+  // that ran out, else Cuda.
+  std::string take_error(ErrorCode* code);
 
   // Waits until every transfer handed over was enqueued (its source ready), the lanes are
   // idle and transfers to and from hidden peers ended; bounded by MESHMEM_TIMEOUT (0: no
@@ -347,18 +358,25 @@ class StagingAgent {
   void give_up_if_context_failed(ReadyQueue<StagedRequest>& waiting);
   bool poll_incoming();
   bool pump();
-  void keep_error(const std::string& message);  // the first one since take_error(), under m_
+  // The first one since take_error(); takes m_.
+  void keep_error(const std::string& message, ErrorCode code = ErrorCode::Cuda);
   void fail(const StagedRequest& r, const std::string& message);
   void end_unstarted(const StagedRequest& r);
   void execute(const StagedRequest& r);
   void enqueue_visible_piece(const StagedRequest& r, const PieceCursor::Piece& p, std::size_t s, const std::string& what);
   void end_visible(const StagedRequest& r, bool signal, const std::string& what);
-  void abandon_visible(const StagedRequest& r, const std::string& message);
+  void abandon_visible(const StagedRequest& r, const std::string& message, ErrorCode code = ErrorCode::Cuda);
   bool advance_outgoing(Outgoing& o, bool* moved);
-  void abandon_outgoing(const Outgoing& o, const std::string& message);
+  void abandon_outgoing(const Outgoing& o, const std::string& message, ErrorCode code = ErrorCode::Cuda);
+  // This rank's transfer with done word `word` and `ticket` left the channel queue (posted in
+  // full, or abandoned): end_overdue's clock starts.
+  void mark_posted(std::size_t word, std::uint64_t ticket);
   // Every ~10 ms: hidden peers whose process ended give their slots back, and the puts they
   // were to end and the gets they were to answer are ended here (see the header comment).
   void watch_readers();
+  // Every ~10 ms where Setup::ends_channel_transfers: transfers through a channel that their
+  // live peer has not ended MESHMEM_TIMEOUT after they were posted in full are ended here.
+  void end_overdue();
   // Every ~100 ms while work is enqueued: a stream whose work has not moved for
   // held_after_ is logged (see the header comment); true while any stream holds work.
   bool watch_streams();
@@ -403,6 +421,7 @@ class StagingAgent {
   std::vector<int> hidden_;            // node peers whose GPU this process cannot see
   std::chrono::milliseconds timeout_;
   cuda::WaitLimit limit_;
+  bool ends_channel_transfers_;  // Setup::ends_channel_transfers
   FaultPlan faults_;
   // MESHMEM_TRACE_STAGED: S handed over (caller's thread), R source seen ready, P copy into a
   // slot enqueued (aux: bytes), O posted (aux: 1 for a transfer's last piece); I a peer's
@@ -532,6 +551,7 @@ class StagingAgent {
     std::size_t word;
     int writer;  // whose GPU writes the done word: a put's reader, or this rank (a get's answer)
     int peer;    // the hidden peer it goes to or comes from: its death ends it (watch_readers)
+    std::optional<Clock::time_point> posted;  // when its last descriptor was posted (end_overdue)
   };
   std::vector<RemoteEnd> remote_lent_;  // words of transfers a hidden peer (or the answer to a get) ends
   std::uint64_t submitted_ = 0;
@@ -547,6 +567,7 @@ class StagingAgent {
   std::uint64_t answers_ = 0;  // answers to hidden peers' gets not yet posted to their end
   bool stop_ = false;
   std::string error_;
+  ErrorCode error_code_ = ErrorCode::Cuda;
   std::string held_report_;
   // Its loop's turns and its state, for the timeout errors of callers' threads
   // (describe_worker_pulses): a stall inside this thread shows there.

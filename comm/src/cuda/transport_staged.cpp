@@ -250,6 +250,7 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
     setup.timeout = ctx_.options.timeout;
     setup.trace_prefix = kTraceStaged.get(ctx_.options);
     setup.limit = device_->wait_limit();
+    setup.ends_channel_transfers = !device_->waits_with_kernel();
     agent_ = std::make_shared<StagingAgent>(std::move(setup));
   });
   board_->open(agent_.get());
@@ -291,8 +292,9 @@ void* StagedTransport::mapped_part(const WindowState& win, int rank, const char*
 }
 
 void StagedTransport::raise_earlier_failure(const std::string& where) {
-  const std::string error = agent_->take_error();
-  if (!error.empty()) throw Error(ErrorCode::Cuda, where + ": an earlier transfer failed: " + error);
+  ErrorCode code = ErrorCode::Cuda;
+  const std::string error = agent_->take_error(&code);
+  if (!error.empty()) throw Error(code, where + ": an earlier transfer failed: " + error);
 }
 
 void StagedTransport::quiet(Stream) {
@@ -332,9 +334,10 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
       return;
     ticket = agent_->submit(r);
     // The wait sets the ready word first (on the GPU, once the stream's earlier work is done).
-    // The agent ends a visible transfer that stalls; one through a hidden peer's channel is
-    // ended by that peer's agent, which may be dead: the wait kernel's own timeout then.
-    device_->wait_for_ticket(done, ticket, peer, s, visible, what(name, peer), ready);
+    // The agent ends a visible transfer that stalls, and, where stream waits are memory waits
+    // (a shared GPU), one through a hidden peer's channel that the peer has not ended in time
+    // (end_overdue); elsewhere the wait kernel's own timeout ends that one.
+    device_->wait_for_ticket(done, ticket, peer, s, visible || !device_->waits_with_kernel(), what(name, peer), ready);
   } catch (...) {
     if (ticket != 0)
       agent_->withdraw(ticket, ready);  // nothing will say its source is ready: it ends unstarted

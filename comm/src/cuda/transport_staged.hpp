@@ -14,10 +14,12 @@
 // mapped here for the target's GPU). The caller's thread only takes a done word, hands the
 // request over and enqueues one kernel on its stream, so a put returns in microseconds
 // whatever its size. The kernel first sets the transfer's ready word (in the pool) once the
-// stream's earlier work is done (or, where the GPU is shared and the agent ends the transfer,
-// a stream memory write and wait do), then waits on the GPU until the transfer's done word
+// stream's earlier work is done, then waits on the GPU until the transfer's done word
 // (written after the last copy and the signal) reaches its ticket; it times out like every
-// device wait. For a put of at most 64 KiB from this GPU to a hidden peer, its rows 4-byte
+// device wait. Where the GPU is shared a stream memory write and wait do this instead (a
+// polling kernel would hold the time-sliced GPU from the peer's agent, whose small copies
+// run on the compute engine: 2.39 ms per 4 KiB put, bench/timeslice_lab), and this rank's
+// agent ends the transfer at the timeout (StagingAgent::end_overdue). For a put of at most 64 KiB from this GPU to a hidden peer, its rows 4-byte
 // aligned, the kernel first copies the bytes into a small slot of its stream's, so the agent
 // only posts it (MESHMEM_STAGING_STREAM_FILL; by default not where ranks share a GPU).
 //
