@@ -328,6 +328,8 @@ int measure(const Setup& cfg) {
     CK(cudaGetDeviceProperties(&prop, cfg.device));
     std::printf("# meshmem staged_bench: 2 ranks, %d GPU(s) visible (%s); rank 0 on %s, rank 1 on %s%s\n", cfg.devices,
                 prop.name, bus[0], bus[1], shared_gpu ? " (one GPU shared)" : "");
+    if (const char* completion = std::getenv("MESHMEM_STAGED_COMPLETION"))
+      std::printf("# MESHMEM_STAGED_COMPLETION=%s (each timed loop ends with comm.quiet: its puts landed)\n", completion);
     std::printf("# MESHMEM_TRANSPORTS=%s (%s)\n", cfg.transports.c_str(),
                 cfg.transports_from_user ? "set by the user" : "set by staged_bench");
     std::printf("# rank 0 reaches rank 1's device window through: %s\n", meshmem::to_string(route));
@@ -428,7 +430,12 @@ int measure(const Setup& cfg) {
         else comm.get(mbuf, win, 1, 0, size, on);
         calls_ns.push_back(std::chrono::duration<double, std::nano>(Clock::now() - t0).count());
       };
+      // With MESHMEM_STAGED_COMPLETION=source a put's stream passes it before it landed: the
+      // loop's end waits for the landing (a no-op with target completion).
+      auto quiet_s = [&] { comm.quiet(s); };
       auto join_s2 = [&] {
+        comm.quiet(s2);
+        comm.quiet(s);
         CK(cudaEventRecord(s2_join, s2));
         CK(cudaStreamWaitEvent(s, s2_join, 0));
         turn = 0;
@@ -461,7 +468,7 @@ int measure(const Setup& cfg) {
         double best_first_op_ns = 1e30;  // the loop's first op, timed around it (any variant)
         std::function<void()> finish = [] {};  // after the loop's last op, before s is synchronised
       };
-      Variant variants[] = {{"meshmem", staged != 0, meshmem_op},
+      Variant variants[] = {{"meshmem", staged != 0, meshmem_op, 1e30, 1e30, 1e30, 1e30, 1e30, quiet_s},
                             {"meshmem-2-streams", staged != 0, meshmem_two_op, 1e30, 1e30, 1e30, 1e30, 1e30, join_s2},
                             {"driver-staged", other >= 0, driver_op},
                             {"d2h", true, d2h_op},

@@ -257,7 +257,7 @@ CommImpl::~CommImpl() {
       // A quiet that fails (a peer failed earlier) does not keep this rank from the meeting:
       // the other ranks would wait a whole timeout for it.
       try {
-        quiet(nullptr, "~Comm");
+        quiet(nullptr, "~Comm", true);
       } catch (const std::exception& e) {
         log(LogLevel::Error, std::string("~Comm: ") + e.what() + "; meeting the other ranks anyway");
       }
@@ -519,7 +519,7 @@ void CommImpl::free_window(WindowState& state) {
   // and lose their Comm; this rank raises the quiet's error once the window is freed.
   std::optional<Error> unconfirmed;
   try {
-    quiet(nullptr, call);
+    quiet(nullptr, call, true);
   } catch (const Error& e) {
     unconfirmed = e;
   }
@@ -676,7 +676,7 @@ std::uint64_t CommImpl::read_signal(const WindowState& s, std::size_t index) {
   return device->read_word(s, index);
 }
 
-void CommImpl::quiet(Stream stream, const char* call) {
+void CommImpl::quiet(Stream stream, const char* call, bool on_host) {
   if (stream != nullptr && !device)
     throw Error(ErrorCode::Unsupported, where(call) + ": a stream was given but device windows are unavailable: " + device_why);
   std::optional<DeviceScope> scope;
@@ -687,6 +687,7 @@ void CommImpl::quiet(Stream stream, const char* call) {
   for (const auto& t : transports) {
     try {
       t->quiet(stream);
+      if (on_host) t->complete_on_host(call);
     } catch (...) {
       if (!first) first = std::current_exception();
     }
@@ -702,13 +703,14 @@ void CommImpl::barrier(Stream stream) {
     barrier_host();
     return;
   }
-  quiet(nullptr, call);
+  // The stream's staged puts with source completion land before it arrives.
+  quiet(stream, call);
   DeviceScope scope(*device, stream, true, call);
   stream_barrier->arrive(stream, scope.capturing());
 }
 
 void CommImpl::barrier_host() {
-  quiet(nullptr, "comm.barrier");
+  quiet(nullptr, "comm.barrier", true);
   boot.arrive("comm.barrier");
 }
 

@@ -53,7 +53,9 @@ class CommImpl {
   void wait_until(const Signals& sig, std::size_t index, std::size_t count, Cmp cmp, std::uint64_t value,
                   Stream stream, const char* call, std::optional<std::uint64_t> then = std::nullopt);
   std::uint64_t read_signal(const WindowState& sig, std::size_t index);
-  void quiet(Stream stream, const char* call);
+  // `on_host`: also waits on the host until every put of this rank landed (Window::free, the
+  // host barrier, ~Comm: Transport::complete_on_host).
+  void quiet(Stream stream, const char* call, bool on_host = false);
   void barrier(Stream stream);
   void barrier_host();
 

@@ -109,6 +109,11 @@ class Transport {
   // Every put and signal issued through this transport (on `stream`, where stream-ordered)
   // is complete at its target.
   virtual void quiet(Stream stream) = 0;
+  // Waits on the host (bounded by MESHMEM_TIMEOUT) until every put this rank issued, on any
+  // stream, is complete at its target (Window::free, the host barrier, ~Comm). Only for
+  // transports whose streams pass a put before it landed (the staged transport with
+  // MESHMEM_STAGED_COMPLETION=source); `call` names the caller in errors.
+  virtual void complete_on_host(const char* call) { (void)call; }
 
   // Serves at most one pending request of a peer; true if it did. Threads that wait for a
   // peer call it (the awaited data may be in such a request).

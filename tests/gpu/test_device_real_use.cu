@@ -1386,7 +1386,8 @@ TEST_F(RealUse, CapturedBarrierWithAPeerThatNeverComesTimesOut) {
 // kernel waits the wait kernel gives up; with memop waits (cuStreamWaitValue64, the choice
 // where ranks share a GPU) the proxy's watchdog ends the transfer. The same for a staged
 // transfer through the channel of a peer whose staging agent stops as it takes the
-// transfer's descriptor: with memop waits this rank's agent ends it (end_overdue).
+// transfer's descriptor: with memop waits this rank's agent ends the (small) put
+// (end_overdue); the get keeps its wait kernel (its last copy is this rank's own).
 class StoppedProxy : public RealUse, public ::testing::WithParamInterface<const char*> {
  protected:
   // Rank 1's proxy thread (staged: its staging agent) stops for kStopMs at its first header
@@ -1471,10 +1472,10 @@ INSTANTIATE_TEST_SUITE_P(Waits, StoppedProxy, ::testing::Values("kernel", "memop
 // finds the slot still held (rank 1 will copy P1 out of it later) and is copied by rank 0's
 // agent instead (before, P2 was written over P1's bytes in the slot after the wait for the
 // slot timed out, and P1's range got P2's data; rank 0's log says "fill slot was still held"
-// now). With kernel waits (the wait kernel gives up, the done words stay) both land whole
-// once rank 1 goes on; with memop waits rank 0's agent ends them at the timeout (their done
-// words set), so rank 1 drops them: each range then holds its own bytes or none, never the
-// other put's.
+// now). The fill kernel waits for its put's end itself and gives up at the timeout (the done
+// word stays), so both land whole once rank 1 goes on; a put that rank 0's agent ends at the
+// timeout instead (a small one whose stream waits with a memop, end_overdue) is dropped by
+// rank 1: each range holds its own bytes, or none where that happened, never the other put's.
 class StalledFill : public RealUse, public ::testing::WithParamInterface<const char*> {};
 
 TEST_P(StalledFill, StreamFilledPutBehindATimedOutOneLeavesItsSlotAlone) {

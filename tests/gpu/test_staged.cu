@@ -18,6 +18,7 @@
 #include "mpi_test.hpp"
 
 using namespace meshmem;
+using meshmem::test::DeviceBuffer;
 using meshmem::test::first_difference;
 using meshmem::test::kPoison;
 using meshmem::test::pattern;
@@ -311,6 +312,144 @@ TEST_F(Staged, PutReturnsBeforeItsDataMoved) {
   CUDA_OK(cudaStreamSynchronize(s));
   comm->barrier();
   cudaFree(src);
+}
+
+// MESHMEM_STAGED_COMPLETION=source: a put's stream goes on once its source is in the staging
+// pool; quiet(stream), barrier(stream), a get from the same rank and the host barrier wait for
+// its landing.
+class StagedSourceCompletion : public Staged {
+ protected:
+  void SetUp() override {
+    Staged::SetUp();
+    if (IsSkipped()) return;
+    comm.reset();
+    comm = std::make_unique<Comm>(MPI_COMM_WORLD, options());
+  }
+  // Through the channel (source completion's route) also where the environment picks the
+  // one-agent path.
+  virtual Options options() {
+    Options o = staged_options("MESHMEM_STAGED_COMPLETION", "source");
+    o.set("MESHMEM_STAGING_CHANNELS", "always");
+    return o;
+  }
+};
+
+__global__ void scribble(unsigned char* p, std::size_t n, unsigned char v) {
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) p[i] = v;
+}
+
+// The source may be reused once the put's stream passed it: a kernel overwrites it right
+// after the put on the same stream, then quiet(stream); the target holds the put's bytes,
+// not the overwrite (every size: one chunk, a remainder under 32 KiB, several chunks).
+TEST_F(StagedSourceCompletion, SourceReusedOnceTheStreamPassedThePutAndQuietLandsIt) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  const std::size_t sizes[] = {5, 4096 + 3, (4u << 20) + 5, (40u << 20) + 13};
+  const std::size_t offset = 77, guard = 64, largest = sizes[3];
+  Window win = comm->alloc(offset + largest + guard);
+  DeviceBuffer src(largest);
+  for (std::size_t size : sizes) {
+    const auto mine = pattern(seed, key(size, me, 20), size);
+    CUDA_OK(cudaMemcpy(src.p, mine.data(), size, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(win.local(), kPoison, offset + size + guard));
+    CUDA_OK(cudaDeviceSynchronize());
+    comm->barrier();
+    comm->put(win, right, offset, src.p, size, s);
+    scribble<<<64, 256, 0, s>>>(static_cast<unsigned char*>(src.p), size, 0x5A);
+    CUDA_OK(cudaGetLastError());
+    comm->quiet(s);
+    CUDA_OK(cudaStreamSynchronize(s));
+    comm->barrier();
+    std::vector<unsigned char> got(offset + size + guard);
+    CUDA_OK(cudaMemcpy(got.data(), win.local(), got.size(), cudaMemcpyDeviceToHost));
+    const auto want = pattern(seed, key(size, left, 20), size);
+    EXPECT_EQ(first_difference(got.data() + offset, want.data(), size), -1) << size << " bytes from rank " << left;
+    const std::vector<unsigned char> poison(offset, kPoison);
+    EXPECT_EQ(first_difference(got.data(), poison.data(), offset), -1) << "bytes before the range, " << size;
+    EXPECT_EQ(first_difference(got.data() + offset + size, poison.data(), guard), -1) << "bytes after the range, " << size;
+    comm->barrier();
+  }
+}
+
+// A get right after a put to the same rank on the same stream reads the put's bytes (the get
+// waits for the put's landing), and barrier(stream) lands the stream's puts before it passes.
+TEST_F(StagedSourceCompletion, AGetAfterAPutAndABarrierOnTheStreamSeeTheLandedBytes) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  const std::size_t size = (40u << 20) + 13, offset = 5;
+  Window win = comm->alloc(offset + size);
+  DeviceBuffer src(size), back(size);
+  for (int round = 0; round < 3; ++round) {
+    const auto mine = pattern(seed, key(size, me, 30 + round), size);
+    CUDA_OK(cudaMemcpy(src.p, mine.data(), size, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(back.p, kPoison, size));
+    CUDA_OK(cudaMemset(win.local(), kPoison, offset + size));
+    CUDA_OK(cudaDeviceSynchronize());
+    comm->barrier();
+    comm->put(win, right, offset, src.p, size, s);
+    comm->get(back.p, win, right, offset, size, s);
+    CUDA_OK(cudaStreamSynchronize(s));
+    std::vector<unsigned char> fetched(size);
+    CUDA_OK(cudaMemcpy(fetched.data(), back.p, size, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(first_difference(fetched.data(), mine.data(), size), -1) << "get after put, round " << round;
+    comm->barrier();
+    // Again, now landed by barrier(stream) alone: the left neighbour's bytes are here once this
+    // rank's barrier passed.
+    CUDA_OK(cudaMemset(win.local(), kPoison, offset + size));
+    CUDA_OK(cudaDeviceSynchronize());
+    comm->barrier();
+    comm->put(win, right, offset, src.p, size, s);
+    comm->barrier(s);
+    CUDA_OK(cudaStreamSynchronize(s));
+    std::vector<unsigned char> got(size);
+    CUDA_OK(cudaMemcpy(got.data(), static_cast<char*>(win.local()) + offset, size, cudaMemcpyDeviceToHost));
+    const auto want = pattern(seed, key(size, left, 30 + round), size);
+    EXPECT_EQ(first_difference(got.data(), want.data(), size), -1) << "after barrier(stream), round " << round;
+    comm->barrier();
+  }
+}
+
+// With rank 1's agent stopped for 3 s as it takes rank 0's put: the put's stream goes on at
+// once (its source is in the pool), quiet(stream) waits until rank 1 landed it, and the host
+// barrier (rank 0's puts land first) lets rank 1 see the bytes.
+class StagedSourceCompletionStalledReader : public StagedSourceCompletion {
+ protected:
+  Options options() override {
+    Options o = StagedSourceCompletion::options();
+    o.set("MESHMEM_FAULT", "1:staged.carry:stop=3000");
+    return o;
+  }
+};
+
+TEST_F(StagedSourceCompletionStalledReader, TheStreamPassesBeforeTheLandingAndQuietWaitsForIt) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  const std::size_t size = (8u << 20) + 7;
+  Window win = comm->alloc(size);
+  DeviceBuffer src(size);
+  const auto mine = pattern(seed, key(size, me, 40), size);
+  CUDA_OK(cudaMemcpy(src.p, mine.data(), size, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(win.local(), kPoison, size));
+  CUDA_OK(cudaDeviceSynchronize());
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  if (me == 0) {
+    comm->put(win, 1, 0, src.p, size, s);
+    CUDA_OK(cudaStreamSynchronize(s));
+    const double passed = seconds();
+    EXPECT_LT(passed, 1.5) << "the put's stream waited for the stopped reader (target completion?)";
+    comm->quiet(s);
+    CUDA_OK(cudaStreamSynchronize(s));
+    const double landed = seconds();
+    EXPECT_GT(landed, 2.0) << "quiet(stream) did not wait for the stopped reader";
+    EXPECT_LT(landed, 20.0);
+  }
+  comm->barrier();  // rank 0's puts landed before it arrives
+  if (me == 1) {
+    std::vector<unsigned char> got(size);
+    CUDA_OK(cudaMemcpy(got.data(), win.local(), size, cudaMemcpyDeviceToHost));
+    const auto want = pattern(seed, key(size, 0, 40), size);
+    EXPECT_EQ(first_difference(got.data(), want.data(), size), -1) << "rank 0's put after the barrier";
+  }
+  comm->barrier();
 }
 
 // A put_signal (Add) and barrier(stream) captured once into a CUDA graph (global capture

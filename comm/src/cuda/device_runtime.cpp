@@ -35,8 +35,10 @@ const TuningKnob<StreamWait> kStreamWait{
     "polling kernel that gives up after MESHMEM_TIMEOUT and reports it; about 2x lower put_signal latency than "
     "memop), `memop` (cuStreamWaitValue64: holds no SM, so it is faster where ranks share a GPU, but a "
     "`wait_until` cannot time out; a transfer is still ended at the timeout, by the staging agent (also one held in "
-    "a GPU queue), by the proxy thread's watchdog or by the halo exchange's watch thread (a staged transfer through a hidden peer's channel: "
-    "by this rank's staging agent, MESHMEM_TIMEOUT after it was posted in full, its late chunks then dropped)); `auto` = `kernel`, or `memop` where another rank of the Comm uses this rank's GPU (same UUID, "
+    "a GPU queue), by the proxy thread's watchdog or by the halo exchange's watch thread; staged transfers through a hidden peer's channel keep the "
+    "kernel, as only that peer ends them, except puts whose reader copies a chunk under 28 KiB (or rows), which a "
+    "kernel would hold for its time slice where the GPU is shared: this rank's staging agent ends those "
+    "MESHMEM_TIMEOUT after they were posted in full, and drops their late chunks); `auto` = `kernel`, or `memop` where another rank of the Comm uses this rank's GPU (same UUID, "
     "on this node or another: containers, simulated nodes; a MIG instance is a GPU of its own; a polling kernel would "
     "hold the time-sliced GPU from the ranks it waits for). Either wait stalls its GPU queue (a kernel once work is "
     "queued behind it): see MESHMEM_GPU_QUEUES"};
@@ -607,22 +609,24 @@ std::unique_ptr<DeviceRuntime> gpu_start_device_runtime(const CommContext& ctx, 
 }
 
 void CudaDeviceRuntime::wait_for_ticket(const std::uint64_t* done, std::uint64_t ticket, int peer, cudaStream_t stream,
-                                        bool owner_ends_it, const std::string& what, std::uint64_t* ready) const {
+                                        bool owner_ends_it, const std::string& what, std::uint64_t* ready,
+                                        std::uint64_t until) const {
+  if (until == 0) until = ticket;
   if (wait_kernel_ || !owner_ends_it) {
     const cudaError_t k = cuda::launch_ticket_wait(ready, done, ticket, cuda::FaultKind::Transfer, peer, wait_limit(),
-                                                   stream, early_launch_);
+                                                   stream, early_launch_, until);
     if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what);
     return;
   }
   if (ready == nullptr) {
-    ipc::check_cu(ipc::cuda_driver().cuStreamWaitValue64(stream, reinterpret_cast<CUdeviceptr>(done), ticket,
+    ipc::check_cu(ipc::cuda_driver().cuStreamWaitValue64(stream, reinterpret_cast<CUdeviceptr>(done), until,
                                                          CU_STREAM_WAIT_VALUE_GEQ | wait_flags_),
                   "cuStreamWaitValue64 (transfer wait)", what);
     return;
   }
   // The write comes after the stream's earlier work (a stream write fences what came before it).
   std::vector<CUstreamBatchMemOpParams> ops{stream_write_op(ready, ticket),
-                                            stream_wait_op(done, ticket, CU_STREAM_WAIT_VALUE_GEQ | wait_flags_)};
+                                            stream_wait_op(done, until, CU_STREAM_WAIT_VALUE_GEQ | wait_flags_)};
   run_stream_batch(ops, stream, "cuStreamBatchMemOp (transfer ready and wait)", rank_);
 }
 

@@ -63,7 +63,6 @@ StagingAgent::StagingAgent(Setup setup)
       local_of_(static_cast<std::size_t>(setup.ranks), 0),
       timeout_(setup.timeout),
       limit_(setup.limit),
-      ends_channel_transfers_(setup.ends_channel_transfers),
       faults_(std::move(setup.faults)),
       trace_(setup.trace_prefix.empty() ? "" : setup.trace_prefix + "." + std::to_string(setup.rank),
              setup.trace_prefix.empty() ? 0 : kTraceSteps),
@@ -205,7 +204,9 @@ void StagingAgent::release_captured_word(std::size_t word, const std::uint64_t* 
 
 std::uint64_t StagingAgent::submit(StagedRequest r) {
   std::lock_guard<std::mutex> lock(m_);
-  r.ticket = ++submitted_;
+  // Even: a put with source completion has its source read written as ticket - 1, which no
+  // earlier transfer of its word can have reached.
+  r.ticket = 2 * ++submitted_;
   trace_.record('S', r.peer, r.ticket);
   queue_.push_back(r);
   cv_.notify_all();
@@ -448,7 +449,7 @@ void StagingAgent::run() {
     }
     if (!hidden_.empty() && Clock::now() >= next_watch_) {
       watch_readers();
-      if (ends_channel_transfers_) end_overdue();
+      end_overdue();
       next_watch_ = Clock::now() + std::chrono::milliseconds(10);
     }
     if (Clock::now() >= next_stream_watch_) {
@@ -608,6 +609,8 @@ void StagingAgent::execute(const StagedRequest& r) {
     o.value = r.value;
     o.op = r.op;
     o.filled_slot = r.filled_slot;
+    o.source_complete = r.source_complete;
+    o.ends_at_timeout = r.ends_at_timeout;
     if (r.filled_slot != StagedRequest::kAddress &&
         (__atomic_load_n(r.ready, __ATOMIC_ACQUIRE) & cuda::kSlotNotFilled) != 0) {
       // The kernel found the slot still held (a timed-out transfer's reader may copy out of
@@ -638,7 +641,7 @@ void StagingAgent::execute(const StagedRequest& r) {
     std::lock_guard<std::mutex> lock(m_);
     remote_lent_.push_back(
         RemoteEnd{r.done, r.ticket, r.word, r.route == StagedRequest::Route::ToHidden ? r.peer : rank_, r.peer,
-                  std::nullopt});
+                  r.ends_at_timeout, std::nullopt});
   }
   outgoing_[local_index(r.peer)].push_back(std::move(o));
 }
@@ -710,7 +713,7 @@ bool StagingAgent::pump() {
                          ErrorCode::Timeout);
         left = true;
       }
-      if (left && !o.answer && ends_channel_transfers_) mark_posted(o.done_word, o.ticket);
+      if (left && o.ends_at_timeout) mark_posted(o.done_word, o.ticket);
       any = any || moved || left;
       if (!left) break;
       const bool answer = o.answer;
@@ -873,6 +876,18 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
     const cudaEvent_t copied = o.host_source || p.last ? nullptr : own.copied[s];
     std::uint64_t sequence = 0;
     try {
+      if (p.last && o.source_complete) {
+        // Every piece of the source is copied (or enqueued to be, on the lane, before this
+        // write): the caller's stream, waiting for ticket - 1, goes on then. Before the post,
+        // so the reader's end (the ticket) always comes after.
+        std::uint64_t* done = control_of(o.done_rank).transfer(o.done_word);
+        if (o.host_source) {
+          __atomic_store_n(done, o.ticket - 1, __ATOMIC_RELEASE);
+        } else {
+          std::vector<CUstreamBatchMemOpParams> ops{stream_write_op(done, o.ticket - 1)};
+          run_stream_batch(ops, own.stream, "staged put (its source read)", rank_);
+        }
+      }
       sequence = post(o.reader, d, copied);
     } catch (...) {
       // The slot stays held until the copy into it is done (if this record fails too, the
@@ -993,10 +1008,9 @@ void StagingAgent::mark_posted(std::size_t word, std::uint64_t ticket) {
 }
 
 // The callers' streams wait for these with stream memory waits, which cannot time out by
-// themselves (a shared GPU: a polling kernel there would hold the time-sliced GPU from the
-// peer whose copy it waits for, 2.2 ms per small put, bench/timeslice_lab). A put whose
-// reader lives but has not ended it, or a get whose owner has not answered it in full, is
-// ended from the host, the error kept first. Its word is never lent again: the peer may still
+// themselves (ends_at_timeout: a put on a shared GPU whose reader copies a chunk small enough
+// to wait for a polling kernel's time slice there, bench/timeslice_lab). A put whose reader
+// lives but has not ended it is ended from the host, the error kept first. Its word is never lent again: the peer may still
 // write its end later, which must not move a reused word back; and its done word having
 // reached its ticket, chunks of it that still come are not carried out (carry_out).
 void StagingAgent::end_overdue() {
@@ -1007,16 +1021,16 @@ void StagingAgent::end_overdue() {
     std::lock_guard<std::mutex> lock(m_);
     for (auto it = remote_lent_.begin(); it != remote_lent_.end();) {
       const RemoteEnd& e = *it;
-      if (!e.posted || now - *e.posted < timeout_ || __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket) {
+      if (!e.ends_at_timeout || !e.posted || now - *e.posted < timeout_ ||
+          __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket) {
         ++it;
         continue;
       }
-      const bool put = e.writer == e.peer;
       const std::string message =
-          "staged " + std::string(put ? "put to" : "get from") + " rank " + std::to_string(e.peer) + " (transfer " +
-          std::to_string(e.ticket) + " of rank " + std::to_string(rank_) + "): rank " + std::to_string(e.peer) +
-          (put ? " did not land it" : " did not answer it in full") + " within " + describe_timeout(timeout_) +
-          " of its last descriptor; ended from the host, its data may be incomplete (" + slot_holders() + ")";
+          "staged put to rank " + std::to_string(e.peer) + " (transfer " + std::to_string(e.ticket) + " of rank " +
+          std::to_string(rank_) + "): rank " + std::to_string(e.peer) + " did not land it within " +
+          describe_timeout(timeout_) + " of its last descriptor; ended from the host, its data may be incomplete (" +
+          slot_holders() + ")";
       log(LogLevel::Error, message);
       if (error_.empty()) {
         error_ = message;

@@ -51,11 +51,12 @@
 // callers' streams wait with a stream memory wait where the GPU is shared, which cannot time
 // out by itself, and would otherwise wait for ever behind the very queue that holds the lane.
 //
-// Where callers' streams wait with stream memory waits (a shared GPU), a transfer through a
-// channel that its live peer has not ended MESHMEM_TIMEOUT after it was posted in full is
-// ended from here (end_overdue), as the wait kernel would give up elsewhere; its word is not
-// lent again, and what of it the peer takes later is dropped there (its done word reached
-// its ticket).
+// A put through a channel whose caller's stream waits with a stream memory wait (a shared
+// GPU, where the reader's copy of a small chunk would wait for a polling kernel's time slice:
+// StagedTransport) that its live reader has not ended MESHMEM_TIMEOUT after it was posted in
+// full is ended from here (end_overdue), as the wait kernel would give up elsewhere; its word
+// is not lent again, and what of it the reader takes later is dropped there (its done word
+// reached its ticket).
 //
 // Transfers start in the order their sources become ready (the agent polls each one's ready
 // word, set by its caller's stream), never in call order, so a transfer whose stream waits holds no other back. Each has
@@ -130,7 +131,14 @@ struct StagedRequest {
   std::size_t word = 0;
   std::uint64_t* done = nullptr;
   bool word_is_lent = false;  // an eager transfer's word: back to the free list after its end
-  std::uint64_t ticket = 0;
+  // ToHidden, not stream-filled (MESHMEM_STAGED_COMPLETION=source): the done word reaches
+  // ticket - 1 once the source is copied into the slots, which the caller's stream waits for.
+  bool source_complete = false;
+  // ToHidden: the caller's stream waits with a stream memory wait, which cannot time out: the
+  // agent ends the transfer if its reader has not MESHMEM_TIMEOUT after it was posted in full
+  // (end_overdue).
+  bool ends_at_timeout = false;
+  std::uint64_t ticket = 0;  // even (StagingAgent::submit)
   std::size_t bytes() const { return width * rows; }
 };
 
@@ -200,10 +208,6 @@ class StagingAgent {
     std::string trace_prefix;  // MESHMEM_TRACE_STAGED: "" or where the step trace goes (+ "." + rank)
     std::chrono::milliseconds timeout{0};
     cuda::WaitLimit limit{};
-    // Callers' streams wait for transfers through hidden peers' channels with stream memory
-    // waits (a shared GPU), which cannot time out by themselves: this agent ends such a
-    // transfer that its peer has not ended MESHMEM_TIMEOUT after it was posted in full.
-    bool ends_channel_transfers = false;
     // Where replays of captured transfers ring (CapturedHandoff): polled while any exists.
     // Required.
     std::shared_ptr<HandoffBoard<StagingAgent>> captured;
@@ -332,6 +336,8 @@ class StagingAgent {
     bool answer = false;       // answers the reader's get (not one of this rank's transfers)
     std::uint64_t filled_slot = StagedRequest::kAddress;  // a stream-filled put's slot, its bytes there already
     bool host_source = false;  // the source is pageable host memory: copied by this thread
+    bool source_complete = false;  // StagedRequest::source_complete
+    bool ends_at_timeout = false;  // StagedRequest::ends_at_timeout
     cudaMemcpyKind to_slot = cudaMemcpyDefault;  // the copies into slots (device to host where known)
     bool failure_counted = false;  // an answer to a refused get: its reader was told already
     // The source: this rank's window (answers) or kAddress and an address; no data when
@@ -374,8 +380,9 @@ class StagingAgent {
   // Every ~10 ms: hidden peers whose process ended give their slots back, and the puts they
   // were to end and the gets they were to answer are ended here (see the header comment).
   void watch_readers();
-  // Every ~10 ms where Setup::ends_channel_transfers: transfers through a channel that their
-  // live peer has not ended MESHMEM_TIMEOUT after they were posted in full are ended here.
+  // Every ~10 ms: transfers whose callers' streams wait with a stream memory wait
+  // (StagedRequest::ends_at_timeout) that their live reader has not ended MESHMEM_TIMEOUT
+  // after they were posted in full are ended here.
   void end_overdue();
   // Every ~100 ms while work is enqueued: a stream whose work has not moved for
   // held_after_ is logged (see the header comment); true while any stream holds work.
@@ -421,7 +428,6 @@ class StagingAgent {
   std::vector<int> hidden_;            // node peers whose GPU this process cannot see
   std::chrono::milliseconds timeout_;
   cuda::WaitLimit limit_;
-  bool ends_channel_transfers_;  // Setup::ends_channel_transfers
   FaultPlan faults_;
   // MESHMEM_TRACE_STAGED: S handed over (caller's thread), R source seen ready, P copy into a
   // slot enqueued (aux: bytes), O posted (aux: 1 for a transfer's last piece); I a peer's
@@ -551,6 +557,7 @@ class StagingAgent {
     std::size_t word;
     int writer;  // whose GPU writes the done word: a put's reader, or this rank (a get's answer)
     int peer;    // the hidden peer it goes to or comes from: its death ends it (watch_readers)
+    bool ends_at_timeout;  // StagedRequest::ends_at_timeout
     std::optional<Clock::time_point> posted;  // when its last descriptor was posted (end_overdue)
   };
   std::vector<RemoteEnd> remote_lent_;  // words of transfers a hidden peer (or the answer to a get) ends

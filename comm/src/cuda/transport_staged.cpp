@@ -2,8 +2,10 @@
 #include "transport_staged.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <mutex>
 
 #include "../backoff.hpp"
@@ -83,6 +85,26 @@ const TuningKnob<StreamFill> kStagingStreamFill{
     "`auto`: `on` unless this rank shares its GPU (MESHMEM_STREAM_WAIT resolves to memop: the kernel would wait "
     "for its process's time slice, a copy engine does not)"};
 
+// When a staged put's stream goes on. `source` is the put of OpenSHMEM and NVSHMEM (DESIGN.md:
+// "a put's source may be reused once its stream has passed the put"; quiet completes it at
+// its target); `target`, the default, the stronger one every other route of meshmem gives.
+// Why `source` exists: a stream that waits for each put's landing runs them one after the
+// other, each pipeline filling and draining (bench/pipeline_lab --transfers 4, 64 MiB x 4,
+// 4 MiB chunks, 1 x H200: 0.847 x min(d2h, h2d) one after the other, 0.879 overlapped).
+enum class Completion { Target, Source };
+constexpr std::pair<const char*, Completion> kCompletionChoices[] = {{"target", Completion::Target},
+                                                                     {"source", Completion::Source}};
+const TuningKnob<Completion> kStagedCompletion{
+    "staged", "MESHMEM_STAGED_COMPLETION", Completion::Target, parse_named<kCompletionChoices>,
+    print_named<kCompletionChoices>,
+    "staged transport: when the stream of a put, put_signal or strided put to a rank whose GPU is reached through "
+    "the channel (MESHMEM_STAGING_CHANNELS; not a stream-filled put, nor one captured into a graph) goes on: "
+    "`target`: once its bytes and signal landed there; `source`: once its source is copied into the staging pool "
+    "(the put of OpenSHMEM and NVSHMEM: the source may be reused), its copy to the target going on meanwhile; "
+    "`quiet(stream)` and `barrier(stream)` then make the stream wait for the landing of its puts, a `get` for that "
+    "of its stream's puts to the same rank, and `Window::free`, `barrier()` and `~Comm` wait on the host. Puts to "
+    "one rank land in order, each signal after its data; puts to different ranks are ordered only by a quiet"};
+
 // Who drives the target GPU of a pair whose GPUs are both visible here. Measured on 2 x H200
 // (Jacobi 4096^2, 2 ranks, staged forced): the initiator's context driving the target GPU
 // took 4.77 ms per iteration, the target's own agent 0.37 ms: work of another process on a
@@ -143,6 +165,22 @@ std::unique_ptr<Transport> make_staged_transport(const CommContext& ctx) {
 }
 
 namespace {
+// Where ranks share a GPU (stream waits are memops), a put to a hidden peer waits with a
+// stream memory wait if its reader copies a chunk of less than this, or copies rows: the
+// driver runs host-to-device copies that small on the compute engine, which a polling kernel
+// of the writer's process holds for its time slice (bench/timeslice_lab, 1 x H200: copies of
+// 24 KiB and less waited 2.05 ms, 28 KiB and more none; a 4 KiB staged put took 2.39 ms). The
+// others keep the kernel, faster there (Jacobi 4096^2, halos of 32,752 bytes, 2 ranks on
+// 1 x H200: 296-312 us per iteration with the kernel, 388-392 with a memory wait).
+constexpr std::size_t kCopyEngineBytes = std::size_t(28) << 10;
+bool reader_copy_may_wait_for_a_time_slice(const StagedRequest& r, std::size_t chunk) {
+  if (r.width == 0 || r.rows == 0) return false;  // a signal alone: nothing copied
+  if (r.rows > 1) return true;                    // 2D copies: not measured
+  if (r.width < kCopyEngineBytes) return true;
+  const std::size_t last = r.width % chunk;  // the last chunk
+  return last != 0 && last < kCopyEngineBytes;
+}
+
 // MESHMEM_STAGING_STREAM_FILL resolved: `auto` is `on` where this rank's stream waits are kernels
 // (its GPU is its own).
 bool fills_by_stream(StreamFill fill, const CudaDeviceRuntime* device) {
@@ -155,7 +193,8 @@ StagedTransport::StagedTransport(const CommContext& ctx)
       device_(static_cast<CudaDeviceRuntime*>(ctx.device)),
       chunk_(kStagingChunk.get(ctx.options)),
       slots_(static_cast<int>(kStagingSlots.get(ctx.options))),
-      stream_fill_(fills_by_stream(kStagingStreamFill.get(ctx.options), device_)) {
+      stream_fill_(fills_by_stream(kStagingStreamFill.get(ctx.options), device_)),
+      source_completion_(kStagedCompletion.get(ctx.options) == Completion::Source) {
   const Topology& topo = ctx_.topo;
   no_route_.assign(static_cast<std::size_t>(topo.size), std::string());
   peer_device_.assign(static_cast<std::size_t>(topo.size), -1);
@@ -250,7 +289,6 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
     setup.timeout = ctx_.options.timeout;
     setup.trace_prefix = kTraceStaged.get(ctx_.options);
     setup.limit = device_->wait_limit();
-    setup.ends_channel_transfers = !device_->waits_with_kernel();
     agent_ = std::make_shared<StagingAgent>(std::move(setup));
   });
   board_->open(agent_.get());
@@ -297,8 +335,70 @@ void StagedTransport::raise_earlier_failure(const std::string& where) {
   if (!error.empty()) throw Error(code, where + ": an earlier transfer failed: " + error);
 }
 
-void StagedTransport::quiet(Stream) {
-  if (agent_) raise_earlier_failure("staged transport on rank " + std::to_string(ctx_.topo.rank));
+void StagedTransport::quiet(Stream stream) {
+  if (!agent_) return;
+  raise_earlier_failure("staged transport on rank " + std::to_string(ctx_.topo.rank));
+  if (source_completion_) wait_for_landing(static_cast<cudaStream_t>(stream), -1, "quiet");
+}
+
+void StagedTransport::wait_for_landing(cudaStream_t stream, int peer, const char* call) {
+  std::vector<Unlanded> waits;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (stream != nullptr && stream != cudaStreamLegacy)
+    ipc::check_cuda(cudaStreamIsCapturing(stream, &status), "cudaStreamIsCapturing", what(call, peer));
+  {
+    std::lock_guard<std::mutex> lock(unlanded_m_);
+    const auto it = unlanded_.find(stream);
+    if (it == unlanded_.end()) return;
+    std::vector<Unlanded>& list = it->second;
+    for (auto e = list.begin(); e != list.end();) {
+      const bool landed = __atomic_load_n(e->done, __ATOMIC_ACQUIRE) >= e->ticket;
+      const bool wanted = !landed && (peer < 0 || e->peer == peer);
+      if (wanted) waits.push_back(*e);
+      // A capture's waits run only when its graph does: the stream's own puts stay to be waited for.
+      if (landed || (wanted && status != cudaStreamCaptureStatusActive))
+        e = list.erase(e);
+      else
+        ++e;
+    }
+    if (list.empty()) unlanded_.erase(it);
+  }
+  // Tickets only grow on a word: a wait for one whose word was lent again meanwhile passes.
+  for (const Unlanded& e : waits)
+    device_->wait_for_ticket(e.done, e.ticket, e.peer, stream, e.ends_at_timeout, what(call, e.peer));
+}
+
+void StagedTransport::complete_on_host(const char* call) {
+  if (!agent_ || !source_completion_) return;
+  std::vector<Unlanded> all;
+  {
+    std::lock_guard<std::mutex> lock(unlanded_m_);
+    for (const auto& [stream, list] : unlanded_) all.insert(all.end(), list.begin(), list.end());
+  }
+  const auto timeout = ctx_.options.timeout;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  Backoff backoff;
+  for (const Unlanded& e : all) {
+    while (__atomic_load_n(e.done, __ATOMIC_ACQUIRE) < e.ticket) {
+      if (timeout.count() != 0 && std::chrono::steady_clock::now() > deadline)
+        throw Error(ErrorCode::Timeout, std::string(call) + " on rank " + std::to_string(ctx_.topo.rank) +
+                                            ": a staged put to rank " + std::to_string(e.peer) + " (transfer " +
+                                            std::to_string(e.ticket) + ", source completion) did not land within " +
+                                            describe_timeout(timeout));
+      backoff.pause();
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(unlanded_m_);
+    for (auto it = unlanded_.begin(); it != unlanded_.end();) {
+      auto& list = it->second;
+      list.erase(std::remove_if(list.begin(), list.end(),
+                                [](const Unlanded& e) { return __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket; }),
+                 list.end());
+      it = list.empty() ? unlanded_.erase(it) : std::next(it);
+    }
+  }
+  raise_earlier_failure(std::string(call) + " on rank " + std::to_string(ctx_.topo.rank));
 }
 
 void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const char* name) {
@@ -332,12 +432,25 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
           if (k != cudaSuccess) ipc::check_cuda(k, "staged slot fill kernel launch", what(name, peer));
         }))
       return;
+    r.ends_at_timeout = r.route == StagedRequest::Route::ToHidden && !device_->waits_with_kernel() &&
+                        reader_copy_may_wait_for_a_time_slice(r, chunk_);
+    r.source_complete = source_completion_ && r.route == StagedRequest::Route::ToHidden && r.width > 0 && r.rows > 0;
     ticket = agent_->submit(r);
     // The wait sets the ready word first (on the GPU, once the stream's earlier work is done).
-    // The agent ends a visible transfer that stalls, and, where stream waits are memory waits
-    // (a shared GPU), one through a hidden peer's channel that the peer has not ended in time
-    // (end_overdue); elsewhere the wait kernel's own timeout ends that one.
-    device_->wait_for_ticket(done, ticket, peer, s, visible || !device_->waits_with_kernel(), what(name, peer), ready);
+    // The agent ends a visible transfer that stalls, and a put to a hidden peer whose stream
+    // waits with a memory wait that the peer has not ended in time (end_overdue); the wait
+    // kernel's own timeout ends the others. With source completion the stream waits for the
+    // source read (ticket - 1), its landing is left to quiet.
+    device_->wait_for_ticket(done, ticket, peer, s, visible || r.ends_at_timeout, what(name, peer), ready,
+                             r.source_complete ? ticket - 1 : ticket);
+    if (r.source_complete) {
+      std::lock_guard<std::mutex> lock(unlanded_m_);
+      std::vector<Unlanded>& list = unlanded_[s];
+      list.erase(std::remove_if(list.begin(), list.end(),
+                                [](const Unlanded& e) { return __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket; }),
+                 list.end());
+      list.push_back(Unlanded{done, ticket, peer, r.ends_at_timeout});
+    }
   } catch (...) {
     if (ticket != 0)
       agent_->withdraw(ticket, ready);  // nothing will say its source is ready: it ends unstarted
@@ -454,6 +567,8 @@ void StagedTransport::get(void* dst, const WindowState& win, int target, std::si
     r = request(dst, device_->device(), src, peer_device_[target], bytes, 1, bytes, bytes);
   }
   r.peer = target;
+  // The stream's puts to that rank land first: the get reads what they wrote.
+  if (source_completion_ && agent_) wait_for_landing(static_cast<cudaStream_t>(stream), target, "get");
   transfer(r, target, stream, "get");
 }
 

@@ -60,7 +60,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -94,9 +96,12 @@ class StagedTransport final : public Transport {
   // One transfer (2D copies through the slots), not one per row.
   void put_strided(const WindowState& win, int target, std::size_t dst_offset, std::size_t dst_pitch, const void* src,
                    std::size_t src_pitch, std::size_t width, std::size_t height, Stream stream) override;
-  // The caller's stream waits for each transfer's end: nothing to enqueue. Raises what the
-  // agent knows failed (a transfer abandoned, a peer gone), as the next transfer would.
-  void quiet(Stream) override;
+  // Raises what the agent knows failed (a transfer abandoned, a peer gone), as the next
+  // transfer would. The caller's stream waits for each transfer's end, except a put with
+  // source completion (MESHMEM_STAGED_COMPLETION=source): `stream` then waits for the ends of
+  // its puts not yet known to have landed.
+  void quiet(Stream stream) override;
+  void complete_on_host(const char* call) override;
   void stop() noexcept override;
   // Waits (bounded) for this rank's transfers, those to hidden peers included.
   void settle() noexcept override;
@@ -123,6 +128,9 @@ class StagedTransport final : public Transport {
   // Hands one transfer to the agent; the caller's stream waits for its end.
   void transfer(StagedRequest r, int peer, Stream stream, const char* name);
   bool fills_slot(const StagedRequest& r, cudaStream_t stream) const;
+  // Source completion: `stream` waits for the ends of its puts (to `peer` only, where given)
+  // that have not landed yet.
+  void wait_for_landing(cudaStream_t stream, int peer, const char* call);
   void capture_transfer(const StagedRequest& r, cudaGraph_t graph, int peer, cudaStream_t stream, const char* name);
 
   CommContext ctx_;
@@ -132,6 +140,16 @@ class StagedTransport final : public Transport {
   std::size_t chunk_;
   int slots_;
   bool stream_fill_;  // MESHMEM_STAGING_STREAM_FILL
+  bool source_completion_;  // MESHMEM_STAGED_COMPLETION=source
+  // Puts with source completion whose stream went on before they landed, by stream.
+  struct Unlanded {
+    const std::uint64_t* done;
+    std::uint64_t ticket;
+    int peer;
+    bool ends_at_timeout;  // its stream waited with a memory wait (StagedRequest::ends_at_timeout)
+  };
+  std::mutex unlanded_m_;
+  std::map<cudaStream_t, std::vector<Unlanded>> unlanded_;
   std::shared_ptr<StagingAgent> agent_;  // shared with window attachments (released later)
   std::shared_ptr<HandoffBoard<StagingAgent>> board_;  // shared with captured graphs
 };
