@@ -685,9 +685,17 @@ void CommImpl::quiet(Stream stream, const char* call, bool on_host) {
   // transfer known to have failed; the first error is raised after them.
   std::exception_ptr first;
   for (const auto& t : transports) {
+    // On the host first (it leaves nothing for the stream to wait for), and whatever quiet
+    // raises: Window::free frees on after an error, its puts must have landed.
+    if (on_host) {
+      try {
+        t->complete_on_host(call);
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
     try {
       t->quiet(stream);
-      if (on_host) t->complete_on_host(call);
     } catch (...) {
       if (!first) first = std::current_exception();
     }

@@ -52,6 +52,15 @@ struct StagingAgent::Descriptor {
   SignalOp op() const { return static_cast<SignalOp>((control >> 16) & 0xff); }
 };
 
+namespace {
+// Raises `word` to `value` (a stream write of a later count may have come first).
+void raise_count(std::uint64_t* word, std::uint64_t value) {
+  std::uint64_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+  while (seen < value && !__atomic_compare_exchange_n(word, &seen, value, true, __ATOMIC_RELEASE, __ATOMIC_ACQUIRE)) {
+  }
+}
+}  // namespace
+
 StagingAgent::StagingAgent(Setup setup)
     : pool_(std::move(setup.pool)),
       slots_(static_cast<char*>(pool_->region(setup.rank))),
@@ -877,15 +886,22 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
     std::uint64_t sequence = 0;
     try {
       if (p.last && o.source_complete) {
-        // Every piece of the source is copied (or enqueued to be, on the lane, before this
-        // write): the caller's stream, waiting for ticket - 1, goes on then. Before the post,
-        // so the reader's end (the ticket) always comes after.
+        // Every piece of the source is copied (or enqueued to be, on the lane, before the
+        // event): then this thread raises the done word to ticket - 1, which the caller's
+        // stream waits for. Raised, never stored: the reader's end (the ticket), or one
+        // written here (a dead reader, the timeout), may come first, and the word must not
+        // move back.
         std::uint64_t* done = control_of(o.done_rank).transfer(o.done_word);
         if (o.host_source) {
-          __atomic_store_n(done, o.ticket - 1, __ATOMIC_RELEASE);
+          raise_count(done, o.ticket - 1);
         } else {
-          std::vector<CUstreamBatchMemOpParams> ops{stream_write_op(done, o.ticket - 1)};
-          run_stream_batch(ops, own.stream, "staged put (its source read)", rank_);
+          cudaEvent_t read = events_.take(o.what);
+          const cudaError_t rc = cudaEventRecord(read, own.stream);
+          if (rc != cudaSuccess) {
+            events_.give_back(read);
+            ipc::check_cuda(rc, "cudaEventRecord (source read)", o.what);
+          }
+          posted_after_copies_.push_back(CountAfterCopy{read, true, o.reader, done, o.ticket - 1});
         }
       }
       sequence = post(o.reader, d, copied);
@@ -1230,14 +1246,6 @@ bool StagingAgent::ring_has_room(int reader) const {
   return n <= ControlWords::kRing || consumed_by(reader) >= n - ControlWords::kRing;
 }
 
-namespace {
-// Raises `word` to `value` (a stream write of a later count may have come first).
-void raise_count(std::uint64_t* word, std::uint64_t value) {
-  std::uint64_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
-  while (seen < value && !__atomic_compare_exchange_n(word, &seen, value, true, __ATOMIC_RELEASE, __ATOMIC_ACQUIRE)) {
-  }
-}
-}  // namespace
 
 bool StagingAgent::write_counts_after_copies() {
   bool any = false;
@@ -1414,6 +1422,17 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
       if (dst != nullptr) {
         const char* slot = static_cast<const char*>(pool_->region(writer)) + d.slot_offset;
         if (d.rows == 1) {
+          // The copies of one batch run in no set order: one onto bytes that an earlier chunk
+          // of the batch writes (two puts of one stream to the same place, whose stream went
+          // on at their source read: MESHMEM_STAGED_COMPLETION=source) waits for the next.
+          const auto* to = static_cast<const char*>(dst);
+          for (std::size_t i = 0; i < batch.dsts.size(); ++i) {
+            const auto* other = static_cast<const char*>(batch.dsts[i]);
+            if (to < other + batch.sizes[i] && other < to + d.width) {
+              flush_incoming();
+              break;
+            }
+          }
           batch.dsts.push_back(dst);
           batch.srcs.push_back(slot);
           batch.sizes.push_back(d.width);

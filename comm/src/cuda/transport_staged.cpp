@@ -341,63 +341,98 @@ void StagedTransport::quiet(Stream stream) {
   if (source_completion_) wait_for_landing(static_cast<cudaStream_t>(stream), -1, "quiet");
 }
 
+StagedTransport::StreamKey StagedTransport::key_of(cudaStream_t stream) {
+  if (stream == cudaStreamLegacy) stream = nullptr;
+  return {stream, stream == cudaStreamPerThread ? std::this_thread::get_id() : std::thread::id()};
+}
+
+namespace {
+bool landed(const std::uint64_t* done, std::uint64_t ticket) { return __atomic_load_n(done, __ATOMIC_ACQUIRE) >= ticket; }
+}  // namespace
+
 void StagedTransport::wait_for_landing(cudaStream_t stream, int peer, const char* call) {
   std::vector<Unlanded> waits;
+  const StreamKey key = key_of(stream);
+  {
+    std::lock_guard<std::mutex> lock(unlanded_m_);
+    const auto it = unlanded_.find(key);
+    if (it == unlanded_.end()) return;
+    for (const Unlanded& e : it->second)
+      if (!landed(e.done, e.ticket) && (peer < 0 || e.peer == peer)) waits.push_back(e);
+  }
+  if (waits.empty()) return;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   if (stream != nullptr && stream != cudaStreamLegacy)
     ipc::check_cuda(cudaStreamIsCapturing(stream, &status), "cudaStreamIsCapturing", what(call, peer));
-  {
-    std::lock_guard<std::mutex> lock(unlanded_m_);
-    const auto it = unlanded_.find(stream);
-    if (it == unlanded_.end()) return;
-    std::vector<Unlanded>& list = it->second;
-    for (auto e = list.begin(); e != list.end();) {
-      const bool landed = __atomic_load_n(e->done, __ATOMIC_ACQUIRE) >= e->ticket;
-      const bool wanted = !landed && (peer < 0 || e->peer == peer);
-      if (wanted) waits.push_back(*e);
-      // A capture's waits run only when its graph does: the stream's own puts stay to be waited for.
-      if (landed || (wanted && status != cudaStreamCaptureStatusActive))
-        e = list.erase(e);
-      else
-        ++e;
-    }
-    if (list.empty()) unlanded_.erase(it);
-  }
+  // The legacy stream is the current device's: this Comm's (a null stream comes here without
+  // the call's device scope).
+  CurrentDevice current(device_->device());
   // Tickets only grow on a word: a wait for one whose word was lent again meanwhile passes.
   for (const Unlanded& e : waits)
     device_->wait_for_ticket(e.done, e.ticket, e.peer, stream, e.ends_at_timeout, what(call, e.peer));
+  // Enqueued: the stream waits for them now. Not under capture: the graph's waits run only
+  // when it does, so the stream's own puts stay to be waited for.
+  if (status == cudaStreamCaptureStatusActive) return;
+  std::lock_guard<std::mutex> lock(unlanded_m_);
+  const auto it = unlanded_.find(key);
+  if (it == unlanded_.end()) return;
+  auto& list = it->second;
+  list.erase(std::remove_if(list.begin(), list.end(),
+                            [&](const Unlanded& e) {
+                              if (landed(e.done, e.ticket)) return true;
+                              for (const Unlanded& w : waits)
+                                if (w.done == e.done && w.ticket == e.ticket) return true;
+                              return false;
+                            }),
+             list.end());
+  if (list.empty()) unlanded_.erase(it);
 }
 
+// Only puts whose source was read (their stream passed them): one whose stream has not come
+// to it yet is no more waited for here than with target completion, where nothing waits for it.
+// After a timeout, what is left is given up (the error says so): no later quiet waits for it.
 void StagedTransport::complete_on_host(const char* call) {
   if (!agent_ || !source_completion_) return;
-  std::vector<Unlanded> all;
+  std::vector<Unlanded> read;
   {
     std::lock_guard<std::mutex> lock(unlanded_m_);
-    for (const auto& [stream, list] : unlanded_) all.insert(all.end(), list.begin(), list.end());
+    for (const auto& [key, list] : unlanded_)
+      for (const Unlanded& e : list)
+        if (landed(e.done, e.ticket - 1)) read.push_back(e);
   }
   const auto timeout = ctx_.options.timeout;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   Backoff backoff;
-  for (const Unlanded& e : all) {
-    while (__atomic_load_n(e.done, __ATOMIC_ACQUIRE) < e.ticket) {
-      if (timeout.count() != 0 && std::chrono::steady_clock::now() > deadline)
-        throw Error(ErrorCode::Timeout, std::string(call) + " on rank " + std::to_string(ctx_.topo.rank) +
-                                            ": a staged put to rank " + std::to_string(e.peer) + " (transfer " +
-                                            std::to_string(e.ticket) + ", source completion) did not land within " +
-                                            describe_timeout(timeout));
+  std::string late;
+  for (const Unlanded& e : read) {
+    while (!landed(e.done, e.ticket)) {
+      if (timeout.count() != 0 && std::chrono::steady_clock::now() > deadline) {
+        late = "a staged put to rank " + std::to_string(e.peer) + " (transfer " + std::to_string(e.ticket) +
+               ", source completion) did not land within " + describe_timeout(timeout);
+        break;
+      }
       backoff.pause();
     }
+    if (!late.empty()) break;
   }
   {
     std::lock_guard<std::mutex> lock(unlanded_m_);
     for (auto it = unlanded_.begin(); it != unlanded_.end();) {
       auto& list = it->second;
       list.erase(std::remove_if(list.begin(), list.end(),
-                                [](const Unlanded& e) { return __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket; }),
+                                [&](const Unlanded& e) {
+                                  if (landed(e.done, e.ticket)) return true;
+                                  if (late.empty()) return false;
+                                  for (const Unlanded& r : read)
+                                    if (r.done == e.done && r.ticket == e.ticket) return true;
+                                  return false;
+                                }),
                  list.end());
       it = list.empty() ? unlanded_.erase(it) : std::next(it);
     }
   }
+  if (!late.empty())
+    throw Error(ErrorCode::Timeout, std::string(call) + " on rank " + std::to_string(ctx_.topo.rank) + ": " + late);
   raise_earlier_failure(std::string(call) + " on rank " + std::to_string(ctx_.topo.rank));
 }
 
@@ -444,12 +479,18 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
     device_->wait_for_ticket(done, ticket, peer, s, visible || r.ends_at_timeout, what(name, peer), ready,
                              r.source_complete ? ticket - 1 : ticket);
     if (r.source_complete) {
-      std::lock_guard<std::mutex> lock(unlanded_m_);
-      std::vector<Unlanded>& list = unlanded_[s];
-      list.erase(std::remove_if(list.begin(), list.end(),
-                                [](const Unlanded& e) { return __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket; }),
-                 list.end());
-      list.push_back(Unlanded{done, ticket, peer, r.ends_at_timeout});
+      // The wait is enqueued: nothing may reach the catch below (it would withdraw a transfer
+      // that its stream will still mark ready).
+      try {
+        std::lock_guard<std::mutex> lock(unlanded_m_);
+        std::vector<Unlanded>& list = unlanded_[key_of(s)];
+        list.erase(std::remove_if(list.begin(), list.end(), [](const Unlanded& e) { return landed(e.done, e.ticket); }),
+                   list.end());
+        list.push_back(Unlanded{done, ticket, peer, r.ends_at_timeout});
+      } catch (const std::exception& e) {
+        log(LogLevel::Error, what(name, peer) + ": transfer " + std::to_string(ticket) +
+                                 " could not be recorded for quiet (" + e.what() + "); its landing is not waited for");
+      }
     }
   } catch (...) {
     if (ticket != 0)

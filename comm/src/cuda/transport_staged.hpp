@@ -16,10 +16,15 @@
 // whatever its size. The kernel first sets the transfer's ready word (in the pool) once the
 // stream's earlier work is done, then waits on the GPU until the transfer's done word
 // (written after the last copy and the signal) reaches its ticket; it times out like every
-// device wait. Where the GPU is shared a stream memory write and wait do this instead (a
-// polling kernel would hold the time-sliced GPU from the peer's agent, whose small copies
-// run on the compute engine: 2.39 ms per 4 KiB put, bench/timeslice_lab), and this rank's
-// agent ends the transfer at the timeout (StagingAgent::end_overdue). For a put of at most 64 KiB from this GPU to a hidden peer, its rows 4-byte
+// device wait. Where the GPU is shared a stream memory write and wait do this instead for a
+// visible transfer (the agent ends it at the timeout) and for a put through a channel whose
+// reader copies a chunk under 28 KiB (a polling kernel would hold the time-sliced GPU from
+// the reader's agent, whose small copies run on the compute engine: 2.39 ms per 4 KiB put,
+// bench/timeslice_lab; this rank's agent ends it at the timeout, StagingAgent::end_overdue).
+// With MESHMEM_STAGED_COMPLETION=source a put through a channel ends for its stream once its
+// source is in the slots (the done word at ticket - 1); quiet(stream), barrier(stream), a get
+// from the same rank, and on the host Window::free, barrier() and ~Comm wait for its landing
+// (unlanded_). For a put of at most 64 KiB from this GPU to a hidden peer, its rows 4-byte
 // aligned, the kernel first copies the bytes into a small slot of its stream's, so the agent
 // only posts it (MESHMEM_STAGING_STREAM_FILL; by default not where ranks share a GPU).
 //
@@ -27,7 +32,9 @@
 // source is ready, in the order sources become ready; its streams never wait on a caller's
 // stream. So a transfer whose stream waits (for a peer's signal, behind a graph launch that
 // holds a staged transfer) holds no other transfer back, as on the ipc route. Transfers of
-// one stream stay in order because the stream waits for each one's end. Done words are lent
+// one stream stay in order because the stream waits for each one's end (with source
+// completion, for each one's source read: puts to one rank then land in channel order, the
+// reader never batching two copies onto the same bytes). Done words are lent
 // per transfer and taken back once a lane's counter shows the transfer ended; with all of
 // them in use (about 64,000 transfers in flight) a call waits for the oldest, bounded by
 // MESHMEM_TIMEOUT. (Until this version transfers were enqueued in call order with a stream
@@ -64,6 +71,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "../transport.hpp"
@@ -148,8 +157,12 @@ class StagedTransport final : public Transport {
     int peer;
     bool ends_at_timeout;  // its stream waited with a memory wait (StagedRequest::ends_at_timeout)
   };
+  // By stream as the caller means it: the legacy stream whether named by null or
+  // cudaStreamLegacy, each thread's own per-thread stream apart.
+  using StreamKey = std::pair<cudaStream_t, std::thread::id>;
+  static StreamKey key_of(cudaStream_t stream);
   std::mutex unlanded_m_;
-  std::map<cudaStream_t, std::vector<Unlanded>> unlanded_;
+  std::map<StreamKey, std::vector<Unlanded>> unlanded_;
   std::shared_ptr<StagingAgent> agent_;  // shared with window attachments (released later)
   std::shared_ptr<HandoffBoard<StagingAgent>> board_;  // shared with captured graphs
 };
