@@ -142,7 +142,7 @@ __global__ void ticket_wait_kernel(std::uint64_t* ready, const std::uint64_t* wo
   // The stream's earlier work is complete (stream order, and the wait above for a programmatic
   // launch): the host thread may start on the transfer once it sees this.
   if (ready != nullptr) device::SignalWord(*ready).store(sequence, ::cuda::memory_order_release);
-  if (word != nullptr) (void)wait_word(word, Cmp::GE, until, limit, fault, peer, 0, 0);
+  (void)wait_word(word, Cmp::GE, until, limit, fault, peer, 0, 0);
 }
 
 __global__ void __launch_bounds__(1024) slot_fill_kernel(SlotFill f, WaitLimit limit, bool early) {
@@ -393,8 +393,7 @@ cudaError_t launch_slot_fill(const SlotFill& fill, WaitLimit limit, cudaStream_t
 
 cudaError_t launch_ticket_wait(std::uint64_t* ready, const std::uint64_t* word, std::uint64_t sequence, FaultKind fault,
                                int peer, WaitLimit limit, cudaStream_t stream, bool early, std::uint64_t until) {
-  return launch(ticket_wait_kernel, 1, 1, stream, early, ready, word, sequence, until != 0 ? until : sequence, fault,
-                peer, limit, early);
+  return launch(ticket_wait_kernel, 1, 1, stream, early, ready, word, sequence, until, fault, peer, limit, early);
 }
 
 }  // namespace meshmem::detail::cuda

@@ -75,14 +75,14 @@ cudaError_t launch_wait(std::uint64_t* words, std::size_t count, Cmp cmp, std::u
                         std::uint64_t window_id, std::size_t first_index, WaitLimit limit, cudaStream_t stream,
                         bool early);
 
-// Blocks `stream` until *word (host or device memory mapped here) reaches `sequence`: the end
-// of a step a host thread carries out (a staged or nccl transfer with rank `peer`); on
-// timeout the fault record gets `fault` and `peer`. First, where `ready` is given (host
-// memory mapped here), it sets *ready to `sequence`: the stream's work before it is done, the
-// host thread may start. `until`, where not 0, is what *word must reach instead of `sequence`
-// (a staged put with source completion: its source read). (Captured steps: launch_rung_wait.)
+// Blocks `stream` until *word (host or device memory mapped here) reaches `until`: the end of
+// a step a host thread carries out (a staged or nccl transfer with rank `peer`: `sequence`, or
+// less, a staged put with source completion waiting for its source read); on timeout the
+// fault record gets `fault` and `peer`. First, where `ready` is given (host memory mapped
+// here), it sets *ready to `sequence`: the stream's work before it is done, the host thread
+// may start. (Captured steps: launch_rung_wait.)
 cudaError_t launch_ticket_wait(std::uint64_t* ready, const std::uint64_t* word, std::uint64_t sequence, FaultKind fault,
-                               int peer, WaitLimit limit, cudaStream_t stream, bool early, std::uint64_t until = 0);
+                               int peer, WaitLimit limit, cudaStream_t stream, bool early, std::uint64_t until);
 
 // A small staged put whose caller's stream fills its slot itself (StagedTransport's stream-filled
 // puts): the slot (pinned host memory mapped here) is free once the transfer that used it

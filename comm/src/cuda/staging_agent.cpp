@@ -53,7 +53,8 @@ struct StagingAgent::Descriptor {
 };
 
 namespace {
-// Raises `word` to `value` (a stream write of a later count may have come first).
+// Raises `word` to `value`: a later count or end, written first (by a stream, or by another
+// path of this thread), stands.
 void raise_count(std::uint64_t* word, std::uint64_t value) {
   std::uint64_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
   while (seen < value && !__atomic_compare_exchange_n(word, &seen, value, true, __ATOMIC_RELEASE, __ATOMIC_ACQUIRE)) {
@@ -317,6 +318,10 @@ ControlWords StagingAgent::control_of(int rank) const {
 // are only logged.
 void StagingAgent::keep_error(const std::string& message, ErrorCode code) {
   std::lock_guard<std::mutex> lock(m_);
+  keep_error_locked(message, code);
+}
+
+void StagingAgent::keep_error_locked(const std::string& message, ErrorCode code) {
   if (!error_.empty()) return;
   error_ = message;
   error_code_ = code;
@@ -981,10 +986,7 @@ void StagingAgent::watch_readers() {
                                   std::to_string(puts.size()) + " put(s) to it and " + std::to_string(gets.size()) +
                                   " get(s) from it ended unfinished, and transfers with it fail";
       log(LogLevel::Warn, message);
-      if ((!puts.empty() || !gets.empty()) && error_.empty()) {
-        error_ = message;
-        error_code_ = ErrorCode::Cuda;
-      }
+      if (!puts.empty() || !gets.empty()) keep_error_locked(message, ErrorCode::Cuda);
       // A put's done word is the dead reader's to write: set from here.
       for (const RemoteEnd* e : puts) __atomic_store_n(const_cast<std::uint64_t*>(e->done), e->ticket, __ATOMIC_RELEASE);
       // The words of puts to it that ended are free again; those of puts ended here are never
@@ -1048,17 +1050,13 @@ void StagingAgent::end_overdue() {
           describe_timeout(timeout_) + " of its last descriptor; ended from the host, its data may be incomplete (" +
           slot_holders() + ")";
       log(LogLevel::Error, message);
-      if (error_.empty()) {
-        error_ = message;
-        error_code_ = ErrorCode::Timeout;
-      }
+      keep_error_locked(message, ErrorCode::Timeout);
       ends.emplace_back(const_cast<std::uint64_t*>(e.done), e.ticket);
       it = remote_lent_.erase(it);
     }
   }
   // After the error: a caller whose stream goes on finds it at its next call.
-  for (const auto& [done, ticket] : ends)
-    if (__atomic_load_n(done, __ATOMIC_ACQUIRE) < ticket) __atomic_store_n(done, ticket, __ATOMIC_RELEASE);
+  for (const auto& [done, ticket] : ends) raise_count(done, ticket);
 }
 
 // A slot that may be written now, the next in turn first: one a hidden reader consumed (as
@@ -1178,8 +1176,7 @@ void StagingAgent::end_held(Lane& lane, int device) {
   log(LogLevel::Error, message);
   // The error first: a caller whose stream goes on at the write below finds it at its next call.
   keep_error(message, ErrorCode::Timeout);
-  for (const auto& [done, ticket] : ends)
-    if (__atomic_load_n(done, __ATOMIC_ACQUIRE) < ticket) __atomic_store_n(done, ticket, __ATOMIC_RELEASE);
+  for (const auto& [done, ticket] : ends) raise_count(done, ticket);
 }
 
 std::string StagingAgent::describe_state(std::size_t waiting) const {

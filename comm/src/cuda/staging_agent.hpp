@@ -364,8 +364,9 @@ class StagingAgent {
   void give_up_if_context_failed(ReadyQueue<StagedRequest>& waiting);
   bool poll_incoming();
   bool pump();
-  // The first one since take_error(); takes m_.
+  // The first one since take_error(); takes m_ (keep_error_locked: under m_).
   void keep_error(const std::string& message, ErrorCode code = ErrorCode::Cuda);
+  void keep_error_locked(const std::string& message, ErrorCode code);
   void fail(const StagedRequest& r, const std::string& message);
   void end_unstarted(const StagedRequest& r);
   void execute(const StagedRequest& r);

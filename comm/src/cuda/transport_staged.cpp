@@ -350,6 +350,18 @@ namespace {
 bool landed(const std::uint64_t* done, std::uint64_t ticket) { return __atomic_load_n(done, __ATOMIC_ACQUIRE) >= ticket; }
 }  // namespace
 
+// Under unlanded_m_: drops from `list` the puts that landed, and those in `also`.
+void StagedTransport::forget(std::vector<Unlanded>& list, const std::vector<Unlanded>& also) {
+  list.erase(std::remove_if(list.begin(), list.end(),
+                            [&](const Unlanded& e) {
+                              if (landed(e.done, e.ticket)) return true;
+                              for (const Unlanded& a : also)
+                                if (a.done == e.done && a.ticket == e.ticket) return true;
+                              return false;
+                            }),
+             list.end());
+}
+
 void StagedTransport::wait_for_landing(cudaStream_t stream, int peer, const char* call) {
   std::vector<Unlanded> waits;
   const StreamKey key = key_of(stream);
@@ -376,16 +388,8 @@ void StagedTransport::wait_for_landing(cudaStream_t stream, int peer, const char
   std::lock_guard<std::mutex> lock(unlanded_m_);
   const auto it = unlanded_.find(key);
   if (it == unlanded_.end()) return;
-  auto& list = it->second;
-  list.erase(std::remove_if(list.begin(), list.end(),
-                            [&](const Unlanded& e) {
-                              if (landed(e.done, e.ticket)) return true;
-                              for (const Unlanded& w : waits)
-                                if (w.done == e.done && w.ticket == e.ticket) return true;
-                              return false;
-                            }),
-             list.end());
-  if (list.empty()) unlanded_.erase(it);
+  forget(it->second, waits);
+  if (it->second.empty()) unlanded_.erase(it);
 }
 
 // Only puts whose source was read (their stream passed them): one whose stream has not come
@@ -417,18 +421,11 @@ void StagedTransport::complete_on_host(const char* call) {
   }
   {
     std::lock_guard<std::mutex> lock(unlanded_m_);
+    const std::vector<Unlanded> none;
+    const std::vector<Unlanded>& given_up = late.empty() ? none : read;
     for (auto it = unlanded_.begin(); it != unlanded_.end();) {
-      auto& list = it->second;
-      list.erase(std::remove_if(list.begin(), list.end(),
-                                [&](const Unlanded& e) {
-                                  if (landed(e.done, e.ticket)) return true;
-                                  if (late.empty()) return false;
-                                  for (const Unlanded& r : read)
-                                    if (r.done == e.done && r.ticket == e.ticket) return true;
-                                  return false;
-                                }),
-                 list.end());
-      it = list.empty() ? unlanded_.erase(it) : std::next(it);
+      forget(it->second, given_up);
+      it = it->second.empty() ? unlanded_.erase(it) : std::next(it);
     }
   }
   if (!late.empty())
@@ -484,8 +481,7 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
       try {
         std::lock_guard<std::mutex> lock(unlanded_m_);
         std::vector<Unlanded>& list = unlanded_[key_of(s)];
-        list.erase(std::remove_if(list.begin(), list.end(), [](const Unlanded& e) { return landed(e.done, e.ticket); }),
-                   list.end());
+        forget(list, {});
         list.push_back(Unlanded{done, ticket, peer, r.ends_at_timeout});
       } catch (const std::exception& e) {
         log(LogLevel::Error, what(name, peer) + ": transfer " + std::to_string(ticket) +

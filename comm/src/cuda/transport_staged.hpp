@@ -161,6 +161,7 @@ class StagedTransport final : public Transport {
   // cudaStreamLegacy, each thread's own per-thread stream apart.
   using StreamKey = std::pair<cudaStream_t, std::thread::id>;
   static StreamKey key_of(cudaStream_t stream);
+  static void forget(std::vector<Unlanded>& list, const std::vector<Unlanded>& also);
   std::mutex unlanded_m_;
   std::map<StreamKey, std::vector<Unlanded>> unlanded_;
   std::shared_ptr<StagingAgent> agent_;  // shared with window attachments (released later)
