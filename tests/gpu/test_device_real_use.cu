@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -1387,15 +1388,18 @@ TEST_F(RealUse, CapturedBarrierWithAPeerThatNeverComesTimesOut) {
 // where ranks share a GPU) the proxy's watchdog ends the transfer. The same for a staged
 // transfer through the channel of a peer whose staging agent stops as it takes the
 // transfer's descriptor: with memop waits this rank's agent ends the (small) put
-// (end_overdue); the get keeps its wait kernel (its last copy is this rank's own).
+// (end_overdue); the get keeps its wait kernel (its last copy is this rank's own). Nothing of a
+// staged transfer lands after its timeout: the stopped agent, once it goes on, drops the put's
+// chunk, and this rank's agent the get's answer (a given-up wait marks the done word).
 class StoppedProxy : public RealUse, public ::testing::WithParamInterface<const char*> {
  protected:
   // Rank 1's proxy thread (staged: its staging agent) stops for kStopMs at its first header
   // (descriptor), with a 2 s timeout; rank 0 runs `transfer` (one put or get to rank 1 on s0)
   // twice: the first one's stream must go on after the timeout, not after the stop, and the
   // second must raise Timeout naming rank 1.
+  enum class Lands { Unchecked, NotAfterTimeoutOfPut, NotAfterTimeoutOfGet };
   void transfer_ends_in_the_timeout(const char* what, const std::function<void(Window&, DeviceBuffer&)>& transfer,
-                                    bool staged = false) {
+                                    bool staged = false, Lands lands = Lands::Unchecked) {
     constexpr int kStopMs = 6000;
     ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
     ScopedEnv wait("MESHMEM_STREAM_WAIT", GetParam());
@@ -1416,8 +1420,17 @@ class StoppedProxy : public RealUse, public ::testing::WithParamInterface<const 
       GTEST_SKIP() << (staged ? "needs rank 0 to reach rank 1 through the staged transport"
                               : "needs rank 0 to reach rank 1 through the nccl or mpi-device transport");
     constexpr std::size_t kBytes = 4096;
+    constexpr unsigned char kPoison = 0x5A;
     Window win = comm->alloc(kBytes);
     DeviceBuffer buf(kBytes);
+    // Fresh random bytes in the source (rank 0's buffer for a put, the window for a get), the
+    // destination poisoned: nothing of the timed-out transfer may ever land there.
+    std::vector<unsigned char> fresh(kBytes);
+    std::mt19937 gen(std::random_device{}());
+    for (auto& b : fresh) b = static_cast<unsigned char>(gen() % 255 + 1) ^ kPoison;  // never the poison
+    const bool is_get = lands == Lands::NotAfterTimeoutOfGet;
+    CUDA_OK(is_get ? upload(win.local(), fresh.data(), kBytes) : fill_now(win.local(), kPoison, kBytes));
+    CUDA_OK(is_get ? fill_now(buf.p, kPoison, kBytes) : upload(buf.p, fresh.data(), kBytes));
     MPI_Barrier(MPI_COMM_WORLD);
     const auto t0 = std::chrono::steady_clock::now();
     if (me == 0) {
@@ -1440,6 +1453,20 @@ class StoppedProxy : public RealUse, public ::testing::WithParamInterface<const 
     const auto left = std::chrono::milliseconds(kStopMs + 500) - (std::chrono::steady_clock::now() - t0);
     if (left.count() > 0) std::this_thread::sleep_for(left);
     MPI_Barrier(MPI_COMM_WORLD);
+    if (lands == Lands::Unchecked) return;
+    // The stopped agent went on 0.5 s ago; what it (and rank 0's agent, a get's answer)
+    // would still carry out has been enqueued by now and is done after a device sync.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+    CUDA_OK(cudaDeviceSynchronize());
+    const int checker = is_get ? 0 : 1;
+    if (me == checker) {
+      const auto got = to_host(is_get ? buf.p : win.local(), kBytes);
+      std::size_t landed = 0;
+      for (unsigned char b : got) landed += b != kPoison;
+      EXPECT_EQ(landed, 0u) << landed << " of " << kBytes << " bytes of the timed-out " << what
+                            << " landed after its timeout";
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
   }
 };
 
@@ -1455,12 +1482,14 @@ TEST_P(StoppedProxy, GetFromAPeerWhoseProxyStopsEndsInTheTimeout) {
 // Staged (forced): rank 1's agent stops as it takes the put's last chunk (the get's request).
 TEST_P(StoppedProxy, StagedPutToAPeerWhoseAgentStopsEndsInTheTimeout) {
   transfer_ends_in_the_timeout(
-      "staged put", [&](Window& win, DeviceBuffer& src) { comm->put(win, 1, 0, src.p, src.bytes, s0); }, true);
+      "staged put", [&](Window& win, DeviceBuffer& src) { comm->put(win, 1, 0, src.p, src.bytes, s0); }, true,
+      Lands::NotAfterTimeoutOfPut);
 }
 
 TEST_P(StoppedProxy, StagedGetFromAPeerWhoseAgentStopsEndsInTheTimeout) {
   transfer_ends_in_the_timeout(
-      "staged get", [&](Window& win, DeviceBuffer& dst) { comm->get(dst.p, win, 1, 0, dst.bytes, s0); }, true);
+      "staged get", [&](Window& win, DeviceBuffer& dst) { comm->get(dst.p, win, 1, 0, dst.bytes, s0); }, true,
+      Lands::NotAfterTimeoutOfGet);
 }
 
 INSTANTIATE_TEST_SUITE_P(Waits, StoppedProxy, ::testing::Values("kernel", "memop"),
@@ -1469,18 +1498,17 @@ INSTANTIATE_TEST_SUITE_P(Waits, StoppedProxy, ::testing::Values("kernel", "memop
 // A small staged put's stream fills its slot (MESHMEM_STAGING_STREAM_FILL) once the slot's
 // previous put ended. Rank 1's agent stops for 6 s at the first chunk it takes (rank 0's put
 // P1), with a 2 s timeout: P1's stream goes on after its timeout, and P2 on the same stream
-// finds the slot still held (rank 1 will copy P1 out of it later) and is copied by rank 0's
+// finds the slot still held (rank 1 may still copy P1 out of it) and is copied by rank 0's
 // agent instead (before, P2 was written over P1's bytes in the slot after the wait for the
 // slot timed out, and P1's range got P2's data; rank 0's log says "fill slot was still held"
-// now). The fill kernel waits for its put's end itself and gives up at the timeout (the done
-// word stays), so both land whole once rank 1 goes on; a put that rank 0's agent ends at the
-// timeout instead (a small one whose stream waits with a memop, end_overdue) is dropped by
-// rank 1: each range holds its own bytes, or none where that happened, never the other put's.
+// now). Both puts time out before rank 1 goes on (the fill kernel's own wait gives up and
+// marks the done word, kTransferGivenUp; with memop waits rank 0's agent ends them,
+// end_overdue), so rank 1 drops both: nothing lands after a timeout, and neither range ever
+// holds the other put's bytes. (Until the given-up mark, kernel waits let both land at 6 s.)
 class StalledFill : public RealUse, public ::testing::WithParamInterface<const char*> {};
 
 TEST_P(StalledFill, StreamFilledPutBehindATimedOutOneLeavesItsSlotAlone) {
   constexpr int kStopMs = 6000;
-  const bool kernel_waits = std::string(GetParam()) == "kernel";
   ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
   ScopedEnv wait("MESHMEM_STREAM_WAIT", GetParam());
   ScopedEnv transports("MESHMEM_TRANSPORTS", "staged,shm,mpi");
@@ -1511,28 +1539,24 @@ TEST_P(StalledFill, StreamFilledPutBehindATimedOutOneLeavesItsSlotAlone) {
       EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
     }
   }
-  // Rank 1's agent goes on at 6 s and carries both out (kernel waits) or drops them.
+  // Rank 1's agent goes on at 6 s and drops both; what it would still carry out is enqueued
+  // 1 s later and done after a device sync.
   const auto left = std::chrono::milliseconds(kStopMs + 1000) - (std::chrono::steady_clock::now() - t0);
   if (left.count() > 0) std::this_thread::sleep_for(left);
   MPI_Barrier(MPI_COMM_WORLD);
+  CUDA_OK(cudaDeviceSynchronize());
   if (me == 1) {
     std::vector<unsigned char> got(2 * kSecond);
-    const std::vector<unsigned char> poison(kBytes, kPoison);
-    for (int tries = 0; tries < (kernel_waits ? 50 : 10); ++tries) {  // up to 5 s more for the copies
-      CUDA_OK(cudaMemcpy(got.data(), win.local(), got.size(), cudaMemcpyDeviceToHost));
-      if (first_difference(got.data() + kSecond, want_b.data(), kBytes) == -1) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    const auto holds = [&](std::size_t at, const std::vector<unsigned char>& want) {
-      return first_difference(got.data() + at, want.data(), kBytes) == -1;
+    CUDA_OK(cudaMemcpy(got.data(), win.local(), got.size(), cudaMemcpyDeviceToHost));
+    const auto landed = [&](std::size_t at) {
+      return static_cast<std::size_t>(
+          std::count_if(got.begin() + static_cast<std::ptrdiff_t>(at),
+                        got.begin() + static_cast<std::ptrdiff_t>(at + kBytes), [](unsigned char c) { return c != kPoison; }));
     };
-    if (kernel_waits) {
-      EXPECT_TRUE(holds(0, want_a)) << "P1's bytes";
-      EXPECT_TRUE(holds(kSecond, want_b)) << "P2's bytes";
-    } else {
-      EXPECT_TRUE(holds(0, want_a) || holds(0, poison)) << "P1's range holds neither P1's bytes nor the poison";
-      EXPECT_TRUE(holds(kSecond, want_b) || holds(kSecond, poison)) << "P2's range holds neither P2's bytes nor the poison";
-    }
+    EXPECT_EQ(landed(0), 0u) << "bytes of P1 (or of P2 over it) landed after P1's timeout ("
+                             << (first_difference(got.data(), want_b.data(), kBytes) == -1 ? "P2's bytes" : "not P2's")
+                             << ")";
+    EXPECT_EQ(landed(kSecond), 0u) << "bytes of P2 landed after its timeout";
   }
   MPI_Barrier(MPI_COMM_WORLD);
 }

@@ -608,13 +608,13 @@ std::unique_ptr<DeviceRuntime> gpu_start_device_runtime(const CommContext& ctx, 
   return std::make_unique<CudaDeviceRuntime>(ctx, device);
 }
 
-void CudaDeviceRuntime::wait_for_ticket(const std::uint64_t* done, std::uint64_t ticket, int peer, cudaStream_t stream,
+void CudaDeviceRuntime::wait_for_ticket(std::uint64_t* done, std::uint64_t ticket, int peer, cudaStream_t stream,
                                         bool owner_ends_it, const std::string& what, std::uint64_t* ready,
-                                        std::uint64_t until) const {
+                                        std::uint64_t until, bool give_up) const {
   if (until == 0) until = ticket;
   if (wait_kernel_ || !owner_ends_it) {
     const cudaError_t k = cuda::launch_ticket_wait(ready, done, ticket, cuda::FaultKind::Transfer, peer, wait_limit(),
-                                                   stream, early_launch_, until);
+                                                   stream, early_launch_, until, give_up);
     if (k != cudaSuccess) ipc::check_cuda(k, "transfer wait kernel launch", what);
     return;
   }

@@ -123,10 +123,12 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   // memory mapped here), *ready is set to `ticket` first, once the stream's earlier work is
   // done: the host thread carrying out the transfer starts on that.
   // `until`, where not 0, is what *done must reach instead of `ticket` (*ready still gets
-  // `ticket`): a staged put with source completion waits for its source read.
-  void wait_for_ticket(const std::uint64_t* done, std::uint64_t ticket, int peer, cudaStream_t stream,
-                       bool owner_ends_it, const std::string& what, std::uint64_t* ready = nullptr,
-                       std::uint64_t until = 0) const;
+  // `ticket`): a staged put with source completion waits for its source read. `give_up`: a
+  // wait kernel that times out marks *done given up (cuda::kTransferGivenUp), for a reader
+  // that drops what comes later.
+  void wait_for_ticket(std::uint64_t* done, std::uint64_t ticket, int peer, cudaStream_t stream, bool owner_ends_it,
+                       const std::string& what, std::uint64_t* ready = nullptr, std::uint64_t until = 0,
+                       bool give_up = false) const;
   bool waits_with_kernel() const { return wait_kernel_; }
   // A barrier(stream) across nodes gave up (its proxy thread): the next call raises it.
   void report_barrier_failure(const std::string& failure) { fault_.report_host_barrier(failure); }

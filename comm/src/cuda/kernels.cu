@@ -136,23 +136,35 @@ __global__ void wait_kernel(std::uint64_t* words, std::size_t count, Cmp cmp, st
     device::SignalWord(words[i]).store(then, ::cuda::memory_order_relaxed);
 }
 
-__global__ void ticket_wait_kernel(std::uint64_t* ready, const std::uint64_t* word, std::uint64_t sequence,
-                                   std::uint64_t until, FaultKind fault, int peer, WaitLimit limit, bool early) {
+// A transfer wait that timed out, where its reader drops what comes after (`give_up`): the word
+// is marked given up (kTransferGivenUp), so that chunks of it its reader takes later are not
+// carried out (DESIGN: after a timeout nothing meshmem posted still writes into user memory).
+// A plain store, not an atomic: a reader's end written meanwhile was its last write of the word.
+__device__ void mark_given_up(std::uint64_t* word, std::uint64_t until) {
+  device::SignalWord(*word).store(until | kTransferGivenUp, ::cuda::memory_order_release);
+}
+
+__global__ void ticket_wait_kernel(std::uint64_t* ready, std::uint64_t* word, std::uint64_t sequence,
+                                   std::uint64_t until, FaultKind fault, int peer, WaitLimit limit, bool early,
+                                   bool give_up) {
   after_previous_kernel(early);
   // The stream's earlier work is complete (stream order, and the wait above for a programmatic
   // launch): the host thread may start on the transfer once it sees this.
   if (ready != nullptr) device::SignalWord(*ready).store(sequence, ::cuda::memory_order_release);
-  (void)wait_word(word, Cmp::GE, until, limit, fault, peer, 0, 0);
+  if (!wait_word(word, Cmp::GE, until, limit, fault, peer, 0, 0) && give_up) mark_given_up(word, until);
 }
 
 __global__ void __launch_bounds__(1024) slot_fill_kernel(SlotFill f, WaitLimit limit, bool early) {
   after_previous_kernel(early);
   // The slot's previous transfer timed out (reported: fault record): its reader may still copy
   // out of the slot, so it is left alone and the agent copies this one (kSlotNotFilled).
+  // One given up (kTransferGivenUp) may still be copied out of by a reader that took it before.
   __shared__ bool slot_free;
   if (threadIdx.x == 0)
     slot_free = f.prev_done == nullptr ||
-           wait_word(f.prev_done, Cmp::GE, f.prev_ticket, limit, FaultKind::Transfer, f.prev_peer, 0, 0);
+                (wait_word(f.prev_done, Cmp::GE, f.prev_ticket, limit, FaultKind::Transfer, f.prev_peer, 0, 0) &&
+                 (device::SignalWord(*const_cast<std::uint64_t*>(f.prev_done)).load(::cuda::memory_order_acquire) &
+                  kTransferGivenUp) == 0);
   __syncthreads();
   if (slot_free)
     for (std::size_t r = 0; r < f.rows; ++r) device::copy_block(f.slot + r * f.width, f.src + r * f.src_pitch, f.width);
@@ -160,7 +172,7 @@ __global__ void __launch_bounds__(1024) slot_fill_kernel(SlotFill f, WaitLimit l
   __syncthreads();
   if (threadIdx.x != 0) return;
   device::SignalWord(*f.ready).store(slot_free ? f.ticket : f.ticket | kSlotNotFilled, ::cuda::memory_order_release);
-  (void)wait_word(f.done, Cmp::GE, f.ticket, limit, FaultKind::Transfer, f.peer, 0, 0);
+  if (!wait_word(f.done, Cmp::GE, f.ticket, limit, FaultKind::Transfer, f.peer, 0, 0)) mark_given_up(f.done, f.ticket);
 }
 
 // A board's closed word (HandoffClosed, the word after its bell).
@@ -391,9 +403,11 @@ cudaError_t launch_slot_fill(const SlotFill& fill, WaitLimit limit, cudaStream_t
   return launch(slot_fill_kernel, 1, 1024, stream, early, fill, limit, early);
 }
 
-cudaError_t launch_ticket_wait(std::uint64_t* ready, const std::uint64_t* word, std::uint64_t sequence, FaultKind fault,
-                               int peer, WaitLimit limit, cudaStream_t stream, bool early, std::uint64_t until) {
-  return launch(ticket_wait_kernel, 1, 1, stream, early, ready, word, sequence, until, fault, peer, limit, early);
+cudaError_t launch_ticket_wait(std::uint64_t* ready, std::uint64_t* word, std::uint64_t sequence, FaultKind fault,
+                               int peer, WaitLimit limit, cudaStream_t stream, bool early, std::uint64_t until,
+                               bool give_up) {
+  return launch(ticket_wait_kernel, 1, 1, stream, early, ready, word, sequence, until, fault, peer, limit, early,
+                give_up);
 }
 
 }  // namespace meshmem::detail::cuda

@@ -80,17 +80,23 @@ cudaError_t launch_wait(std::uint64_t* words, std::size_t count, Cmp cmp, std::u
 // less, a staged put with source completion waiting for its source read); on timeout the
 // fault record gets `fault` and `peer`. First, where `ready` is given (host memory mapped
 // here), it sets *ready to `sequence`: the stream's work before it is done, the host thread
-// may start. (Captured steps: launch_rung_wait.)
-cudaError_t launch_ticket_wait(std::uint64_t* ready, const std::uint64_t* word, std::uint64_t sequence, FaultKind fault,
-                               int peer, WaitLimit limit, cudaStream_t stream, bool early, std::uint64_t until);
+// may start. With `give_up`, a wait that times out sets *word to `until | kTransferGivenUp`:
+// the transfer's reader (a staged transfer's, which checks the word before each chunk) then
+// drops what of it comes later, and the owner never lends the word again. (Captured steps:
+// launch_rung_wait.)
+constexpr std::uint64_t kTransferGivenUp = std::uint64_t(1) << 62;
+cudaError_t launch_ticket_wait(std::uint64_t* ready, std::uint64_t* word, std::uint64_t sequence, FaultKind fault,
+                               int peer, WaitLimit limit, cudaStream_t stream, bool early, std::uint64_t until,
+                               bool give_up);
 
 // A small staged put whose caller's stream fills its slot itself (StagedTransport's stream-filled
 // puts): the slot (pinned host memory mapped here) is free once the transfer that used it
 // last ended (`prev_done` reached `prev_ticket`; null: never used); then `rows` rows of
 // `width` bytes, `src_pitch` apart on this GPU, go into it packed, and *ready is set to
 // `ticket`; then the stream waits for *done to reach it, as launch_ticket_wait does. Where
-// the wait for the slot times out (a fault), nothing is copied and *ready is set to
-// `ticket | kSlotNotFilled`: the host thread copies from `src` (the stream still waits).
+// the wait for the slot times out (a fault), or the transfer that used it last was given up,
+// nothing is copied and *ready is set to `ticket | kSlotNotFilled`: the host thread copies from
+// `src` (the stream still waits). The wait for *done gives up as launch_ticket_wait's does.
 constexpr std::uint64_t kSlotNotFilled = std::uint64_t(1) << 63;
 struct SlotFill {
   char* slot;
@@ -100,7 +106,7 @@ struct SlotFill {
   std::uint64_t prev_ticket;
   int prev_peer;  // named by a timeout of the wait for the slot
   std::uint64_t* ready;
-  const std::uint64_t* done;
+  std::uint64_t* done;
   std::uint64_t ticket;
   int peer;
 };

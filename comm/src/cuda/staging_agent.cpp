@@ -385,10 +385,12 @@ void StagingAgent::reclaim_words() {
   }
   // A hidden peer (or this rank's incoming stream) wrote the done word itself: its last write;
   // a released graph's word: its last transfer's end. Either way the word is free once the
-  // done word reached the ticket.
+  // done word reached the ticket. One its caller's wait kernel gave up (kTransferGivenUp) is
+  // never lent again, as end_overdue's: the reader may still write its end later.
   auto ended = [&](const auto& e) {
-    if (__atomic_load_n(e.done, __ATOMIC_ACQUIRE) < e.ticket) return false;
-    free_words_.push_back(e.word);
+    const std::uint64_t done = __atomic_load_n(e.done, __ATOMIC_ACQUIRE);
+    if (done < e.ticket) return false;
+    if ((done & cuda::kTransferGivenUp) == 0) free_words_.push_back(e.word);
     return true;
   };
   remote_lent_.erase(std::remove_if(remote_lent_.begin(), remote_lent_.end(), ended), remote_lent_.end());
@@ -1383,8 +1385,8 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
     refused_[from] = false;
     current_[from] = transfer;
   }
-  // Its done word already reached its ticket: the writer abandoned it (a timeout), and its
-  // caller went on. Nothing of it lands any more, and the word (maybe lent to a later
+  // Its done word already reached its ticket: the writer abandoned it (a timeout: its agent's
+  // end_overdue, or its wait kernel's kTransferGivenUp), and its caller went on. Nothing of it lands any more, and the word (maybe lent to a later
   // transfer by now) is not written.
   // Nor does a chunk of this rank's get from a writer whose process ended: watch_readers ended
   // that get (enqueued) once it had carried out what the writer posted before it died.

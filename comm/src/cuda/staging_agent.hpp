@@ -56,7 +56,9 @@
 // StagedTransport) that its live reader has not ended MESHMEM_TIMEOUT after it was posted in
 // full is ended from here (end_overdue), as the wait kernel would give up elsewhere; its word
 // is not lent again, and what of it the reader takes later is dropped there (its done word
-// reached its ticket).
+// reached its ticket). A wait kernel that gives up on a transfer through a channel marks its
+// done word so itself (cuda::kTransferGivenUp): the reader drops it alike, and reclaim_words
+// does not lend that word again.
 //
 // Transfers start in the order their sources become ready (the agent polls each one's ready
 // word, set by its caller's stream), never in call order, so a transfer whose stream waits holds no other back. Each has

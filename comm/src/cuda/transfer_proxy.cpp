@@ -1066,7 +1066,7 @@ void ProxyTransport::transfer(ProxyRequest r, Stream stream, const char* name) {
     ipc::check_cuda(rc, "cudaEventRecord", what(name, r.peer));
   }
   if (!r.is_get) r.bounce = bounce;  // from here the proxy frees it
-  const std::uint64_t* done = proxy_->word(r.word);
+  std::uint64_t* done = proxy_->word(r.word);
   const std::uint64_t ticket = proxy_->submit(r);
   device_->wait_for_ticket(done, ticket, r.peer, s, true, what(name, r.peer));  // the watchdog ends it
   if (bounce == nullptr || r.bounce != nullptr) return;  // a put's: the proxy frees it

@@ -381,7 +381,8 @@ void StagedTransport::wait_for_landing(cudaStream_t stream, int peer, const char
   CurrentDevice current(device_->device());
   // Tickets only grow on a word: a wait for one whose word was lent again meanwhile passes.
   for (const Unlanded& e : waits)
-    device_->wait_for_ticket(e.done, e.ticket, e.peer, stream, e.ends_at_timeout, what(call, e.peer));
+    device_->wait_for_ticket(e.done, e.ticket, e.peer, stream, e.ends_at_timeout, what(call, e.peer), nullptr, 0,
+                             true);
   // Enqueued: the stream waits for them now. Not under capture: the graph's waits run only
   // when it does, so the stream's own puts stay to be waited for.
   if (status == cudaStreamCaptureStatusActive) return;
@@ -472,9 +473,10 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
     // The agent ends a visible transfer that stalls, and a put to a hidden peer whose stream
     // waits with a memory wait that the peer has not ended in time (end_overdue); the wait
     // kernel's own timeout ends the others. With source completion the stream waits for the
-    // source read (ticket - 1), its landing is left to quiet.
+    // source read (ticket - 1), its landing is left to quiet. A wait kernel that gives up
+    // marks the done word so, and the hidden peer's agent drops what of it comes later.
     device_->wait_for_ticket(done, ticket, peer, s, visible || r.ends_at_timeout, what(name, peer), ready,
-                             r.source_complete ? ticket - 1 : ticket);
+                             r.source_complete ? ticket - 1 : ticket, !visible);
     if (r.source_complete) {
       // The wait is enqueued: nothing may reach the catch below (it would withdraw a transfer
       // that its stream will still mark ready).

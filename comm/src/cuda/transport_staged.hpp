@@ -152,7 +152,7 @@ class StagedTransport final : public Transport {
   bool source_completion_;  // MESHMEM_STAGED_COMPLETION=source
   // Puts with source completion whose stream went on before they landed, by stream.
   struct Unlanded {
-    const std::uint64_t* done;
+    std::uint64_t* done;
     std::uint64_t ticket;
     int peer;
     bool ends_at_timeout;  // its stream waited with a memory wait (StagedRequest::ends_at_timeout)
