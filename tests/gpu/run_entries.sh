@@ -99,7 +99,9 @@ for step in "$@"; do
       elif grep -q "100% tests passed" "$out/$name.log"; then r=PASS
       elif grep -q "No tests were found" "$out/$name.log"; then r=MISSING
       else r=FAIL; fi
-      note "$r $name $(printf %.1f "$secs") s (rc $rc)"
+      # ctest's --timeout yields to an entry's own TIMEOUT property: a run past LIMIT is said so.
+      over=$(awk "BEGIN{print ($secs > $limit) ? \" past its limit of $limit s\" : \"\"}")
+      note "$r $name $(printf %.1f "$secs") s (rc $rc)$over"
       [ "$r" = PASS ] || grep -E "FAILED|Failure|error|Timeout|timed out" "$out/$name.log" | head -12 | tee -a "$summary"
       ;;
     loop|alt)
