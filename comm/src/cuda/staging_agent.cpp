@@ -66,6 +66,7 @@ StagingAgent::StagingAgent(Setup setup)
     : pool_(std::move(setup.pool)),
       slots_(static_cast<char*>(pool_->region(setup.rank))),
       chunk_(setup.chunk),
+      first_piece_(setup.first_piece),
       nslots_(setup.slots),
       control_{nullptr, static_cast<std::size_t>(setup.ranks), setup.node_ranks.size()},
       rank_(setup.rank),
@@ -601,7 +602,7 @@ void StagingAgent::end_unstarted(const StagedRequest& r) {
 // queue, and pump() cuts it into pieces as slots free up.
 void StagingAgent::execute(const StagedRequest& r) {
   if (r.route == StagedRequest::Route::Visible) {
-    visible_.push_back(VisibleTransfer{r, PieceCursor(r.width, r.rows, chunk_), Clock::now()});
+    visible_.push_back(VisibleTransfer{r, PieceCursor(r.width, r.rows, chunk_, first_piece_), Clock::now()});
     return;
   }
   Outgoing o;
@@ -647,7 +648,7 @@ void StagingAgent::execute(const StagedRequest& r) {
       o.host_source = !known || attributes.type == cudaMemoryTypeUnregistered;
       o.to_slot = known && attributes.type == cudaMemoryTypeDevice ? cudaMemcpyDeviceToHost : cudaMemcpyDefault;
     }
-    o.pieces = PieceCursor(o.width, o.rows, chunk_);
+    o.pieces = PieceCursor(o.width, o.rows, chunk_, first_piece_);
   } else {  // FromHidden: the peer's agent answers with chunks of its window
     o.get_request = true;
     o.src = r.offset;  // in the peer's window `window`
@@ -1478,7 +1479,7 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
       o.done_rank = static_cast<int>(d.done_rank);
       o.done_word = d.done_word;
       o.ticket = d.ticket;
-      o.pieces = PieceCursor(o.width, o.rows, chunk_);
+      o.pieces = PieceCursor(o.width, o.rows, chunk_, first_piece_);
       o.moved = Clock::now();
       o.what = "answer to rank " + std::to_string(writer) + "'s staged get (its transfer " + std::to_string(d.ticket) +
                ") on rank " + std::to_string(rank_);

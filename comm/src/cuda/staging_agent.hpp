@@ -198,6 +198,7 @@ class StagingAgent {
     std::unique_ptr<StagingPool> pool;
     std::vector<int> devices;  // this rank's GPU first, then the visible peers' GPUs it drives
     std::size_t chunk = 0;
+    std::size_t first_piece = 0;  // MESHMEM_STAGING_FIRST_PIECE (PieceCursor's ramp; 0: none)
     int slots = 0;
     int rank = 0;
     int ranks = 0;
@@ -423,6 +424,7 @@ class StagingAgent {
   std::unique_ptr<StagingPool> pool_;  // first: destroyed last, after the lanes stopped using it
   char* slots_;
   std::size_t chunk_;
+  std::size_t first_piece_;
   int nslots_;
   ControlWords control_;
   int rank_;

@@ -14,6 +14,7 @@
 #include "../gpu_part.hpp"
 #include "../knobs.hpp"
 #include "../log.hpp"
+#include "../piece_cursor.hpp"
 #include "../topology.hpp"
 #include "device_runtime.hpp"
 #include "device_window.hpp"
@@ -49,6 +50,32 @@ const TuningKnob<std::size_t> kStagingSlots{
     "staged", "MESHMEM_STAGING_SLOTS", 4, parse_slots, print_number,
     "staged transport: chunks in flight per rank; each rank's share of the node's pinned staging pool is "
     "slots x chunk plus 1 MiB of small slots for stream-filled puts (MESHMEM_STAGING_STREAM_FILL) and 1 MiB of control words (rounded up to 2 MiB pages; meshmem-info prints it), made when some pair of the Comm routes through `staged`"};
+
+// PieceCursor's ramp, off by default. Why it exists: a transfer's pipeline fills with its first
+// piece's device-to-host copy and drains with its last piece's host-to-device copy; with 4 MiB
+// pieces both ends cost about 150 us of a 64 MiB put (pipeline_lab on 4 x H200: 0.895 x
+// min(d2h, h2d) at best). Why off: on 1 x H200 (2 ranks sharing it; bench/results/2026-11-29-
+// nvidia-h200-staged-first-piece-c3f85f6.txt) 256 KiB first pieces took a 4 MiB put from 174 to
+// 150 us but not the 64 MiB one (0.814 -> 0.802-0.812: each small piece pays the agents' hand-
+// over, which its copy no longer hides), and they cost source completion and two streams their
+// overlap (64 MiB 0.859 -> 0.814; 0.865 -> 0.816-0.823): more pieces hold the same slots. With
+// one GPU per rank (the x4 case the ramp is for) it is not measured yet.
+std::size_t parse_first_piece(const char* name, const std::string& raw) {
+  if (raw == "off") return 0;
+  const std::size_t n = parse_bytes(name, raw);
+  if (n < PieceCursor::kRampAlign || n > (std::size_t(1) << 30) || n % PieceCursor::kRampAlign != 0)
+    bad_knob_value(name, raw, "`off` or a byte count from 64 KiB to 2^30, a multiple of 64 KiB");
+  return n;
+}
+std::string print_first_piece(const std::size_t& n) { return n == 0 ? "off" : print_number(n); }
+const TuningKnob<std::size_t> kStagingFirstPiece{
+    "staged", "MESHMEM_STAGING_FIRST_PIECE", 0, parse_first_piece, print_first_piece,
+    "staged transport: a contiguous transfer of more than twice this many bytes starts with a piece of this size, "
+    "the pieces doubling up to MESHMEM_STAGING_CHUNK, and ends with pieces halving down to between once and twice "
+    "it, so that the target's copies start and end sooner (the pipeline's fill and drain); `off` (or a size of a "
+    "chunk or more): every piece a chunk. Off by default: on 1 x H200 shared by 2 ranks, 256 KiB made a 4 MiB put "
+    "14% faster, a 64 MiB one no faster, and cost source completion and two streams their overlap (bench/results/"
+    "2026-11-29-nvidia-h200-staged-first-piece-c3f85f6.txt); not yet measured with one GPU per rank"};
 
 // "" (off) or a file prefix; "off" reads as "".
 std::string parse_trace_prefix(const char*, const std::string& raw) { return raw == "off" ? "" : raw; }
@@ -173,10 +200,11 @@ namespace {
 // others keep the kernel, faster there (Jacobi 4096^2, halos of 32,752 bytes, 2 ranks on
 // 1 x H200: 296-312 us per iteration with the kernel, 388-392 with a memory wait).
 constexpr std::size_t kCopyEngineBytes = std::size_t(28) << 10;
-bool reader_copy_may_wait_for_a_time_slice(const StagedRequest& r, std::size_t chunk) {
+bool reader_copy_may_wait_for_a_time_slice(const StagedRequest& r, std::size_t chunk, std::size_t first_piece) {
   if (r.width == 0 || r.rows == 0) return false;  // a signal alone: nothing copied
   if (r.rows > 1) return true;                    // 2D copies: not measured
   if (r.width < kCopyEngineBytes) return true;
+  if (PieceCursor(r.width, 1, chunk, first_piece).ramps()) return false;  // no piece under 64 KiB
   const std::size_t last = r.width % chunk;  // the last chunk
   return last != 0 && last < kCopyEngineBytes;
 }
@@ -192,6 +220,7 @@ StagedTransport::StagedTransport(const CommContext& ctx)
     : ctx_(ctx),
       device_(static_cast<CudaDeviceRuntime*>(ctx.device)),
       chunk_(kStagingChunk.get(ctx.options)),
+      first_piece_(kStagingFirstPiece.get(ctx.options)),
       slots_(static_cast<int>(kStagingSlots.get(ctx.options))),
       stream_fill_(fills_by_stream(kStagingStreamFill.get(ctx.options), device_)),
       source_completion_(kStagedCompletion.get(ctx.options) == Completion::Source) {
@@ -279,6 +308,7 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
     setup.pool = std::move(pool);
     setup.devices = devices;
     setup.chunk = chunk_;
+    setup.first_piece = first_piece_;
     setup.slots = slots_;
     setup.rank = topo.rank;
     setup.ranks = topo.size;
@@ -466,7 +496,7 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
         }))
       return;
     r.ends_at_timeout = r.route == StagedRequest::Route::ToHidden && !device_->waits_with_kernel() &&
-                        reader_copy_may_wait_for_a_time_slice(r, chunk_);
+                        reader_copy_may_wait_for_a_time_slice(r, chunk_, first_piece_);
     r.source_complete = source_completion_ && r.route == StagedRequest::Route::ToHidden && r.width > 0 && r.rows > 0;
     ticket = agent_->submit(r);
     // The wait sets the ready word first (on the GPU, once the stream's earlier work is done).

@@ -147,6 +147,7 @@ class StagedTransport final : public Transport {
   std::vector<int> peer_device_;    // by rank: its GPU as this process numbers it, -1 if hidden
   std::vector<std::string> no_route_;
   std::size_t chunk_;
+  std::size_t first_piece_;  // MESHMEM_STAGING_FIRST_PIECE (0: off)
   int slots_;
   bool stream_fill_;  // MESHMEM_STAGING_STREAM_FILL
   bool source_completion_;  // MESHMEM_STAGED_COMPLETION=source
