@@ -10,7 +10,8 @@ namespace meshmem::detail {
 // The pieces a transfer of `rows` rows of `width` bytes is cut into, at most a chunk each:
 // whole rows where a row fits (packed in the slot), otherwise a chunk of one row.
 //
-// With a first piece `first` (0: none), a one-row transfer of more than two such pieces ramps:
+// With a first piece `first` (0: none; at most half a chunk, as the last piece may take up to
+// twice it), a one-row transfer of more than two such pieces ramps:
 // its pieces start at `first` and double up to the chunk, and toward its end each takes half
 // of what is left (rounded down to kRampAlign, at least `first`), the last one holding between
 // `first` and 2 x `first`. Why: the target's host-to-device copy of a piece starts only once
@@ -33,7 +34,7 @@ class PieceCursor {
         rows_per_(width == 0 ? 1 : width <= chunk ? chunk / width : 1),
         cut_(width <= chunk ? width : chunk),
         chunk_(chunk),
-        first_(rows == 1 && first > 0 && first < chunk && width > 2 * first ? first : 0) {}
+        first_(rows == 1 && first > 0 && 2 * first <= chunk && width > 2 * first ? first : 0) {}
   bool done() const { return width_ == 0 || row_ >= rows_; }
   bool ramps() const { return first_ != 0; }  // then no piece is smaller than `first`
   Piece current() const {

@@ -1398,6 +1398,27 @@ class StoppedProxy : public RealUse, public ::testing::WithParamInterface<const 
   // twice: the first one's stream must go on after the timeout, not after the stop, and the
   // second must raise Timeout naming rank 1.
   enum class Lands { Unchecked, NotAfterTimeoutOfPut, NotAfterTimeoutOfGet };
+  // A 64-byte put to rank 1 at `at` (or get from there), ended: through the channels the test's
+  // transfers took, after them. A call may first raise the timeout of an earlier transfer.
+  void fence(Window& win, std::size_t at, bool get) {
+    DeviceBuffer tail(64);
+    bool ended = false;
+    std::string last;
+    for (int tries = 0; tries < 3 && !ended; ++tries) {
+      try {
+        if (get)
+          comm->get(tail.p, win, 1, at, tail.bytes, s0);
+        else
+          comm->put(win, 1, at, tail.p, tail.bytes, s0);
+        comm->quiet(s0);
+        CUDA_OK(cudaStreamSynchronize(s0));
+        ended = true;
+      } catch (const Error& e) {
+        last = e.what();
+      }
+    }
+    EXPECT_TRUE(ended) << "the fence transfer after the timed-out one failed: " << last;
+  }
   void transfer_ends_in_the_timeout(const char* what, const std::function<void(Window&, DeviceBuffer&)>& transfer,
                                     bool staged = false, Lands lands = Lands::Unchecked) {
     constexpr int kStopMs = 6000;
@@ -1420,8 +1441,7 @@ class StoppedProxy : public RealUse, public ::testing::WithParamInterface<const 
       GTEST_SKIP() << (staged ? "needs rank 0 to reach rank 1 through the staged transport"
                               : "needs rank 0 to reach rank 1 through the nccl or mpi-device transport");
     constexpr std::size_t kBytes = 4096;
-    constexpr unsigned char kPoison = 0x5A;
-    Window win = comm->alloc(kBytes);
+    Window win = comm->alloc(2 * kBytes);  // the second half for the fence below
     DeviceBuffer buf(kBytes);
     // Fresh random bytes in the source (rank 0's buffer for a put, the window for a get), the
     // destination poisoned: nothing of the timed-out transfer may ever land there.
@@ -1454,9 +1474,12 @@ class StoppedProxy : public RealUse, public ::testing::WithParamInterface<const 
     if (left.count() > 0) std::this_thread::sleep_for(left);
     MPI_Barrier(MPI_COMM_WORLD);
     if (lands == Lands::Unchecked) return;
-    // The stopped agent went on 0.5 s ago; what it (and rank 0's agent, a get's answer)
-    // would still carry out has been enqueued by now and is done after a device sync.
-    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+    // The stopped agent went on 0.5 s ago. A fence: one more transfer of the same kind through
+    // the same channels (a put's chunks from rank 0 to rank 1; a get's request there and its
+    // answer back), carried out in order, so once it ended every descriptor of the timed-out
+    // transfer was carried out or dropped, and the copies of those carried out are done.
+    if (me == 0) fence(win, kBytes, is_get);
+    MPI_Barrier(MPI_COMM_WORLD);
     CUDA_OK(cudaDeviceSynchronize());
     const int checker = is_get ? 0 : 1;
     if (me == checker) {
@@ -1501,10 +1524,10 @@ INSTANTIATE_TEST_SUITE_P(Waits, StoppedProxy, ::testing::Values("kernel", "memop
 // finds the slot still held (rank 1 may still copy P1 out of it) and is copied by rank 0's
 // agent instead (before, P2 was written over P1's bytes in the slot after the wait for the
 // slot timed out, and P1's range got P2's data; rank 0's log says "fill slot was still held"
-// now). Both puts time out before rank 1 goes on (the fill kernel's own wait gives up and
-// marks the done word, kTransferGivenUp; with memop waits rank 0's agent ends them,
-// end_overdue), so rank 1 drops both: nothing lands after a timeout, and neither range ever
-// holds the other put's bytes. (Until the given-up mark, kernel waits let both land at 6 s.)
+// now). Both puts time out before rank 1 goes on (P1's fill kernel, and P2's wait kernel, give
+// up and mark the done word, kTransferGivenUp, with either wait: a stream-filled put keeps its
+// kernel), so rank 1 drops both: nothing lands after a timeout, and neither range ever holds
+// the other put's bytes. (Until the given-up mark, both landed at 6 s, with either wait.)
 class StalledFill : public RealUse, public ::testing::WithParamInterface<const char*> {};
 
 TEST_P(StalledFill, StreamFilledPutBehindATimedOutOneLeavesItsSlotAlone) {
@@ -1519,7 +1542,7 @@ TEST_P(StalledFill, StreamFilledPutBehindATimedOutOneLeavesItsSlotAlone) {
   make_comm();
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   constexpr std::size_t kBytes = 4096 + 5, kSecond = 8192;
-  Window win = comm->alloc(2 * kSecond);
+  Window win = comm->alloc(3 * kSecond);  // the third part for the fence
   DeviceBuffer a(kBytes), b(kBytes);
   const auto want_a = pattern(seed, 71, kBytes), want_b = pattern(seed, 72, kBytes);
   CUDA_OK(cudaMemcpy(a.p, want_a.data(), kBytes, cudaMemcpyHostToDevice));
@@ -1539,10 +1562,26 @@ TEST_P(StalledFill, StreamFilledPutBehindATimedOutOneLeavesItsSlotAlone) {
       EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
     }
   }
-  // Rank 1's agent goes on at 6 s and drops both; what it would still carry out is enqueued
-  // 1 s later and done after a device sync.
-  const auto left = std::chrono::milliseconds(kStopMs + 1000) - (std::chrono::steady_clock::now() - t0);
+  // Rank 1's agent goes on at 6 s and drops both. A fence put after them through the same
+  // channel: once it ended, rank 1 carried out or dropped both, and its copies are done.
+  const auto left = std::chrono::milliseconds(kStopMs + 500) - (std::chrono::steady_clock::now() - t0);
   if (left.count() > 0) std::this_thread::sleep_for(left);
+  if (me == 0) {
+    DeviceBuffer tail(64);
+    bool ended = false;
+    std::string last;
+    for (int tries = 0; tries < 3 && !ended; ++tries) {
+      try {  // a call may first raise P2's timeout
+        comm->put(win, 1, 2 * kSecond, tail.p, tail.bytes, s0);
+        comm->quiet(s0);
+        CUDA_OK(cudaStreamSynchronize(s0));
+        ended = true;
+      } catch (const Error& e) {
+        last = e.what();
+      }
+    }
+    EXPECT_TRUE(ended) << "the fence put after P1 and P2 failed: " << last;
+  }
   MPI_Barrier(MPI_COMM_WORLD);
   CUDA_OK(cudaDeviceSynchronize());
   if (me == 1) {

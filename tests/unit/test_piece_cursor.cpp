@@ -124,8 +124,8 @@ TEST(PieceCursor, A64MiBTransferRampsAsDocumented) {
   EXPECT_EQ(kib, want);
 }
 
-// No ramp where it cannot pay: several rows, two first pieces or less, a first piece of a
-// chunk or more, or none asked for: the plain chunks.
+// No ramp where it cannot pay or fit: several rows, two first pieces or less, a first piece
+// over half a chunk, or none asked for: the plain chunks.
 TEST(PieceCursor, NoRampWhereItCannotPay) {
   constexpr std::size_t K = 1024;
   const auto widths = [](PieceCursor c) {
@@ -136,6 +136,9 @@ TEST(PieceCursor, NoRampWhereItCannotPay) {
   EXPECT_EQ(widths(PieceCursor(512 * K, 1, 4096 * K, 256 * K)), widths(PieceCursor(512 * K, 1, 4096 * K)));
   EXPECT_EQ(widths(PieceCursor(9000 * K, 3, 4096 * K, 256 * K)), widths(PieceCursor(9000 * K, 3, 4096 * K)));
   EXPECT_EQ(widths(PieceCursor(64 * K * K, 1, 256 * K, 256 * K)), widths(PieceCursor(64 * K * K, 1, 256 * K)));
+  // A first piece over half a chunk: its last piece (up to twice it) would not fit a slot.
+  EXPECT_EQ(widths(PieceCursor(12 * K * K, 1, 4096 * K, 3072 * K)), widths(PieceCursor(12 * K * K, 1, 4096 * K)));
+  EXPECT_EQ(widths(PieceCursor(12 * K * K, 1, 4096 * K, 2112 * K)), widths(PieceCursor(12 * K * K, 1, 4096 * K)));
   EXPECT_EQ(widths(PieceCursor(64 * K * K, 1, 4096 * K, 0)), widths(PieceCursor(64 * K * K, 1, 4096 * K)));
 }
 

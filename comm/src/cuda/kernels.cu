@@ -139,9 +139,17 @@ __global__ void wait_kernel(std::uint64_t* words, std::size_t count, Cmp cmp, st
 // A transfer wait that timed out, where its reader drops what comes after (`give_up`): the word
 // is marked given up (kTransferGivenUp), so that chunks of it its reader takes later are not
 // carried out (DESIGN: after a timeout nothing meshmem posted still writes into user memory).
-// A plain store, not an atomic: a reader's end written meanwhile was its last write of the word.
+// Read again just before the store: an end written meanwhile stands (its owner may lend the
+// word again once it sees it). A store, not a compare-and-swap: system-scope atomics on pinned
+// host memory are not atomic against the host or a peer GPU's writes without native host
+// atomics (PCIe). What is left: an end that lands between this read and the store (a few
+// instructions apart, unless the GPU preempts the kernel right there) is overwritten, and the
+// word is retired like every marked one; only if its owner saw that end and lent the word to
+// another transfer within that gap would the mark reach the other transfer.
 __device__ void mark_given_up(std::uint64_t* word, std::uint64_t until) {
-  device::SignalWord(*word).store(until | kTransferGivenUp, ::cuda::memory_order_release);
+  device::SignalWord w(*word);
+  if (w.load(::cuda::memory_order_acquire) >= until) return;
+  w.store(until | kTransferGivenUp, ::cuda::memory_order_release);
 }
 
 __global__ void ticket_wait_kernel(std::uint64_t* ready, std::uint64_t* word, std::uint64_t sequence,

@@ -80,10 +80,11 @@ cudaError_t launch_wait(std::uint64_t* words, std::size_t count, Cmp cmp, std::u
 // less, a staged put with source completion waiting for its source read); on timeout the
 // fault record gets `fault` and `peer`. First, where `ready` is given (host memory mapped
 // here), it sets *ready to `sequence`: the stream's work before it is done, the host thread
-// may start. With `give_up`, a wait that times out sets *word to `until | kTransferGivenUp`:
-// the transfer's reader (a staged transfer's, which checks the word before each chunk) then
-// drops what of it comes later, and the owner never lends the word again. (Captured steps:
-// launch_rung_wait.)
+// may start. With `give_up`, a wait that times out sets *word to `until | kTransferGivenUp`
+// unless it reached `until` meanwhile: the transfer's reader (a staged transfer's, which checks
+// the word before each chunk) then drops what of it comes later, its writer posts no more of
+// it, and its owner does not lend the word again while the mark stands (a reader's end written
+// later replaces it: that was the reader's last write). (Captured steps: launch_rung_wait.)
 constexpr std::uint64_t kTransferGivenUp = std::uint64_t(1) << 62;
 cudaError_t launch_ticket_wait(std::uint64_t* ready, std::uint64_t* word, std::uint64_t sequence, FaultKind fault,
                                int peer, WaitLimit limit, cudaStream_t stream, bool early, std::uint64_t until,

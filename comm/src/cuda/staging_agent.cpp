@@ -805,6 +805,10 @@ void StagingAgent::abandon_visible(const StagedRequest& r, const std::string& me
 // Posts what it can of `o` on its channel; true once all of it is posted (the last
 // descriptor carries the signal and the done word).
 bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
+  // Given up meanwhile (its caller's wait timed out and marked the done word, kTransferGivenUp,
+  // or this rank ended it): nothing more of it is read from its source, which its caller may
+  // reuse or free now, nor posted. Its error was reported where it was given up.
+  if (__atomic_load_n(control_of(o.done_rank).transfer(o.done_word), __ATOMIC_ACQUIRE) >= o.ticket) return true;
   CurrentDevice current(device_);
   Descriptor d;
   d.window = o.window;
@@ -939,7 +943,7 @@ void StagingAgent::abandon_outgoing(const Outgoing& o, const std::string& messag
   } else {
     keep_error(message, code);
   }
-  __atomic_store_n(control_of(o.done_rank).transfer(o.done_word), o.ticket, __ATOMIC_RELEASE);
+  raise_count(control_of(o.done_rank).transfer(o.done_word), o.ticket);  // a given-up mark stays
 }
 
 void StagingAgent::watch_readers() {
@@ -999,7 +1003,8 @@ void StagingAgent::watch_readers() {
       remote_lent_.erase(std::remove_if(remote_lent_.begin(), remote_lent_.end(),
                                         [&](const RemoteEnd& e) {
                                           if (e.peer != peer || e.writer != peer) return false;
-                                          if (std::find(puts.begin(), puts.end(), &e) == puts.end())
+                                          if (std::find(puts.begin(), puts.end(), &e) == puts.end() &&
+                                              (__atomic_load_n(e.done, __ATOMIC_ACQUIRE) & cuda::kTransferGivenUp) == 0)
                                             free_words_.push_back(e.word);
                                           return true;
                                         }),
@@ -1510,7 +1515,7 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
     problem = e.what();
     refused_[from] = true;
     if (answered) outgoing_[from].back().failure_counted = true;  // counted below
-    if (d.kind() == Descriptor::kGet && !answered) __atomic_store_n(done, d.ticket, __ATOMIC_RELEASE);  // no answer comes
+    if (d.kind() == Descriptor::kGet && !answered) raise_count(done, d.ticket);  // no answer comes
     try {  // the channel and the initiator's wait still move on
       flush_incoming();
       std::vector<CUstreamBatchMemOpParams> ops;

@@ -72,8 +72,8 @@ const TuningKnob<std::size_t> kStagingFirstPiece{
     "staged", "MESHMEM_STAGING_FIRST_PIECE", 0, parse_first_piece, print_first_piece,
     "staged transport: a contiguous transfer of more than twice this many bytes starts with a piece of this size, "
     "the pieces doubling up to MESHMEM_STAGING_CHUNK, and ends with pieces halving down to between once and twice "
-    "it, so that the target's copies start and end sooner (the pipeline's fill and drain); `off` (or a size of a "
-    "chunk or more): every piece a chunk. Off by default: on 1 x H200 shared by 2 ranks, 256 KiB made a 4 MiB put "
+    "it, so that the target's copies start and end sooner (the pipeline's fill and drain); `off` (or a size over half "
+    "a chunk): every piece a chunk. Off by default: on 1 x H200 shared by 2 ranks, 256 KiB made a 4 MiB put "
     "14% faster, a 64 MiB one no faster, and cost source completion and two streams their overlap (bench/results/"
     "2026-11-29-nvidia-h200-staged-first-piece-c3f85f6.txt); not yet measured with one GPU per rank"};
 
@@ -450,6 +450,16 @@ void StagedTransport::complete_on_host(const char* call) {
     }
     if (!late.empty()) break;
   }
+  // Those that did not land are marked given up (cuda::kTransferGivenUp), as a wait kernel
+  // that times out marks its transfer: their reader drops what of them comes later. A
+  // compare-and-swap: an end that lands meanwhile stands.
+  if (!late.empty())
+    for (const Unlanded& e : read) {
+      std::uint64_t seen = __atomic_load_n(e.done, __ATOMIC_ACQUIRE);
+      while (seen < e.ticket && !__atomic_compare_exchange_n(e.done, &seen, e.ticket | cuda::kTransferGivenUp, true,
+                                                             __ATOMIC_RELEASE, __ATOMIC_ACQUIRE)) {
+      }
+    }
   {
     std::lock_guard<std::mutex> lock(unlanded_m_);
     const std::vector<Unlanded> none;
