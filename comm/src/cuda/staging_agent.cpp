@@ -1392,8 +1392,8 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
     current_[from] = transfer;
   }
   // Its done word already reached its ticket: the writer abandoned it (a timeout: its agent's
-  // end_overdue, or its wait kernel's kTransferGivenUp), and its caller went on. Nothing of it lands any more, and the word (maybe lent to a later
-  // transfer by now) is not written.
+  // end_overdue, or its wait kernel's kTransferGivenUp), and its caller went on. Nothing of it
+  // lands any more, and the word (maybe lent to a later transfer by now) is not written.
   // Nor does a chunk of this rank's get from a writer whose process ended: watch_readers ended
   // that get (enqueued) once it had carried out what the writer posted before it died.
   const bool abandoned = d.kind() == Descriptor::kChunk &&
