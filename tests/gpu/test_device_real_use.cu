@@ -166,6 +166,29 @@ class RealUse : public meshmem::test::MpiTest {
     MpiTest::TearDown();
   }
 
+  // A 64-byte put to rank 1 at `at` (or get from there) on s0, ended: through the staged channels
+  // that earlier transfers with rank 1 took, after them, so once it ended those were carried out
+  // or dropped. A call may first raise the timeout of an earlier transfer (`after` names them).
+  void fence(Window& win, std::size_t at, bool get, const char* after) {
+    DeviceBuffer tail(64);
+    bool ended = false;
+    std::string last;
+    for (int tries = 0; tries < 3 && !ended; ++tries) {
+      try {
+        if (get)
+          comm->get(tail.p, win, 1, at, tail.bytes, s0);
+        else
+          comm->put(win, 1, at, tail.p, tail.bytes, s0);
+        comm->quiet(s0);
+        CUDA_OK(cudaStreamSynchronize(s0));
+        ended = true;
+      } catch (const Error& e) {
+        last = e.what();
+      }
+    }
+    EXPECT_TRUE(ended) << "the fence transfer after " << after << " failed: " << last;
+  }
+
   std::unique_ptr<Comm> comm;
   int device = -1, me = 0, n = 1, right = 0, left = 0;
   std::uint64_t seed = 0;
@@ -1398,27 +1421,6 @@ class StoppedProxy : public RealUse, public ::testing::WithParamInterface<const 
   // twice: the first one's stream must go on after the timeout, not after the stop, and the
   // second must raise Timeout naming rank 1.
   enum class Lands { Unchecked, NotAfterTimeoutOfPut, NotAfterTimeoutOfGet };
-  // A 64-byte put to rank 1 at `at` (or get from there), ended: through the channels the test's
-  // transfers took, after them. A call may first raise the timeout of an earlier transfer.
-  void fence(Window& win, std::size_t at, bool get) {
-    DeviceBuffer tail(64);
-    bool ended = false;
-    std::string last;
-    for (int tries = 0; tries < 3 && !ended; ++tries) {
-      try {
-        if (get)
-          comm->get(tail.p, win, 1, at, tail.bytes, s0);
-        else
-          comm->put(win, 1, at, tail.p, tail.bytes, s0);
-        comm->quiet(s0);
-        CUDA_OK(cudaStreamSynchronize(s0));
-        ended = true;
-      } catch (const Error& e) {
-        last = e.what();
-      }
-    }
-    EXPECT_TRUE(ended) << "the fence transfer after the timed-out one failed: " << last;
-  }
   void transfer_ends_in_the_timeout(const char* what, const std::function<void(Window&, DeviceBuffer&)>& transfer,
                                     bool staged = false, Lands lands = Lands::Unchecked) {
     constexpr int kStopMs = 6000;
@@ -1478,7 +1480,7 @@ class StoppedProxy : public RealUse, public ::testing::WithParamInterface<const 
     // the same channels (a put's chunks from rank 0 to rank 1; a get's request there and its
     // answer back), carried out in order, so once it ended every descriptor of the timed-out
     // transfer was carried out or dropped, and the copies of those carried out are done.
-    if (me == 0) fence(win, kBytes, is_get);
+    if (me == 0) fence(win, kBytes, is_get, "the timed-out one");
     MPI_Barrier(MPI_COMM_WORLD);
     CUDA_OK(cudaDeviceSynchronize());
     const int checker = is_get ? 0 : 1;
@@ -1566,22 +1568,7 @@ TEST_P(StalledFill, StreamFilledPutBehindATimedOutOneLeavesItsSlotAlone) {
   // channel: once it ended, rank 1 carried out or dropped both, and its copies are done.
   const auto left = std::chrono::milliseconds(kStopMs + 500) - (std::chrono::steady_clock::now() - t0);
   if (left.count() > 0) std::this_thread::sleep_for(left);
-  if (me == 0) {
-    DeviceBuffer tail(64);
-    bool ended = false;
-    std::string last;
-    for (int tries = 0; tries < 3 && !ended; ++tries) {
-      try {  // a call may first raise P2's timeout
-        comm->put(win, 1, 2 * kSecond, tail.p, tail.bytes, s0);
-        comm->quiet(s0);
-        CUDA_OK(cudaStreamSynchronize(s0));
-        ended = true;
-      } catch (const Error& e) {
-        last = e.what();
-      }
-    }
-    EXPECT_TRUE(ended) << "the fence put after P1 and P2 failed: " << last;
-  }
+  if (me == 0) fence(win, 2 * kSecond, false, "P1 and P2");
   MPI_Barrier(MPI_COMM_WORLD);
   CUDA_OK(cudaDeviceSynchronize());
   if (me == 1) {
