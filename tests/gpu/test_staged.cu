@@ -73,19 +73,17 @@ TEST_F(Staged, PutSignalAndGetEverySize) {
   const std::size_t guard = 64;
   Window win = comm->alloc(offset + largest + guard);
   Signals sig = comm->alloc_signals(1);
-  void *src = nullptr, *back = nullptr;
-  CUDA_OK(cudaMalloc(&src, largest));
-  CUDA_OK(cudaMalloc(&back, largest));
+  DeviceBuffer src(largest), back(largest);
   std::uint64_t round = 0;
   for (std::size_t size : sizes) {
     ++round;
     const auto mine = pattern(seed, key(size, me, 0), size);
-    CUDA_OK(cudaMemcpy(src, mine.data(), size, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(src.p, mine.data(), size, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemset(win.local(), kPoison, offset + size + guard));
-    CUDA_OK(cudaMemset(back, kPoison, size));
+    CUDA_OK(cudaMemset(back.p, kPoison, size));
     CUDA_OK(cudaDeviceSynchronize());
     comm->barrier();
-    comm->put_signal(win, right, offset, src, size, sig, 0, round, SignalOp::Set, s);
+    comm->put_signal(win, right, offset, src.p, size, sig, 0, round, SignalOp::Set, s);
     comm->wait_until(sig, 0, Cmp::GE, round, s);
     CUDA_OK(cudaStreamSynchronize(s));
     std::vector<unsigned char> got(offset + size + guard);
@@ -97,16 +95,14 @@ TEST_F(Staged, PutSignalAndGetEverySize) {
     EXPECT_EQ(first_difference(got.data() + offset + size, poison.data(), guard), -1) << "bytes after the put's range, " << size;
     comm->barrier();
     // Right's window holds what this rank put there.
-    comm->get(back, win, right, offset, size, s);
+    comm->get(back.p, win, right, offset, size, s);
     CUDA_OK(cudaStreamSynchronize(s));
     std::vector<unsigned char> fetched(size);
-    CUDA_OK(cudaMemcpy(fetched.data(), back, size, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(fetched.data(), back.p, size, cudaMemcpyDeviceToHost));
     EXPECT_EQ(first_difference(fetched.data(), mine.data(), size), -1) << "get of " << size << " bytes from rank " << right;
     comm->barrier();  // the left neighbour's get from this window is done before the next round poisons it
   }
   comm->barrier();
-  cudaFree(src);
-  cudaFree(back);
 }
 
 // Several put_signals back to back on one stream, each overwriting the same range with new
@@ -131,21 +127,20 @@ TEST_F(Staged, SignalNeverAheadOfItsData) {
   constexpr int kRounds = 30;
   Window win = comm->alloc(kBytes);
   Signals sig = comm->alloc_signals(2);  // 0: data from the left, 1: ack from the right
-  void* src = nullptr;
-  unsigned* bad = nullptr;
-  CUDA_OK(cudaMalloc(&src, kBytes));
-  CUDA_OK(cudaMalloc(&bad, sizeof(unsigned)));
+  DeviceBuffer src(kBytes), bad_buf(sizeof(unsigned));
+  ASSERT_NE(src.p, nullptr);  // its first real use is a kernel's: a null one would fault there
+  auto* const bad = static_cast<unsigned*>(bad_buf.p);
   CUDA_OK(cudaMemset(bad, 0, sizeof(unsigned)));
   // Load this test's kernels before any wait is in flight: under CUDA's lazy loading a first
   // launch may synchronise the context behind a polling wait (see kernels.hpp, preload_kernels).
-  fill_round<<<1, 32, 0, s>>>(static_cast<unsigned char*>(src), 0, 0, 0);
+  fill_round<<<1, 32, 0, s>>>(static_cast<unsigned char*>(src.p), 0, 0, 0);
   check_round<<<1, 32, 0, s>>>(static_cast<const unsigned char*>(win.local()), 0, 0, 0, bad);
   CUDA_OK(cudaDeviceSynchronize());
   comm->barrier();
   for (std::uint64_t r = 1; r <= kRounds; ++r) {
     if (r > 1) comm->wait_until(sig, 1, Cmp::GE, r - 1, s);  // right checked the last round
-    fill_round<<<64, 256, 0, s>>>(static_cast<unsigned char*>(src), kBytes, r, 0);
-    comm->put_signal(win, right, 0, src, kBytes, sig, 0, r, SignalOp::Set, s);
+    fill_round<<<64, 256, 0, s>>>(static_cast<unsigned char*>(src.p), kBytes, r, 0);
+    comm->put_signal(win, right, 0, src.p, kBytes, sig, 0, r, SignalOp::Set, s);
     comm->wait_until(sig, 0, Cmp::GE, r, s);
     check_round<<<64, 256, 0, s>>>(static_cast<const unsigned char*>(win.local()), kBytes, r, 0, bad);
     comm->signal(sig, left, 1, r, SignalOp::Set, s);
@@ -155,8 +150,6 @@ TEST_F(Staged, SignalNeverAheadOfItsData) {
   CUDA_OK(cudaMemcpy(&h, bad, sizeof(h), cudaMemcpyDeviceToHost));
   EXPECT_EQ(h, 0u) << "bytes seen before their data landed, over " << kRounds << " rounds";
   comm->barrier();
-  cudaFree(src);
-  cudaFree(bad);
 }
 
 // Both neighbours put_signal into this rank in every round at about the same time, so its
@@ -178,10 +171,10 @@ TEST_F(Staged, SignalsFromBothNeighboursAtOnceNeverAheadOfTheirData) {
   constexpr int kRounds = 40;
   Window win = comm->alloc(2 * largest);  // [0]: from the left, [1]: from the right
   Signals sig = comm->alloc_signals(4);   // 0 / 1: data from the left / right; 2 / 3: acks from the right / left
-  unsigned char* src = nullptr;
-  unsigned* bad = nullptr;
-  CUDA_OK(cudaMalloc(&src, largest));
-  CUDA_OK(cudaMalloc(&bad, sizeof(unsigned)));
+  DeviceBuffer src_buf(largest), bad_buf(sizeof(unsigned));
+  ASSERT_NE(src_buf.p, nullptr);  // its first real use is a kernel's: a null one would fault there
+  auto* const src = static_cast<unsigned char*>(src_buf.p);
+  auto* const bad = static_cast<unsigned*>(bad_buf.p);
   CUDA_OK(cudaMemset(bad, 0, sizeof(unsigned)));
   auto* region = static_cast<unsigned char*>(win.local());
   CUDA_OK(cudaMemset(region, kPoison, 2 * largest));
@@ -211,8 +204,6 @@ TEST_F(Staged, SignalsFromBothNeighboursAtOnceNeverAheadOfTheirData) {
   EXPECT_EQ(h, 0u) << "bytes seen before their data landed, over " << kRounds << " rounds from ranks " << left << " and "
                    << right;
   comm->barrier();
-  cudaFree(src);
-  cudaFree(bad);
 }
 
 // The copies of incoming chunks fail on the target (MESHMEM_FAULT 1:staged.copy_in:fail, the
@@ -227,10 +218,9 @@ TEST_F(Staged, ChunksWhoseCopyFailsAreRefusedWithoutTheirSignal) {
   constexpr std::size_t kBytes = (1u << 20) + 3, kAt = 5, kSpan = kBytes + 64;
   Window win = comm->alloc(kSpan);
   Signals sig = comm->alloc_signals(2);
-  void* src = nullptr;
-  CUDA_OK(cudaMalloc(&src, kBytes));
+  DeviceBuffer src(kBytes);
   const auto mine = pattern(seed, key(kBytes, me, 7), kBytes);
-  CUDA_OK(cudaMemcpy(src, mine.data(), kBytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(src.p, mine.data(), kBytes, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemset(win.local(), kPoison, kSpan));
   CUDA_OK(cudaDeviceSynchronize());
   comm->barrier();
@@ -246,9 +236,9 @@ TEST_F(Staged, ChunksWhoseCopyFailsAreRefusedWithoutTheirSignal) {
         << which << ": " << (error.empty() ? std::string("no error") : error);
   };
   if (me == 0) {
-    comm->put_signal(win, 1, kAt, src, kBytes, sig, 0, 7, SignalOp::Set, s);
+    comm->put_signal(win, 1, kAt, src.p, kBytes, sig, 0, 7, SignalOp::Set, s);
     refused("put_signal Set");
-    comm->put_signal(win, 1, kAt, src, kBytes, sig, 1, 1, SignalOp::Add, s);
+    comm->put_signal(win, 1, kAt, src.p, kBytes, sig, 1, 1, SignalOp::Add, s);
     refused("put_signal Add");
   }
   comm->barrier();
@@ -261,7 +251,7 @@ TEST_F(Staged, ChunksWhoseCopyFailsAreRefusedWithoutTheirSignal) {
   }
   comm->barrier();
   if (me == 0) {
-    comm->put_signal(win, 1, kAt, src, kBytes, sig, 0, 9, SignalOp::Set, s);
+    comm->put_signal(win, 1, kAt, src.p, kBytes, sig, 0, 9, SignalOp::Set, s);
     comm->quiet(s);
     CUDA_OK(cudaStreamSynchronize(s));
   }
@@ -274,7 +264,6 @@ TEST_F(Staged, ChunksWhoseCopyFailsAreRefusedWithoutTheirSignal) {
     EXPECT_EQ(first_difference(got.data(), want.data(), kSpan), -1) << "the put after the refused ones";
   }
   comm->barrier();
-  cudaFree(src);
 }
 
 TEST_F(Staged, SignalAddFromEveryRankCountsEveryUpdate) {
@@ -296,22 +285,20 @@ TEST_F(Staged, PutReturnsBeforeItsDataMoved) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   const std::size_t bytes = std::size_t(1) << 30;
   Window win = comm->alloc(bytes);
-  void* src = nullptr;
-  CUDA_OK(cudaMalloc(&src, bytes));
-  CUDA_OK(cudaMemset(src, 1, bytes));
+  DeviceBuffer src(bytes);
+  CUDA_OK(cudaMemset(src.p, 1, bytes));
   CUDA_OK(cudaDeviceSynchronize());
-  comm->put(win, right, 0, src, 4096, s);  // warm-up: events, lanes
+  comm->put(win, right, 0, src.p, 4096, s);  // warm-up: events, lanes
   CUDA_OK(cudaStreamSynchronize(s));
   comm->barrier();
   const auto t0 = std::chrono::steady_clock::now();
-  comm->put(win, right, 0, src, bytes, s);
+  comm->put(win, right, 0, src.p, bytes, s);
   const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
   const cudaError_t busy = cudaStreamQuery(s);
   EXPECT_LT(us, 2000.0) << "a staged put of 1 GiB held the host";
   EXPECT_EQ(busy, cudaErrorNotReady) << "the stream had finished the 1 GiB put when the call returned";
   CUDA_OK(cudaStreamSynchronize(s));
   comm->barrier();
-  cudaFree(src);
 }
 
 // MESHMEM_STAGED_COMPLETION=source: a put's stream goes on once its source is in the staging
@@ -461,10 +448,10 @@ TEST_F(Staged, CapturedPutSignalReplaysWithFreshData) {
   constexpr int kReplays = 6;
   Window win = comm->alloc(kOffset + kBytes);
   Signals sig = comm->alloc_signals(1);
-  void* src = nullptr;
-  CUDA_OK(cudaMalloc(&src, kBytes));
+  DeviceBuffer src(kBytes);
+  ASSERT_NE(src.p, nullptr);  // captured before its first CUDA call
   CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  comm->put_signal(win, right, kOffset, src, kBytes, sig, 0, 1, SignalOp::Add, s);
+  comm->put_signal(win, right, kOffset, src.p, kBytes, sig, 0, 1, SignalOp::Add, s);
   comm->barrier(s);
   cudaGraph_t graph = nullptr;
   CUDA_OK(cudaStreamEndCapture(s, &graph));
@@ -473,7 +460,7 @@ TEST_F(Staged, CapturedPutSignalReplaysWithFreshData) {
   CUDA_OK(cudaGraphDestroy(graph));  // the exec keeps what the replays need
   for (int r = 1; r <= kReplays; ++r) {
     const auto mine = pattern(seed, key(kBytes, me, 10 + r), kBytes);
-    CUDA_OK(cudaMemcpy(src, mine.data(), kBytes, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(src.p, mine.data(), kBytes, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemset(win.local(), kPoison, kOffset + kBytes));
     CUDA_OK(cudaDeviceSynchronize());
     comm->barrier();
@@ -490,7 +477,6 @@ TEST_F(Staged, CapturedPutSignalReplaysWithFreshData) {
   }
   CUDA_OK(cudaGraphExecDestroy(exec));
   comm->barrier();
-  cudaFree(src);
 }
 
 // A graph of many captured staged puts in a chain on one stream (each after the previous
@@ -504,12 +490,11 @@ TEST_F(Staged, AGraphOfManyChainedTransfersLaunchesAtOnceAndReplays) {
   constexpr int kReplays = 4;
   Window win = comm->alloc(kOffset + kBytes);
   Signals sig = comm->alloc_signals(1);
-  void* src = nullptr;
-  CUDA_OK(cudaMalloc(&src, kBytes));
+  DeviceBuffer src(kBytes);
+  ASSERT_NE(src.p, nullptr);  // captured before its first CUDA call
   CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
   for (std::size_t i = 0; i < kPieces; ++i)
-    comm->put_signal(win, right, kOffset + i * kPiece, static_cast<char*>(src) + i * kPiece, kPiece, sig, 0, 1,
-                     SignalOp::Add, s);
+    comm->put_signal(win, right, kOffset + i * kPiece, src.c() + i * kPiece, kPiece, sig, 0, 1, SignalOp::Add, s);
   comm->barrier(s);
   cudaGraph_t graph = nullptr;
   CUDA_OK(cudaStreamEndCapture(s, &graph));
@@ -518,7 +503,7 @@ TEST_F(Staged, AGraphOfManyChainedTransfersLaunchesAtOnceAndReplays) {
   CUDA_OK(cudaGraphDestroy(graph));
   for (int r = 1; r <= kReplays; ++r) {
     const auto mine = pattern(seed, key(kBytes, me, 40 + r), kBytes);
-    CUDA_OK(cudaMemcpy(src, mine.data(), kBytes, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(src.p, mine.data(), kBytes, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemset(win.local(), kPoison, kOffset + kBytes));
     CUDA_OK(cudaDeviceSynchronize());
     comm->barrier();
@@ -540,7 +525,6 @@ TEST_F(Staged, AGraphOfManyChainedTransfersLaunchesAtOnceAndReplays) {
   }
   CUDA_OK(cudaGraphExecDestroy(exec));
   comm->barrier();
-  cudaFree(src);
 }
 
 __global__ void spin_for(unsigned long long ns) {
@@ -559,12 +543,11 @@ TEST_F(Staged, PutBehindALongKernelDoesNotDelayAnotherStream) {
   constexpr std::size_t kBytes = 64u << 20;
   constexpr double kKernelMs = 400;
   Window win = comm->alloc(kBytes);
-  void *src = nullptr, *b_src = nullptr, *b_dst = nullptr;
-  CUDA_OK(cudaMalloc(&src, kBytes));
-  CUDA_OK(cudaMalloc(&b_src, kBytes));
-  CUDA_OK(cudaMalloc(&b_dst, kBytes));
+  DeviceBuffer src(kBytes), b_src(kBytes), b_dst(kBytes);
+  ASSERT_NE(b_src.p, nullptr);  // first used once the timed put is in flight
+  ASSERT_NE(b_dst.p, nullptr);
   const auto data = pattern(seed, key(kBytes, me, 20), kBytes);
-  CUDA_OK(cudaMemcpy(src, data.data(), kBytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(src.p, data.data(), kBytes, cudaMemcpyHostToDevice));
   cudaStream_t b = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
   cudaEvent_t b_done = nullptr;
@@ -576,9 +559,9 @@ TEST_F(Staged, PutBehindALongKernelDoesNotDelayAnotherStream) {
   const auto t0 = std::chrono::steady_clock::now();
   spin_for<<<1, 1, 0, s>>>(static_cast<unsigned long long>(kKernelMs * 1e6));
   const auto t1 = std::chrono::steady_clock::now();
-  comm->put(win, right, 0, src, kBytes, s);
+  comm->put(win, right, 0, src.p, kBytes, s);
   const auto t2 = std::chrono::steady_clock::now();
-  CUDA_OK(cudaMemcpyAsync(b_dst, b_src, kBytes, cudaMemcpyDeviceToDevice, b));
+  CUDA_OK(cudaMemcpyAsync(b_dst.p, b_src.p, kBytes, cudaMemcpyDeviceToDevice, b));
   CUDA_OK(cudaEventRecord(b_done, b));
   CUDA_OK(cudaEventSynchronize(b_done));
   const double b_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -599,9 +582,6 @@ TEST_F(Staged, PutBehindALongKernelDoesNotDelayAnotherStream) {
   comm->barrier();
   cudaEventDestroy(b_done);
   cudaStreamDestroy(b);
-  cudaFree(src);
-  cudaFree(b_src);
-  cudaFree(b_dst);
 }
 
 // A transfer whose stream waits for a peer holds no other stream's transfer back (the agent
@@ -614,13 +594,11 @@ TEST_F(Staged, AStreamWaitingForAPeerHoldsNoOtherStreamsTransfer) {
   constexpr std::size_t kBytes = (5u << 20) + 3, kOffset = 11;
   Window win = comm->alloc(2 * kBytes + kOffset);
   Signals sig = comm->alloc_signals(2);  // 0: rank 1 -> rank 0, go on; 1: rank 0 -> rank 1, A's data
-  void *a_src = nullptr, *b_src = nullptr;
-  CUDA_OK(cudaMalloc(&a_src, kBytes));
-  CUDA_OK(cudaMalloc(&b_src, kBytes));
+  DeviceBuffer a_src(kBytes), b_src(kBytes);
   const auto a_data = pattern(seed, key(kBytes, me, 30), kBytes);
   const auto b_data = pattern(seed, key(kBytes, me, 31), kBytes);
-  CUDA_OK(cudaMemcpy(a_src, a_data.data(), kBytes, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(b_src, b_data.data(), kBytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(a_src.p, a_data.data(), kBytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(b_src.p, b_data.data(), kBytes, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemset(win.local(), kPoison, 2 * kBytes + kOffset));
   cudaStream_t b = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
@@ -628,8 +606,8 @@ TEST_F(Staged, AStreamWaitingForAPeerHoldsNoOtherStreamsTransfer) {
   comm->barrier();
   if (me == 0) {
     comm->wait_until(sig, 0, Cmp::GE, 1, b);
-    comm->put(win, 1, kOffset + kBytes, b_src, kBytes, b);
-    comm->put_signal(win, 1, kOffset, a_src, kBytes, sig, 1, 1, SignalOp::Set, s);
+    comm->put(win, 1, kOffset + kBytes, b_src.p, kBytes, b);
+    comm->put_signal(win, 1, kOffset, a_src.p, kBytes, sig, 1, 1, SignalOp::Set, s);
   } else if (me == 1) {
     comm->wait_until(sig, 1, Cmp::GE, 1, s);
     comm->signal(sig, 0, 0, 1, SignalOp::Set, s);
@@ -649,8 +627,6 @@ TEST_F(Staged, AStreamWaitingForAPeerHoldsNoOtherStreamsTransfer) {
   }
   comm->barrier();
   cudaStreamDestroy(b);
-  cudaFree(a_src);
-  cudaFree(b_src);
 }
 
 // An eager put issued on a stream behind a graph launch whose graph holds a staged
@@ -662,17 +638,15 @@ TEST_F(Staged, EagerPutBehindAGraphLaunchOnOneStream) {
   constexpr std::size_t kBytes = (3u << 20) + 5;
   Window win = comm->alloc(2 * kBytes);
   Signals sig = comm->alloc_signals(1);
-  void *g_src = nullptr, *e_src = nullptr;
-  CUDA_OK(cudaMalloc(&g_src, kBytes));
-  CUDA_OK(cudaMalloc(&e_src, kBytes));
+  DeviceBuffer g_src(kBytes), e_src(kBytes);
   const auto g_data = pattern(seed, key(kBytes, me, 40), kBytes);
   const auto e_data = pattern(seed, key(kBytes, me, 41), kBytes);
-  CUDA_OK(cudaMemcpy(g_src, g_data.data(), kBytes, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(e_src, e_data.data(), kBytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(g_src.p, g_data.data(), kBytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(e_src.p, e_data.data(), kBytes, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemset(win.local(), kPoison, 2 * kBytes));
   spin_for<<<1, 1, 0, s>>>(0);  // loaded before any wait is in flight
   CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  comm->put_signal(win, right, 0, g_src, kBytes, sig, 0, 1, SignalOp::Add, s);
+  comm->put_signal(win, right, 0, g_src.p, kBytes, sig, 0, 1, SignalOp::Add, s);
   cudaGraph_t graph = nullptr;
   CUDA_OK(cudaStreamEndCapture(s, &graph));
   cudaGraphExec_t exec = nullptr;
@@ -682,7 +656,7 @@ TEST_F(Staged, EagerPutBehindAGraphLaunchOnOneStream) {
   comm->barrier();
   spin_for<<<1, 1, 0, s>>>(200ull * 1000 * 1000);  // the graph's host node runs after the eager put's call
   CUDA_OK(cudaGraphLaunch(exec, s));
-  comm->put(win, right, kBytes, e_src, kBytes, s);
+  comm->put(win, right, kBytes, e_src.p, kBytes, s);
   CUDA_OK(cudaStreamSynchronize(s));
   comm->barrier();
   std::vector<unsigned char> got(2 * kBytes);
@@ -694,8 +668,6 @@ TEST_F(Staged, EagerPutBehindAGraphLaunchOnOneStream) {
   EXPECT_EQ(sig.read(0), 1u);
   comm->barrier();
   CUDA_OK(cudaGraphExecDestroy(exec));
-  cudaFree(g_src);
-  cudaFree(e_src);
 }
 
 // Many small transfers on several streams at once, each stream's later put overwriting its
@@ -706,15 +678,14 @@ TEST_F(Staged, ManySmallTransfersOnFourStreamsEachKeepTheirOrder) {
   constexpr int kStreams = 4, kRounds = 200;
   constexpr std::size_t kBytes = 4096 + 9;
   Window win = comm->alloc(kStreams * kBytes);
-  void* src = nullptr;
-  CUDA_OK(cudaMalloc(&src, std::size_t(kRounds) * kStreams * kBytes));
+  DeviceBuffer src(std::size_t(kRounds) * kStreams * kBytes);
   std::vector<unsigned char> all(std::size_t(kRounds) * kStreams * kBytes);
   for (int r = 0; r < kRounds; ++r)
     for (int k = 0; k < kStreams; ++k) {
       const auto p = pattern(seed, key(kBytes, me, 1000 + r * kStreams + k), kBytes);
       std::memcpy(all.data() + (std::size_t(r) * kStreams + k) * kBytes, p.data(), kBytes);
     }
-  CUDA_OK(cudaMemcpy(src, all.data(), all.size(), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(src.p, all.data(), all.size(), cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemset(win.local(), kPoison, kStreams * kBytes));
   cudaStream_t streams[kStreams];
   for (auto& st : streams) CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
@@ -722,8 +693,7 @@ TEST_F(Staged, ManySmallTransfersOnFourStreamsEachKeepTheirOrder) {
   comm->barrier();
   for (int r = 0; r < kRounds; ++r)
     for (int k = 0; k < kStreams; ++k)
-      comm->put(win, right, k * kBytes, static_cast<char*>(src) + (std::size_t(r) * kStreams + k) * kBytes, kBytes,
-                streams[k]);
+      comm->put(win, right, k * kBytes, src.c() + (std::size_t(r) * kStreams + k) * kBytes, kBytes, streams[k]);
   for (auto& st : streams) CUDA_OK(cudaStreamSynchronize(st));
   comm->barrier();
   std::vector<unsigned char> got(kStreams * kBytes);
@@ -734,7 +704,6 @@ TEST_F(Staged, ManySmallTransfersOnFourStreamsEachKeepTheirOrder) {
   }
   comm->barrier();
   for (auto& st : streams) cudaStreamDestroy(st);
-  cudaFree(src);
 }
 
 // Puts of at most 64 KiB from a rank's GPU go into a small slot by a kernel on the caller's
@@ -753,8 +722,7 @@ TEST_F(Staged, StreamFilledAndAgentPutsOnMoreStreamsThanFillSlotsLandWhole) {
   constexpr std::size_t kGap = 15, kSpan = 65537 + kGap;  // each put's range, a multiple of 16
   const std::size_t total = std::size_t(kStreams) * kRounds * kSpan;
   Window win = comm->alloc(total + 64);
-  void* src = nullptr;
-  CUDA_OK(cudaMalloc(&src, total + 64));
+  DeviceBuffer src(total + 64);
   std::vector<unsigned char> all(total + 64);
   auto place = [&](int k, int r) { return (std::size_t(k) * kRounds + r) * kSpan; };
   // Sources 4, 8 or 16 bytes into a line (filled by the kernel), or odd (the agent's copy), by
@@ -769,7 +737,7 @@ TEST_F(Staged, StreamFilledAndAgentPutsOnMoreStreamsThanFillSlotsLandWhole) {
       const auto p = pattern(seed, key(bytes, me, 5000 + k * kRounds + r), bytes);
       std::memcpy(all.data() + source(k, r), p.data(), bytes);
     }
-  CUDA_OK(cudaMemcpy(src, all.data(), all.size(), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(src.p, all.data(), all.size(), cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemset(win.local(), kPoison, total + 64));
   cudaStream_t streams[kStreams];
   for (auto& st : streams) CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
@@ -777,7 +745,7 @@ TEST_F(Staged, StreamFilledAndAgentPutsOnMoreStreamsThanFillSlotsLandWhole) {
   comm->barrier();
   for (int r = 0; r < kRounds; ++r)
     for (int k = 0; k < kStreams; ++k)
-      comm->put(win, right, place(k, r) + 5, static_cast<char*>(src) + source(k, r), kSizes[(k + r) % 6], streams[k]);
+      comm->put(win, right, place(k, r) + 5, src.c() + source(k, r), kSizes[(k + r) % 6], streams[k]);
   for (auto& st : streams) CUDA_OK(cudaStreamSynchronize(st));
   comm->quiet(s);
   comm->barrier();
@@ -804,7 +772,6 @@ TEST_F(Staged, StreamFilledAndAgentPutsOnMoreStreamsThanFillSlotsLandWhole) {
   EXPECT_EQ(first_difference(got.data() + total, want.data() + total, 64), -1) << "the tail past the last range";
   comm->barrier();
   for (auto& st : streams) cudaStreamDestroy(st);
-  cudaFree(src);
 }
 
 // HaloExchange::complete() (halos written by kernels) is refused on every rank when some
@@ -868,21 +835,18 @@ TEST_F(Staged, BothWaysWithThousandsOfChunksEachNothingStalls) {
   Signals sig = c.alloc_signals(2);
   cudaStream_t s2 = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
-  void *to_right = nullptr, *to_left = nullptr, *back = nullptr;
-  CUDA_OK(cudaMalloc(&to_right, bytes));
-  CUDA_OK(cudaMalloc(&to_left, bytes));
-  CUDA_OK(cudaMalloc(&back, bytes));
+  DeviceBuffer to_right(bytes), to_left(bytes), back(bytes);
   const auto mine_right = pattern(seed, key(bytes, me, 3), bytes);
   const auto mine_left = pattern(seed, key(bytes, me, 4), bytes);
-  CUDA_OK(cudaMemcpy(to_right, mine_right.data(), bytes, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(to_left, mine_left.data(), bytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(to_right.p, mine_right.data(), bytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(to_left.p, mine_left.data(), bytes, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemset(win.local(), kPoison, 2 * bytes));
-  CUDA_OK(cudaMemset(back, kPoison, bytes));
+  CUDA_OK(cudaMemset(back.p, kPoison, bytes));
   CUDA_OK(cudaDeviceSynchronize());
   c.barrier();
   // Into the right neighbour's first half (signal 0), the left neighbour's second half (signal 1).
-  c.put_signal(win, right, 0, to_right, bytes, sig, 0, 1, SignalOp::Set, s);
-  c.put_signal(win, left, bytes, to_left, bytes, sig, 1, 1, SignalOp::Set, s2);
+  c.put_signal(win, right, 0, to_right.p, bytes, sig, 0, 1, SignalOp::Set, s);
+  c.put_signal(win, left, bytes, to_left.p, bytes, sig, 1, 1, SignalOp::Set, s2);
   c.wait_until(sig, 0, Cmp::GE, 1, s);
   c.wait_until(sig, 1, Cmp::GE, 1, s);
   CUDA_OK(cudaStreamSynchronize(s));
@@ -895,15 +859,12 @@ TEST_F(Staged, BothWaysWithThousandsOfChunksEachNothingStalls) {
       << "the second half, from rank " << right;
   c.barrier();
   // Both directions again, as gets: this rank's put to the right comes back from there.
-  c.get(back, win, right, 0, bytes, s);
+  c.get(back.p, win, right, 0, bytes, s);
   CUDA_OK(cudaStreamSynchronize(s));
   std::vector<unsigned char> fetched(bytes);
-  CUDA_OK(cudaMemcpy(fetched.data(), back, bytes, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(fetched.data(), back.p, bytes, cudaMemcpyDeviceToHost));
   EXPECT_EQ(first_difference(fetched.data(), mine_right.data(), bytes), -1) << "get from rank " << right;
   c.barrier();
-  cudaFree(to_right);
-  cudaFree(to_left);
-  cudaFree(back);
   cudaStreamDestroy(s2);
 }
 
@@ -931,14 +892,13 @@ TEST_F(Staged, PeerAccessThatFailsWriteAndVerifyGoesThroughStaged) {
   EXPECT_NE(why.find("granted but broken"), std::string::npos) << why;
   const std::size_t bytes = (std::size_t(3) << 20) + 11;
   Window win = c.alloc(bytes);
-  void* src = nullptr;
-  CUDA_OK(cudaMalloc(&src, bytes));
+  DeviceBuffer src(bytes);
   const auto mine = pattern(seed, key(bytes, me, 5), bytes);
-  CUDA_OK(cudaMemcpy(src, mine.data(), bytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(src.p, mine.data(), bytes, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemset(win.local(), kPoison, bytes));
   CUDA_OK(cudaDeviceSynchronize());
   c.barrier();
-  c.put(win, right, 0, src, bytes, s);
+  c.put(win, right, 0, src.p, bytes, s);
   c.quiet(s);
   CUDA_OK(cudaStreamSynchronize(s));
   c.barrier();
@@ -947,17 +907,15 @@ TEST_F(Staged, PeerAccessThatFailsWriteAndVerifyGoesThroughStaged) {
   EXPECT_EQ(first_difference(got.data(), pattern(seed, key(bytes, left, 5), bytes).data(), bytes), -1)
       << "from rank " << left;
   c.barrier();
-  cudaFree(src);
 }
 
 TEST_F(Staged, AllocFreeAndCommCyclesReturnToBaseline) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
-  void* src = nullptr;
-  CUDA_OK(cudaMalloc(&src, 1u << 20));
-  CUDA_OK(cudaMemset(src, 3, 1u << 20));
+  DeviceBuffer src(1u << 20);
+  CUDA_OK(cudaMemset(src.p, 3, 1u << 20));
   {  // warm-up: the first window brings lasting state (events, lanes)
     Window w = comm->alloc(1u << 20);
-    comm->put(w, right, 0, src, 1u << 20, s);
+    comm->put(w, right, 0, src.p, 1u << 20, s);
     CUDA_OK(cudaStreamSynchronize(s));
     comm->barrier();
   }
@@ -969,7 +927,7 @@ TEST_F(Staged, AllocFreeAndCommCyclesReturnToBaseline) {
   for (int i = 0; i < 1000; ++i) {
     Window w = comm->alloc((1u << 20) + static_cast<std::size_t>(i % 7) * 4096);
     if (i % 10 == 0) {
-      comm->put(w, right, 0, src, 1u << 20, s);
+      comm->put(w, right, 0, src.p, 1u << 20, s);
       CUDA_OK(cudaStreamSynchronize(s));
       comm->barrier();
     }
@@ -991,7 +949,7 @@ TEST_F(Staged, AllocFreeAndCommCyclesReturnToBaseline) {
   for (int i = 0; i < 20; ++i) {
     Comm c(MPI_COMM_WORLD, staged_options());
     Window w = c.alloc(1u << 20);
-    c.put(w, (c.rank() + 1) % c.size(), 0, src, 1u << 20, s);
+    c.put(w, (c.rank() + 1) % c.size(), 0, src.p, 1u << 20, s);
     CUDA_OK(cudaStreamSynchronize(s));
     c.barrier();
   }
@@ -1001,7 +959,6 @@ TEST_F(Staged, AllocFreeAndCommCyclesReturnToBaseline) {
   CUDA_OK(cudaMemGetInfo(&free2, &total));
   EXPECT_EQ(open_fds(), fds_no_comm) << "descriptors after 20 Comms with a staging pool";
   EXPECT_LE(free_no_comm - std::min(free_no_comm, free2), std::size_t(4) << 20) << "GPU memory lost over 20 Comms";
-  cudaFree(src);
 }
 
 }  // namespace
