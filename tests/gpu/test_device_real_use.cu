@@ -1587,6 +1587,72 @@ TEST_P(StalledFill, StreamFilledPutBehindATimedOutOneLeavesItsSlotAlone) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// A reader that took a stream-filled put before it was given up copies it out of the fill slot
+// whenever it gets to it, also after later puts of that stream to another rank ended: rank 1's
+// agent takes rank 0's put P1 (not yet marked) and then sleeps 6 s before it enqueues the copy
+// (MESHMEM_FAULT 1:staged.copy_in:delay), with a 2 s timeout. Rank 0's stream goes on at P1's
+// timeout; P2 (to rank 2, same stream) finds the slot held by P1, is copied by rank 0's agent
+// and ends; P3 (to rank 2, same stream) waited for P2 only. Before slots were retired, P3's
+// kernel filled the slot once P2 ended, and rank 1 copied P3's bytes into P1's range at 6 s.
+// Now the slot is never filled again: P1's range holds poison or P1's own bytes (taken before
+// the mark, so they may land), and P2 and P3 land whole.
+TEST_P(StalledFill, ASlotHeldByATimedOutPutIsNeverFilledAgain) {
+  constexpr int kDelayMs = 6000;
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+  ScopedEnv wait("MESHMEM_STREAM_WAIT", GetParam());
+  ScopedEnv transports("MESHMEM_TRANSPORTS", "staged,shm,mpi");
+  ScopedEnv fill("MESHMEM_STAGING_STREAM_FILL", "on");
+  ScopedEnv channels("MESHMEM_STAGING_CHANNELS", "always");
+  const std::string plan = "1:staged.copy_in:delay=" + std::to_string(kDelayMs);
+  ScopedEnv fault("MESHMEM_FAULT", plan.c_str());
+  make_comm();
+  if (n < 3) GTEST_SKIP() << "needs three ranks: a reader that stalls and another";
+  constexpr std::size_t kBytes = 4096 + 5, kPart = 8192;
+  Window win = comm->alloc(3 * kPart);  // the third part for the fence
+  DeviceBuffer p1(kBytes), p2(kBytes), p3(kBytes);
+  const auto want1 = pattern(seed, 81, kBytes), want2 = pattern(seed, 82, kBytes), want3 = pattern(seed, 83, kBytes);
+  CUDA_OK(cudaMemcpy(p1.p, want1.data(), kBytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(p2.p, want2.data(), kBytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(p3.p, want3.data(), kBytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(win.local(), kPoison, 2 * kPart));
+  CUDA_OK(cudaDeviceSynchronize());
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto t0 = std::chrono::steady_clock::now();
+  if (me == 0) {
+    comm->put(win, 1, 0, p1.p, kBytes, s0);      // P1: rank 1 takes it, then sleeps before its copy
+    comm->put(win, 2, 0, p2.p, kBytes, s0);      // P2: the slot is P1's until P1 ends
+    comm->put(win, 2, kPart, p3.p, kBytes, s0);  // P3: waits for P2 only
+    CUDA_OK(cudaStreamSynchronize(s0));
+    try {
+      comm->quiet(s0);
+      ADD_FAILURE() << "P1's timeout was not reported";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+    }
+    comm->quiet(s0);  // P2 and P3 ended
+  }
+  // Rank 1's agent enqueues P1's copy at 6 s; a fence put through the same channel after it.
+  const auto left = std::chrono::milliseconds(kDelayMs + 500) - (std::chrono::steady_clock::now() - t0);
+  if (left.count() > 0) std::this_thread::sleep_for(left);
+  if (me == 0) fence(win, 2 * kPart, false, "P1");
+  MPI_Barrier(MPI_COMM_WORLD);
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<unsigned char> got(2 * kPart);
+  CUDA_OK(cudaMemcpy(got.data(), win.local(), got.size(), cudaMemcpyDeviceToHost));
+  if (me == 1) {
+    const bool poisoned = std::all_of(got.begin(), got.begin() + kBytes, [](unsigned char c) { return c == kPoison; });
+    EXPECT_TRUE(poisoned || first_difference(got.data(), want1.data(), kBytes) == -1)
+        << "P1's range holds "
+        << (first_difference(got.data(), want3.data(), kBytes) == -1 ? "P3's bytes (its fill reused P1's slot)"
+                                                                    : "bytes of neither P1 nor the poison");
+  }
+  if (me == 2) {
+    EXPECT_EQ(first_difference(got.data(), want2.data(), kBytes), -1) << "P2";
+    EXPECT_EQ(first_difference(got.data() + kPart, want3.data(), kBytes), -1) << "P3";
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 INSTANTIATE_TEST_SUITE_P(Waits, StalledFill, ::testing::Values("kernel", "memop"),
                          [](const auto& info) { return std::string(info.param); });
 

@@ -166,13 +166,19 @@ __global__ void __launch_bounds__(1024) slot_fill_kernel(SlotFill f, WaitLimit l
   after_previous_kernel(early);
   // The slot's previous transfer timed out (reported: fault record): its reader may still copy
   // out of the slot, so it is left alone and the agent copies this one (kSlotNotFilled).
-  // One given up (kTransferGivenUp) may still be copied out of by a reader that took it before.
+  // One given up (kTransferGivenUp) may still be copied out of by a reader that took it before,
+  // for as long as that reader takes: the slot is retired (launch_slot_fill).
   __shared__ bool slot_free;
-  if (threadIdx.x == 0)
-    slot_free = f.prev_done == nullptr ||
-                (wait_word(f.prev_done, Cmp::GE, f.prev_ticket, limit, FaultKind::Transfer, f.prev_peer, 0, 0) &&
-                 (device::SignalWord(*const_cast<std::uint64_t*>(f.prev_done)).load(::cuda::memory_order_acquire) &
-                  kTransferGivenUp) == 0);
+  if (threadIdx.x == 0) {
+    device::SignalWord retired(*f.retired);
+    const bool was_retired = retired.load(::cuda::memory_order_acquire) != 0;
+    slot_free = !was_retired &&
+                (f.prev_done == nullptr ||
+                 (wait_word(f.prev_done, Cmp::GE, f.prev_ticket, limit, FaultKind::Transfer, f.prev_peer, 0, 0) &&
+                  (device::SignalWord(*const_cast<std::uint64_t*>(f.prev_done)).load(::cuda::memory_order_acquire) &
+                   kTransferGivenUp) == 0));
+    if (!slot_free && !was_retired) retired.store(1, ::cuda::memory_order_release);
+  }
   __syncthreads();
   if (slot_free)
     for (std::size_t r = 0; r < f.rows; ++r) device::copy_block(f.slot + r * f.width, f.src + r * f.src_pitch, f.width);

@@ -97,7 +97,11 @@ cudaError_t launch_ticket_wait(std::uint64_t* ready, std::uint64_t* word, std::u
 // `ticket`; then the stream waits for *done to reach it, as launch_ticket_wait does. Where
 // the wait for the slot times out (a fault), or the transfer that used it last was given up,
 // nothing is copied and *ready is set to `ticket | kSlotNotFilled`: the host thread copies from
-// `src` (the stream still waits). The wait for *done gives up as launch_ticket_wait's does.
+// `src` (the stream still waits). The slot is then retired for good (*retired set, and a fill
+// finding it set copies nothing): a reader that took the timed-out transfer before it was given
+// up may copy out of the slot at any later time, also after later transfers of this stream
+// ended (those to another reader do not follow its copies). The wait for *done gives up as
+// launch_ticket_wait's does.
 constexpr std::uint64_t kSlotNotFilled = std::uint64_t(1) << 63;
 struct SlotFill {
   char* slot;
@@ -106,6 +110,7 @@ struct SlotFill {
   const std::uint64_t* prev_done;
   std::uint64_t prev_ticket;
   int prev_peer;  // named by a timeout of the wait for the slot
+  std::uint64_t* retired;  // the slot's word (ControlWords::fill_retired): nonzero, never filled again
   std::uint64_t* ready;
   std::uint64_t* done;
   std::uint64_t ticket;

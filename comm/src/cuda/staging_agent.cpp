@@ -225,14 +225,21 @@ std::uint64_t StagingAgent::submit(StagedRequest r) {
 }
 
 bool StagingAgent::fill_slot_of(cudaStream_t stream, std::size_t* slot) {
+  // A retired slot (a fill kernel found it held by a transfer that timed out: cuda::SlotFill)
+  // is never filled again; its stream looks for another. It stays used, so no stream takes it.
+  const auto retired = [&](std::size_t i) { return __atomic_load_n(control_.fill_retired(i), __ATOMIC_ACQUIRE) != 0; };
   const auto it = fill_of_.find(stream);
   if (it != fill_of_.end()) {
-    *slot = it->second;
-    return true;
+    if (!retired(it->second)) {
+      *slot = it->second;
+      return true;
+    }
+    fill_of_.erase(it);
   }
   // A slot never used, or one whose stream's last transfer there has ended (a stream destroyed,
   // or idle): taken over, so that the new stream's first fill waits for nothing.
   for (std::size_t i = 0; i < FillSlots::kSlots; ++i) {
+    if (retired(i)) continue;
     const FillUse& last = fill_last_[i];
     const bool ended = last.done == nullptr || __atomic_load_n(last.done, __ATOMIC_ACQUIRE) >= last.ticket;
     if (fill_used_[i] && !ended) continue;

@@ -147,6 +147,8 @@ struct StagedRequest {
 // The control words after the slots and the fill slots (FillSlots) in each rank's region of
 // the pool (1 MiB):
 //   lane counters   one per lane: transfers that ended on it (the host takes words back)
+//   fill retired    one per fill slot: set for good by a fill kernel that found the slot held
+//                   by a transfer that timed out (cuda::SlotFill::retired)
 //   barrier flags   one per rank of the Comm, then the leaders' mark (the stream barrier's,
 //                   stream_barrier.cpp)
 //   posted          per node rank: descriptors this rank posted to it (written by this GPU
@@ -181,7 +183,8 @@ struct ControlWords {
   std::size_t node_ranks = 0;
   static std::size_t round8(std::size_t n) { return (n + 7) / 8 * 8; }
   std::uint64_t* lane_done(std::size_t lane) const { return base + lane; }
-  std::uint64_t* barrier_flags() const { return base + kLanes; }
+  std::uint64_t* fill_retired(std::size_t slot) const { return base + kLanes + slot; }
+  std::uint64_t* barrier_flags() const { return base + kLanes + FillSlots::kSlots; }
   std::uint64_t* posted(std::size_t to) const { return barrier_flags() + round8(ranks + 1) + to; }
   std::uint64_t* consumed(std::size_t from) const { return posted(0) + round8(node_ranks) + from; }
   std::uint64_t* failed(std::size_t from) const { return consumed(0) + round8(node_ranks) + from; }
@@ -248,10 +251,10 @@ class StagingAgent {
   std::unique_lock<std::mutex> hand_over() { return std::unique_lock<std::mutex>(hand_over_m_); }
   // A stream-filled put (r.route ToHidden, r.ready set, at most FillSlots::kSlotBytes from this
   // rank's GPU), under hand_over(): if `stream` has a fill slot, or one is free for it,
-  // submits r with its slot and calls enqueue(slot, previous, ticket), which enqueues the
-  // slot's fill on `stream` (cuda::SlotFill; `previous`: the slot's last transfer, to wait
-  // for); false (nothing submitted) where every slot belongs to another stream whose last
-  // transfer there has not ended. What enqueue throws goes to the caller, the ticket in
+  // submits r with its slot and calls enqueue(slot, retired, previous, ticket), which enqueues
+  // the slot's fill on `stream` (cuda::SlotFill; `retired`: the slot's word, `previous`: the
+  // slot's last transfer, to wait for); false (nothing submitted) where every slot is retired or
+  // belongs to another stream whose last transfer there has not ended. What enqueue throws goes to the caller, the ticket in
   // *ticket (then withdraw it). A slot stays its stream's, so its previous transfer is that
   // stream's, which the stream waited for already: the fill never waits on another stream.
   struct FillUse {
@@ -266,7 +269,7 @@ class StagingAgent {
     r.filled_slot = fill_offset(i);
     const FillUse before = fill_last_[i];
     *ticket = submit(r);
-    enqueue(slots_ + r.filled_slot, before, *ticket);
+    enqueue(slots_ + r.filled_slot, control_.fill_retired(i), before, *ticket);
     fill_last_[i] = FillUse{r.done, *ticket, r.peer};
     return true;
   }

@@ -108,7 +108,8 @@ const TuningKnob<StreamFill> kStagingStreamFill{
     "goes into a small slot of the pool by a kernel on the caller's "
     "stream (the kernel that waits for the put's end anyway), so the agent only posts it; 16 slots, one per stream, "
     "a slot passing to another stream once its stream's last put there ended (other streams then, captured puts and "
-    "the per-thread default stream go through the agent's copy); `off`: every put through the agent's copy; "
+    "the per-thread default stream go through the agent's copy), and a slot found held by a put that timed out never "
+    "filled again (its reader may still copy out of it); `off`: every put through the agent's copy; "
     "`auto`: `on` unless this rank shares its GPU (MESHMEM_STREAM_WAIT resolves to memop: the kernel would wait "
     "for its process's time slice, a copy engine does not)"};
 
@@ -497,10 +498,10 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
   try {
     std::unique_lock<std::mutex> order = agent_->hand_over();
     // A stream-filled put: the kernel fills the slot, then sets the ready word and waits as below.
-    if (stream_fills && agent_->submit_filled(r, s, &ticket, [&](char* slot, const StagingAgent::FillUse& before,
-                                                                    std::uint64_t t) {
-          const cuda::SlotFill fill{slot,   static_cast<const char*>(r.src), r.width, r.rows, r.src_pitch, before.done,
-                                    before.ticket, before.peer, ready,  done, t, peer};
+    if (stream_fills && agent_->submit_filled(r, s, &ticket, [&](char* slot, std::uint64_t* retired,
+                                                                    const StagingAgent::FillUse& before, std::uint64_t t) {
+          const cuda::SlotFill fill{slot,        static_cast<const char*>(r.src), r.width, r.rows, r.src_pitch,
+                                    before.done, before.ticket, before.peer, retired,        ready, done, t, peer};
           const cudaError_t k = cuda::launch_slot_fill(fill, device_->wait_limit(), s, device_->early_launch());
           if (k != cudaSuccess) ipc::check_cuda(k, "staged slot fill kernel launch", what(name, peer));
         }))
