@@ -29,8 +29,8 @@
 //   static std::uint64_t submit(Owner&, const Request&);  // each replay: the ticket to wait for
 //   static void release(Owner&, const Request&);         // the graph is gone: its words go back
 //
-// Two instantiations of one graph running at once share the request's doorbell and words (a
-// limit: their waits can then stall until MESHMEM_TIMEOUT).
+// Two instantiations of one graph running at once share the request's doorbell and words:
+// their replays of a step take turns (HandoffSlot::holder), each its own transfer.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -52,7 +52,7 @@
 
 namespace meshmem::detail {
 
-// Doorbells of a transport's captured transfers per rank (staged, nccl / mpi-device): 32 bytes each.
+// Doorbells of a transport's captured transfers per rank (staged, nccl / mpi-device): 40 bytes each.
 constexpr std::size_t kTransferDoorbells = 4096;
 
 // `bytes` of pinned host memory of `device` for a board's doorbells (set_doorbells).
@@ -294,6 +294,7 @@ class CapturedHandoff {
         __atomic_store_n(&slot.rung, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&slot.ack, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&slot.gate, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&slot.holder, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&slot.ticket, 0, __ATOMIC_RELEASE);
         const Request* r = &captured->request;  // lives until the slot is given back
         typename Board::Entry entry;
@@ -340,6 +341,9 @@ class CapturedHandoff {
     ipc::check_cu(ipc::cuda_driver().cuStreamWaitValue64(stream, reinterpret_cast<CUdeviceptr>(&slot->gate), 1,
                                                          CU_STREAM_WAIT_VALUE_GEQ | wait.memop_flags),
                   "cuStreamWaitValue64 (captured doorbell's gate)", what);
+    // The replay is over: the slot goes to another instantiation's replay of the step.
+    ipc::check_cu(ipc::cuda_driver().cuStreamWriteValue64(stream, reinterpret_cast<CUdeviceptr>(&slot->holder), 0, 0),
+                  "cuStreamWriteValue64 (captured doorbell's holder)", what);
   }
 
  private:

@@ -172,11 +172,13 @@ __global__ void __launch_bounds__(1024) slot_fill_kernel(SlotFill f, WaitLimit l
   if (threadIdx.x == 0) {
     device::SignalWord retired(*f.retired);
     const bool was_retired = retired.load(::cuda::memory_order_acquire) != 0;
+    // Given up is that transfer's own mark (its fill kernel's `ticket | kTransferGivenUp`): a
+    // word that ended well may have been lent again since, and marked for a later transfer.
     slot_free = !was_retired &&
                 (f.prev_done == nullptr ||
                  (wait_word(f.prev_done, Cmp::GE, f.prev_ticket, limit, FaultKind::Transfer, f.prev_peer, 0, 0) &&
-                  (device::SignalWord(*const_cast<std::uint64_t*>(f.prev_done)).load(::cuda::memory_order_acquire) &
-                   kTransferGivenUp) == 0));
+                  device::SignalWord(*const_cast<std::uint64_t*>(f.prev_done)).load(::cuda::memory_order_acquire) !=
+                      (f.prev_ticket | kTransferGivenUp)));
     if (!slot_free && !was_retired) retired.store(1, ::cuda::memory_order_release);
   }
   __syncthreads();
@@ -202,22 +204,47 @@ __device__ void report_closed(const std::uint64_t* closed, const WaitLimit& limi
     record_fault(limit.fault, FaultKind::HandoffStopped, peer, 0, 0, taken_up ? 1 : 0, 0, replay);
 }
 
+// Takes a captured step's slot (HandoffSlot::holder) for this replay: another instantiation
+// of the graph may be replaying the step right now (its stream's kernel holds it). A
+// compare-and-swap among this GPU's kernels, which alone take it; false where the board closed
+// or the wait timed out (Handoff fault recorded: a replay of the step that never ended).
+__device__ bool take_handoff_slot(HandoffSlot* slot, const std::uint64_t* closed, const WaitLimit& limit, int peer) {
+  auto* holder = reinterpret_cast<unsigned long long*>(&slot->holder);
+  for (;;) {
+    if (atomicCAS(holder, 0ull, 1ull) == 0ull) {
+      __threadfence_system();  // the previous holder's reads of the slot are behind
+      return true;
+    }
+    if (!wait_word(&slot->holder, Cmp::EQ, 0, limit, FaultKind::Handoff, peer, 0, 0, closed)) return false;
+  }
+}
+
+__device__ void give_handoff_slot(HandoffSlot* slot) {
+  __threadfence_system();
+  atomicExch(reinterpret_cast<unsigned long long*>(&slot->holder), 0ull);
+}
+
 __global__ void rung_wait_kernel(HandoffSlot* slot, std::uint64_t* bell, const std::uint64_t* done, FaultKind fault,
                                  int peer, WaitLimit limit, bool early) {
   after_previous_kernel(early);
   const std::uint64_t* closed = bell + 1;
-  // The stream's earlier work is complete (stream order): the owner may start on it once it
-  // sees the ring. Only one replay of a graph runs at a time, so the rung has one writer.
   device::SignalWord rung(slot->rung);
+  // Nobody answers (the board closed), or the slot stayed another replay's: nothing rung.
+  if (board_closed(closed) != 0 || !take_handoff_slot(slot, closed, limit, peer))
+    return report_closed(closed, limit, peer, rung.load(::cuda::memory_order_relaxed) + 1, false);
+  // The stream's earlier work is complete (stream order): the owner may start on it once it
+  // sees the ring. The slot is this replay's, so the rung has one writer.
   const std::uint64_t replay = rung.load(::cuda::memory_order_relaxed) + 1;
-  if (board_closed(closed) != 0) return report_closed(closed, limit, peer, replay, false);  // nobody answers: nothing rung
   rung.store(replay, ::cuda::memory_order_release);
   device::SignalWord(*bell).store(1, ::cuda::memory_order_release);  // after the rung: the owner scans on it
   // Without a fault written, wait_word gave up because the board closed.
-  if (!wait_word(&slot->ack, Cmp::GE, replay, limit, FaultKind::Handoff, peer, 0, 0, closed))
-    return report_closed(closed, limit, peer, replay, false);
-  const std::uint64_t ticket = device::SignalWord(slot->ticket).load(::cuda::memory_order_acquire);
-  if (!wait_word(done, Cmp::GE, ticket, limit, fault, peer, 0, 0, closed)) report_closed(closed, limit, peer, replay, true);
+  if (!wait_word(&slot->ack, Cmp::GE, replay, limit, FaultKind::Handoff, peer, 0, 0, closed)) {
+    report_closed(closed, limit, peer, replay, false);
+  } else {
+    const std::uint64_t ticket = device::SignalWord(slot->ticket).load(::cuda::memory_order_acquire);
+    if (!wait_word(done, Cmp::GE, ticket, limit, fault, peer, 0, 0, closed)) report_closed(closed, limit, peer, replay, true);
+  }
+  give_handoff_slot(slot);
 }
 
 __global__ void rung_ring_kernel(HandoffSlot* slot, std::uint64_t* bell, int peer, WaitLimit limit, bool early) {
@@ -225,11 +252,13 @@ __global__ void rung_ring_kernel(HandoffSlot* slot, std::uint64_t* bell, int pee
   const std::uint64_t* closed = bell + 1;
   device::SignalWord gate(slot->gate);
   device::SignalWord rung(slot->rung);
-  const std::uint64_t replay = rung.load(::cuda::memory_order_relaxed) + 1;
-  if (board_closed(closed) != 0) {
+  // The stream write after the gate's wait lets the slot go, whether or not it was taken (an
+  // untaken one is a replay whose wait for the slot timed out: a fault the next call raises).
+  if (board_closed(closed) != 0 || !take_handoff_slot(slot, closed, limit, peer)) {
     gate.store(1, ::cuda::memory_order_release);
-    return report_closed(closed, limit, peer, replay, false);
+    return report_closed(closed, limit, peer, rung.load(::cuda::memory_order_relaxed) + 1, false);
   }
+  const std::uint64_t replay = rung.load(::cuda::memory_order_relaxed) + 1;
   // The gate closes before the ring (the owner opens it only after seeing the rung), and the
   // closed word is read again after it: a board closing meanwhile opens every gate after
   // setting the word, so either that opening or this one comes last.

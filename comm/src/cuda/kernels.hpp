@@ -120,12 +120,16 @@ cudaError_t launch_slot_fill(const SlotFill& fill, WaitLimit limit, cudaStream_t
 
 // A captured step's doorbell (pinned host memory; CapturedHandoff): `rung` counts the replays
 // that reached it (the device advances it), `ack` the replays its owner took up, `ticket` what
-// the owner's done word reaches at the end of the one taken up last.
+// the owner's done word reaches at the end of the one taken up last. `holder` is 1 while a
+// replay of the step runs (taken with a compare-and-swap by the step's kernel, on this GPU
+// only: atomic among its own kernels): two instantiations of one graph replayed at once share
+// the doorbell, and their replays of the step take turns.
 struct HandoffSlot {
   std::uint64_t rung;
   std::uint64_t ack;
   std::uint64_t ticket;
   std::uint64_t gate;  // a gated step's: 0 while its replay runs, 1 once the owner let it go
+  std::uint64_t holder;
 };
 
 // The word after a board's bell: whether its owner still answers doorbells. Stopped: the
@@ -134,17 +138,20 @@ struct HandoffSlot {
 // nothing at all and ends.
 enum class HandoffClosed : std::uint64_t { Open = 0, Stopped = 1, Retired = 2 };
 
-// Once the stream's earlier work is done: advances slot->rung and sets *bell (both pinned host
-// memory, polled by the step's owner thread: no host node, see captured_handoff.hpp), waits
-// until the owner acknowledged this replay (FaultKind::Handoff with `peer` on timeout), then
-// until *done reaches the ticket the owner gave it (`fault` and `peer` on timeout). Gives up
-// at once, or at its next look (every 256 polls) while waiting, once bell[1] (HandoffClosed)
-// is not Open.
+// Once the stream's earlier work is done: takes the slot (holder; waits while another
+// instantiation's replay of the step holds it, FaultKind::Handoff with `peer` on timeout),
+// advances slot->rung and sets *bell (both pinned host memory, polled by the step's owner
+// thread: no host node, see captured_handoff.hpp), waits until the owner acknowledged this
+// replay (FaultKind::Handoff with `peer` on timeout), then until *done reaches the ticket the
+// owner gave it (`fault` and `peer` on timeout), and lets the slot go. Gives up at once, or at
+// its next look (every 256 polls) while waiting, once bell[1] (HandoffClosed) is not Open.
 cudaError_t launch_rung_wait(HandoffSlot* slot, std::uint64_t* bell, const std::uint64_t* done, FaultKind fault, int peer,
                              WaitLimit limit, cudaStream_t stream, bool early);
 // A gated step's part (the stream then waits for slot->gate >= 1 with a stream memory
-// operation): closes the gate, advances the rung, rings, and ends. Where the board is closed
-// it opens the gate instead (HandoffStopped reported as above).
+// operation, then lets the slot go with a stream write of holder = 0): takes the slot as
+// above, closes the gate, advances the rung, rings, and ends. Where the board is closed, or
+// the slot was not taken in time, it opens the gate instead (HandoffStopped, or Handoff,
+// reported as above).
 cudaError_t launch_rung_ring(HandoffSlot* slot, std::uint64_t* bell, int peer, WaitLimit limit, cudaStream_t stream,
                              bool early);
 

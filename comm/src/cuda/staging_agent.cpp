@@ -241,7 +241,14 @@ bool StagingAgent::fill_slot_of(cudaStream_t stream, std::size_t* slot) {
   for (std::size_t i = 0; i < FillSlots::kSlots; ++i) {
     if (retired(i)) continue;
     const FillUse& last = fill_last_[i];
-    const bool ended = last.done == nullptr || __atomic_load_n(last.done, __ATOMIC_ACQUIRE) >= last.ticket;
+    const std::uint64_t reached = last.done == nullptr ? 0 : __atomic_load_n(last.done, __ATOMIC_ACQUIRE);
+    if (fill_used_[i] && last.done != nullptr && reached == (last.ticket | cuda::kTransferGivenUp)) {
+      // Its last put was given up: its reader may still copy out of it. Retired here, as the
+      // next fill kernel there would.
+      __atomic_store_n(control_.fill_retired(i), 1, __ATOMIC_RELEASE);
+      continue;
+    }
+    const bool ended = last.done == nullptr || reached >= last.ticket;
     if (fill_used_[i] && !ended) continue;
     if (fill_used_[i]) fill_of_.erase(fill_stream_[i]);
     fill_used_[i] = true;
@@ -642,8 +649,8 @@ void StagingAgent::execute(const StagedRequest& r) {
       // it can be lent again (it is, only once this transfer ends).
       o.filled_slot = StagedRequest::kAddress;
       __atomic_store_n(const_cast<std::uint64_t*>(r.ready), r.ticket, __ATOMIC_RELEASE);
-      log(LogLevel::Warn, o.what + ": its stream's fill slot was still held by a transfer that timed out; "
-                                   "copied by the staging agent instead");
+      log(LogLevel::Warn, o.what + ": its stream's fill slot is retired (a transfer that timed out held it, and its "
+                                   "reader may still copy out of it); copied by the staging agent instead");
     }
     // A source in pageable host memory: cudaMemcpyAsync from it returns only once the lane's
     // earlier work is done, holding this thread; such chunks are copied by this thread into
