@@ -23,6 +23,7 @@
 // (TicketWait::gated): the kernel rings and ends, and a stream memory wait waits for the
 // slot's gate, which the owner's thread opens once the done word reached the ticket, and a
 // watch thread once the step's time limit passed (with the fault the kernel would record).
+// (A ring kernel whose slot another instantiation's replay holds polls until it is let go.)
 //
 // A Policy says what differs between owners:
 //   using Owner = ...;   using Request = ...;

@@ -253,7 +253,11 @@ __global__ void rung_ring_kernel(HandoffSlot* slot, std::uint64_t* bell, int pee
   device::SignalWord gate(slot->gate);
   device::SignalWord rung(slot->rung);
   // The stream write after the gate's wait lets the slot go, whether or not it was taken (an
-  // untaken one is a replay whose wait for the slot timed out: a fault the next call raises).
+  // untaken one is a replay whose wait for the slot timed out: a fault the next call raises;
+  // its gate, opened here, is the holder's too, which then goes on early, and its write may
+  // let go of a later replay's turn: after that timeout the Comm is to be abandoned). The
+  // write is a memory operation racing the kernels' compare-and-swap only while the word is
+  // 1, where every compare fails.
   if (board_closed(closed) != 0 || !take_handoff_slot(slot, closed, limit, peer)) {
     gate.store(1, ::cuda::memory_order_release);
     return report_closed(closed, limit, peer, rung.load(::cuda::memory_order_relaxed) + 1, false);
