@@ -8,7 +8,7 @@
 
 #include "backoff.hpp"
 #include "bootstrap.hpp"
-#include "device_runtime.hpp"
+#include "device_interface.hpp"
 #include "fault.hpp"
 #include "fd_exchange.hpp"
 #include "helper_cpus.hpp"

@@ -8,7 +8,7 @@
 
 #include "backoff.hpp"
 #include "comm_impl.hpp"
-#include "device_runtime.hpp"
+#include "device_interface.hpp"
 #include "log.hpp"
 #include "strided_rows.hpp"
 

@@ -17,10 +17,10 @@
 #include <meshmem/meshmem.hpp>
 
 #include "bootstrap.hpp"
-#include "cuda/block_pool.hpp"
-#include "cuda/event_pool.hpp"
-#include "cuda/staging_pool.hpp"
-#include "cuda/transport_mpi_device.hpp"
+#include "cuda/runtime/block_pool.hpp"
+#include "cuda/runtime/event_pool.hpp"
+#include "cuda/staged/staging_pool.hpp"
+#include "cuda/proxy/transport_mpi_device.hpp"
 #include "fd_exchange.hpp"
 #include "gpu_test.hpp"
 #include "mpi_test.hpp"

@@ -8,8 +8,8 @@
 #include <cstdlib>
 #include <string>
 
-#include "cuda/gpu_queues.hpp"
-#include "cuda/module_loading.hpp"
+#include "cuda/runtime/gpu_queues.hpp"
+#include "cuda/runtime/module_loading.hpp"
 
 using meshmem::detail::describe_gpu_queues;
 using meshmem::detail::gpu_queues;

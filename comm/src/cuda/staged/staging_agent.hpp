@@ -1,0 +1,593 @@
+// StagingAgent: the thread of a rank that moves its staged transfers (transport_staged.hpp)
+// through its region of the node's staging pool, and the shared-memory layout it and its node
+// peers' agents use.
+//
+// Two ways through the pool:
+// - One agent (MESHMEM_STAGING_CHANNELS=when-hidden, both GPUs visible here): this agent
+//   enqueues the device-to-host copy on the source GPU and the host-to-device copy on the
+//   target GPU (one lane, a stream and per-slot events, per GPU), chunk by chunk through this
+//   rank's slots.
+// - The channel (the default, MESHMEM_STAGING_CHANNELS=always, and the only way where the
+//   peer's GPU is hidden from this process): the two agents share the work through a channel
+//   in the pool. The writer's GPU copies a chunk into a slot of the writer's region, the
+//   writer's agent writes a descriptor (what to copy where) into the ring, and the channel's
+//   posted count follows the copy; the reader's agent, which polls its incoming channels,
+//   copies the chunk to its own GPU, the consumed count follows that copy, and after the last
+//   chunk the signal and the initiator's done word. The chunks that more chunks of their
+//   transfer follow have their counts written by the agent once the copy's event is done
+//   (CountAfterCopy: no stream write between two copies); a stream-filled put's (its bytes
+//   in its slot before its ready word) by the agent at once where every earlier count is
+//   written; every other count (a last chunk, a get's request, a chunk copied by the host or
+//   refused) by the GPU, a stream write. What the reader's agent takes from its channels in
+//   one look it enqueues together: the chunks' copies as one batch, then their signals, done
+//   words and counts as one batch of stream writes (IncomingBatch). A get
+//   from a hidden peer is a request on the channel that the peer's agent answers with chunks
+//   of its window.
+//
+// Nothing this agent enqueues waits for another rank: a slot (or a ring entry) that a hidden
+// reader still holds is reused only once the host sees its consumed count pass it, or the
+// reader's process has ended. So a
+// transfer is cut into pieces as slots free up (PieceCursor), across several turns of the
+// agent's loop, and the agent's lanes only ever wait for its own copies (events). A slow or
+// stalled reader delays transfers that need the slots it holds, for at most MESHMEM_TIMEOUT,
+// and never holds the agent itself: it keeps taking its peers' chunks meanwhile.
+//
+// A reader whose process has ended (killed, crashed: a ProcessWatch of it says so) gives its
+// slots back at once: its GPU context went with it, so nothing reads them any more. Without
+// that, slots posted to a dead reader would stay held for good, and every later transfer of
+// this rank, to any peer, would time out waiting for one. Transfers to it then fail at once,
+// and the puts it was to end, and this rank's gets it had not answered, are ended from here
+// (with an error; a get's end behind the copies of the chunks that did come): a caller's
+// stream no longer waits a whole MESHMEM_TIMEOUT for them (for ever with 0). Transfers
+// captured in a graph keep their words (not lent): a replay's wait for a dead peer still
+// ends at MESHMEM_TIMEOUT. A reader that lives but takes nothing keeps its slots: it may
+// still copy out of them.
+//
+// The agent's streams wait only for each other, so their work always moves, unless a stream
+// of this process that waits sits ahead of it in a GPU queue they share (README "GPU
+// queues"). A stream whose work has not moved for a while (StreamWatch) is logged once, and
+// the report joins the timeout errors of transfers (gpu_queues.hpp). A lane held for
+// MESHMEM_TIMEOUT gets the ends of its eager transfers written from the host (end_held): their
+// callers' streams wait with a stream memory wait where the GPU is shared, which cannot time
+// out by itself, and would otherwise wait for ever behind the very queue that holds the lane.
+//
+// A put through a channel whose caller's stream waits with a stream memory wait (a shared
+// GPU, where the reader's copy of a small chunk would wait for a polling kernel's time slice:
+// StagedTransport) that its live reader has not ended MESHMEM_TIMEOUT after it was posted in
+// full is ended from here (end_overdue), as the wait kernel would give up elsewhere; its word
+// is not lent again, and what of it the reader takes later is dropped there (its done word
+// reached its ticket). A wait kernel that gives up on a transfer through a channel marks its
+// done word so itself (cuda::kTransferGivenUp): the reader drops it alike, and reclaim_words
+// does not lend that word again.
+//
+// Transfers start in the order their sources become ready (the agent polls each one's ready
+// word, set by its caller's stream), never in call order, so a transfer whose stream waits holds no other back. Each has
+// a done word of its own (lent per transfer and taken back once it ended), which the caller's
+// stream waits for; tickets only grow, so a reused word never moves backwards.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "fault.hpp"
+#include "piece_cursor.hpp"
+#include "progress_watch.hpp"
+#include "step_trace.hpp"
+#include "worker_pulse.hpp"
+#include "cuda/agent/captured_handoff.hpp"
+#include "cuda/runtime/event_pool.hpp"
+#include "cuda/runtime/kernels.hpp"
+#include "meshmem/ipc/awake_clock.hpp"
+#include "meshmem/ipc/pidfd.hpp"
+#include "meshmem/types.hpp"
+#include "cuda/staged/staging_pool.hpp"
+
+namespace meshmem::detail {
+
+// One transfer, as the agent enqueues it: `rows` rows of `width` bytes, `src_pitch` /
+// `dst_pitch` apart (a contiguous transfer is one row).
+struct StagedRequest {
+  static constexpr std::uint64_t kAddress = ~std::uint64_t(0);  // a window id that is none: a raw address
+  enum class Route { Visible, ToHidden, FromHidden };
+  Route route = Route::Visible;
+  int peer = -1;                // the other rank
+  // ToHidden, a stream-filled put: the caller's stream copied the source into this slot (an offset
+  // in this rank's region of the pool, FillSlots) before it set `ready`; kAddress: none.
+  std::uint64_t filled_slot = kAddress;
+  // Set to `ticket` by the caller's stream once the source is ready (ControlWords::ready;
+  // null: handed over by a captured doorbell, rung once it is).
+  const std::uint64_t* ready = nullptr;
+  cudaStream_t stream = nullptr;  // the caller's stream (with `ready`): its transfers become ready in order
+  void* dst = nullptr;          // Visible, FromHidden: an address here
+  int dst_device = -1;
+  const void* src = nullptr;    // Visible, ToHidden: an address here
+  int src_device = -1;
+  std::size_t width = 0;
+  std::size_t rows = 1;
+  std::size_t src_pitch = 0;
+  std::size_t dst_pitch = 0;
+  std::uint64_t* signal = nullptr;  // Visible: on dst_device, or null
+  std::uint64_t value = 0;
+  SignalOp op = SignalOp::Set;
+  // ToHidden: the target's window and offset (and signal word); FromHidden: the window read.
+  std::uint64_t window = kAddress;
+  std::uint64_t offset = 0;
+  std::uint64_t signal_window = kAddress;
+  std::uint64_t signal_index = 0;
+  // Its done word (ControlWords::transfer(word)) reaches `ticket` at its end; the caller's
+  // stream waits for that.
+  std::size_t word = 0;
+  std::uint64_t* done = nullptr;
+  bool word_is_lent = false;  // an eager transfer's word: back to the free list after its end
+  // ToHidden, not stream-filled (MESHMEM_STAGED_COMPLETION=source): the done word reaches
+  // ticket - 1 once the source is copied into the slots, which the caller's stream waits for.
+  bool source_complete = false;
+  // ToHidden: the caller's stream waits with a stream memory wait, which cannot time out: the
+  // agent ends the transfer if its reader has not MESHMEM_TIMEOUT after it was posted in full
+  // (end_overdue).
+  bool ends_at_timeout = false;
+  std::uint64_t ticket = 0;  // even (StagingAgent::submit)
+  std::size_t bytes() const { return width * rows; }
+};
+
+// The control words after the slots and the fill slots (FillSlots) in each rank's region of
+// the pool (1 MiB):
+//   lane counters   one per lane: transfers that ended on it (the host takes words back)
+//   fill retired    one per fill slot: set for good by a fill kernel that found the slot held
+//                   by a transfer that timed out (cuda::SlotFill::retired)
+//   barrier flags   one per rank of the Comm, then the leaders' mark (the stream barrier's,
+//                   stream_barrier.cpp)
+//   posted          per node rank: descriptors this rank posted to it (written by this GPU
+//                   after the copy, or by this rank's agent once the copy is done or, for
+//                   a stream-filled put, at once)
+//   consumed        per node rank: its descriptors this rank consumed (the same)
+//   failed          per node rank: its descriptors this rank could not carry out (host)
+//   rings           per node rank: kRing descriptors of kDescriptorWords words to it
+//   transfer words  half the rest: one done word per transfer in flight or captured
+//   ready words     the other half, one per transfer word: the caller's stream sets it to the
+//                   transfer's ticket once the transfer's source is ready (the agent polls
+//                   memory, not events: an event query costs the agent's thread ~0.8 us)
+// Node ranks are counted by their place in Topology::node_ranks.
+//
+// Between each rank's slots and its control words: kSlots small slots that callers' streams
+// fill themselves (StagedTransport's stream-filled puts), one per stream.
+struct FillSlots {
+  static constexpr std::size_t kSlotBytes = std::size_t(64) << 10;
+  static constexpr std::size_t kSlots = 16;
+  static constexpr std::size_t kBytes = kSlotBytes * kSlots;
+};
+
+struct ControlWords {
+  static constexpr std::size_t kBytes = std::size_t(1) << 20;
+  static constexpr std::size_t kWords = kBytes / sizeof(std::uint64_t);
+  static constexpr std::size_t kLanes = 64;
+  static constexpr std::size_t kRing = 64;  // descriptors in flight per pair
+  static constexpr std::size_t kDescriptorWords = 16;
+  static constexpr std::size_t kLeastTransferWords = 4096;
+  std::uint64_t* base = nullptr;
+  std::size_t ranks = 0;
+  std::size_t node_ranks = 0;
+  static std::size_t round8(std::size_t n) { return (n + 7) / 8 * 8; }
+  std::uint64_t* lane_done(std::size_t lane) const { return base + lane; }
+  std::uint64_t* fill_retired(std::size_t slot) const { return base + kLanes + slot; }
+  std::uint64_t* barrier_flags() const { return base + kLanes + FillSlots::kSlots; }
+  std::uint64_t* posted(std::size_t to) const { return barrier_flags() + round8(ranks + 1) + to; }
+  std::uint64_t* consumed(std::size_t from) const { return posted(0) + round8(node_ranks) + from; }
+  std::uint64_t* failed(std::size_t from) const { return consumed(0) + round8(node_ranks) + from; }
+  std::uint64_t* ring(std::size_t to) const { return failed(0) + round8(node_ranks) + to * kRing * kDescriptorWords; }
+  std::uint64_t* transfer(std::size_t i) const { return ring(0) + node_ranks * kRing * kDescriptorWords + i; }
+  std::size_t used_words() const { return static_cast<std::size_t>(transfer(0) - base); }
+  std::size_t transfer_count() const { return used_words() < kWords ? (kWords - used_words()) / 2 : 0; }
+  std::uint64_t* ready(std::size_t i) const { return transfer(transfer_count()) + i; }
+};
+
+class StagingAgent {
+ public:
+  struct Setup {
+    std::unique_ptr<StagingPool> pool;
+    std::vector<int> devices;  // this rank's GPU first, then the visible peers' GPUs it drives
+    std::size_t chunk = 0;
+    std::size_t first_piece = 0;  // MESHMEM_STAGING_FIRST_PIECE (PieceCursor's ramp; 0: none)
+    int slots = 0;
+    int rank = 0;
+    int ranks = 0;
+    std::vector<int> node_ranks;  // Topology::node_ranks
+    std::vector<bool> hidden;     // by rank: a node peer whose GPU this process cannot see
+    // By rank: process ids (those of hidden peers are watched). Node peers share this
+    // process's pid namespace: the descriptor exchange checked each one's id (fd_exchange.cpp).
+    std::vector<pid_t> pids;
+    FaultPlan faults;  // staged.carry, staged.answer
+    std::string trace_prefix;  // MESHMEM_TRACE_STAGED: "" or where the step trace goes (+ "." + rank)
+    std::chrono::milliseconds timeout{0};
+    cuda::WaitLimit limit{};
+    // Where replays of captured transfers ring (CapturedHandoff): polled while any exists.
+    // Required.
+    std::shared_ptr<HandoffBoard<StagingAgent>> captured;
+  };
+  explicit StagingAgent(Setup setup);
+  StagingAgent(const StagingAgent&) = delete;
+  StagingAgent& operator=(const StagingAgent&) = delete;
+  ~StagingAgent();
+
+  void stop() noexcept;
+
+  // A done word for one transfer (ControlWords::transfer), or false when every word is in use.
+  bool try_take_word(std::size_t* word);
+  // As try_take_word, but with every word in use (that many transfers waiting or running) the
+  // caller waits for the oldest to end, as a full CUDA launch queue makes it wait; bounded by
+  // MESHMEM_TIMEOUT.
+  std::size_t take_word(const std::string& what);
+  void release_word(std::size_t word);
+  // The word of a captured transfer whose graph is gone: free again once the transfer of its
+  // last replay (ticket `last`, 0: none) ended, so that a late end of one whose wait gave up
+  // cannot move a reused word back.
+  void release_captured_word(std::size_t word, const std::uint64_t* done, std::uint64_t last);
+
+  // Queues a transfer (its done word set); returns its ticket: the value its done word
+  // reaches at its end.
+  std::uint64_t submit(StagedRequest r);
+
+  // A transfer was captured (Setup::captured has a live step now): the agent polls its
+  // doorbells from now on, also if it slept.
+  void captured_added();
+  // Held by a caller's thread from submit (or submit_filled) to the enqueue of the operation
+  // that sets the transfer's ready word: one stream's ready words then come in the order of
+  // its tickets, which ReadyQueue relies on (it looks at each stream's oldest only), also
+  // where several threads hand over transfers on one stream.
+  std::unique_lock<std::mutex> hand_over() { return std::unique_lock<std::mutex>(hand_over_m_); }
+  // A stream-filled put (r.route ToHidden, r.ready set, at most FillSlots::kSlotBytes from this
+  // rank's GPU), under hand_over(): if `stream` has a fill slot, or one is free for it,
+  // submits r with its slot and calls enqueue(slot, retired, previous, ticket), which enqueues
+  // the slot's fill on `stream` (cuda::SlotFill; `retired`: the slot's word, `previous`: the
+  // slot's last transfer, to wait for); false (nothing submitted) where every slot is retired or
+  // belongs to another stream whose last transfer there has not ended. What enqueue throws goes to the caller, the ticket in
+  // *ticket (then withdraw it). A slot stays its stream's, so its previous transfer is that
+  // stream's, which the stream waited for already: the fill never waits on another stream.
+  struct FillUse {
+    const std::uint64_t* done = nullptr;  // null: the slot was never used
+    std::uint64_t ticket = 0;
+    int peer = -1;
+  };
+  template <class Enqueue>
+  bool submit_filled(StagedRequest r, cudaStream_t stream, std::uint64_t* ticket, Enqueue enqueue) {
+    std::size_t i = 0;
+    if (!fill_slot_of(stream, &i)) return false;
+    r.filled_slot = fill_offset(i);
+    const FillUse before = fill_last_[i];
+    *ticket = submit(r);
+    enqueue(slots_ + r.filled_slot, control_.fill_retired(i), before, *ticket);
+    fill_last_[i] = FillUse{r.done, *ticket, r.peer};
+    return true;
+  }
+  std::uint64_t fill_offset(std::size_t i) const { return chunk_ * static_cast<std::size_t>(nslots_) + i * FillSlots::kSlotBytes; }
+
+  // Transfer `ticket` (submitted) will never be marked ready by its stream (its wait could not
+  // be enqueued; the caller raised that): it ends without being started. `ready` is its word.
+  void withdraw(std::uint64_t ticket, std::uint64_t* ready);
+
+  // Where hidden peers' transfers land: this rank's device windows by id (attach / release;
+  // remove_window returns once nothing more is enqueued into it and what was has ended,
+  // bounded by MESHMEM_TIMEOUT).
+  void add_window(std::uint64_t id, void* local, std::size_t bytes);
+  void remove_window(std::uint64_t id);
+
+  const ControlWords& control() const { return control_; }
+  // Rank r's control words, in its region of the pool as mapped here (node ranks).
+  ControlWords control_of(int rank) const;
+  const StagingPool& pool() const { return *pool_; }
+
+  // The latest report of one of the agent's streams held back (watch_streams), or "".
+  std::string held_report();
+
+  // The first error the agent met, or a count of this rank's transfers that hidden peers
+  // could not carry out, once ("" if none); *code: Timeout where the first error was a wait
+  // that ran out, else Cuda.
+  std::string take_error(ErrorCode* code);
+
+  // Waits until every transfer handed over was enqueued (its source ready), the lanes are
+  // idle and transfers to and from hidden peers ended; bounded by MESHMEM_TIMEOUT (0: no
+  // bound, as everywhere); false if not.
+  bool drain() noexcept;
+
+ private:
+  using Clock = ipc::AwakeClock;  // a whole job suspended and resumed stalls no transfer
+  using StreamWatch = ProgressWatch<Clock>;  // how far the GPU got with one of the agent's streams
+  struct Lane {
+    std::size_t ordinal = 0;          // its done counter: ControlWords::lane_done(ordinal)
+    cudaStream_t stream = nullptr;
+    std::vector<cudaEvent_t> copied;  // per slot: the device-to-host copy into it is done
+    std::vector<cudaEvent_t> freed;   // per slot: the host-to-device copy out of it is done
+    std::uint64_t ended = 0;          // transfers enqueued to end on this lane (its counter's goal)
+    struct LentEnd {
+      std::uint64_t count;   // the lane's counter at its end
+      std::size_t word;      // its done word
+      std::uint64_t ticket;  // what its end writes there
+    };
+    std::deque<LentEnd> lent;  // eager transfers whose end is enqueued here, oldest first
+    std::deque<std::size_t> pieces;  // slots of pieces whose copy out is enqueued here, oldest first
+    std::uint64_t pieces_done = 0;   // pieces seen done (their `freed` event, or a later one of the slot)
+    StreamWatch watch;
+  };
+  // What last used a slot: the copy out of it (an event) or a hidden reader's consumed count.
+  struct SlotUse {
+    cudaEvent_t event = nullptr;
+    int reader = -1;
+    std::uint64_t sequence = 0;
+  };
+  // A transfer between two GPUs visible here, as far as its pieces are enqueued.
+  struct VisibleTransfer {
+    StagedRequest request;
+    PieceCursor pieces;
+    Clock::time_point moved;  // when a piece was last enqueued (or it started)
+  };
+  // A transfer to a hidden reader (a put, or the answer to its get), or this rank's request
+  // for a get from it, as far as it is posted on the channel.
+  struct Outgoing {
+    int reader = -1;
+    bool get_request = false;  // a get's request: one descriptor, no data
+    bool answer = false;       // answers the reader's get (not one of this rank's transfers)
+    std::uint64_t filled_slot = StagedRequest::kAddress;  // a stream-filled put's slot, its bytes there already
+    bool host_source = false;  // the source is pageable host memory: copied by this thread
+    bool source_complete = false;  // StagedRequest::source_complete
+    bool ends_at_timeout = false;  // StagedRequest::ends_at_timeout
+    cudaMemcpyKind to_slot = cudaMemcpyDefault;  // the copies into slots (device to host where known)
+    bool failure_counted = false;  // an answer to a refused get: its reader was told already
+    // The source: this rank's window (answers) or kAddress and an address; no data when
+    // `width` is 0 (a signal alone, or a refused get).
+    std::uint64_t src_window = StagedRequest::kAddress, src = 0;
+    std::size_t width = 0, rows = 1, src_pitch = 0, dst_pitch = 0;
+    std::uint64_t window = StagedRequest::kAddress;  // the reader's window (the one read, for a request), or kAddress
+    std::uint64_t dst = 0;                           // offset in it, or an address of the reader (of this rank, for a request)
+    std::uint64_t signal_window = StagedRequest::kAddress, signal_index = 0, value = 0;
+    SignalOp op = SignalOp::Set;
+    int done_rank = -1;  // whose transfer word ends it
+    std::uint64_t done_word = 0, ticket = 0;
+    PieceCursor pieces;
+    Clock::time_point moved;
+    std::string what;  // for messages
+  };
+  struct Descriptor;
+
+  void reclaim_words();  // under m_
+  void run();
+  void give_up_all(ReadyQueue<StagedRequest>& waiting);
+  bool start_ready(ReadyQueue<StagedRequest>& waiting);
+  bool take_withdrawn(std::uint64_t ticket);  // true (and forgotten) if withdraw() named it
+  void give_up_if_context_failed(ReadyQueue<StagedRequest>& waiting);
+  bool poll_incoming();
+  bool pump();
+  // The first one since take_error(); takes m_ (keep_error_locked: under m_).
+  void keep_error(const std::string& message, ErrorCode code = ErrorCode::Cuda);
+  void keep_error_locked(const std::string& message, ErrorCode code);
+  void fail(const StagedRequest& r, const std::string& message);
+  void end_unstarted(const StagedRequest& r);
+  void execute(const StagedRequest& r);
+  void enqueue_visible_piece(const StagedRequest& r, const PieceCursor::Piece& p, std::size_t s, const std::string& what);
+  void end_visible(const StagedRequest& r, bool signal, const std::string& what);
+  void abandon_visible(const StagedRequest& r, const std::string& message, ErrorCode code = ErrorCode::Cuda);
+  bool advance_outgoing(Outgoing& o, bool* moved);
+  void abandon_outgoing(const Outgoing& o, const std::string& message, ErrorCode code = ErrorCode::Cuda);
+  // This rank's transfer with done word `word` and `ticket` left the channel queue (posted in
+  // full, or abandoned): end_overdue's clock starts.
+  void mark_posted(std::size_t word, std::uint64_t ticket);
+  // Every ~10 ms: hidden peers whose process ended give their slots back, and the puts they
+  // were to end and the gets they were to answer are ended here (see the header comment).
+  void watch_readers();
+  // Every ~10 ms: transfers whose callers' streams wait with a stream memory wait
+  // (StagedRequest::ends_at_timeout) that their live reader has not ended MESHMEM_TIMEOUT
+  // after they were posted in full are ended here.
+  void end_overdue();
+  // Every ~100 ms while work is enqueued: a stream whose work has not moved for
+  // held_after_ is logged (see the header comment); true while any stream holds work.
+  bool watch_streams();
+  void watch(StreamWatch& w, std::uint64_t done, bool pending, const std::string& stream, const std::string& holds);
+  // What the agent holds and how far it got, for pulse_ (every ~100 ms, from its thread).
+  std::string describe_state(std::size_t waiting) const;
+  // A lane held past MESHMEM_TIMEOUT: the ends of its eager transfers are written from here.
+  void end_held(Lane& lane, int device);
+  bool take_slot(bool on_host, std::size_t* s);
+  std::string slot_holders() const;
+  std::uint64_t consumed_by(int reader) const;
+  bool ring_has_room(int reader) const;
+  // `copied`: the slot's event, recorded after the piece's copy into it, where more pieces of
+  // the transfer follow (the host then writes its count: CountAfterCopy); null: the lane does.
+  // `filled`: the bytes are in the slot already (a stream-filled put): this thread writes the count
+  // where every earlier one is written.
+  std::uint64_t post(int reader, Descriptor d, cudaEvent_t copied = nullptr, bool filled = false);
+  // Writes the counts of CountAfterCopy whose copies are done, oldest first; true if any.
+  bool write_counts_after_copies();
+  void carry_out(int writer, std::uint64_t sequence, const Descriptor& d);
+  void count_refusal(int writer, bool own_get);
+  // `last_copy_failed`: set where the batch's last copy could not be enqueued. Never throws:
+  // what it could not enqueue is kept as this rank's error, and those transfers' waits time out.
+  void flush_incoming(bool* last_copy_failed = nullptr) noexcept;
+  void enqueue_incoming(bool* last_copy_failed);
+  void* resolve(std::uint64_t window, std::uint64_t offset, std::size_t width, std::size_t rows, std::size_t pitch,
+                std::string* problem);
+  bool stalled(Clock::time_point moved) const {
+    return timeout_.count() != 0 && Clock::now() - moved >= timeout_;
+  }
+  void ended(bool answer);  // a transfer left the agent's hands (enqueued to its end, or failed)
+  std::size_t local_index(int rank) const { return local_of_[static_cast<std::size_t>(rank)]; }
+
+  std::unique_ptr<StagingPool> pool_;  // first: destroyed last, after the lanes stopped using it
+  char* slots_;
+  std::size_t chunk_;
+  std::size_t first_piece_;
+  int nslots_;
+  ControlWords control_;
+  int rank_;
+  int device_;  // this rank's GPU
+  std::vector<std::size_t> local_of_;  // by rank: place in node_ranks
+  std::vector<int> hidden_;            // node peers whose GPU this process cannot see
+  std::chrono::milliseconds timeout_;
+  cuda::WaitLimit limit_;
+  FaultPlan faults_;
+  // MESHMEM_TRACE_STAGED: S handed over (caller's thread), R source seen ready, P copy into a
+  // slot enqueued (aux: bytes), O posted (aux: 1 for a transfer's last piece); I a peer's
+  // descriptor seen, E carried out (enqueued with the rest of its look; aux: the rank whose
+  // transfer it is). peer, id: the other rank and the transfer's ticket. L a look's batch
+  // enqueued (peer -1, id: its descriptors, aux: its copies). Written at teardown.
+  StepTrace trace_;
+  std::map<int, Lane> lanes_;
+  cudaStream_t incoming_ = nullptr;    // chunks from hidden peers, onto this rank's GPU
+  // A channel count that this thread writes once a copy is done, instead of a stream write
+  // after the copy: a stream write between two copies on one stream idles that copy engine
+  // about 3.5 us (bench/pipeline_lab, 4 x H200: 16 copies of 4 MiB to host take 1,258 us, 1,317
+  // with a write after each), and a stream of its own for the writes would be one more stream
+  // that a waiting stream of this process can hold (README "GPU queues"). Only for pieces that
+  // more pieces of their transfer follow: a transfer's last piece has its count (and end)
+  // written by its stream, which covers the pieces before it. The host raises a count, never
+  // lowers it, so that a later count the stream wrote first stands.
+  struct CountAfterCopy {
+    cudaEvent_t copied;  // recorded after the copy
+    bool pooled;         // `copied` came from events_ (incoming chunks; given back once looked at,
+                         // by the last of the entries that share it: flush_incoming)
+    int peer;            // the reader (posted) or the writer (consumed), for errors
+    std::uint64_t* word;
+    std::uint64_t value;
+  };
+  std::deque<CountAfterCopy> posted_after_copies_;    // this GPU's lane: posted counts
+  std::deque<CountAfterCopy> consumed_after_copies_;  // incoming_: consumed counts
+  // What one look at the incoming channels took (poll_incoming), enqueued on incoming_ at its
+  // end as one copy batch and one batch of stream writes (flush_incoming): a middle rank of
+  // Jacobi gets a halo from each neighbour at about the same time, and two driver calls
+  // instead of four save its agent 2.4-3 us per pair (bench/driver_call_lab's reader-pair
+  // rows, 1 x H200). Whatever carry_out enqueues on incoming_ directly (a strided chunk's 2D
+  // copy, an Add signal's kernel, the ends after an error) comes after a flush, so each
+  // signal, done word and consumed count follows its copy, and a channel's consumed counts
+  // stay in take order.
+  struct IncomingBatch {
+    static constexpr std::size_t kNoWord = ~std::size_t(0);
+    std::vector<void*> dsts;  // the contiguous chunks' copies
+    std::vector<const void*> srcs;
+    std::vector<std::size_t> sizes;
+    struct Copied {  // per copy: how its transfer is refused if the copies fail
+      int writer;
+      std::pair<std::uint64_t, std::uint64_t> transfer;  // (done rank, ticket)
+      bool last;     // its transfer's last chunk
+      bool own_get;  // the answer to this rank's get
+      bool counted;  // carry_out counted the transfer's refusal already
+    };
+    std::vector<Copied> copied;
+    // Set signals of last chunks, written after every copy and before every end of the batch
+    // (earlier descriptors' ends included: a signal only has to follow its own copy); each
+    // with its copy's place in the batch (-1: none there), dropped where that copy failed.
+    std::vector<std::pair<CUstreamBatchMemOpParams, long>> signals;
+    struct End {  // a done word or consumed count, in take order
+      CUstreamBatchMemOpParams op;
+      int mid_writer = -1;  // >= 0: the consumed count of a chunk that more chunks follow (CountAfterCopy-able)
+      std::uint64_t* word = nullptr;
+      std::uint64_t value = 0;
+      // The done word of this rank's own get (kNoWord: none), marked answered (last_answered_)
+      // once this write is enqueued: watch_readers ends only gets whose end is not.
+      std::size_t answered_word = kNoWord;
+      std::uint64_t ticket = 0;
+    };
+    std::vector<End> ends;
+    struct Traced {  // MESHMEM_TRACE_STAGED's E step, once enqueued
+      int writer;
+      std::uint64_t ticket;
+      std::int64_t done_rank;
+    };
+    std::vector<Traced> traced;
+    bool empty() const { return dsts.empty() && signals.empty() && ends.empty() && traced.empty(); }
+    std::uint64_t round = 0;  // how many times it was enqueued
+    void clear() {
+      ++round;
+      dsts.clear();
+      srcs.clear();
+      sizes.clear();
+      copied.clear();
+      signals.clear();
+      ends.clear();
+      traced.clear();
+    }
+  };
+  IncomingBatch incoming_batch_;  // under windows_m_ while it holds copies
+  // Enqueues `ops`, then `ends`, in one batch on incoming_; then marks the ends of this rank's
+  // own gets among them answered (last_answered_).
+  void write_ends(std::vector<CUstreamBatchMemOpParams>& ops, const std::vector<IncomingBatch::End>& ends,
+                  const char* call);
+  bool batch_copies_ = true;      // cudaMemcpyBatchAsync (false once the driver said it is not supported)
+  static constexpr std::pair<std::uint64_t, std::uint64_t> kNoTransfer{~std::uint64_t(0), ~std::uint64_t(0)};
+  std::vector<SlotUse> slot_use_;
+  std::size_t next_slot_ = 0;
+  std::vector<std::uint64_t> next_post_;  // by node index: descriptors posted to that rank
+  std::vector<std::uint64_t> seen_;       // by node index: its descriptors taken here
+  std::vector<std::uint64_t> failed_seen_;
+  std::vector<bool> refused_;             // by node index: a chunk of its current transfer was refused here
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> current_;  // by node index: (done rank, ticket) of that transfer
+  std::vector<bool> broken_;              // by node index: its channel held a wrong entry; no longer read
+  std::vector<ipc::ProcessWatch> watches_;  // by node index: hidden peers' processes
+  std::vector<bool> gone_;                // by node index: its process ended; nothing more goes to it
+  std::map<std::size_t, std::uint64_t> last_answered_;  // by done word: the ticket of this rank's get whose answer's last chunk was carried out
+  Clock::time_point next_watch_{};
+  Clock::time_point next_stream_watch_{};
+  std::chrono::milliseconds held_after_;  // 2 s, or half of MESHMEM_TIMEOUT if that is less
+  StreamWatch incoming_watch_;
+  std::deque<VisibleTransfer> visible_;          // oldest first; only the oldest takes slots
+  std::vector<std::deque<Outgoing>> outgoing_;   // by node index of the reader: oldest first, one at a time on a channel
+
+  std::shared_ptr<HandoffBoard<StagingAgent>> captured_;
+
+  std::mutex windows_m_;
+  std::map<std::uint64_t, std::pair<char*, std::size_t>> windows_;
+
+  EventPool events_;
+  std::mutex m_;  // the queue, counters, free words, lent words, error
+  std::condition_variable cv_;
+  std::deque<StagedRequest> queue_;
+  std::vector<std::size_t> free_words_;
+  struct CapturedEnd {  // release_captured_word
+    const std::uint64_t* done;
+    std::uint64_t ticket;
+    std::size_t word;
+  };
+  std::vector<CapturedEnd> released_captured_;  // under m_
+  struct RemoteEnd {
+    const std::uint64_t* done;
+    std::uint64_t ticket;
+    std::size_t word;
+    int writer;  // whose GPU writes the done word: a put's reader, or this rank (a get's answer)
+    int peer;    // the hidden peer it goes to or comes from: its death ends it (watch_readers)
+    bool ends_at_timeout;  // StagedRequest::ends_at_timeout
+    std::optional<Clock::time_point> posted;  // when its last descriptor was posted (end_overdue)
+  };
+  std::vector<RemoteEnd> remote_lent_;  // words of transfers a hidden peer (or the answer to a get) ends
+  std::uint64_t submitted_ = 0;
+  std::uint64_t handled_ = 0;  // transfers enqueued to their end, or failed
+  bool fill_slot_of(cudaStream_t stream, std::size_t* slot);  // under hand_over()
+  std::mutex hand_over_m_;  // callers' threads; guards the fill slots' state too
+  std::map<cudaStream_t, std::size_t> fill_of_;  // each stream's fill slot
+  cudaStream_t fill_stream_[FillSlots::kSlots] = {};  // each slot's stream (with fill_used_)
+  bool fill_used_[FillSlots::kSlots] = {};
+  FillUse fill_last_[FillSlots::kSlots];
+  std::vector<std::uint64_t> withdrawn_;  // under m_: tickets withdraw() ended unstarted
+  std::atomic<std::size_t> withdrawn_count_{0};  // withdrawn_.size(), read without m_
+  std::uint64_t answers_ = 0;  // answers to hidden peers' gets not yet posted to their end
+  bool stop_ = false;
+  std::string error_;
+  ErrorCode error_code_ = ErrorCode::Cuda;
+  std::string held_report_;
+  // Its loop's turns and its state, for the timeout errors of callers' threads
+  // (describe_worker_pulses): a stall inside this thread shows there.
+  std::shared_ptr<WorkerPulse> pulse_;
+  std::thread thread_;
+};
+
+}  // namespace meshmem::detail
