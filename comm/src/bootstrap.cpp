@@ -8,6 +8,7 @@
 
 #include "backoff.hpp"
 #include "log.hpp"
+#include "meshmem/error.hpp"
 
 namespace meshmem::detail {
 

@@ -9,6 +9,7 @@
 #include "backoff.hpp"
 #include "bootstrap.hpp"
 #include "log.hpp"
+#include "meshmem/error.hpp"
 #include "meshmem/ipc/pidfd.hpp"
 #include "topology.hpp"
 

@@ -1,5 +1,6 @@
 // HaloExchange: the plan is checked once, collectively; exchange() then only issues puts
 // and one signal per neighbour.
+#include "meshmem/error.hpp"
 #include "meshmem/halo.hpp"
 
 #include <algorithm>

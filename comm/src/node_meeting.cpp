@@ -4,6 +4,7 @@
 #include "bootstrap.hpp"
 #include "host_window.hpp"
 #include "topology.hpp"
+#include "meshmem/error.hpp"
 
 namespace meshmem::detail {
 

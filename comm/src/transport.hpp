@@ -17,11 +17,13 @@
 #include <string>
 #include <vector>
 
-#include "meshmem/comm.hpp"
+#include "meshmem/config.hpp"
+#include "meshmem/types.hpp"
 #include "window_state.hpp"
 
 namespace meshmem::detail {
 
+class BarrierResources;  // the GPU part's (cuda/barrier/barrier_resources.hpp)
 class Bootstrap;
 class DeviceRuntime;
 class FaultPlan;
@@ -125,6 +127,8 @@ class Transport {
   // transport with a progress thread lets it stand aside meanwhile.
   virtual void waiter_begins() {}
   virtual void waiter_ends() {}
+  // What barrier(stream) may use of it (node flag words, an NCCL library); null: nothing.
+  virtual const BarrierResources* barrier_resources() const { return nullptr; }
   // What it holds that a user may want to see (Comm::device_info, meshmem-info); "" for nothing.
   virtual std::string describe() const { return ""; }
   // Before the ranks part at ~Comm: lets this rank's transfers in flight end (bounded), so

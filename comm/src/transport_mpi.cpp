@@ -9,6 +9,7 @@
 #include "helper_cpus.hpp"
 #include "knobs.hpp"
 #include "log.hpp"
+#include "meshmem/error.hpp"
 
 namespace meshmem::detail {
 

@@ -7,7 +7,7 @@
 #include <memory>
 #include <vector>
 
-#include "meshmem/comm.hpp"
+#include "meshmem/types.hpp"
 
 namespace meshmem::detail {
 

@@ -46,7 +46,8 @@
 
 #include "fault.hpp"
 #include "transport.hpp"
-#include "cuda/runtime/device_runtime.hpp"
+#include "cuda/runtime/block_pool.hpp"
+#include "cuda/runtime/cuda_owners.hpp"
 #include "cuda/proxy/nccl_library.hpp"
 
 namespace meshmem::detail {

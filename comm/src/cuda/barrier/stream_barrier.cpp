@@ -11,18 +11,28 @@
 #include "node_meeting.hpp"
 #include "topology.hpp"
 #include "transport_registry.hpp"
-#include "cuda/runtime/device_runtime.hpp"
+#include "cuda/runtime/cuda_owners.hpp"
+#include "cuda/runtime/gpu_device.hpp"
+#include "cuda/runtime/stream_ops.hpp"
 #include "cuda/runtime/kernels.hpp"
+#include "cuda/barrier/barrier_resources.hpp"
 #include "cuda/barrier/leader_all_reduce.hpp"
+#include "meshmem/error.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
 #include "meshmem/ipc/ipc_event.hpp"
 #include "cuda/barrier/stream_barrier_proxy.hpp"
-#include "cuda/proxy/transport_nccl.hpp"
-#include "cuda/staged/transport_staged.hpp"
 
 namespace meshmem::detail {
 
 namespace {
+
+// What the barrier may use of the transport `t` (null: nothing, or no route).
+const BarrierResources* resources_of(const Transport* t) { return t == nullptr ? nullptr : t->barrier_resources(); }
+// `t` keeps the node flags of the ranks routed through it (the staging pool).
+const BarrierResources* node_flags_keeper(const Transport* t) {
+  const BarrierResources* res = resources_of(t);
+  return res != nullptr && res->keeps_node_flags() ? res : nullptr;
+}
 
 enum class BarrierKind { Auto, Kernel, Meeting, Flag, Event };
 constexpr std::pair<const char*, BarrierKind> kBarrierKinds[] = {{"auto", BarrierKind::Auto},
@@ -84,7 +94,7 @@ class SingleRankBarrier final : public StreamBarrier {
 // A proxy thread meets the ranks over MPI once the stream reaches the barrier.
 class ProxyBarrier final : public StreamBarrier {
  public:
-  ProxyBarrier(const CommContext& ctx, const std::string& what, CudaDeviceRuntime& device)
+  ProxyBarrier(const CommContext& ctx, const std::string& what, GpuDevice& device)
       : topo_(ctx.topo),
         proxy_(ctx.boot.comm(), device.device(), ctx.boot.timeout(), what,
                [&device](const std::string& failure) { device.report_barrier_failure(failure); },
@@ -161,10 +171,10 @@ class FlagBarrier final : public StreamBarrier, FlagWords {
 // node's staging pool (pinned host memory that every GPU of the node reaches).
 class KernelBarrier final : public StreamBarrier, FlagWords {
  public:
-  KernelBarrier(const Topology& topo, const BarrierContext& bctx, const CudaDeviceRuntime& device)
+  KernelBarrier(const Topology& topo, const BarrierContext& bctx, const GpuDevice& device)
       : KernelBarrier(topo, alloc_flags(topo, bctx), device) {}
   // Flags in `window` (alloc_flags).
-  KernelBarrier(const Topology& topo, std::shared_ptr<WindowState> window, const CudaDeviceRuntime& device)
+  KernelBarrier(const Topology& topo, std::shared_ptr<WindowState> window, const GpuDevice& device)
       : FlagWords(topo, std::move(window)), limit_(device.wait_limit()), early_(device.early_launch()),
         device_(device.device()), sequence_("barrier(stream) setup") {
     peer_flags_ = static_cast<std::uint64_t* const*>(window_->device_peer_table);
@@ -174,21 +184,21 @@ class KernelBarrier final : public StreamBarrier, FlagWords {
     make_counter();
   }
   // A rank alone on its node (the hierarchical barrier's node part): no flags, a counter only.
-  KernelBarrier(const Topology& topo, const CudaDeviceRuntime& device)
+  KernelBarrier(const Topology& topo, const GpuDevice& device)
       : FlagWords(topo), limit_(device.wait_limit()), early_(device.early_launch()), device_(device.device()),
         sequence_("barrier(stream) setup") {
     peer_flags_ = device_array(table_, std::vector<std::uint64_t*>(static_cast<std::size_t>(topo.size), nullptr), where(topo));
     make_counter();
   }
-  KernelBarrier(const Topology& topo, const StagedTransport& pool, const CudaDeviceRuntime& device)
+  KernelBarrier(const Topology& topo, const BarrierResources& pool, const GpuDevice& device)
       : FlagWords(topo), limit_(device.wait_limit()), early_(device.early_launch()), device_(device.device()),
         sequence_("barrier(stream) setup") {
     std::vector<std::uint64_t*> table(static_cast<std::size_t>(topo.size), nullptr);
-    for (int r : topo.node_ranks) table[r] = pool.barrier_flags(r);
+    for (int r : topo.node_ranks) table[r] = pool.node_flags(r);
     for (int r : topo.node_ranks)
-      if (r != topo.rank) peer_marks_.push_back(pool.barrier_flags(r) + topo.size);
+      if (r != topo.rank) peer_marks_.push_back(pool.node_flags(r) + topo.size);
     peer_flags_ = device_array(table_, table, where(topo));
-    my_flags_ = pool.barrier_flags(topo.rank);
+    my_flags_ = pool.node_flags(topo.rank);
     make_counter();
   }
   void arrive(Stream stream, bool capturing) override {
@@ -427,27 +437,28 @@ class EventBarrier final : public StreamBarrier {
 // The hierarchical barrier where ranks span nodes, if MESHMEM_BARRIER_ACROSS_NODES and the
 // routes allow it (agreed by every rank); null for the proxy barrier.
 std::unique_ptr<StreamBarrier> make_hierarchical_barrier(const CommContext& ctx, const BarrierContext& bctx,
-                                                         CudaDeviceRuntime& device) {
+                                                         GpuDevice& device) {
   const std::string what = "meshmem::Comm (barrier setup)";
   const Topology& topo = ctx.topo;
   const AcrossNodes asked = kAcrossNodes.get(ctx.options);
   // Why this rank cannot take part ("" if it can). Its node part: flags mapped between the
   // node's ranks, flags in the staging pool (some node peer is staged), or none (alone).
   std::string why;
-  const StagedTransport* staged = nullptr;
+  const BarrierResources* staged = nullptr;
   bool mapped = false;
   for (int r = 0; r < topo.size && why.empty(); ++r) {
     if (r == topo.rank) continue;
     const Transport* t = bctx.routes.find(r, Memory::Device);
     const std::string peer = "rank " + std::to_string(r);
     if (!topo.same_node(r)) {
-      if (t == nullptr || t->kind() != TransportKind::Nccl)
+      const BarrierResources* res = resources_of(t);
+      if (res == nullptr || !res->reaches_nodes_over_nccl())
         why = peer + " is on another node and reached " +
               (t ? "through " + std::string(to_string(t->kind())) : std::string("by no device route")) + ", not nccl";
-      else if (static_cast<const NcclTransport*>(t)->library() == nullptr)
+      else if (res->nccl_library() == nullptr)
         why = "the nccl transport is not connected here";
-    } else if (t != nullptr && t->kind() == TransportKind::Staged) {
-      staged = static_cast<const StagedTransport*>(t);
+    } else if (const BarrierResources* keeper = node_flags_keeper(t)) {
+      staged = keeper;
     } else if (t != nullptr && t->capabilities().mapped) {
       mapped = true;
     } else {
@@ -455,12 +466,12 @@ std::unique_ptr<StreamBarrier> make_hierarchical_barrier(const CommContext& ctx,
     }
   }
   if (why.empty() && staged != nullptr && mapped) why = "some of this node's ranks are mapped here and others staged";
-  if (why.empty() && staged != nullptr && !staged->has_pool()) why = "the staged transport has no pool here";
+  if (why.empty() && staged != nullptr && !staged->has_node_flags()) why = "the staged transport has no pool here";
   // A GPU that ranks share is time-sliced between them: NCCL's all-reduce kernel spins on it
   // and holds it from the very ranks it waits for (1 x H100, two simulated nodes: 4.7 ms per
   // all-reduce against 48 us for the proxy's meeting, bench/results/2026-11-24-*-cross-host-*).
   // Ranks of other nodes count too: simulated nodes of one machine, or containers of one
-  // machine given the same GPU (CudaDeviceRuntime finds the GPU by its UUID).
+  // machine given the same GPU (GpuDevice finds the GPU by its UUID).
   const bool time_sliced = device.gpu_shared_in_comm();
   if (why.empty() && asked == AcrossNodes::Auto && time_sliced)
     why = "this rank's GPU is shared with other ranks (time-sliced: NCCL's all-reduce kernel would hold it from the "
@@ -476,7 +487,8 @@ std::unique_ptr<StreamBarrier> make_hierarchical_barrier(const CommContext& ctx,
                           : std::make_unique<KernelBarrier>(topo, device);
     const NcclLibrary* lib = nullptr;
     for (const Transport* t : bctx.connected)
-      if (t->kind() == TransportKind::Nccl) lib = static_cast<const NcclTransport*>(t)->library();
+      if (const BarrierResources* res = resources_of(t); res != nullptr && res->reaches_nodes_over_nccl())
+        lib = res->nccl_library();
     auto leaders = std::make_unique<LeaderAllReduce>(
         ctx, lib, [&device](const std::string& failure) { device.report_barrier_failure(failure); });
     log(LogLevel::Info, "barrier(stream) across nodes: hierarchical (node kernel, the leaders' NCCL all-reduce, node "
@@ -495,18 +507,18 @@ std::unique_ptr<StreamBarrier> make_hierarchical_barrier(const CommContext& ctx,
 }  // namespace
 
 std::unique_ptr<StreamBarrier> make_stream_barrier(const CommContext& ctx, const BarrierContext& bctx,
-                                                   CudaDeviceRuntime& device) {
+                                                   GpuDevice& device) {
   const std::string what = "meshmem::Comm (barrier setup)";
   const Topology& topo = ctx.topo;
   // The node variants need every rank on this node and reached through a transport that
   // maps its device windows here; where some are staged instead, the kernel barrier's flags
   // live in the staging pool. Otherwise the proxy meets the ranks over MPI.
   bool all_mapped = topo.node_count == 1;
-  const StagedTransport* staged = nullptr;
+  const BarrierResources* staged = nullptr;
   for (int r = 0; r < topo.size && all_mapped; ++r) {
     const Transport* t = bctx.routes.find(r, Memory::Device);
-    if (t != nullptr && t->kind() == TransportKind::Staged) {
-      staged = static_cast<const StagedTransport*>(t);
+    if (const BarrierResources* keeper = node_flags_keeper(t)) {
+      staged = keeper;
       continue;
     }
     all_mapped = t != nullptr && t->capabilities().mapped;
@@ -521,8 +533,8 @@ std::unique_ptr<StreamBarrier> make_stream_barrier(const CommContext& ctx, const
   if (verdict == 1) {
     // Every rank routes some peer through `staged` (its pool is collective): flags there.
     for (const Transport* t : bctx.connected)
-      if (staged == nullptr && t->kind() == TransportKind::Staged) staged = static_cast<const StagedTransport*>(t);
-    if (staged == nullptr || !staged->has_pool())
+      if (staged == nullptr) staged = node_flags_keeper(t);
+    if (staged == nullptr || !staged->has_node_flags())
       throw Error(ErrorCode::Internal, what + ": the staged transport's pool is missing on rank " + std::to_string(topo.rank));
     if (kBarrier.get(ctx.options) != BarrierKind::Auto && kBarrier.get(ctx.options) != BarrierKind::Kernel)
       log(LogLevel::Info, "barrier(stream): MESHMEM_BARRIER=" + print_named<kBarrierKinds>(kBarrier.get(ctx.options)) +

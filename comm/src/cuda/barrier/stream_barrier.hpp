@@ -20,10 +20,10 @@
 
 namespace meshmem::detail {
 
-class CudaDeviceRuntime;
+class GpuDevice;
 
 // Collective over the Comm.
 std::unique_ptr<StreamBarrier> make_stream_barrier(const CommContext& ctx, const BarrierContext& bctx,
-                                                   CudaDeviceRuntime& device);
+                                                   GpuDevice& device);
 
 }  // namespace meshmem::detail

@@ -14,7 +14,7 @@
 #include "log.hpp"
 #include "cuda/runtime/block_pool.hpp"
 #include "cuda/agent/captured_handoff.hpp"
-#include "cuda/runtime/device_runtime.hpp"
+#include "cuda/runtime/cuda_owners.hpp"
 #include "cuda/runtime/device_sync.hpp"
 #include "cuda/runtime/event_pool.hpp"
 #include "cuda/runtime/gpu_queues.hpp"

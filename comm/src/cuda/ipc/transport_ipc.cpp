@@ -11,9 +11,12 @@
 #include "knobs.hpp"
 #include "log.hpp"
 #include "topology.hpp"
-#include "cuda/runtime/device_runtime.hpp"
+#include "cuda/runtime/cuda_owners.hpp"
+#include "cuda/runtime/gpu_device.hpp"
+#include "cuda/runtime/stream_ops.hpp"
 #include "cuda/runtime/device_window.hpp"
 #include "cuda/runtime/kernels.hpp"
+#include "meshmem/error.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
 #include "meshmem/ipc/vmm.hpp"
 
@@ -73,7 +76,7 @@ std::unique_ptr<Transport> make_ipc_transport(const CommContext& ctx) { return s
 
 IpcTransport::IpcTransport(const CommContext& ctx)
     : ctx_(ctx),
-      device_(static_cast<CudaDeviceRuntime*>(ctx.device)),
+      device_(gpu_device_of(ctx.device)),
       sm_copy_max_(kSmCopyMax.get(ctx.options)),
       fused_signal_max_(kFusedSignalMax.get(ctx.options)) {
   const Topology& topo = ctx_.topo;

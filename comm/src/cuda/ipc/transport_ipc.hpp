@@ -16,7 +16,7 @@
 
 namespace meshmem::detail {
 
-class CudaDeviceRuntime;
+class GpuDevice;
 
 class IpcTransport final : public Transport {
  public:
@@ -49,7 +49,7 @@ class IpcTransport final : public Transport {
   std::string what(const char* op, int target) const;
 
   CommContext ctx_;
-  CudaDeviceRuntime* device_;  // null where device windows are unavailable
+  GpuDevice* device_;  // null where device windows are unavailable
   std::size_t sm_copy_max_;
   std::size_t fused_signal_max_;
   std::vector<std::string> no_route_;  // by rank: why it cannot be reached ("" = it can)

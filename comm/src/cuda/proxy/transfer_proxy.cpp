@@ -838,7 +838,7 @@ struct ProxyHandoff {
 
 ProxyTransport::ProxyTransport(const CommContext& ctx, const char* name)
     : ctx_(ctx),
-      device_(static_cast<CudaDeviceRuntime*>(ctx.device)),
+      device_(gpu_device_of(ctx.device)),
       name_(name),
       board_(std::make_shared<HandoffBoard<TransferProxy>>()),
       finalize_keyval_(MPI_KEYVAL_INVALID) {

@@ -55,7 +55,8 @@
 #include "bootstrap.hpp"
 #include "transport.hpp"
 #include "cuda/runtime/block_pool.hpp"
-#include "cuda/runtime/device_runtime.hpp"
+#include "cuda/runtime/cuda_owners.hpp"
+#include "cuda/runtime/gpu_device.hpp"
 
 namespace meshmem::detail {
 
@@ -125,7 +126,7 @@ class ProxyTransport : public Transport {
   std::string what(const char* op, int target) const;
 
   CommContext ctx_;
-  CudaDeviceRuntime* device_;
+  GpuDevice* device_;
   const char* name_;
   std::vector<std::string> no_route_;  // by rank: why not ("" where it reaches)
   std::shared_ptr<TransferProxy> proxy_;

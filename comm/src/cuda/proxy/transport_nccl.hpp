@@ -36,13 +36,14 @@
 #include <string>
 #include <vector>
 
+#include "cuda/barrier/barrier_resources.hpp"
 #include "cuda/proxy/transfer_proxy.hpp"
 
 namespace meshmem::detail {
 
 class NcclLibrary;
 
-class NcclTransport final : public ProxyTransport {
+class NcclTransport final : public ProxyTransport, private BarrierResources {
  public:
   // Collective when the Comm spans several nodes: loads NCCL and learns which ranks could.
   explicit NcclTransport(const CommContext& ctx);
@@ -52,10 +53,12 @@ class NcclTransport final : public ProxyTransport {
   // their connections, then the proxy thread.
   void connect(const std::vector<bool>& routed) override;
   std::string describe() const override;
-  // The library, once this rank's communicators are connected (null before, or where none are).
-  const NcclLibrary* library() const { return proxy_ ? lib_ : nullptr; }
+  // The leaders' all-reduce of barrier(stream) across nodes uses its library.
+  const BarrierResources* barrier_resources() const override { return this; }
 
  private:
+  bool reaches_nodes_over_nccl() const override { return true; }
+  const NcclLibrary* nccl_library() const override { return proxy_ ? lib_ : nullptr; }
   const NcclLibrary* lib_ = nullptr;
   std::string host_id_;  // NCCL_HOSTID this process sets, under simulated nodes ("" where none)
 };

@@ -10,8 +10,9 @@
 
 #include "free_ranges.hpp"
 #include "log.hpp"
-#include "cuda/runtime/device_runtime.hpp"
+#include "cuda/runtime/cuda_owners.hpp"
 #include "meshmem/error.hpp"
+#include "meshmem/ipc/cuda_driver.hpp"
 #include "meshmem/ipc/vmm.hpp"
 
 namespace meshmem::detail {

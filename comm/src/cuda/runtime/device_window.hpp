@@ -3,11 +3,14 @@
 // peers' parts as mapped here) lives on the device for kernels (Window::view()).
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <string>
 #include <vector>
 
 #include "window_state.hpp"
-#include "cuda/runtime/device_runtime.hpp"
+#include "transport.hpp"
+#include "cuda/runtime/block_pool.hpp"
 #include "meshmem/ipc/vmm.hpp"
 
 namespace meshmem::detail {

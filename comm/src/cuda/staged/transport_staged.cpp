@@ -16,7 +16,9 @@
 #include "log.hpp"
 #include "piece_cursor.hpp"
 #include "topology.hpp"
-#include "cuda/runtime/device_runtime.hpp"
+#include "cuda/runtime/cuda_owners.hpp"
+#include "cuda/runtime/gpu_device.hpp"
+#include "cuda/runtime/stream_ops.hpp"
 #include "cuda/runtime/device_window.hpp"
 #include "cuda/agent/captured_handoff.hpp"
 #include "cuda/runtime/kernels.hpp"
@@ -212,14 +214,14 @@ bool reader_copy_may_wait_for_a_time_slice(const StagedRequest& r, std::size_t c
 
 // MESHMEM_STAGING_STREAM_FILL resolved: `auto` is `on` where this rank's stream waits are kernels
 // (its GPU is its own).
-bool fills_by_stream(StreamFill fill, const CudaDeviceRuntime* device) {
+bool fills_by_stream(StreamFill fill, const GpuDevice* device) {
   return fill == StreamFill::On || (fill == StreamFill::Auto && device != nullptr && device->waits_with_kernel());
 }
 }  // namespace
 
 StagedTransport::StagedTransport(const CommContext& ctx)
     : ctx_(ctx),
-      device_(static_cast<CudaDeviceRuntime*>(ctx.device)),
+      device_(gpu_device_of(ctx.device)),
       chunk_(kStagingChunk.get(ctx.options)),
       first_piece_(kStagingFirstPiece.get(ctx.options)),
       slots_(static_cast<int>(kStagingSlots.get(ctx.options))),
@@ -672,7 +674,7 @@ StagedRequest StagedTransport::hidden_request(StagedRequest::Route route, int ta
 
 bool StagedTransport::drain() noexcept { return agent_ ? agent_->drain() : true; }
 
-std::uint64_t* StagedTransport::barrier_flags(int rank) const { return agent_->control_of(rank).barrier_flags(); }
+std::uint64_t* StagedTransport::node_flags(int rank) const { return agent_->control_of(rank).barrier_flags(); }
 
 std::string StagedTransport::describe() const {
   if (!agent_) return {};

@@ -77,15 +77,16 @@
 
 #include "transport.hpp"
 #include "cuda/runtime/block_pool.hpp"
+#include "cuda/barrier/barrier_resources.hpp"
 #include "cuda/staged/staging_agent.hpp"
 
 namespace meshmem::detail {
 
 template <class Owner>
 struct HandoffBoard;
-class CudaDeviceRuntime;
+class GpuDevice;
 
-class StagedTransport final : public Transport {
+class StagedTransport final : public Transport, private BarrierResources {
  public:
   // Learns which node peers' GPUs this process sees (the device runtime's PCI bus ids).
   explicit StagedTransport(const CommContext& ctx);
@@ -120,12 +121,14 @@ class StagedTransport final : public Transport {
   bool drain() noexcept;
   // The staging pool as this rank sees it ("" before connect).
   std::string describe() const override;
-  bool has_pool() const { return agent_ != nullptr; }
-  // The barrier's flag words in rank r's region of the pool (one per rank, the word of rank
-  // s written by s), mapped here for this rank's GPU; after connect, node ranks only.
-  std::uint64_t* barrier_flags(int rank) const;
+  // The barrier's node flags are words in rank r's region of the pool.
+  const BarrierResources* barrier_resources() const override { return this; }
+
 
  private:
+  bool keeps_node_flags() const override { return true; }
+  bool has_node_flags() const override { return agent_ != nullptr; }
+  std::uint64_t* node_flags(int rank) const override;
   // Raises, once, a transfer that failed since the last call (`where` begins the message).
   void raise_earlier_failure(const std::string& where);
   std::string what(const char* op, int target) const;
@@ -143,7 +146,7 @@ class StagedTransport final : public Transport {
   void capture_transfer(const StagedRequest& r, cudaGraph_t graph, int peer, cudaStream_t stream, const char* name);
 
   CommContext ctx_;
-  CudaDeviceRuntime* device_;       // null where device windows are unavailable
+  GpuDevice* device_;       // null where device windows are unavailable
   std::vector<int> peer_device_;    // by rank: its GPU as this process numbers it, -1 if hidden
   std::vector<std::string> no_route_;
   std::size_t chunk_;

@@ -1,0 +1,44 @@
+#include "cuda/runtime/cuda_owners.hpp"
+
+#include "backoff.hpp"
+#include "meshmem/ipc/cuda_driver.hpp"
+
+namespace meshmem::detail {
+
+CurrentDevice::CurrentDevice(int device) {
+  (void)cudaGetDevice(&previous_);
+  if (previous_ != device) (void)cudaSetDevice(device);
+}
+
+CurrentDevice::~CurrentDevice() {
+  int now = -1;
+  (void)cudaGetDevice(&now);
+  if (previous_ >= 0 && now != previous_) (void)cudaSetDevice(previous_);
+}
+
+bool stream_ends_by(cudaStream_t stream, const Deadline& deadline, const char* call, const std::string& what) {
+  Backoff backoff;
+  cudaError_t q;
+  while ((q = cudaStreamQuery(stream)) == cudaErrorNotReady && !deadline.expired()) backoff.pause();
+  if (q == cudaErrorNotReady) return false;
+  ipc::check_cuda(q, call, what);
+  return true;
+}
+
+OwnedStream::OwnedStream(const std::string& what) {
+  ipc::check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", what);
+}
+
+OwnedStream::~OwnedStream() {
+  if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+}
+
+OwnedEvent::OwnedEvent(const std::string& what) {
+  ipc::check_cuda(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreateWithFlags", what);
+}
+
+OwnedEvent::~OwnedEvent() {
+  if (event_ != nullptr) (void)cudaEventDestroy(event_);
+}
+
+}  // namespace meshmem::detail
