@@ -1,9 +1,23 @@
 #include "cuda/agent/captured_handoff.hpp"
 
+#include "cuda/runtime/gpu_device.hpp"
+
 #include <system_error>
 #include <thread>
 
 namespace meshmem::detail {
+
+TicketWait TicketWait::on(const GpuDevice& device, const std::uint64_t* done, cuda::FaultKind fault, int peer) {
+  TicketWait wait;
+  wait.done = done;
+  wait.fault = fault;
+  wait.peer = peer;
+  wait.limit = device.wait_limit();
+  wait.early = device.early_launch();
+  wait.gated = !device.waits_with_kernel();
+  wait.memop_flags = device.wait_flags();
+  return wait;
+}
 
 namespace {
 

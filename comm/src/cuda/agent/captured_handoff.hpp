@@ -53,6 +53,8 @@
 
 namespace meshmem::detail {
 
+class GpuDevice;
+
 // Doorbells of a transport's captured transfers per rank (staged, nccl / mpi-device): 40 bytes each.
 constexpr std::size_t kTransferDoorbells = 4096;
 
@@ -268,6 +270,10 @@ struct TicketWait {
   bool gated = false;
   unsigned memop_flags = 0;  // the device's wait flags
   bool early = false;
+
+  // A wait on `device` (its limit, launch and wait flags; gated where it waits with stream
+  // memory operations) for the word `done`.
+  static TicketWait on(const GpuDevice& device, const std::uint64_t* done, cuda::FaultKind fault, int peer);
 };
 
 template <class Policy>

@@ -98,7 +98,7 @@ class ProxyBarrier final : public StreamBarrier {
       : topo_(ctx.topo),
         proxy_(ctx.boot.comm(), device.device(), ctx.boot.timeout(), what,
                [&device](const std::string& failure) { device.report_barrier_failure(failure); },
-               device.wait_limit(), device.early_launch(), !device.waits_with_kernel(), device.wait_flags()) {}
+               device) {}
   void arrive(Stream stream, bool capturing) override {
     const auto s = static_cast<cudaStream_t>(stream);
     if (!capturing) return proxy_.enqueue(s, where(topo_));

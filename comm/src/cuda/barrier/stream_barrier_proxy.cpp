@@ -7,6 +7,7 @@
 #include "helper_cpus.hpp"
 #include "log.hpp"
 #include "cuda/agent/captured_handoff.hpp"
+#include "cuda/runtime/gpu_device.hpp"
 #include "cuda/runtime/device_sync.hpp"
 #include "meshmem/error.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
@@ -31,15 +32,12 @@ struct BarrierHandoff {
 
 StreamBarrierProxy::StreamBarrierProxy(MPI_Comm parent, int device, std::chrono::milliseconds timeout,
                                        const std::string& what, std::function<void(const std::string&)> on_failure,
-                                       cuda::WaitLimit limit, bool early, bool gated, unsigned wait_flags)
+                                       const GpuDevice& device_facts)
     : boot_(parent, timeout),
       device_(device),
       timeout_(timeout),
       on_failure_(std::move(on_failure)),
-      limit_(limit),
-      early_(early),
-      gated_(gated),
-      wait_flags_(wait_flags),
+      device_facts_(device_facts),
       board_(std::make_shared<HandoffBoard<StreamBarrierProxy>>()) {
   agreed_step(boot_, what, [&] {
     int provided = MPI_THREAD_SINGLE;
@@ -246,17 +244,12 @@ std::uint64_t StreamBarrierProxy::arrive_captured() {
 void StreamBarrierProxy::capture(cudaStream_t stream, cudaGraph_t graph, const std::string& what) {
   raise_failure(what);
   boot_.ensure_usable(what);
-  TicketWait wait;
-  wait.done = reinterpret_cast<const std::uint64_t*>(released_device_);
-  wait.fault = cuda::FaultKind::ProxyRelease;
-  wait.peer = -1;  // the proxy's meeting names the late ranks (FaultKind::HostBarrier)
+  // peer -1: the proxy's meeting names the late ranks (FaultKind::HostBarrier).
+  TicketWait wait = TicketWait::on(device_facts_, reinterpret_cast<const std::uint64_t*>(released_device_),
+                                   cuda::FaultKind::ProxyRelease, -1);
   // Twice the device's limit: the proxy's meeting, bounded by MESHMEM_TIMEOUT from a little
   // later on, reports first and names the ranks that never came.
-  wait.limit = limit_;
   wait.limit.timeout_ns *= 2;
-  wait.early = early_;
-  wait.gated = gated_;
-  wait.memop_flags = wait_flags_;
   CapturedHandoff<BarrierHandoff>::capture(board_, BarrierHandoff::Request{}, wait, graph, stream, what);
   // Under the mutex: the thread either sees the live doorbell when it next decides to sleep,
   // or sleeps already and gets the notification.

@@ -37,17 +37,17 @@ namespace meshmem::detail {
 
 template <class Owner>
 struct HandoffBoard;
+class GpuDevice;
 
 class StreamBarrierProxy {
  public:
   // Collective over `parent` (duplicates its communicator for the proxy's meetings).
   // `on_failure` hears each failed meeting's message (from the proxy thread), so that the
   // Comm's next call raises it, not only the next barrier.
-  // `limit` and `early` are the device's, for the wait kernels of captured barriers; `gated`
-  // and `wait_flags` too: whether they wait with a stream memory operation (CapturedHandoff).
+  // `device_facts`: the device's wait settings, for the waits of captured barriers
+  // (CapturedHandoff); it outlives this.
   StreamBarrierProxy(MPI_Comm parent, int device, std::chrono::milliseconds timeout, const std::string& what,
-                     std::function<void(const std::string&)> on_failure, cuda::WaitLimit limit, bool early,
-                     bool gated, unsigned wait_flags);
+                     std::function<void(const std::string&)> on_failure, const GpuDevice& device_facts);
   StreamBarrierProxy(const StreamBarrierProxy&) = delete;
   StreamBarrierProxy& operator=(const StreamBarrierProxy&) = delete;
   // Waits for this device's work (every barrier enqueued here must have been met), at most
@@ -100,10 +100,7 @@ class StreamBarrierProxy {
   std::uint64_t enqueued_ = 0;         // under shared_->mutex
   std::string failure_;                // a failed meeting's message, raised once (under shared_->mutex)
   std::function<void(const std::string&)> on_failure_;
-  cuda::WaitLimit limit_;
-  bool early_;
-  bool gated_;
-  unsigned wait_flags_;
+  const GpuDevice& device_facts_;
   std::shared_ptr<HandoffBoard<StreamBarrierProxy>> board_;  // shared with captured graphs
   bool stop_ = false;
   std::thread thread_;

@@ -1087,14 +1087,8 @@ void ProxyTransport::capture_transfer(ProxyRequest r, cudaGraph_t graph, cudaStr
   captured.transfer.ready = nullptr;
   captured.transfer.stream = nullptr;
   words.kept();  // CapturedHandoff gives it back from here on
-  TicketWait wait;
-  wait.done = proxy_->word(captured.transfer.word);
-  wait.fault = cuda::FaultKind::Transfer;
-  wait.peer = r.peer;
-  wait.limit = device_->wait_limit();
-  wait.early = device_->early_launch();
-  wait.gated = !device_->waits_with_kernel();
-  wait.memop_flags = device_->wait_flags();
+  const TicketWait wait =
+      TicketWait::on(*device_, proxy_->word(captured.transfer.word), cuda::FaultKind::Transfer, r.peer);
   CapturedHandoff<ProxyHandoff>::capture(board_, std::move(captured), wait, graph, stream, what(name, r.peer));
 }
 

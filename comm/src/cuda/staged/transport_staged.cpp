@@ -572,14 +572,7 @@ void StagedTransport::capture_transfer(const StagedRequest& r, cudaGraph_t graph
   captured.transfer = r;
   if (!agent_->try_take_word(&captured.transfer.word)) throw all_in_use();
   captured.transfer.done = agent_->control().transfer(captured.transfer.word);
-  TicketWait wait;
-  wait.done = captured.transfer.done;
-  wait.fault = cuda::FaultKind::Transfer;
-  wait.peer = peer;
-  wait.limit = device_->wait_limit();
-  wait.early = device_->early_launch();
-  wait.gated = !device_->waits_with_kernel();
-  wait.memop_flags = device_->wait_flags();
+  const TicketWait wait = TicketWait::on(*device_, captured.transfer.done, cuda::FaultKind::Transfer, peer);
   CapturedHandoff<StagedHandoff>::capture(board_, std::move(captured), wait, graph, stream, what(name, peer));
   agent_->captured_added();
 }
