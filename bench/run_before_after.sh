@@ -8,7 +8,8 @@
 #     OUT      where the CSV, the summary and the logs go
 #     ENTRY_REGEX  ctest -R of the new build's entries to run after the figures (none: skip)
 #   Environment: ROUNDS (turns of old and new, default 3), BUDGET (seconds for the entries),
-#   COMMIT_OLD, COMMIT_NEW, MACHINE, DATE (for the CSV rows).
+#   COMMIT_OLD, COMMIT_NEW, MACHINE, DATE (for the CSV rows; give the commits from the machine
+#   that has the git history: a copied tree may report another HEAD).
 # Builds with Ninja where it is found (the GPU machines' /opt/torch/.venv/bin/ninja).
 set -uo pipefail
 old_src=$(cd "${1:?old source tree}" && pwd); out=${2:?out}; regex=${3:-}
