@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU test entries on the GPU machine.
 #
-#   tests/gpu/run_entries.sh tier TIER [--build DIR] [--deadline S] [--only REGEX] [--probe]
+#   tests/gpu/run_entries.sh tier TIER [--build DIR] [--deadline S] [--only REGEX] [--from NAME] [--probe]
 #     One tier in one device call, from the repository root, writing under $OUT (or --out DIR):
 #     builds (Release, Ninja, arch 90, 16 jobs: about a minute) into build-gpu/ unless --build
 #     names a build made earlier (carried, or kept from an earlier call), runs the tier's entries
@@ -10,7 +10,8 @@
 #     540 s after the start) and ends one still running there, and writes summary.md (first line
 #     `total: N s`, the test time summed over the entries that ran; then entry, result, seconds,
 #     placement; the entries not run) and the same file named for tests/gpu/runs/, and logs/ of
-#     every entry that did not pass. --only: the entries whose name matches REGEX. --probe: first
+#     every entry that did not pass. --only: the entries whose name matches REGEX; --from NAME:
+#     the tier's entries from NAME on (where an earlier call's deadline stopped). --probe: first
 #     the barrier probe (BarrierTenThousandRounds at 500 rounds under each barrier variant, 2 and
 #     4 ranks: microseconds per barrier, in barrier_probe.txt). A folder build-ip/ (made by
 #     tests/gpu/bundle_ip.sh and carried) gives launch/meshmem-hosts its `ip`.
@@ -46,12 +47,13 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 if [ "${1:-}" = "tier" ]; then
   tier=${2:?tier: gpu or gpu-long}; shift 2
   case "$tier" in gpu) labels='^gpu$' ;; gpu-long) labels='^gpu-long$' ;; *) echo "tier: gpu or gpu-long" >&2; exit 2 ;; esac
-  build=""; deadline=540; only=""; probe=""; out=${OUT:-}
+  build=""; deadline=540; only=""; from=""; probe=""; out=${OUT:-}
   while [ $# -gt 0 ]; do
     case "$1" in
       --build) build=$2; shift 2 ;;
       --deadline) deadline=$2; shift 2 ;;
       --only) only=$2; shift 2 ;;
+      --from) from=$2; shift 2 ;;
       --probe) probe=1; shift ;;
       --out) out=$2; shift 2 ;;
       *) echo "unknown option $1" >&2; exit 2 ;;
@@ -76,6 +78,7 @@ if [ "${1:-}" = "tier" ]; then
   build=$(cd "$build" && pwd)
   device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-' | sed 's/^nvidia-//')
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  device=${device:-no-gpu}
   commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${MESHMEM_COMMIT:-unknown}")
   day=$(date -u +%Y-%m-%d)
   tsv="$build/tests/gpu/entries.tsv"
@@ -108,7 +111,8 @@ if [ "${1:-}" = "tier" ]; then
   fi
 
   mapfile -t entries < <(ctest --test-dir "$build" -N -L "$labels" | sed -n 's/^ *Test *#[0-9]*: //p' |
-                         { if [ -n "$only" ]; then grep -E "$only"; else cat; fi; })
+                         { if [ -n "$only" ]; then grep -E "$only"; else cat; fi; } |
+                         { if [ -n "$from" ]; then sed -n "/^${from//./\\.}\$/,\$p"; else cat; fi; })
   rows=(); notrun=(); total=0; estimate=0
   for name in "${entries[@]}"; do
     est=$(field "$name" 5); case "$est" in ''|-) est=30 ;; esac
@@ -136,14 +140,14 @@ if [ "${1:-}" = "tier" ]; then
   {
     printf 'total: %.0f s\n\n' "$total"
     echo "Tier \`$tier\` (ctest -L '$labels'${only:+, entries matching $only}) on $gpus x $device, meshmem $commit, $day:"
-    echo "${#rows[@]} of ${#entries[@]} entries run, test time summed over them (estimates of entries.txt: $estimate s);"
+    echo "${#rows[@]} of ${#entries[@]} entries run${from:+ (from $from on)}, test time summed over them (estimates of entries.txt: $estimate s);"
     echo "$(elapsed) s from the start of the call, the build included. Produced by tests/gpu/run_entries.sh tier."
     echo
     echo "| entry | result | seconds | placement |"
     echo "| --- | --- | --- | --- |"
     printf '%s\n' "${rows[@]}"
     echo
-    if [ ${#notrun[@]} -gt 0 ]; then echo "not run (deadline $deadline s): ${notrun[*]}"; else echo "every entry of the tier ran"; fi
+    if [ ${#notrun[@]} -gt 0 ]; then echo "not run (deadline $deadline s): ${notrun[*]}"; else echo "every entry selected ran"; fi
     [ -n "$probe" ] && { echo; echo '```'; cat "$out/barrier_probe.txt"; echo '```'; }
   } > "$run"
   cp "$run" "$out/summary.md"

@@ -805,7 +805,7 @@ TEST_F(DeviceWindow, GraphOfPutSignalAndGetReplaysOnThePerThreadStream) {
 
 // A halo neighbour on another (real or simulated) node has no device route yet: the plan is
 // refused on every rank with Error(Unsupported) naming the pair and each transport's reason
-// (c57ba70 accepted it, and complete() then stored signals through a null peer pointer).
+// (an early version accepted it, and complete() then stored signals through a null peer pointer).
 TEST_F(DeviceWindow, HaloAcrossNodesRefusesUnreachableNeighbour) {
   if (comm->node_count() == 1) GTEST_SKIP() << "needs ranks on several (real or simulated) nodes";
   Window win = comm->alloc(4096);
