@@ -4,7 +4,8 @@
 #   tests/gpu/run_entries.sh tier TIER [--build DIR] [--deadline S] [--only REGEX] [--from NAME] [--probe]
 #     One tier in one device call, from the repository root, writing under $OUT (or --out DIR):
 #     builds (Release, Ninja, arch 90, 16 jobs: about a minute) into build-gpu/ unless --build
-#     names a build made earlier (carried, or kept from an earlier call), runs the tier's entries
+#     names a build made earlier (carried, or kept from an earlier call; built there if it holds
+#     none), runs the tier's entries
 #     one at a time (TIER gpu: the fast tier, ctest -L '^gpu$'; gpu-long: ctest -L gpu-long), starts
 #     none whose estimate (tests/gpu/entries.txt) no longer fits before the deadline (default
 #     540 s after the start) and ends one still running there, and writes summary.md (first line
@@ -47,7 +48,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 if [ "${1:-}" = "tier" ]; then
   tier=${2:?tier: gpu or gpu-long}; shift 2
   case "$tier" in gpu) labels='^gpu$' ;; gpu-long) labels='^gpu-long$' ;; *) echo "tier: gpu or gpu-long" >&2; exit 2 ;; esac
-  build=""; deadline=540; only=""; from=""; probe=""; out=${OUT:-}
+  build=""; fresh=""; deadline=540; only=""; from=""; probe=""; out=${OUT:-}
   while [ $# -gt 0 ]; do
     case "$1" in
       --build) build=$2; shift 2 ;;
@@ -67,8 +68,10 @@ if [ "${1:-}" = "tier" ]; then
   if [ -d build-ip ] && [ -z "${MESHMEM_HOSTS_IP:-}" ]; then
     export MESHMEM_HOSTS_IP=$src/build-ip/ip MESHMEM_HOSTS_IP_LIBS=$src/build-ip/lib
   fi
+  # A build folder that holds no build yet (a fresh machine) is built, as without --build.
+  [ -n "$build" ] && [ ! -f "$build/CTestTestfile.cmake" ] && { echo "no build in $build: building it"; fresh=$build; build=""; }
   if [ -z "$build" ]; then
-    build=build-gpu
+    build=${fresh:-build-gpu}
     ninja=${NINJA:-/opt/torch/.venv/bin/ninja}
     { cmake -S . -B "$build" -G Ninja -DCMAKE_MAKE_PROGRAM="$ninja" -DCMAKE_BUILD_TYPE=Release \
         -DCMAKE_CUDA_ARCHITECTURES=90 && cmake --build "$build" -j 16; } > "$out/build.log" 2>&1 ||
