@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,13 @@
   } while (0)
 
 namespace meshmem::test {
+
+// How many rounds a long loop runs: `fast` in the fast tier (its entries set
+// MESHMEM_TEST_TIER=fast, tests/gpu/TIERS.md), `full` in gpu-long and in a run by hand.
+inline int rounds(int full, int fast) {
+  const char* tier = std::getenv("MESHMEM_TEST_TIER");
+  return tier != nullptr && std::string(tier) == "fast" ? fast : full;
+}
 
 // Device memory owned for the life of the object.
 struct DeviceBuffer {

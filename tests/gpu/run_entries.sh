@@ -1,6 +1,24 @@
 #!/usr/bin/env bash
-# Runs chosen GPU test entries of a build made on another machine (the GPU machines get a
-# copy of the built tests, not the toolchain run), each under its own limit, and loops an
+# Runs the GPU test entries on the GPU machine.
+#
+#   tests/gpu/run_entries.sh tier TIER [--build DIR] [--deadline S] [--only REGEX] [--from NAME] [--probe]
+#     One tier in one device call, from the repository root, writing under $OUT (or --out DIR):
+#     builds (Release, Ninja, arch 90, 16 jobs: about a minute) into build-gpu/ unless --build
+#     names a build made earlier (carried, or kept from an earlier call; built there if it holds
+#     none), runs the tier's entries
+#     one at a time (TIER gpu: the fast tier, ctest -L '^gpu$'; gpu-long: ctest -L gpu-long), starts
+#     none whose estimate (tests/gpu/entries.txt) no longer fits before the deadline (default
+#     540 s after the start) and ends one still running there, and writes summary.md (first line
+#     `total: N s`, the test time summed over the entries that ran; then entry, result, seconds,
+#     placement; the entries not run) and the same file named for tests/gpu/runs/, and logs/ of
+#     every entry that did not pass. --only: the entries whose name matches REGEX; --from NAME:
+#     the tier's entries from NAME on (where an earlier call's deadline stopped). --probe: first
+#     the barrier probe (BarrierTenThousandRounds at 500 rounds under each barrier variant, 2 and
+#     4 ranks: microseconds per barrier, in barrier_probe.txt). A folder build-ip/ (made by
+#     tests/gpu/bundle_ip.sh and carried) gives launch/meshmem-hosts its `ip`.
+#
+# The steps below run chosen entries of a build made on another machine (the GPU machines get a
+# copy of the built tests, not the toolchain run), each under its own limit, and loop an
 # entry to catch rare stalls, with stack traces of the ranks of a run that outlives its limit.
 #
 #   tests/gpu/run_entries.sh PACK OUT STEP...
@@ -22,6 +40,123 @@
 #     its CTest files into PACK,
 #     recording BUILD's path and this source tree's so the entries run where PACK lands.
 set -uo pipefail
+
+# NVLink multicast stays off: it can take a shared host's GPUs out of service.
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+if [ "${1:-}" = "tier" ]; then
+  tier=${2:?tier: gpu or gpu-long}; shift 2
+  case "$tier" in gpu) labels='^gpu$' ;; gpu-long) labels='^gpu-long$' ;; *) echo "tier: gpu or gpu-long" >&2; exit 2 ;; esac
+  build=""; fresh=""; deadline=540; only=""; from=""; probe=""; out=${OUT:-}
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --build) build=$2; shift 2 ;;
+      --deadline) deadline=$2; shift 2 ;;
+      --only) only=$2; shift 2 ;;
+      --from) from=$2; shift 2 ;;
+      --probe) probe=1; shift ;;
+      --out) out=$2; shift 2 ;;
+      *) echo "unknown option $1" >&2; exit 2 ;;
+    esac
+  done
+  [ -n "$out" ] || { echo "tier: set OUT (or --out DIR)" >&2; exit 2; }
+  mkdir -p "$out/logs"
+  start=$(date +%s)
+  elapsed() { echo $(( $(date +%s) - start )); }
+  src=$(pwd)
+  if [ -d build-ip ] && [ -z "${MESHMEM_HOSTS_IP:-}" ]; then
+    export MESHMEM_HOSTS_IP=$src/build-ip/ip MESHMEM_HOSTS_IP_LIBS=$src/build-ip/lib
+  fi
+  # A build folder that holds no build yet (a fresh machine) is built, as without --build.
+  [ -n "$build" ] && [ ! -f "$build/CTestTestfile.cmake" ] && { echo "no build in $build: building it"; fresh=$build; build=""; }
+  if [ -z "$build" ]; then
+    build=${fresh:-build-gpu}
+    ninja=${NINJA:-/opt/torch/.venv/bin/ninja}
+    { cmake -S . -B "$build" -G Ninja -DCMAKE_MAKE_PROGRAM="$ninja" -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_CUDA_ARCHITECTURES=90 && cmake --build "$build" -j 16; } > "$out/build.log" 2>&1 ||
+      { echo "build failed after $(elapsed) s"; tail -40 "$out/build.log"; exit 1; }
+    echo "built in $(elapsed) s"
+  fi
+  build=$(cd "$build" && pwd)
+  device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-' | sed 's/^nvidia-//')
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  device=${device:-no-gpu}
+  commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${MESHMEM_COMMIT:-unknown}")
+  day=$(date -u +%Y-%m-%d)
+  tsv="$build/tests/gpu/entries.tsv"
+  field() { awk -F'\t' -v n="$1" -v f="$2" '$1 == n {print $f; exit}' "$tsv"; }
+  gone() {  # ends what a killed entry left: the build's test processes, by id
+    for p in $(pgrep -f "^$build/(tests/gpu|examples)/" || true); do kill -9 "$p" 2>/dev/null; done
+  }
+
+  if [ -n "$probe" ]; then
+    # The barrier probe: one case, timed by itself, under each barrier(stream) variant.
+    probe_out="$out/barrier_probe.txt"
+    echo "# BarrierTenThousandRounds at 500 rounds (MESHMEM_TEST_TIER=fast), $gpus x $device: us per barrier" > "$probe_out"
+    for np in 2 4; do
+      for variant in "auto" "kernel" "meeting" "flag" "event" "staged:auto" "staged:kernel"; do
+        envs=(MESHMEM_TEST_TIER=fast MESHMEM_TIMEOUT=120)
+        case "$variant" in
+          staged:*) envs+=(MESHMEM_TRANSPORTS=staged,shm,mpi MESHMEM_BARRIER=${variant#staged:}) ;;
+          *) envs+=(MESHMEM_BARRIER=$variant) ;;
+        esac
+        t0=$(date +%s.%N)
+        line=$(env -u CUDA_MODULE_LOADING "${envs[@]}" timeout -k 5 90 mpirun -np "$np" --oversubscribe --bind-to none \
+                 "$build/tests/gpu/test_device_window" --gtest_filter=DeviceWindow.BarrierTenThousandRounds 2>&1 |
+               grep -E '\[ barrier timing \]|FAILED|rank [0-9]+\]' | head -3 | tr '\n' ' ')
+        printf '%-14s np%s  %6.1f s  %s\n' "$variant" "$np" "$(awk "BEGIN{print $(date +%s.%N) - $t0}")" \
+          "${line:-no timing line (killed at 90 s?)}" >> "$probe_out"
+        gone
+      done
+    done
+    cat "$probe_out"
+  fi
+
+  mapfile -t entries < <(ctest --test-dir "$build" -N -L "$labels" | sed -n 's/^ *Test *#[0-9]*: //p' |
+                         { if [ -n "$only" ]; then grep -E "$only"; else cat; fi; } |
+                         { if [ -n "$from" ]; then sed -n "/^${from//./\\.}\$/,\$p"; else cat; fi; })
+  rows=(); notrun=(); total=0; estimate=0
+  for name in "${entries[@]}"; do
+    est=$(field "$name" 5); case "$est" in ''|-) est=30 ;; esac
+    left=$(( deadline - $(elapsed) ))
+    if [ "$est" -gt "$left" ] || [ "$left" -lt 5 ]; then notrun+=("$name"); continue; fi
+    estimate=$((estimate + est))
+    log="$out/logs/$name.log"
+    t0=$(date +%s.%N)
+    timeout -k 15 "$left" ctest --test-dir "$build" -R "^${name//./\\.}\$" -V > "$log" 2>&1
+    rc=$?
+    secs=$(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $t0}")
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then r="KILLED at the deadline"; gone
+    elif grep -q "(Skipped)" "$log"; then r=SKIPPED
+    elif grep -q "100% tests passed" "$log"; then r=PASS
+    elif grep -q "Timeout" "$log"; then r="FAIL (its CTest timeout)"
+    else r=FAIL; fi
+    total=$(awk "BEGIN{print $total + $secs}")
+    rows+=("| $name | $r | $secs | $(field "$name" 4) |")
+    timing=$(grep -ho '\[ barrier timing \].*' "$log" | head -2 | tr '\n' ' ')
+    [ -n "$timing" ] && rows[-1]="| $name | $r | $secs | $(field "$name" 4); $timing |"
+    echo "$r $name $secs s"
+    [ "$r" = PASS ] && rm -f "$log"
+  done
+  run="$out/$gpus-x-$device-$commit-$day-$tier.md"
+  {
+    printf 'total: %.0f s\n\n' "$total"
+    echo "Tier \`$tier\` (ctest -L '$labels'${only:+, entries matching $only}) on $gpus x $device, meshmem $commit, $day:"
+    echo "${#rows[@]} of ${#entries[@]} entries run${from:+ (from $from on)}, test time summed over them (estimates of entries.txt: $estimate s);"
+    echo "$(elapsed) s from the start of the call, the build included. Produced by tests/gpu/run_entries.sh tier."
+    echo
+    echo "| entry | result | seconds | placement |"
+    echo "| --- | --- | --- | --- |"
+    printf '%s\n' "${rows[@]}"
+    echo
+    if [ ${#notrun[@]} -gt 0 ]; then echo "not run (deadline $deadline s): ${notrun[*]}"; else echo "every entry selected ran"; fi
+    [ -n "$probe" ] && { echo; echo '```'; cat "$out/barrier_probe.txt"; echo '```'; }
+  } > "$run"
+  cp "$run" "$out/summary.md"
+  cat "$run"
+  exit 0
+fi
 
 if [ "${1:-}" = "--pack" ]; then
   build=$(cd "${2:?build folder}" && pwd); pack=${3:?pack folder}
@@ -48,9 +183,6 @@ if [ "$old_build" != "$pack" ]; then
   find "$pack" -name CTestTestfile.cmake -exec sed -i "s#$old_build#$pack#g; s#$old_src#$here#g" {} +
   printf '%s\n%s\n' "$pack" "$here" > "$pack/ORIGIN"
 fi
-# NVLink multicast stays off: it can take a shared host's GPUs out of service.
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 start=$(date +%s)
 budget=${BUDGET:-100000}
 summary="$out/summary.txt"

@@ -57,7 +57,7 @@ chosen = [t for t in tests
           if (not a.only or re.search(a.only, t["name"])) and not (a.skip and re.search(a.skip, t["name"]))
           and t["name"] not in done]
 chosen.sort(key=lambda t: 0 if t["name"].endswith(".np2") else 1)  # the cheaper half first
-alone = re.compile(r"two_hosts|suspend|killed_peer")
+alone = re.compile(r"two_hosts|suspend|killed_|sticky_error")
 lock = threading.Lock()
 SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: (\d+) hazard")
 

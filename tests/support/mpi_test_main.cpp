@@ -14,21 +14,9 @@
 #include <string>
 #include <thread>
 
+#include "mpi_test.hpp"
+
 namespace {
-
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& result) override {
-    if (!result.failed()) return;
-    std::fprintf(stderr, "[rank %d] %s:%d: failure\n%s\n", rank_,
-                 result.file_name() ? result.file_name() : "?", result.line_number(),
-                 result.summary());
-  }
-
- private:
-  int rank_;
-};
 
 // A test that fails on one rank can leave the others in a different MPI collective (the
 // failing rank has gone on to TearDown's Allgather); the job then hangs until the launcher's
@@ -125,7 +113,7 @@ int main(int argc, char** argv) {
   auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
   if (rank != 0) {
     delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new RankFailurePrinter(rank));
+    listeners.Append(new meshmem::test::RankFailurePrinter(rank));
   }
   listeners.Append(new TestWatchdog(rank));  // gtest owns and deletes it
   int failed = RUN_ALL_TESTS() != 0 ? 1 : 0;

@@ -1,0 +1,18 @@
+# meshmem_add_unit_test(<name> [LINK <lib>...] [INTERNAL] [INCLUDE <dir>...] [DEFINE <def>...])
+# A one-process unit test (no MPI run, no GPU needed): <name>.cpp in this folder, linked with
+# LINK and gtest's main, each case a CTest entry labelled unit. INTERNAL: it includes comm/src.
+function(meshmem_add_unit_test name)
+  cmake_parse_arguments(T "INTERNAL" "" "LINK;INCLUDE;DEFINE" ${ARGN})
+  add_executable(${name} ${name}.cpp)
+  target_link_libraries(${name} PRIVATE ${T_LINK} GTest::gtest_main)
+  if(T_INTERNAL)
+    list(APPEND T_INCLUDE ${PROJECT_SOURCE_DIR}/comm/src)
+  endif()
+  if(T_INCLUDE)
+    target_include_directories(${name} PRIVATE ${T_INCLUDE})
+  endif()
+  if(T_DEFINE)
+    target_compile_definitions(${name} PRIVATE ${T_DEFINE})
+  endif()
+  gtest_discover_tests(${name} PROPERTIES LABELS unit)
+endfunction()
