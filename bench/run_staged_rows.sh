@@ -18,7 +18,7 @@ ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 # Each step is a shell command run in the pack (tests/gpu/run_entries.sh 'cmd'); its lines
 # that start with RESULT go into the summary.
 staged="mpirun -np 2 --bind-to none bench/staged_bench --call-times --csv \$O/staged.csv --commit \$C --machine \$M --date \$D $(result '^staged_'); exit \${PIPESTATUS[0]}"
-memlab="mpirun -np 4 --bind-to none bench/staging_memory_lab --bytes 4G $(result '^ +[0-9]+ +[0-9a-f]+:'); exit \${PIPESTATUS[0]}"
+memlab="mpirun -np 4 --bind-to none studies/staging_memory_lab --bytes 4G $(result '^ +[0-9]+ +[0-9a-f]+:'); exit \${PIPESTATUS[0]}"
 jacobi() {  # ranks [halos] [csv]: both sizes, staged forced (--halo=meshmem) and --halo=mpi, every run checked
   echo "for s in '4096 2000' '16384 1000'; do set -- \$s; for h in ${2:-meshmem mpi}; do" \
     "MESHMEM_TRANSPORTS=staged,shm,mpi timeout 60 mpirun -np $1 --bind-to none examples/03_jacobi --size \$1" \
