@@ -4,7 +4,7 @@
 # the Jacobi example with staged forced against MPI host-staged (2 and 4 GPUs, both sizes), then
 # the placements of the GPU suite: isolated, staged forced, and ipc beside staged in one job
 # (4 ranks on 2 GPUs with peer access off). Steps that would end past BUDGET are skipped.
-#   here:  cmake --build BUILD --target test_device_window test_device_real_use test_staged \
+#   here:  (BUILD with -DMESHMEM_BUILD_STUDIES=ON, for staging_memory_lab) cmake --build BUILD --target test_device_window test_device_real_use test_staged \
 #            test_staging_pool test_gpu_soak staged_bench staging_memory_lab 03_jacobi
 #          tests/gpu/run_entries.sh --pack BUILD gpu-pack     (gpu-pack is in .gitignore; carry it)
 #   there: COMMIT=<short hash> BUDGET=500 bench/run_staged_rows.sh gpu-pack OUT MACHINE   (about 8 min)
