@@ -1,5 +1,5 @@
 // nvshmem_bench: the NVSHMEM peer of meshmem's GPU benchmarks, run in the same session so that
-// every claim is a ratio of rows of one run (DESIGN.md, "Benchmarks and their results").
+// every claim is a ratio of rows of one run (bench/README.md).
 //
 // Benchmarks (variant always "nvshmem"; rank 0 -> rank 1 unless said):
 //   put         N back-to-back nvshmemx_putmem_on_stream into PE 1, then an event; bandwidth =

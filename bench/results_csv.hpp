@@ -1,4 +1,4 @@
-// The bench/results CSV format (DESIGN.md, "Benchmarks and their results"), written by every
+// The bench/results CSV format (bench/README.md, "Reading the CSV"), written by every
 // benchmark: date,commit,machine,benchmark,variant,ranks,size_bytes,latency_us,bandwidth_gbps.
 #pragma once
 

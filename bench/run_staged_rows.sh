@@ -4,7 +4,7 @@
 # the Jacobi example with staged forced against MPI host-staged (2 and 4 GPUs, both sizes), then
 # the placements of the GPU suite: isolated, staged forced, and ipc beside staged in one job
 # (4 ranks on 2 GPUs with peer access off). Steps that would end past BUDGET are skipped.
-#   here:  cmake --build BUILD --target test_device_window test_device_real_use test_staged \
+#   here:  (BUILD with -DMESHMEM_BUILD_STUDIES=ON, for staging_memory_lab) cmake --build BUILD --target test_device_window test_device_real_use test_staged \
 #            test_staging_pool test_gpu_soak staged_bench staging_memory_lab 03_jacobi
 #          tests/gpu/run_entries.sh --pack BUILD gpu-pack     (gpu-pack is in .gitignore; carry it)
 #   there: COMMIT=<short hash> BUDGET=500 bench/run_staged_rows.sh gpu-pack OUT MACHINE   (about 8 min)
@@ -18,7 +18,7 @@ ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 # Each step is a shell command run in the pack (tests/gpu/run_entries.sh 'cmd'); its lines
 # that start with RESULT go into the summary.
 staged="mpirun -np 2 --bind-to none bench/staged_bench --call-times --csv \$O/staged.csv --commit \$C --machine \$M --date \$D $(result '^staged_'); exit \${PIPESTATUS[0]}"
-memlab="mpirun -np 4 --bind-to none bench/staging_memory_lab --bytes 4G $(result '^ +[0-9]+ +[0-9a-f]+:'); exit \${PIPESTATUS[0]}"
+memlab="mpirun -np 4 --bind-to none studies/staging_memory_lab --bytes 4G $(result '^ +[0-9]+ +[0-9a-f]+:'); exit \${PIPESTATUS[0]}"
 jacobi() {  # ranks [halos] [csv]: both sizes, staged forced (--halo=meshmem) and --halo=mpi, every run checked
   echo "for s in '4096 2000' '16384 1000'; do set -- \$s; for h in ${2:-meshmem mpi}; do" \
     "MESHMEM_TRANSPORTS=staged,shm,mpi timeout 60 mpirun -np $1 --bind-to none examples/03_jacobi --size \$1" \

@@ -30,7 +30,7 @@
 //     --call-times: also prints each meshmem call's host time, of every timed loop
 //   mpirun -np 2 staged_bench --idle SECONDS
 //     instead: what a CUDA graph of a captured staged put costs while it exists (its owner
-//     thread polls the doorbells, README "CUDA Graphs"): each process's CPU time while
+//     thread polls the doorbells, docs/semantics.md "CUDA graphs"): each process's CPU time while
 //     nothing runs, without the graph, with it, after it; and its replay time back to back
 //     against after a quiet spell.
 #include <cuda_runtime_api.h>

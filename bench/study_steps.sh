@@ -1,4 +1,4 @@
-# Sourced by the one-device-call study scripts (run_staged_rows.sh, run_agent_study.sh), whose
+# Sourced by the one-device-call study scripts (bench/run_staged_rows.sh, studies/run_agent_study.sh), whose
 # steps are tests/gpu/run_entries.sh 'cmd' and 'entry' steps run in a pack built elsewhere.
 #   study_begin PACK OUT MACHINE   sets pack, out, machine, root (the source tree), logs (a
 #                                  scratch folder) and exports O (= logs), C (COMMIT), M, D

@@ -1,6 +1,6 @@
 // The README's API tour, compiled and run in CI (tests/docs/check_snippets.py checks that the
 // README's blocks are these lines). Host windows: runs on any machine, any number of ranks.
-//   mpirun -np 4 build/examples/00_tour
+//   mpirun -np 2 build/examples/00_tour   (more ranks than cores: add --oversubscribe)
 #include <mpi.h>
 
 #include <cstdio>

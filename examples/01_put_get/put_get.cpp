@@ -1,6 +1,7 @@
 // 01_put_get: the smallest meshmem program. Every rank puts a greeting into its right
 // neighbour's window with a signal, waits for its left neighbour's, gets a word back from
-// the neighbour on the right, and checks both. Run: mpirun -np 4 ./01_put_get
+// the neighbour on the right, and checks both. Run: mpirun -np 2 ./01_put_get (-np 4 on fewer
+// than 4 cores needs --oversubscribe; launch/meshrun -np 4 adds it)
 #include <mpi.h>
 
 #include <cstdio>

@@ -170,7 +170,7 @@ void HostSoak::soak_run() {
   cfg.signals = {64, 5};
   cfg.reach.assign(n_, std::vector<char>(n_, 1));
   cfg.add_ok = cfg.reach;
-  cfg.overlap_ok = true;  // a put within this rank's own window acts like memmove (README)
+  cfg.overlap_ok = true;  // a put within this rank's own window acts like memmove (docs/semantics.md)
   soak::Length length(3000);
   if (kSanitized) length.ops = std::max(1LL, length.ops / 10);
 

@@ -174,7 +174,7 @@ class Comm {
   // How descriptors are passed between ranks of this node.
   FdPassing fd_passing() const;
   // This rank's device and the barrier / stream-wait variants chosen for it, the GPU queues
-  // and the module loading mode of the process and where they come from (README "GPU
+  // and the module loading mode of the process and where they come from (docs/semantics.md, "GPU
   // queues", "Module loading"), and what the transports in use hold (the staged transport's
   // pinned pool, and the latest report of one of its streams held back in a GPU queue), or
   // why device windows are unavailable.
@@ -199,7 +199,7 @@ int select_local_device(MPI_Comm comm);
 
 // This rank's place among the ranks of `comm` on its machine, which share its GPUs: ranks
 // with its host name and kernel boot id (not MPI_COMM_TYPE_SHARED, which some Open MPI 4.1
-// builds get wrong). A Comm's nodes also split ranks by network and pid namespace (README
+// builds get wrong). A Comm's nodes also split ranks by network and pid namespace (docs/running.md,
 // "Separate hosts on one machine"); GPUs are shared across those. Collective over `comm`; raises Error(Mpi)
 // naming the call that failed.
 int node_local_rank(MPI_Comm comm);

@@ -1,4 +1,4 @@
-// Options read from the MESHMEM_* environment variables (documented in README.md, parsed
+// Options read from the MESHMEM_* environment variables (documented in docs/configuration.md, parsed
 // through the knob table of comm/src/knobs.hpp). CUDA-free and MPI-free.
 #pragma once
 
@@ -37,7 +37,7 @@ template <class T>
 class TuningKnob;
 }
 
-// What a program may set. Every field is also a MESHMEM_* variable (README, "Configuration";
+// What a program may set. Every field is also a MESHMEM_* variable (docs/configuration.md;
 // `meshmem-info` prints them all). Transports have tuning knobs of their own (copy-kernel
 // thresholds, barrier variants, ...): set them with set(), by their variable's name.
 struct Options {

@@ -22,8 +22,8 @@
 // With --transfers T (2 or more) two more rows per chunk size: T transfers of S back to back,
 // as staged_bench's back-to-back puts on one stream,
 //   pipe-serial      each transfer's first copy waits for the previous transfer's last one: the
-//                    stream of a staged put waits for the put's end at its target (README
-//                    Semantics: a put is complete at its target once its stream passed it)
+//                    stream of a staged put waits for the put's end at its target (docs/semantics.md,
+//                    completion: a put is complete at its target once its stream passed it)
 //   pipe-overlap     each transfer's first copy waits only for a free slot: what the stream
 //                    could do if it waited only until the put's source was read (the pipeline's
 //                    fill and drain paid once for all T)

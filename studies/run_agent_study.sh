@@ -8,13 +8,13 @@
 #   2. one more staged run (stream fill on) with MESHMEM_TRACE_STAGED and bench/agent_trace.py's
 #      summary (where each transfer's time went, writer to reader);
 #   3. staged_bench to 256 KiB on 2 ranks, the fill off then on (small puts' and gets' latency);
-#   4. with LAB=1 first: bench/driver_call_lab (what each CUDA call of the agent costs).
-#   here:  cmake --build BUILD --target 03_jacobi driver_call_lab
+#   4. with LAB=1 first: studies/driver_call_lab (what each CUDA call of the agent costs).
+#   here:  (BUILD configured with -DMESHMEM_BUILD_STUDIES=ON) cmake --build BUILD --target 03_jacobi driver_call_lab
 #          tests/gpu/run_entries.sh --pack BUILD gpu-pack     (gpu-pack is in .gitignore; carry it)
-#   there: COMMIT=<short hash> bench/run_agent_study.sh gpu-pack OUT MACHINE   (about 2.5 min)
+#   there: COMMIT=<short hash> studies/run_agent_study.sh gpu-pack OUT MACHINE   (about 2.5 min)
 # OUT gets jacobi.csv, staged_small.csv, summary.txt (the RESULT lines) and logs.tgz.
 set -uo pipefail
-. "$(dirname "$0")/study_steps.sh"
+. "$(dirname "$0")/../bench/study_steps.sh"
 study_begin "$@"
 ranks=${RANKS:-4}
 run() {  # size halo [env]: one checked Jacobi run
@@ -26,7 +26,7 @@ run() {  # size halo [env]: one checked Jacobi run
 ab() {  # size
   echo "$(run "$1" meshmem MESHMEM_STAGING_STREAM_FILL=off) $(run "$1" meshmem MESHMEM_STAGING_STREAM_FILL=on) $(run "$1" mpi)"
 }
-lab="bench/driver_call_lab --threads 1,2,4 $(result '^[a-z]'); exit \${PIPESTATUS[0]}"
+lab="studies/driver_call_lab --threads 1,2,4 $(result '^[a-z]'); exit \${PIPESTATUS[0]}"
 trace="$(run 4096 meshmem "MESHMEM_STAGING_STREAM_FILL=on MESHMEM_TRACE_STAGED=\$O/trace") python3 $root/bench/agent_trace.py \$O/trace $(result '^[0-9]')"
 steps=()
 [ "${LAB:-0}" = 1 ] && steps+=("cmd driver_call_lab 120 $lab")

@@ -4,7 +4,7 @@
 # short two-rank test run, with CUDA_MODULE_LOADING LAZY, EAGER and unset (meshmem's choice);
 # on the ipc route, and on simulated nodes, where NCCL is loaded too.
 #
-#   bench/module_loading_cost.sh BUILD [RUNS]     (BUILD: a build folder, or a GPU test pack)
+#   studies/module_loading_cost.sh BUILD [RUNS]     (BUILD: a build folder, or a GPU test pack)
 set -euo pipefail
 build=${1:?build folder}; runs=${2:-2}
 test_bin="$build/tests/gpu/test_device_real_use"

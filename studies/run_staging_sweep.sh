@@ -3,7 +3,7 @@
 # built elsewhere (tests/gpu/run_entries.sh --pack): pipeline_lab (the floor with GPU-side
 # dependencies only), then staged_bench up to 256 MiB under each MESHMEM_STAGING_CHUNK /
 # MESHMEM_STAGING_SLOTS pair, then the default pair up to 1 GiB with every call's host time.
-#   there: COMMIT=<hash> bench/run_staging_sweep.sh PACK OUT MACHINE     (about 2 minutes)
+#   there: COMMIT=<hash> studies/run_staging_sweep.sh PACK OUT MACHINE     (about 2 minutes)
 # OUT gets lab.txt, sweep.csv (the machine column names chunk and slots), default_1g.csv,
 # bench_logs.tgz and summary.txt.
 set -uo pipefail
@@ -13,7 +13,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 c=${COMMIT:-unknown}; d=$(date -u +%F)
 cd "$pack" || exit 1
-{ timeout 60 bench/pipeline_lab --slots 4; timeout 60 bench/pipeline_lab --slots 8 --chunks 256K,512K,1M,2M; } > "$out/lab.txt" 2>&1
+{ timeout 60 studies/pipeline_lab --slots 4; timeout 60 studies/pipeline_lab --slots 8 --chunks 256K,512K,1M,2M; } > "$out/lab.txt" 2>&1
 echo "pipeline_lab rc $?" >> "$out/summary.txt"
 rc=0
 # CONFIGS: CHUNK/SLOTS pairs, the chunk in whole MiB (nM).
