@@ -323,7 +323,7 @@ TEST_F(GraphReplay, HaloExchangeCapturedOnThePerThreadStreamReplays) {
 }
 
 // put_signal + wait_until in a graph: the values are those of the capture on every replay,
-// so the receiver resets its word after the wait (README "CUDA Graphs").
+// so the receiver resets its word after the wait (docs/semantics.md "CUDA graphs").
 TEST_F(GraphReplay, PutSignalWaitUntilWithResetReplays) {
   make_comm();
   if (n < 2) GTEST_SKIP() << "needs two ranks";
@@ -429,7 +429,7 @@ INSTANTIATE_TEST_SUITE_P(Waits, TwoInstantiations, ::testing::Values("kernel", "
 // A graph of many puts in a chain on one stream (with `barrier_every`, a barrier(stream) after
 // every that many), then a barrier. Where a host thread carries the transfers (staged, nccl,
 // mpi-device) or the barriers (the proxy's) out, a host node per step made cudaGraphLaunch
-// wait for the host nodes (from about 32 in a chain, bench/queue_lab chain) while holding a
+// wait for the host nodes (from about 32 in a chain, studies/queue_lab chain) while holding a
 // lock that the thread's copies and launches wait for: every replay stalled until
 // MESHMEM_TIMEOUT. The launch returns at once, and every replay delivers fresh data.
 TEST_F(GraphReplay, ManyChainedPutsLaunchAtOnceAndReplay) { many_chained_puts(0); }

@@ -163,9 +163,9 @@ if [ "${1:-}" = "--pack" ]; then
   src=$(cd "$(dirname "$0")/../.." && pwd)
   rm -rf "$pack"; mkdir -p "$pack"; pack=$(cd "$pack" && pwd)
   (cd "$build" && find . -name "*.cmake" -not -path "*/CMakeFiles/*" -print0 | xargs -0 cp --parents -t "$pack")
-  for f in "$build"/tests/gpu/test_* "$build"/bench/queue_lab "$build"/launch/meshmem-info \
-           "$build"/bench/staged_bench "$build"/bench/staging_memory_lab "$build"/bench/pipeline_lab \
-           "$build"/bench/driver_call_lab "$build"/bench/fill_lab "$build"/bench/timeslice_lab "$build"/examples/03_jacobi; do
+  for f in "$build"/tests/gpu/test_* "$build"/studies/queue_lab "$build"/launch/meshmem-info \
+           "$build"/bench/staged_bench "$build"/studies/staging_memory_lab "$build"/studies/pipeline_lab \
+           "$build"/studies/driver_call_lab "$build"/studies/fill_lab "$build"/studies/timeslice_lab "$build"/examples/03_jacobi; do
     [ -x "$f" ] || continue
     rel=${f#"$build"/}; mkdir -p "$pack/$(dirname "$rel")"
     strip -o "$pack/$rel" "$f"

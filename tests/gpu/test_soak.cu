@@ -8,7 +8,7 @@
 // every byte of every window and every word checked against the model. Pairs that no transport
 // reaches here are left out of the plan; SignalOp::Add is left out where meshmem refuses it
 // (peers without native atomics). A second case captures one round into a CUDA graph and
-// replays it with fresh data (the graph resets the words it used, README "CUDA Graphs"),
+// replays it with fresh data (the graph resets the words it used, docs/semantics.md "CUDA graphs"),
 // where the routes allow capture (not nccl, not the cross-node barrier).
 //
 // MESHMEM_SOAK_SEED replays a run, MESHMEM_SOAK_OPS / MESHMEM_SOAK_ROUNDS set its length,

@@ -481,7 +481,7 @@ TEST_F(Staged, CapturedPutSignalReplaysWithFreshData) {
 
 // A graph of many captured staged puts in a chain on one stream (each after the previous
 // one's end). A host node per transfer made cudaGraphLaunch wait for the host nodes (from
-// about 32 in a chain, bench/queue_lab chain) while holding a lock that the agent's copies
+// about 32 in a chain, studies/queue_lab chain) while holding a lock that the agent's copies
 // wait for: every replay stalled until MESHMEM_TIMEOUT. The launch must return at once, and
 // every replay deliver fresh data and every signal.
 TEST_F(Staged, AGraphOfManyChainedTransfersLaunchesAtOnceAndReplays) {

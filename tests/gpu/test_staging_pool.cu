@@ -274,7 +274,7 @@ TEST_F(StagingPoolTest, PoolCyclesReturnToBaseline) {
 // The point of the pool: giving blocks back, their chunks unmapped at once, while a kernel of
 // another stream runs returns at once, and so does another thread's launch meanwhile
 // (cudaFree and cudaFreeHost would wait for the kernel and hold up the other thread's CUDA
-// calls with them: bench/queue_lab).
+// calls with them: studies/queue_lab).
 TEST_F(StagingPoolTest, GivingBackDoesNotWaitForARunningKernel) {
   PooledBlock word = detail::take_block(BlockMemory::MappedHost, device, 8, "test");
   auto* flag = static_cast<unsigned long long*>(word.get());

@@ -9,7 +9,7 @@
 //
 // Why not a host node that hands the request over: cudaGraphLaunch of a graph whose host
 // nodes wait behind device work returns only once they ran (from about 32 in a chain on
-// 1 x H100, CUDA 13.0: bench/queue_lab chain), and meanwhile holds a lock that other threads'
+// 1 x H100, CUDA 13.0: studies/queue_lab chain), and meanwhile holds a lock that other threads'
 // copies, kernel launches and event calls wait for. An owner whose step needs such a call
 // (the staging agent's copies, NCCL's launches) waited for a launch that waited for it: every
 // replay stalled until MESHMEM_TIMEOUT. Stream memory writes do not wait for that lock.

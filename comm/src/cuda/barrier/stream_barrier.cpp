@@ -300,7 +300,7 @@ class HierarchicalBarrier final : public StreamBarrier {
   // graphs, is not counted as one). NCCL captures its all-reduce with a host node
   // (its proxy's), one chain of them per graph; cudaGraphLaunch of a graph whose chained host
   // nodes wait behind device work returns only once they ran (from about 32, 1 x H100, CUDA
-  // 13.0: bench/queue_lab chain), and meanwhile holds the nccl proxy's NCCL calls, which the
+  // 13.0: studies/queue_lab chain), and meanwhile holds the nccl proxy's NCCL calls, which the
   // graph's nccl transfers wait for: 32 such barriers among 96 nccl puts stalled every replay
   // until MESHMEM_TIMEOUT. 16 chained host nodes launched at once there. Every rank counts
   // (leaders or not), so every rank refuses the same barrier.

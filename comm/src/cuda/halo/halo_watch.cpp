@@ -115,7 +115,7 @@ struct HaloWatch::Shared {
   }
 
   // Whether the release stream ends within a second (its work may sit in a GPU hardware queue
-  // behind the very stream it is meant to release: README "GPU queues"); an error counts as no.
+  // behind the very stream it is meant to release: docs/semantics.md "GPU queues"); an error counts as no.
   bool release_stream_ends_soon() const {
     try {
       return stream_ends_by(release_stream, Deadline(std::chrono::seconds(1)), "cudaStreamQuery (halo exchange watch)",

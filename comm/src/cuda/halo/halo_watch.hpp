@@ -10,7 +10,7 @@
 // A released exchange's words were written by the watch, not by its late neighbour, whose
 // halos may still land later: the plan is then failed for good (released()). Exchanges
 // already enqueued behind the released one are not: they go on with what lands, and only the
-// recorded fault says so (README "Errors": the stream's data is not to be trusted after a
+// recorded fault says so (docs/errors.md: the stream's data is not to be trusted after a
 // timeout).
 #pragma once
 

@@ -71,7 +71,7 @@ class NcclLibrary {
 // A destroy is carried out by a thread of meshmem's once the device's earlier work has ended
 // (cudaDeviceSynchronize, which holds up no other thread): ncclCommDestroy frees NCCL's
 // memory, and cudaFree and cudaFreeHost wait for every kernel of the device (a user's too)
-// and hold up the other threads' CUDA calls while they wait (bench/queue_lab contention). An
+// and hold up the other threads' CUDA calls while they wait (studies/queue_lab contention). An
 // abort runs at once: it is what ends NCCL kernels that wait for a peer that never comes.
 class NcclComm {
  public:

@@ -3,7 +3,7 @@
 //
 // Why: cudaFree, cudaFreeHost and cudaHostUnregister wait until every kernel of the device has
 // ended, and while one of them waits, the other threads' kernel launches, copies, event and
-// stream calls, cudaMalloc and cudaHostAlloc wait with it (bench/queue_lab blocking and
+// stream calls, cudaMalloc and cudaHostAlloc wait with it (studies/queue_lab blocking and
 // contention, 1 x H100). A destructor that called them waited as long as a user's longest, or
 // stuck, kernel, and froze the process's CUDA calls meanwhile (meshmem's proxies' among them:
 // the very calls that would end a stream's wait). Unmapping VMM memory waits for nothing.

@@ -73,7 +73,7 @@ void relax_capture_mode_of_this_thread() noexcept;
 // The k-th call of an object (a barrier, a halo plan) must run on the GPU after the
 // (k-1)-th, whatever streams they were given: otherwise a later call's flags could release
 // an earlier one. An event after each call; a call on another stream than the last waits
-// for it. Not during graph capture (README "CUDA Graphs": order graphs and eager calls of
+// for it. Not during graph capture (docs/semantics.md "CUDA graphs": order graphs and eager calls of
 // one object on different streams yourself).
 class StreamSequence {
  public:

@@ -11,7 +11,7 @@
 // thread's kernels) after the caller's stream already waits for it: if they share a queue
 // with the waiting stream, the transfer cannot end and ends in MESHMEM_TIMEOUT (the staging
 // agent reports a held stream of its own: note_held_stream).
-// Measured on 1 x H100 (bench/queue_lab.cu, bench/results/*queue-lab*): waits on 8 streams
+// Measured on 1 x H100 (studies/queue_lab.cu, studies/results/*queue-lab*): waits on 8 streams
 // hold back copies and kernels of another stream; with 32 queues and 8 waiting streams a copy
 // of another stream ran, and the soak's graph round that timed out with 8 passed.
 //

@@ -445,7 +445,7 @@ cudaError_t launch_rung_wait(HandoffSlot* slot, std::uint64_t* bell, const std::
 
 // One block of 1024 threads: its stores into pinned host memory are what the fill waits for, and
 // 256 threads left 64 KiB taking ~8 us (8-byte accesses) where 1024 take ~4.5, the launch floor
-// of that lab (bench/fill_lab, 1 x H200); more blocks would need a count of finished blocks.
+// of that lab (studies/fill_lab, 1 x H200); more blocks would need a count of finished blocks.
 cudaError_t launch_slot_fill(const SlotFill& fill, WaitLimit limit, cudaStream_t stream, bool early) {
   return launch(slot_fill_kernel, 1, 1024, stream, early, fill, limit, early);
 }

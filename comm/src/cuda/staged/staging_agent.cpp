@@ -1051,7 +1051,7 @@ void StagingAgent::mark_posted(std::size_t word, std::uint64_t ticket) {
 
 // The callers' streams wait for these with stream memory waits, which cannot time out by
 // themselves (ends_at_timeout: a put on a shared GPU whose reader copies a chunk small enough
-// to wait for a polling kernel's time slice there, bench/timeslice_lab). A put whose reader
+// to wait for a polling kernel's time slice there, studies/timeslice_lab). A put whose reader
 // lives but has not ended it is ended from the host, the error kept first. Its word is never lent again: the peer may still
 // write its end later, which must not move a reused word back; and its done word having
 // reached its ticket, chunks of it that still come are not carried out (carry_out).

@@ -447,9 +447,9 @@ class StagingAgent {
   cudaStream_t incoming_ = nullptr;    // chunks from hidden peers, onto this rank's GPU
   // A channel count that this thread writes once a copy is done, instead of a stream write
   // after the copy: a stream write between two copies on one stream idles that copy engine
-  // about 3.5 us (bench/pipeline_lab, 4 x H200: 16 copies of 4 MiB to host take 1,258 us, 1,317
+  // about 3.5 us (studies/pipeline_lab, 4 x H200: 16 copies of 4 MiB to host take 1,258 us, 1,317
   // with a write after each), and a stream of its own for the writes would be one more stream
-  // that a waiting stream of this process can hold (README "GPU queues"). Only for pieces that
+  // that a waiting stream of this process can hold (docs/semantics.md "GPU queues"). Only for pieces that
   // more pieces of their transfer follow: a transfer's last piece has its count (and end)
   // written by its stream, which covers the pieces before it. The host raises a count, never
   // lowers it, so that a later count the stream wrote first stands.
@@ -466,7 +466,7 @@ class StagingAgent {
   // What one look at the incoming channels took (poll_incoming), enqueued on incoming_ at its
   // end as one copy batch and one batch of stream writes (flush_incoming): a middle rank of
   // Jacobi gets a halo from each neighbour at about the same time, and two driver calls
-  // instead of four save its agent 2.4-3 us per pair (bench/driver_call_lab's reader-pair
+  // instead of four save its agent 2.4-3 us per pair (studies/driver_call_lab's reader-pair
   // rows, 1 x H200). Whatever carry_out enqueues on incoming_ directly (a strided chunk's 2D
   // copy, an Add signal's kernel, the ends after an error) comes after a flush, so each
   // signal, done word and consumed count follows its copy, and a channel's consumed counts

@@ -115,11 +115,11 @@ const TuningKnob<StreamFill> kStagingStreamFill{
     "`auto`: `on` unless this rank shares its GPU (MESHMEM_STREAM_WAIT resolves to memop: the kernel would wait "
     "for its process's time slice, a copy engine does not)"};
 
-// When a staged put's stream goes on. `source` is the put of OpenSHMEM and NVSHMEM (DESIGN.md:
+// When a staged put's stream goes on. `source` is the put of OpenSHMEM and NVSHMEM (docs/semantics.md "Completion":
 // "a put's source may be reused once its stream has passed the put"; quiet completes it at
 // its target); `target`, the default, the stronger one every other route of meshmem gives.
 // Why `source` exists: a stream that waits for each put's landing runs them one after the
-// other, each pipeline filling and draining (bench/pipeline_lab --transfers 4, 64 MiB x 4,
+// other, each pipeline filling and draining (studies/pipeline_lab --transfers 4, 64 MiB x 4,
 // 4 MiB chunks, 1 x H200: 0.847 x min(d2h, h2d) one after the other, 0.879 overlapped).
 enum class Completion { Target, Source };
 constexpr std::pair<const char*, Completion> kCompletionChoices[] = {{"target", Completion::Target},
@@ -198,7 +198,7 @@ namespace {
 // Where ranks share a GPU (stream waits are memops), a put to a hidden peer waits with a
 // stream memory wait if its reader copies a chunk of less than this, or copies rows: the
 // driver runs host-to-device copies that small on the compute engine, which a polling kernel
-// of the writer's process holds for its time slice (bench/timeslice_lab, 1 x H200: copies of
+// of the writer's process holds for its time slice (studies/timeslice_lab, 1 x H200: copies of
 // 24 KiB and less waited 2.05 ms, 28 KiB and more none; a 4 KiB staged put took 2.39 ms). The
 // others keep the kernel, faster there (Jacobi 4096^2, halos of 32,752 bytes, 2 ranks on
 // 1 x H200: 296-312 us per iteration with the kernel, 388-392 with a memory wait).
@@ -549,7 +549,7 @@ bool StagedTransport::fills_slot(const StagedRequest& r, cudaStream_t stream) co
   if (r.width == 0 || r.rows == 0 || r.width * r.rows > FillSlots::kSlotBytes) return false;
   // Rows that the kernel would copy in accesses of less than 4 bytes go through the copy
   // engine: bytewise, one block takes 8-13 us for 32-64 KiB where 4- to 16-byte accesses are at
-  // the launch floor (bench/fill_lab, 1 x H200). The slot is 16-aligned and its rows packed, so
+  // the launch floor (studies/fill_lab, 1 x H200). The slot is 16-aligned and its rows packed, so
   // row r is 4-aligned to its source when the source is and pitch - width is a multiple of 4.
   if (((reinterpret_cast<std::uintptr_t>(r.src) | (r.rows > 1 ? r.src_pitch - r.width : 0)) & 3) != 0) return false;
   cudaPointerAttributes attributes{};

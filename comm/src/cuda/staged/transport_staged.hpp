@@ -20,7 +20,7 @@
 // visible transfer (the agent ends it at the timeout) and for a put through a channel whose
 // reader copies a chunk under 28 KiB (a polling kernel would hold the time-sliced GPU from
 // the reader's agent, whose small copies run on the compute engine: 2.39 ms per 4 KiB put,
-// bench/timeslice_lab; this rank's agent ends it at the timeout, StagingAgent::end_overdue).
+// studies/timeslice_lab; this rank's agent ends it at the timeout, StagingAgent::end_overdue).
 // With MESHMEM_STAGED_COMPLETION=source a put through a channel ends for its stream once its
 // source is in the slots (the done word at ticket - 1); quiet(stream), barrier(stream), a get
 // from the same rank, and on the host Window::free, barrier() and ~Comm wait for its landing
