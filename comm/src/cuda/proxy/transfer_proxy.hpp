@@ -1,147 +1,183 @@
-// ProxyTransport: device windows of ranks on other nodes, moved by each rank's proxy thread.
-// What the nccl and mpi-device transports share; they differ only in their ProxyWire (how
-// bytes go from one GPU to another) and in how they connect.
-//
-// A put is a request that the initiator's proxy thread (TransferProxy, transfer_proxy.cpp)
-// turns into a header over MPI and a send of its bytes over the wire:
-//   initiator: records a ready event on the caller's stream, takes a done word (pinned host
-//     memory) and enqueues a wait for it on the stream, hands the request to its proxy, returns.
-//   initiator's proxy, once the source is ready: sends a header over MPI (window id, offset,
-//     bytes, signal) and the bytes over the wire, on its stream for that peer.
-//   target's proxy, on the header: receives the bytes into its window, then the signal (a
-//     release store after the data, on the same stream), and once both ran answers with an
-//     acknowledgement; the initiator's proxy then writes the done word and the caller's
-//     stream goes on. A get is a request the target's proxy answers with a header and a send
-//     from its window; the initiator's proxy receives into the destination.
-// So the target makes no call, signals land after their data, and a put's stream passes it
-// only once the data is at the target (quiet has nothing to add).
-//
-// Each peer has two streams here, one per direction, so that a receive never waits behind a
-// send to the same peer (with one stream, two ranks sending to each other could each wait
-// for the other's receive).
-//
-// Order: the proxy starts transfers in the order their sources become ready (it polls each
-// one's ready event), never in call order, so a stream that waits (for a peer's signal) holds
-// no other stream's transfer back. Per direction the data arrives in header order (MPI does
-// not overtake between two ranks on one communicator and tag), and each wire keeps that order.
-//
-// A strided put (halo columns) is packed into device memory on the caller's stream, goes as
-// one transfer, and is unpacked by the target's proxy stream into its rows. Pageable host
-// memory goes through a stream-ordered device bounce buffer.
-//
-// Under graph capture a kernel rings each transfer's doorbell on every replay, the proxy
-// thread (which polls them) takes the transfer up, and the kernel waits for the ticket it
-// answered with (CapturedHandoff; pageable memory is refused there).
-//
-// Limits: a transfer costs one MPI round trip for its acknowledgement and puts to one peer
-// run one after another; past 16 peers on other nodes the two streams per peer outnumber
-// CUDA's 32 GPU queues and share them (a transfer may then wait behind another stream's;
-// warned at start, gpu_queues.hpp); two instantiations of one captured graph running at once
-// share their transfers' words (their waits can stall until the timeout); an application kernel
-// launched for the first time while a transfer is in flight stalls it until MESHMEM_TIMEOUT
-// under CUDA's lazy loading, as on the staged route (meshmem asks for eager loading at start:
-// module_loading.hpp).
+// TransferProxy: the proxy thread of a rank for the nccl and mpi-device transports, and what
+// it owns: the wire and the streams per peer, the headers' MPI communicator, the done words
+// (through its HostAgentCore). ProxyTransport (proxy_transport.hpp) is the callers' side.
 #pragma once
 
 #include <cuda_runtime_api.h>
+#include <mpi.h>
 
-#include <cstddef>
+#include <chrono>
+#include <deque>
 #include <functional>
+#include <list>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bootstrap.hpp"
-#include "transport.hpp"
+#include "fault.hpp"
+#include "cuda/agent/host_agent.hpp"
+#include "cuda/proxy/proxy_request.hpp"
+#include "cuda/proxy/proxy_wire.hpp"
 #include "cuda/runtime/block_pool.hpp"
-#include "cuda/runtime/cuda_owners.hpp"
-#include "cuda/runtime/gpu_device.hpp"
+#include "cuda/runtime/event_pool.hpp"
+#include "meshmem/error.hpp"
 
 namespace meshmem::detail {
 
-class TransferProxy;
 template <class Owner>
 struct HandoffBoard;
-struct GraphWords;
-struct ProxyRequest;
 
-// How bytes of device memory go from one rank's GPU to a peer's, in the order sent per
-// direction. Called from the proxy thread only.
-class ProxyWire {
+// The proxy thread of a rank and what it owns: the wire and the streams per peer, the
+// headers' MPI communicator, the done words.
+class TransferProxy {
  public:
-  virtual ~ProxyWire() = default;
-  // Sends `bytes` at `src` (device memory, ready once `stream`'s earlier work has run) to
-  // `peer`; `src` stays valid until the peer acknowledged it (a put) or the wire is idle.
-  // `after_read` (may be empty) runs once every read of `src` is enqueued on `stream`.
-  virtual void send(int peer, const void* src, std::size_t bytes, cudaStream_t stream, std::function<void()> after_read,
-                    const std::string& what) = 0;
-  // Receives the next `bytes` that `peer` sends into `dst` (device memory) in `stream`'s
-  // order, then calls `then`, which enqueues what follows on `stream`: at once where the
-  // receive is itself stream-ordered, else once the bytes are on their way into `dst`.
-  virtual void recv(int peer, void* dst, std::size_t bytes, cudaStream_t stream, std::function<void()> then,
-                    const std::string& what) = 0;
-  // Moves transfers in progress on (the proxy thread's loop); true if anything moved.
-  virtual bool progress() { return false; }
-  // Sends and receives handed over and not yet enqueued on their streams (any thread).
-  virtual std::size_t pending() const { return 0; }
-  // Stops: with `abort` (transfers still in flight, a broken job) nothing is waited for.
-  virtual void stop(bool abort) noexcept = 0;
-};
+  // With `watchdog` (the callers' streams wait without a timeout of their own: memop waits),
+  // a transfer that does not end within `timeout` is ended here, with an error.
+  // `captured`: where replays of captured transfers ring (CapturedHandoff), polled by the thread.
+  TransferProxy(const char* name, MpiComm control, std::map<int, PeerStreams> streams, std::unique_ptr<ProxyWire> wire,
+                int rank, int device, std::chrono::milliseconds timeout, bool watchdog, FaultPlan faults,
+                std::shared_ptr<HandoffBoard<TransferProxy>> captured);
+  TransferProxy(const TransferProxy&) = delete;
+  TransferProxy& operator=(const TransferProxy&) = delete;
+  ~TransferProxy() { stop(false); }
 
-// One stream per direction with a peer (the proxy thread's).
-struct PeerStreams {
-  std::unique_ptr<OwnedStream> out;  // sends to the peer
-  std::unique_ptr<OwnedStream> in;   // receives from it
-};
+  // Stops the thread, then the wire; with `abort` (transfers still in flight) the wire waits
+  // for nothing (NCCL's destroy would wait for them: its communicators are aborted).
+  void stop(bool abort) noexcept;
 
-class ProxyTransport : public Transport {
- public:
-  ~ProxyTransport() override;
-  bool serves(Memory memory) const override { return memory == Memory::Device && device_ != nullptr; }
-  Reach reach(int rank, Memory memory) const override;
-  std::unique_ptr<WindowAttachment> attach(WindowState& win, const std::vector<bool>& routed,
-                                           const std::string& what) override;
-  void put(const WindowState& win, int target, std::size_t offset, const void* src, std::size_t bytes,
-           const SignalUpdate& signal, Stream stream) override;
-  // The rows go packed, as one transfer (unpacked at the target by its proxy's stream).
-  void put_strided(const WindowState& win, int target, std::size_t dst_offset, std::size_t dst_pitch, const void* src,
-                   std::size_t src_pitch, std::size_t width, std::size_t height, Stream stream) override;
-  void get(void* dst, const WindowState& win, int target, std::size_t offset, std::size_t bytes,
-           Stream stream) override;
-  // The caller's stream waits for each transfer's end: nothing to enqueue. Raises what the
-  // proxy knows failed, as the next transfer would.
-  void quiet(Stream) override;
-  void settle() noexcept override;
-  void stop() noexcept override;
+  std::uint64_t* word(std::size_t i) const { return core_.word(i); }
+  const char* name() const { return name_; }
 
- protected:
-  // `name` is the transport's ("nccl"), for messages. Ranks of this node get no route.
-  ProxyTransport(const CommContext& ctx, const char* name);
-  // Needs MPI_THREAD_MULTIPLE (agreed: every rank raises alike); `role` says what for.
-  void require_thread_multiple(const std::string& role) const;
-  // Starts the proxy thread over `control` (headers) with `wire` and the peers' streams, and
-  // stops it at MPI_Finalize at the latest. Collective where connect() is.
-  void start_proxy(MpiComm control, std::map<int, PeerStreams> streams, std::unique_ptr<ProxyWire> wire);
-  std::string what(const char* op, int target) const;
+  // Events for the callers to record (callers' threads).
+  EventPool& events() { return events_; }
 
-  CommContext ctx_;
-  GpuDevice* device_;
-  const char* name_;
-  std::vector<std::string> no_route_;  // by rank: why not ("" where it reaches)
-  std::shared_ptr<TransferProxy> proxy_;
+  // A done word; with all in use (that many transfers in flight) waits for one, bounded.
+  std::size_t take_word(const std::string& what) { return core_.take_word(what); }
+  void release_word(std::size_t w) { core_.release_word(w); }
+  // A done word that a CUDA graph holds for its life (a transfer's end does not free it);
+  // false when all are in use.
+  bool try_take_graph_word(std::size_t* w) { return core_.try_take_graph_word(w); }
+  // The graph is gone; a transfer of it still in flight (its wait gave up) frees the word
+  // when it ends.
+  void release_graph_word(std::size_t w) { core_.release_graph_word(w); }
+
+  // Queues a transfer; returns the ticket its done word reaches at its end.
+  std::uint64_t submit(ProxyRequest r) { return core_.submit(r); }
+
+  void add_window(std::uint64_t id, void* local, std::size_t bytes);
+  // Nothing more is enqueued into the window; returns once what was has ended (bounded):
+  // what the wire still holds (it may read or write the window later), then the streams.
+  bool remove_window(std::uint64_t id);
+
+  // Waits until every transfer handed over ended (bounded by MESHMEM_TIMEOUT); false if not.
+  bool drain() { return core_.drain(); }
+
+  // The first error noted since the last call ("" if none), and its code.
+  std::string take_error(ErrorCode* code) { return core_.take_error(code); }
 
  private:
-  // Raises, once, a transfer that failed since the last call (`where` begins the message).
-  void raise_earlier_failure(const std::string& where);
-  // Hands one transfer to the proxy; the caller's stream waits for its end. Under capture,
-  // a doorbell kernel hands it over on every replay (capture_transfer).
-  void transfer(ProxyRequest r, Stream stream, const char* name);
-  void capture_transfer(ProxyRequest r, cudaGraph_t graph, cudaStream_t stream, const char* name, GraphWords& words);
-  static int stop_on_finalize(MPI_Comm, int, void* transport, void*);
+  struct Incoming {  // work enqueued on a peer's in-stream, ended in order
+    cudaEvent_t done = nullptr;  // recorded after the work (null until it is enqueued)
+    bool settled = false;        // enqueued (or failed to be: then refused, without an event)
+    std::function<void()> deferred;  // a byte-less one's settling, run in its turn
+    bool dropped = false;            // bytes nobody waits for (taken off the wire only)
+    std::chrono::steady_clock::time_point started{};  // this rank's get: when it started
+    bool ended = false;              // this rank's get, ended by the watchdog (its bytes may land later)
+    bool is_put = true;   // a peer's put: acknowledge `id` (Refused if `refused`)
+    std::uint64_t id = 0;
+    bool refused = false;
+    std::size_t word = 0;  // this rank's get: its done word and ticket
+    std::uint64_t ticket = 0;
+  };
+  struct Outgoing {  // a header in flight
+    Message message;
+    MPI_Request request = MPI_REQUEST_NULL;
+  };
 
-  std::shared_ptr<HandoffBoard<TransferProxy>> board_;  // shared with captured graphs
-  int finalize_keyval_;
+  std::string where() const { return std::string(name_) + " transport on rank " + std::to_string(rank_); }
+
+  // Records the first error; transfers still end (their streams go on), and the caller's
+  // next call raises it.
+  void note_error(const std::string& e, ErrorCode code = ErrorCode::Cuda) { core_.note_error(e, code); }
+
+  void end(std::size_t w, std::uint64_t ticket) { core_.end(w, ticket); }
+
+  bool wait_streams();
+
+  void send_header(int peer, const Message& m);
+
+  // Where [offset, offset + bytes) of window `id` is here; null (and why) if nowhere. Under
+  // windows_m_ (held until the copy into it is enqueued).
+  char* resolve(std::uint64_t id, std::uint64_t offset, std::uint64_t bytes, std::string* problem);
+
+  void release_bounce(const ProxyRequest& r) noexcept;
+
+  void start(ProxyRequest r);
+
+  // Enqueues the receive of `bytes` from `peer` into `into`, then `then` and the record of
+  // `in`'s done event on the peer's in-stream (at once or later: ProxyWire::recv). `in` is
+  // queued now, so that the peer's transfers end in order; a failure of `then` ends it
+  // refused, without an event.
+  void receive(int peer, void* into, std::size_t bytes, Incoming in, std::function<void()> then, const std::string& from);
+
+  // Settles the peer's byte-less transfers whose turn came (every one before them settled).
+  void run_deferred(int peer);
+
+  // Takes `bytes` from the peer's wire into scratch memory and drops them: the peer sent them,
+  // so the wire must take them, or every later transfer from it would meet the wrong bytes.
+  void drop(int peer, std::size_t bytes, Incoming in, const std::string& from);
+
+  // A peer's header.
+  void handle(int peer, const Message& m);
+
+  // Ends the puts and gets (whose answer has not come) that outlived the timeout: the
+  // callers' streams wait without a timeout of their own (memop waits). A put's late
+  // acknowledgement is then ignored; a get's late bytes are taken off the wire and dropped.
+  void watch();
+
+  // Work that ended on the in-streams, in order per peer.
+  bool finish_incoming();
+
+  void run();
+
+  std::shared_ptr<HandoffBoard<TransferProxy>> captured_;
+  const char* name_;
+  PooledBlock words_memory_;  // mapped host memory: the done words (zeroed)
+  HostAgentCore<ProxyRequest> core_;  // the queue, the done words lent, the first error, stop
+  MpiComm control_;
+  std::map<int, PeerStreams> streams_;
+  std::unique_ptr<ProxyWire> wire_;
+  int rank_;
+  int device_;
+  std::chrono::milliseconds timeout_;
+  bool watchdog_;  // ends transfers that outlive timeout_ (the callers' streams cannot time out)
+  FaultPlan faults_;
+
+  // The proxy thread's own.
+  std::map<int, std::uint64_t> next_id_;
+  struct PutInFlight {
+    std::size_t word;
+    std::uint64_t ticket;
+    std::chrono::steady_clock::time_point started;
+  };
+  std::map<int, std::map<std::uint64_t, PutInFlight>> puts_;  // by peer, id
+  std::map<int, std::set<std::uint64_t>> abandoned_puts_;     // ended by the watchdog, acknowledgement not yet in
+  std::map<int, std::map<std::uint64_t, ProxyRequest>> gets_;
+  std::map<int, std::deque<Incoming>> incoming_;
+  bool wire_failed_ = false;
+  std::chrono::steady_clock::time_point next_watch_{};
+  std::list<Outgoing> outgoing_;
+
+  std::mutex windows_m_;
+  std::map<std::uint64_t, std::pair<char*, std::size_t>> windows_;
+
+  EventPool events_;
+  std::thread thread_;
 };
 
 }  // namespace meshmem::detail

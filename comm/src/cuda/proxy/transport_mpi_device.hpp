@@ -30,7 +30,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/proxy/transfer_proxy.hpp"
+#include "cuda/proxy/proxy_transport.hpp"
 
 namespace meshmem::detail {
 

@@ -37,7 +37,7 @@
 #include <vector>
 
 #include "cuda/barrier/barrier_resources.hpp"
-#include "cuda/proxy/transfer_proxy.hpp"
+#include "cuda/proxy/proxy_transport.hpp"
 
 namespace meshmem::detail {
 

@@ -1,0 +1,185 @@
+// HostAgentCore (comm/src/cuda/agent/host_agent.hpp) with a fake request: the rules of done-word
+// lending, graph words, drain, stop and error keeping that every host-agent transport relies on.
+// CUDA-free: runs in CI.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda/agent/host_agent.hpp"
+#include "meshmem/error.hpp"
+
+using meshmem::Error;
+using meshmem::ErrorCode;
+using meshmem::detail::HostAgentCore;
+
+namespace {
+
+struct FakeRequest {
+  std::size_t word = 0;
+  std::uint64_t ticket = 0;
+  int payload = 0;
+};
+struct FakeQueue {
+  std::deque<FakeRequest> items;
+  void push(const FakeRequest& r) { items.push_back(r); }
+};
+using Core = HostAgentCore<FakeRequest>;
+constexpr auto kShort = std::chrono::milliseconds(50);
+
+}  // namespace
+
+TEST(HostAgentCore, LendsEveryWordOnceThenTimesOutNamingTheCount) {
+  std::vector<std::uint64_t> words(4, 0);
+  Core core(words.data(), words.size(), kShort);
+  std::set<std::size_t> taken;
+  for (int i = 0; i < 4; ++i) taken.insert(core.take_word("put"));
+  EXPECT_EQ(taken, (std::set<std::size_t>{0, 1, 2, 3}));
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    core.take_word("comm.put on rank 0");
+    FAIL() << "a fifth word was lent out of four";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Timeout);
+    EXPECT_NE(std::string(e.what()).find("comm.put on rank 0: all 4 transfers"), std::string::npos) << e.what();
+  }
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, kShort);
+  core.release_word(2);
+  EXPECT_EQ(core.take_word("put"), 2u);
+}
+
+TEST(HostAgentCore, ATakerWaitsForAWordThatAnEndGivesBack) {
+  std::vector<std::uint64_t> words(1, 0);
+  Core core(words.data(), words.size(), std::chrono::milliseconds(5000));
+  const std::size_t w = core.take_word("put");
+  const std::uint64_t ticket = core.submit(FakeRequest{w, 0, 7});
+  std::thread ender([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    core.end(w, ticket);
+  });
+  EXPECT_EQ(core.take_word("put"), w);  // blocks until the end
+  ender.join();
+  EXPECT_EQ(__atomic_load_n(core.word(w), __ATOMIC_ACQUIRE), ticket);
+}
+
+TEST(HostAgentCore, SubmitNumbersTicketsAndTheThreadTakesThemInOrder) {
+  std::vector<std::uint64_t> words(8, 0);
+  Core core(words.data(), words.size(), kShort);
+  std::vector<std::uint64_t> tickets;
+  for (int i = 0; i < 5; ++i) tickets.push_back(core.submit(FakeRequest{core.take_word("put"), 0, i}));
+  EXPECT_EQ(tickets, (std::vector<std::uint64_t>{1, 2, 3, 4, 5}));
+  FakeQueue q;
+  ASSERT_TRUE(core.take_requests(q));
+  ASSERT_EQ(q.items.size(), 5u);
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(q.items[i].payload, i);
+    EXPECT_EQ(q.items[i].ticket, tickets[i]);
+  }
+  FakeQueue again;
+  ASSERT_TRUE(core.take_requests(again));
+  EXPECT_TRUE(again.items.empty()) << "a request was handed to the thread twice";
+}
+
+TEST(HostAgentCore, EndWritesTheTicketAndGivesTheWordBack) {
+  std::vector<std::uint64_t> words(2, 0);
+  Core core(words.data(), words.size(), kShort);
+  const std::size_t a = core.take_word("put"), b = core.take_word("put");
+  const std::uint64_t ta = core.submit(FakeRequest{a, 0, 0});
+  core.submit(FakeRequest{b, 0, 0});
+  core.end(a, ta);
+  EXPECT_EQ(words[a], ta);
+  EXPECT_EQ(words[b], 0u) << "another transfer's word was written";
+  EXPECT_EQ(core.take_word("put"), a);
+}
+
+TEST(HostAgentCore, AGraphWordOutlivesItsTransfersUntilTheGraphIsGone) {
+  std::vector<std::uint64_t> words(2, 0);
+  Core core(words.data(), words.size(), kShort);
+  std::size_t g = 99;
+  ASSERT_TRUE(core.try_take_graph_word(&g));
+  // Two replays in flight, then both end: the word stays the graph's.
+  const std::uint64_t t1 = core.submit(FakeRequest{g, 0, 0});
+  const std::uint64_t t2 = core.submit(FakeRequest{g, 0, 0});
+  core.end(g, t1);
+  core.end(g, t2);
+  const std::size_t other = core.take_word("put");
+  EXPECT_NE(other, g);
+  EXPECT_THROW(core.take_word("put"), Error) << "a graph's word was lent to an eager transfer";
+  // The graph goes while a replay is in flight: its end gives the word back, once.
+  const std::uint64_t t3 = core.submit(FakeRequest{g, 0, 0});
+  core.release_graph_word(g);
+  EXPECT_THROW(core.take_word("put"), Error) << "a word was freed while its transfer was in flight";
+  core.end(g, t3);
+  EXPECT_EQ(core.take_word("put"), g);
+  EXPECT_THROW(core.take_word("put"), Error) << "the word was given back twice";
+}
+
+TEST(HostAgentCore, AGraphWordWithNothingInFlightGoesBackAtOnce) {
+  std::vector<std::uint64_t> words(1, 0);
+  Core core(words.data(), words.size(), kShort);
+  std::size_t g = 99;
+  ASSERT_TRUE(core.try_take_graph_word(&g));
+  std::size_t none = 99;
+  EXPECT_FALSE(core.try_take_graph_word(&none));
+  core.release_graph_word(g);
+  core.release_graph_word(g);  // a second release of an unknown word does nothing
+  EXPECT_EQ(core.take_word("put"), g);
+}
+
+TEST(HostAgentCore, DrainWaitsForEveryEndAndIsBounded) {
+  std::vector<std::uint64_t> words(4, 0);
+  Core core(words.data(), words.size(), std::chrono::milliseconds(2000));
+  EXPECT_TRUE(core.drain()) << "nothing submitted: drained at once";
+  const std::size_t w = core.take_word("put");
+  const std::uint64_t t = core.submit(FakeRequest{w, 0, 0});
+  std::atomic<bool> ended{false};
+  std::thread ender([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(40));
+    ended = true;
+    core.end(w, t);
+  });
+  EXPECT_TRUE(core.drain());
+  EXPECT_TRUE(ended) << "drain returned before the transfer ended";
+  ender.join();
+  Core bounded(words.data(), words.size(), kShort);
+  bounded.submit(FakeRequest{bounded.take_word("put"), 0, 0});
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(bounded.drain());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+}
+
+TEST(HostAgentCore, StopEndsTheThreadsLookAndADrainInProgress) {
+  std::vector<std::uint64_t> words(2, 0);
+  Core core(words.data(), words.size(), std::chrono::milliseconds(0));  // 0: drain waits for ever
+  core.submit(FakeRequest{core.take_word("put"), 0, 0});
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    core.request_stop();
+  });
+  EXPECT_FALSE(core.drain()) << "a drain of a transfer that never ends returned true";
+  stopper.join();
+  FakeQueue q;
+  EXPECT_FALSE(core.take_requests(q));
+  EXPECT_TRUE(q.items.empty());
+}
+
+TEST(HostAgentCore, KeepsTheFirstErrorAndHandsItOverOnce) {
+  std::vector<std::uint64_t> words(1, 0);
+  Core core(words.data(), words.size(), kShort);
+  ErrorCode code = ErrorCode::Internal;
+  EXPECT_EQ(core.take_error(&code), "");
+  core.note_error("nccl transport on rank 1: ncclSend failed", ErrorCode::Cuda);
+  core.note_error("a later failure", ErrorCode::Timeout);
+  EXPECT_EQ(core.take_error(&code), "nccl transport on rank 1: ncclSend failed");
+  EXPECT_EQ(code, ErrorCode::Cuda);
+  EXPECT_EQ(core.take_error(&code), "") << "the error was raised twice";
+  core.note_error("after the first was raised", ErrorCode::Timeout);
+  EXPECT_EQ(core.take_error(&code), "after the first was raised");
+  EXPECT_EQ(code, ErrorCode::Timeout);
+}
