@@ -32,28 +32,6 @@ cudaError_t copy_rows(void* dst, std::size_t dst_pitch, const void* src, std::si
 
 // One entry of a channel's ring, ControlWords::kDescriptorWords words, written by the
 // writer's agent (host stores) before the posted count that covers it is written.
-struct StagingAgent::Descriptor {
-  static constexpr std::uint64_t kChunk = 1, kGet = 2;  // kinds (bits 0..7 of `control`)
-  static constexpr std::uint64_t kLast = 1u << 8;      // the last chunk: the signal and done word follow
-  // Its number on the channel: the reader refuses an entry whose number is not the one it
-  // expects (stale, or overwritten: nothing should do that, as entries are reused only once
-  // consumed; a mismatch breaks the channel).
-  std::uint64_t sequence = 0;
-  std::uint64_t control = 0;      // kind | kLast | SignalOp << 16
-  std::uint64_t slot_offset = 0;  // kChunk: the chunk's place in the writer's region
-  std::uint64_t width = 0, rows = 1;
-  // kChunk: where it lands (a window of the reader and an offset, or kAddress and an address
-  // of the reader's). kGet: the reader's window to read (window, src_offset, src_pitch) and
-  // the initiator's address for the answer (dst, dst_pitch).
-  std::uint64_t window = StagedRequest::kAddress, dst = 0, dst_pitch = 0;
-  std::uint64_t src_offset = 0, src_pitch = 0;
-  std::uint64_t signal_window = StagedRequest::kAddress, signal_index = 0, value = 0;
-  std::uint64_t done_rank = 0, done_word = 0, ticket = 0;
-  std::uint64_t kind() const { return control & 0xff; }
-  bool last() const { return (control & kLast) != 0; }
-  SignalOp op() const { return static_cast<SignalOp>((control >> 16) & 0xff); }
-};
-
 namespace {
 // Raises `word` to `value`: a later count or end, written first (by a stream, or by another
 // path of this thread), stands.

@@ -94,6 +94,7 @@
 #include "meshmem/ipc/awake_clock.hpp"
 #include "meshmem/ipc/pidfd.hpp"
 #include "meshmem/types.hpp"
+#include "cuda/staged/channel_layout.hpp"
 #include "cuda/staged/staging_pool.hpp"
 
 namespace meshmem::detail {
@@ -101,7 +102,7 @@ namespace meshmem::detail {
 // One transfer, as the agent enqueues it: `rows` rows of `width` bytes, `src_pitch` /
 // `dst_pitch` apart (a contiguous transfer is one row).
 struct StagedRequest {
-  static constexpr std::uint64_t kAddress = ~std::uint64_t(0);  // a window id that is none: a raw address
+  static constexpr std::uint64_t kAddress = kChannelAddress;  // a window id that is none: a raw address
   enum class Route { Visible, ToHidden, FromHidden };
   Route route = Route::Visible;
   int peer = -1;                // the other rank
@@ -142,57 +143,6 @@ struct StagedRequest {
   bool ends_at_timeout = false;
   std::uint64_t ticket = 0;  // even (StagingAgent::submit)
   std::size_t bytes() const { return width * rows; }
-};
-
-// The control words after the slots and the fill slots (FillSlots) in each rank's region of
-// the pool (1 MiB):
-//   lane counters   one per lane: transfers that ended on it (the host takes words back)
-//   fill retired    one per fill slot: set for good by a fill kernel that found the slot held
-//                   by a transfer that timed out (cuda::SlotFill::retired)
-//   barrier flags   one per rank of the Comm, then the leaders' mark (the stream barrier's,
-//                   stream_barrier.cpp)
-//   posted          per node rank: descriptors this rank posted to it (written by this GPU
-//                   after the copy, or by this rank's agent once the copy is done or, for
-//                   a stream-filled put, at once)
-//   consumed        per node rank: its descriptors this rank consumed (the same)
-//   failed          per node rank: its descriptors this rank could not carry out (host)
-//   rings           per node rank: kRing descriptors of kDescriptorWords words to it
-//   transfer words  half the rest: one done word per transfer in flight or captured
-//   ready words     the other half, one per transfer word: the caller's stream sets it to the
-//                   transfer's ticket once the transfer's source is ready (the agent polls
-//                   memory, not events: an event query costs the agent's thread ~0.8 us)
-// Node ranks are counted by their place in Topology::node_ranks.
-//
-// Between each rank's slots and its control words: kSlots small slots that callers' streams
-// fill themselves (StagedTransport's stream-filled puts), one per stream.
-struct FillSlots {
-  static constexpr std::size_t kSlotBytes = std::size_t(64) << 10;
-  static constexpr std::size_t kSlots = 16;
-  static constexpr std::size_t kBytes = kSlotBytes * kSlots;
-};
-
-struct ControlWords {
-  static constexpr std::size_t kBytes = std::size_t(1) << 20;
-  static constexpr std::size_t kWords = kBytes / sizeof(std::uint64_t);
-  static constexpr std::size_t kLanes = 64;
-  static constexpr std::size_t kRing = 64;  // descriptors in flight per pair
-  static constexpr std::size_t kDescriptorWords = 16;
-  static constexpr std::size_t kLeastTransferWords = 4096;
-  std::uint64_t* base = nullptr;
-  std::size_t ranks = 0;
-  std::size_t node_ranks = 0;
-  static std::size_t round8(std::size_t n) { return (n + 7) / 8 * 8; }
-  std::uint64_t* lane_done(std::size_t lane) const { return base + lane; }
-  std::uint64_t* fill_retired(std::size_t slot) const { return base + kLanes + slot; }
-  std::uint64_t* barrier_flags() const { return base + kLanes + FillSlots::kSlots; }
-  std::uint64_t* posted(std::size_t to) const { return barrier_flags() + round8(ranks + 1) + to; }
-  std::uint64_t* consumed(std::size_t from) const { return posted(0) + round8(node_ranks) + from; }
-  std::uint64_t* failed(std::size_t from) const { return consumed(0) + round8(node_ranks) + from; }
-  std::uint64_t* ring(std::size_t to) const { return failed(0) + round8(node_ranks) + to * kRing * kDescriptorWords; }
-  std::uint64_t* transfer(std::size_t i) const { return ring(0) + node_ranks * kRing * kDescriptorWords + i; }
-  std::size_t used_words() const { return static_cast<std::size_t>(transfer(0) - base); }
-  std::size_t transfer_count() const { return used_words() < kWords ? (kWords - used_words()) / 2 : 0; }
-  std::uint64_t* ready(std::size_t i) const { return transfer(transfer_count()) + i; }
 };
 
 class StagingAgent {
@@ -360,7 +310,7 @@ class StagingAgent {
     Clock::time_point moved;
     std::string what;  // for messages
   };
-  struct Descriptor;
+  using Descriptor = ChannelDescriptor;
 
   void reclaim_words();  // under m_
   void run();
