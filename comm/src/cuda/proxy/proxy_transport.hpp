@@ -1,46 +1,8 @@
-// ProxyTransport: device windows of ranks on other nodes, moved by each rank's proxy thread.
-// What the nccl and mpi-device transports share; they differ only in their ProxyWire (how
-// bytes go from one GPU to another) and in how they connect.
-//
-// A put is a request that the initiator's proxy thread (TransferProxy, transfer_proxy.hpp)
-// turns into a header over MPI and a send of its bytes over the wire:
-//   initiator: records a ready event on the caller's stream, takes a done word (pinned host
-//     memory) and enqueues a wait for it on the stream, hands the request to its proxy, returns.
-//   initiator's proxy, once the source is ready: sends a header over MPI (window id, offset,
-//     bytes, signal) and the bytes over the wire, on its stream for that peer.
-//   target's proxy, on the header: receives the bytes into its window, then the signal (a
-//     release store after the data, on the same stream), and once both ran answers with an
-//     acknowledgement; the initiator's proxy then writes the done word and the caller's
-//     stream goes on. A get is a request the target's proxy answers with a header and a send
-//     from its window; the initiator's proxy receives into the destination.
-// So the target makes no call, signals land after their data, and a put's stream passes it
-// only once the data is at the target (quiet has nothing to add).
-//
-// Each peer has two streams here, one per direction, so that a receive never waits behind a
-// send to the same peer (with one stream, two ranks sending to each other could each wait
-// for the other's receive).
-//
-// Order: the proxy starts transfers in the order their sources become ready (it polls each
-// one's ready event), never in call order, so a stream that waits (for a peer's signal) holds
-// no other stream's transfer back. Per direction the data arrives in header order (MPI does
-// not overtake between two ranks on one communicator and tag), and each wire keeps that order.
-//
-// A strided put (halo columns) is packed into device memory on the caller's stream, goes as
-// one transfer, and is unpacked by the target's proxy stream into its rows. Pageable host
-// memory goes through a stream-ordered device bounce buffer.
-//
-// Under graph capture a kernel rings each transfer's doorbell on every replay, the proxy
-// thread (which polls them) takes the transfer up, and the kernel waits for the ticket it
-// answered with (CapturedHandoff; pageable memory is refused there).
-//
-// Limits: a transfer costs one MPI round trip for its acknowledgement and puts to one peer
-// run one after another; past 16 peers on other nodes the two streams per peer outnumber
-// CUDA's 32 GPU queues and share them (a transfer may then wait behind another stream's;
-// warned at start, gpu_queues.hpp); two instantiations of one captured graph running at once
-// share their transfers' words (their waits can stall until the timeout); an application kernel
-// launched for the first time while a transfer is in flight stalls it until MESHMEM_TIMEOUT
-// under CUDA's lazy loading, as on the staged route (meshmem asks for eager loading at start:
-// module_loading.hpp).
+// ProxyTransport: device windows of ranks on other nodes, moved by each rank's proxy thread
+// (TransferProxy, transfer_proxy.hpp); what the nccl and mpi-device transports share. They
+// differ only in their ProxyWire (proxy_wire.hpp) and in how they connect. A put's stream
+// passes it only once its data is at the target. Requests, headers, ordering, capture and
+// limits: docs/transports/nccl.md and docs/transports/mpi-device.md.
 #pragma once
 
 #include <cuda_runtime_api.h>

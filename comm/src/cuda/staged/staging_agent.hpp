@@ -1,69 +1,8 @@
 // StagingAgent: the thread of a rank that moves its staged transfers (transport_staged.hpp)
-// through its region of the node's staging pool, and the shared-memory layout it and its node
-// peers' agents use.
-//
-// Two ways through the pool:
-// - One agent (MESHMEM_STAGING_CHANNELS=when-hidden, both GPUs visible here): this agent
-//   enqueues the device-to-host copy on the source GPU and the host-to-device copy on the
-//   target GPU (one lane, a stream and per-slot events, per GPU), chunk by chunk through this
-//   rank's slots.
-// - The channel (the default, MESHMEM_STAGING_CHANNELS=always, and the only way where the
-//   peer's GPU is hidden from this process): the two agents share the work through a channel
-//   in the pool. The writer's GPU copies a chunk into a slot of the writer's region, the
-//   writer's agent writes a descriptor (what to copy where) into the ring, and the channel's
-//   posted count follows the copy; the reader's agent, which polls its incoming channels,
-//   copies the chunk to its own GPU, the consumed count follows that copy, and after the last
-//   chunk the signal and the initiator's done word. The chunks that more chunks of their
-//   transfer follow have their counts written by the agent once the copy's event is done
-//   (CountAfterCopy: no stream write between two copies); a stream-filled put's (its bytes
-//   in its slot before its ready word) by the agent at once where every earlier count is
-//   written; every other count (a last chunk, a get's request, a chunk copied by the host or
-//   refused) by the GPU, a stream write. What the reader's agent takes from its channels in
-//   one look it enqueues together: the chunks' copies as one batch, then their signals, done
-//   words and counts as one batch of stream writes (IncomingBatch). A get
-//   from a hidden peer is a request on the channel that the peer's agent answers with chunks
-//   of its window.
-//
-// Nothing this agent enqueues waits for another rank: a slot (or a ring entry) that a hidden
-// reader still holds is reused only once the host sees its consumed count pass it, or the
-// reader's process has ended. So a
-// transfer is cut into pieces as slots free up (PieceCursor), across several turns of the
-// agent's loop, and the agent's lanes only ever wait for its own copies (events). A slow or
-// stalled reader delays transfers that need the slots it holds, for at most MESHMEM_TIMEOUT,
-// and never holds the agent itself: it keeps taking its peers' chunks meanwhile.
-//
-// A reader whose process has ended (killed, crashed: a ProcessWatch of it says so) gives its
-// slots back at once: its GPU context went with it, so nothing reads them any more. Without
-// that, slots posted to a dead reader would stay held for good, and every later transfer of
-// this rank, to any peer, would time out waiting for one. Transfers to it then fail at once,
-// and the puts it was to end, and this rank's gets it had not answered, are ended from here
-// (with an error; a get's end behind the copies of the chunks that did come): a caller's
-// stream no longer waits a whole MESHMEM_TIMEOUT for them (for ever with 0). Transfers
-// captured in a graph keep their words (not lent): a replay's wait for a dead peer still
-// ends at MESHMEM_TIMEOUT. A reader that lives but takes nothing keeps its slots: it may
-// still copy out of them.
-//
-// The agent's streams wait only for each other, so their work always moves, unless a stream
-// of this process that waits sits ahead of it in a GPU queue they share (README "GPU
-// queues"). A stream whose work has not moved for a while (StreamWatch) is logged once, and
-// the report joins the timeout errors of transfers (gpu_queues.hpp). A lane held for
-// MESHMEM_TIMEOUT gets the ends of its eager transfers written from the host (end_held): their
-// callers' streams wait with a stream memory wait where the GPU is shared, which cannot time
-// out by itself, and would otherwise wait for ever behind the very queue that holds the lane.
-//
-// A put through a channel whose caller's stream waits with a stream memory wait (a shared
-// GPU, where the reader's copy of a small chunk would wait for a polling kernel's time slice:
-// StagedTransport) that its live reader has not ended MESHMEM_TIMEOUT after it was posted in
-// full is ended from here (end_overdue), as the wait kernel would give up elsewhere; its word
-// is not lent again, and what of it the reader takes later is dropped there (its done word
-// reached its ticket). A wait kernel that gives up on a transfer through a channel marks its
-// done word so itself (cuda::kTransferGivenUp): the reader drops it alike, and reclaim_words
-// does not lend that word again.
-//
-// Transfers start in the order their sources become ready (the agent polls each one's ready
-// word, set by its caller's stream), never in call order, so a transfer whose stream waits holds no other back. Each has
-// a done word of its own (lent per transfer and taken back once it ended), which the caller's
-// stream waits for; tickets only grow, so a reused word never moves backwards.
+// through its region of the node's staging pool (layout: channel_layout.hpp): with one agent
+// where both GPUs are visible here, or through a channel with the peer's agent. Nothing it
+// enqueues waits for another rank; slow, stalled or dead readers and held lanes are bounded by
+// MESHMEM_TIMEOUT. The design, the watchdogs and the limits: docs/transports/staged.md.
 #pragma once
 
 #include <cuda.h>
