@@ -73,11 +73,8 @@ void probe_pidfd(NodeReport* r) {
 }
 
 std::string nccl_library_setting() {
-  for (const std::string& line : Options::from_environment().describe())
-    if (line.rfind("MESHMEM_NCCL_LIBRARY=", 0) == 0) {
-      const auto open = line.find(" (");
-      return line.substr(std::string("MESHMEM_NCCL_LIBRARY=").size(), open - std::string("MESHMEM_NCCL_LIBRARY=").size());
-    }
+  for (const Options::Setting& s : Options::from_environment().settings())
+    if (s.name == "MESHMEM_NCCL_LIBRARY") return s.value;
   return "libnccl.so.2";
 }
 
