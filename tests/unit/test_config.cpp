@@ -85,6 +85,14 @@ TEST(Options, SimulateNodesFdPassingLogLevel) {
 // The GPU part's knobs are declared beside its code in CUDA-free headers, in the table of every
 // build (without the GPU part they are checked and reported unused: test_knobs.cpp).
 TEST(Options, GpuPartKnobs) {
+  // Declared in headers that the GPU part's files and knobs.cpp both include: one object each.
+  std::map<std::string, int> seen;
+  for (const meshmem::detail::Knob* k : meshmem::detail::knob_table()) ++seen[k->name()];
+  for (const auto& [name, count] : seen) EXPECT_EQ(count, 1) << name << " is in the table " << count << " times";
+  EXPECT_NE(meshmem::detail::find_knob("MESHMEM_BARRIER"), nullptr);
+#ifdef MESHMEM_TEST_HAVE_GPU_PART
+  EXPECT_TRUE(meshmem::detail::gpu_part_linked());
+#endif
   auto tuned = [](std::map<std::string, std::string> env, const std::string& var) { return parse(env).tuning().at(var); };
   EXPECT_EQ(tuned({{"MESHMEM_IPC_SM_COPY_MAX", "4096"}}, "MESHMEM_IPC_SM_COPY_MAX"), "4096");
   expect_invalid({{"MESHMEM_IPC_SM_COPY_MAX", "-1"}}, "MESHMEM_IPC_SM_COPY_MAX");
