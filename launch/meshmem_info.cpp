@@ -173,8 +173,9 @@ JobRow job_row(const meshmem::Comm& comm, const std::string& host) {
                                                      device_text.substr(6) + ")"
                                                : "none: " + own;
   JsonWriter w;
-  w.begin_object().field("rank", comm.rank()).field("host", host).field("node", comm.node());
-  w.field("device", device_text);
+  // "hostname" and "device_info": "host" and "device" are the routes' arrays below.
+  w.begin_object().field("rank", comm.rank()).field("hostname", host).field("node", comm.node());
+  w.field("device_info", device_text);
   std::string text = "rank " + std::to_string(comm.rank()) + " (" + host + ", node " + std::to_string(comm.node()) +
                      "): " + device_text + "\n";
   std::string reasons;

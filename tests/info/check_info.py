@@ -112,12 +112,18 @@ elif case.startswith("job:"):
         check(len(row["host"]) == n and all(p["transport"] == "shm" for p in row["host"]),
               "rank %d: shm to every rank for host windows" % row["rank"])
         check(all(p["why"] for p in row["host"]), "rank %d: every route says why" % row["rank"])
-        # (A rank with a GPU in a job where another has none names that rank: not here.)
-        others = [r for r in range(n) if r != row["rank"] and ("rank %d:" % r) in row["device"] and
-                  "not every rank" not in row["device"]]
-        check(not others, "rank %d's device reason is its own (names no other rank): %s" % (row["rank"], row["device"]))
+        # Without device windows, each rank's own reason (a rank with a GPU in a job where
+        # another has none names that rank: not here).
+        info_text = row["device_info"]
+        others = [r for r in range(n) if r != row["rank"] and ("rank %d:" % r) in info_text and
+                  "not every rank" not in info_text]
+        check(not others, "rank %d's device reason is its own (names no other rank): %s" % (row["rank"], info_text))
+        check(isinstance(row["hostname"], str) and row["hostname"], "rank %d: hostname" % row["rank"])
     rc, out, err = run(["--job"], ranks=n)
     check(rc == 0 and all("rank %d (" % r in out for r in range(n)), "the text form has every rank", out + err)
+    for r in range(1, n):
+        line = [l for l in out.splitlines() if l.startswith("rank %d (" % r)][0]
+        check("none: rank 0:" not in line, "rank %d's text row does not give rank 0's reason: %s" % (r, line))
 elif case == "knob_warnings":
     def mpmd(env0, env1, args):
         pre = [mpiexec, "--oversubscribe", "--bind-to", "none"]
