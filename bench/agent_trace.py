@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a staged transfer's time goes, from the step traces of a job's staging agents.
 
-Run the job with MESHMEM_TRACE_STAGED=PREFIX (each rank's agent writes PREFIX.<rank> when it
+Run the job with MESHMEM_STAGED_TRACE=PREFIX (each rank's agent writes PREFIX.<rank> when it
 ends), then:  bench/agent_trace.py PREFIX [--skip 10]
 
 Steps (comm/src/cuda/staging_agent.hpp): S handed over by the caller, R its source seen ready,

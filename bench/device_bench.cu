@@ -256,8 +256,8 @@ int main(int argc, char** argv) {
   if (wants("put")) {
     // ---- put / get bandwidth and latency ----
     meshmem::Comm comm(MPI_COMM_WORLD);
-    meshmem::Comm comm_ce(MPI_COMM_WORLD, with([](meshmem::Options& o) { o.set("MESHMEM_SM_COPY_MAX", "0"); }));
-    meshmem::Comm comm_sm(MPI_COMM_WORLD, with([](meshmem::Options& o) { o.set("MESHMEM_SM_COPY_MAX", "1099511627776"); }));
+    meshmem::Comm comm_ce(MPI_COMM_WORLD, with([](meshmem::Options& o) { o.set("MESHMEM_IPC_SM_COPY_MAX", "0"); }));
+    meshmem::Comm comm_sm(MPI_COMM_WORLD, with([](meshmem::Options& o) { o.set("MESHMEM_IPC_SM_COPY_MAX", "1099511627776"); }));
     const std::size_t max = quick ? (64u << 20) : (std::size_t{1} << 30);
     void* src = nullptr;
     CK(cudaMalloc(&src, max));
@@ -361,8 +361,8 @@ int main(int argc, char** argv) {
       const char* value;
     } ps_variants[] = {{"meshmem", nullptr, nullptr},
                        {"meshmem-memop-wait", "MESHMEM_STREAM_WAIT", "memop"},
-                       {"meshmem-fused", "MESHMEM_FUSED_SIGNAL_MAX", "1048576"},
-                       {"meshmem-ce", "MESHMEM_FUSED_SIGNAL_MAX", "0"}};
+                       {"meshmem-fused", "MESHMEM_IPC_FUSED_SIGNAL_MAX", "1048576"},
+                       {"meshmem-ce", "MESHMEM_IPC_FUSED_SIGNAL_MAX", "0"}};
     for (const auto& variant : ps_variants) {
     meshmem::Options options = meshmem::Options::from_environment();
     if (variant.knob != nullptr) options.set(variant.knob, variant.value);

@@ -2,7 +2,7 @@
 # Issue 10's rows still open after stop 49, on a machine of 2 or more GPUs (one GPU per rank), in
 # one device call from a pack built elsewhere (about 3-4 minutes on 4 x H200):
 #   1. staged_bench 1 MiB .. 256 MiB under MESHMEM_STAGED_COMPLETION (target, source) x
-#      MESHMEM_STAGING_FIRST_PIECE (off, 256K): is 64 MiB >= 0.9 x min(d2h, h2d) with either, and
+#      MESHMEM_STAGED_FIRST_PIECE (off, 256K): is 64 MiB >= 0.9 x min(d2h, h2d) with either, and
 #      does the ramp pay where each rank has its own GPU (on one shared H200 it did not)?
 #   2. the Jacobi example, staged forced, under both completions, against MPI host-staged, on 2
 #      and (with 4 GPUs) 4 GPUs, 4096^2 and 16384^2, every run --check'ed.
@@ -19,8 +19,8 @@ ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 steps=()
 for completion in target source; do
   for first in off 256K; do
-    steps+=("cmd staged_${completion}_${first} 90 MESHMEM_STAGED_COMPLETION=$completion MESHMEM_STAGING_FIRST_PIECE=$first \
-mpirun -np 2 --bind-to none -x MESHMEM_STAGED_COMPLETION -x MESHMEM_STAGING_FIRST_PIECE bench/staged_bench \
+    steps+=("cmd staged_${completion}_${first} 90 MESHMEM_STAGED_COMPLETION=$completion MESHMEM_STAGED_FIRST_PIECE=$first \
+mpirun -np 2 --bind-to none -x MESHMEM_STAGED_COMPLETION -x MESHMEM_STAGED_FIRST_PIECE bench/staged_bench \
 --min-bytes 1M --max-bytes 256M --csv \$O/staged_${completion}_${first}.csv --commit \$C \
 --machine \$M-completion-$completion-first-piece-$first --date \$D $(result '^staged_'); exit \${PIPESTATUS[0]}")
   done

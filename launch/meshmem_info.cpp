@@ -20,34 +20,100 @@ using meshmem::info::NodeReport;
 
 void usage(std::FILE* to) {
   std::fprintf(to,
-               "usage: meshmem-info [--json] [--bandwidth]          this machine: GPUs (PCI, NUMA, CPUs), peer access\n"
+               "usage: meshmem-info [--json] [--all] [--bandwidth]    this machine: GPUs (PCI, NUMA, CPUs), peer access\n"
                "                                                     with write-and-verify and the reason for every\n"
                "                                                     missing or broken pair, VMM / POSIX-fd / host-NUMA\n"
-               "                                                     support, descriptor passing, MPI, NCCL\n"
+               "                                                     support, descriptor passing, MPI, NCCL; the settings\n"
                "       mpirun -np N meshmem-info --job [--json]      the same for every node of the job, then the\n"
                "                                                     transport of every pair of ranks, and why\n"
-               "       meshmem-info --knobs-markdown                 the MESHMEM_* settings as a Markdown table\n"
+               "       meshmem-info --knobs-markdown[=all]           the MESHMEM_* settings as Markdown: the user\n"
+               "                                                     settings (README.md), or all (docs/configuration.md)\n"
                "options:\n"
-               "  --json       one JSON document on stdout, for scripts\n"
+               "  --json       one JSON document on stdout, for scripts (every setting, with its tier and source)\n"
+               "  --all        list every setting (tuning and testing ones too), not only the user settings\n"
                "  --bandwidth  also time peer copies between every pair of GPUs and pinned host copies\n"
                "  --job        build a meshmem Comm over MPI_COMM_WORLD and report its routes\n"
                "exit code: 0 fine; 1 an error (the message says which); 2 bad arguments; 3 the job cannot run\n"
                "as asked (a pair of ranks with no transport, or a GPU pair whose peer access is granted but broken)\n");
 }
 
-// The README's table ("## Configuration"), generated from the knob table through
-// Options::describe(), so that the docs cannot drift from the code (tests/docs check it).
-void print_knob_markdown() {
-  const meshmem::Options defaults;
+using Setting = meshmem::Options::Setting;
+const char* const kTiers[] = {"user", "tuning", "testing"};
+
+void print_table(const std::vector<Setting>& settings, const char* tier, bool old_names) {
   std::printf("| variable | default | meaning |\n| --- | --- | --- |\n");
-  for (const std::string& line : defaults.describe()) {
-    const auto eq = line.find('=');
-    const auto open = line.find(" (", eq);
-    const std::string name = line.substr(0, eq);
-    const std::string value = line.substr(eq + 1, open - eq - 1);
-    const std::string doc = line.substr(open + 2, line.size() - open - 3);
-    std::printf("| `%s` | `%s` | %s |\n", name.c_str(), value.c_str(), doc.c_str());
+  for (const Setting& s : settings) {
+    if (s.tier != tier) continue;
+    const std::string was = old_names && !s.old_name.empty() ? " (was `" + s.old_name + "`)" : "";
+    std::printf("| `%s` | `%s` | %s%s |\n", s.name.c_str(), s.default_value.c_str(), s.doc.c_str(), was.c_str());
   }
+}
+
+// The README's table ("## Configuration": the user settings) and docs/configuration.md's
+// generated part (every tier, then the details), made from the knob table through
+// Options::settings(), so that the docs cannot drift from the code (tests/docs check both).
+void print_knob_markdown(bool all) {
+  const std::vector<Setting> settings = meshmem::Options{}.settings();
+  if (!all) {
+    print_table(settings, "user", false);
+    return;
+  }
+  const char* const titles[] = {"User settings", "Tuning settings", "Testing settings"};
+  const char* const intros[] = {
+      "What a user may need to set. Every rank must have the same value, except where the meaning says not.",
+      "meshmem's internals: thresholds, variants and their measurements. The defaults are what was measured best.",
+      "For meshmem's own tests: faults, simulated placements, paths broken on purpose. Not for production runs."};
+  for (int t = 0; t < 3; ++t) {
+    std::printf("%s## %s\n\n%s\n\n", t ? "\n" : "", titles[t], intros[t]);
+    print_table(settings, kTiers[t], true);
+  }
+  std::printf("\n## Details\n");
+  for (const Setting& s : settings) {
+    if (s.details.empty() && s.must_agree) continue;
+    std::printf("\n### `%s`\n\n", s.name.c_str());
+    if (!s.details.empty()) std::printf("%s.\n", s.details.c_str());
+    if (!s.must_agree) std::printf("%sMay differ between ranks.\n", s.details.empty() ? "" : "\n");
+  }
+}
+
+// "NAME=value" lines of the settings of one tier (or all), marking those not at their default.
+void print_settings(const std::vector<Setting>& settings, bool all) {
+  std::size_t others = 0;
+  for (const char* tier : kTiers) {
+    bool first = true;
+    for (const Setting& s : settings) {
+      if (s.tier != tier) continue;
+      if (!all && s.tier != std::string("user")) {
+        ++others;
+        continue;
+      }
+      if (first) std::printf("%s settings:\n", tier);
+      first = false;
+      std::string note = s.source == "default" ? "" : "  [" + s.source + "]";
+      if (!s.used) note += "  [unused: no GPU part]";
+      std::printf("  %s=%s%s\n", s.name.c_str(), s.value.c_str(), note.c_str());
+    }
+  }
+  std::size_t changed = 0;
+  for (const Setting& s : settings)
+    if (!all && s.tier != std::string("user") && s.source != "default") ++changed;
+  if (others > 0)
+    std::printf("  (%zu tuning and testing settings%s: meshmem-info --all; docs/configuration.md says what each means)\n",
+                others, changed > 0 ? (", " + std::to_string(changed) + " of them set").c_str() : "");
+}
+
+void json_settings(JsonWriter& w, const meshmem::Options& options) {
+  w.key("settings").begin_object();
+  for (const Setting& s : options.settings()) {
+    w.key(s.name).begin_object().field("value", s.value).field("default", s.default_value).field("tier", s.tier);
+    w.field("source", s.source).field("used", s.used);
+    if (!s.old_name.empty()) w.field("old_name", s.old_name);
+    w.end_object();
+  }
+  w.end_object();
+  w.key("notices").begin_array();
+  for (const std::string& n : options.notices()) w.value(n);
+  w.end_array();
 }
 
 // Every rank's string, in rank order, on rank 0 (empty elsewhere).
@@ -98,18 +164,27 @@ struct JobRow {
 JobRow job_row(const meshmem::Comm& comm, const std::string& host) {
   JobRow row;
   const bool device = comm.device_info().rfind("none", 0) != 0;
+  // Without device windows the Comm's reason is the job's (it names the first rank that has
+  // no GPU, the same on every rank): this rank's row says its own reason instead.
+  std::string device_text = comm.device_info();
+  std::string own;
+  if (!device)
+    device_text = meshmem::gpu_available(&own) ? "none: this rank has a GPU, but not every rank of the job (" +
+                                                     device_text.substr(6) + ")"
+                                               : "none: " + own;
   JsonWriter w;
-  w.begin_object().field("rank", comm.rank()).field("host", host).field("node", comm.node());
-  w.field("device", comm.device_info());
+  // "hostname" and "device_info": "host" and "device" are the routes' arrays below.
+  w.begin_object().field("rank", comm.rank()).field("hostname", host).field("node", comm.node());
+  w.field("device_info", device_text);
   std::string text = "rank " + std::to_string(comm.rank()) + " (" + host + ", node " + std::to_string(comm.node()) +
-                     "): " + comm.device_info() + "\n";
+                     "): " + device_text + "\n";
   std::string reasons;
   for (meshmem::Memory memory : {meshmem::Memory::Host, meshmem::Memory::Device}) {
     const std::string mem = meshmem::to_string(memory);
     w.key(mem).begin_array();
     text += "  " + std::string(memory == meshmem::Memory::Host ? "host windows:  " : "device windows:");
     if (memory == meshmem::Memory::Device && !device) {
-      text += " unavailable on this rank\n";
+      text += " unavailable (above: why)\n";
       w.end_array();
       continue;
     }
@@ -139,11 +214,11 @@ JobRow job_row(const meshmem::Comm& comm, const std::string& host) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool json = false, job = false, bandwidth = false;
+  bool json = false, job = false, bandwidth = false, all = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--knobs-markdown") {
-      print_knob_markdown();
+    if (a == "--knobs-markdown" || a == "--knobs-markdown=all") {
+      print_knob_markdown(a != "--knobs-markdown");
       return 0;
     }
     if (a == "--help" || a == "-h") {
@@ -156,6 +231,8 @@ int main(int argc, char** argv) {
       job = true;
     } else if (a == "--bandwidth") {
       bandwidth = true;
+    } else if (a == "--all") {
+      all = true;
     } else {
       std::fprintf(stderr, "meshmem-info: unknown argument %s\n", argv[i]);
       usage(stderr);
@@ -170,6 +247,9 @@ int main(int argc, char** argv) {
   int rc = 0;
   try {
     const meshmem::Options options = meshmem::Options::from_environment();  // a bad MESHMEM_* value: exit 1
+    // Without --job no Comm reports them (a Comm does: once, on its rank 0, naming the ranks).
+    if (!job && me == 0)
+      for (const std::string& notice : options.notices()) std::fprintf(stderr, "meshmem-info: warning: %s\n", notice.c_str());
 
     // One report per node, made by its lowest rank before anything else touches the GPUs.
     const int node_rank = meshmem::node_local_rank(MPI_COMM_WORLD);
@@ -204,9 +284,6 @@ int main(int argc, char** argv) {
       MPI_Allreduce(&mine, &unreachable, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
       if (me == 0 && !json) {
         std::printf("meshmem %s\n", "0.1.0");
-        std::printf("settings (README.md, Configuration, says what each means):\n ");
-        for (const auto& line : comm.options().describe()) std::printf(" %s", line.substr(0, line.find(" (")).c_str());
-        std::printf("\n");
         std::printf("job: %d rank(s) on %d node(s)%s; MPI thread level %s; fd passing %s\n", n, comm.node_count(),
                     comm.options().simulate_nodes > 1 ? " (simulated split)" : "",
                     provided >= MPI_THREAD_MULTIPLE ? "MPI_THREAD_MULTIPLE" : "below MPI_THREAD_MULTIPLE",
@@ -217,9 +294,7 @@ int main(int argc, char** argv) {
       if (json) {
         JsonWriter w;
         w.begin_object().field("meshmem", "0.1.0").field("ranks", n);
-        w.key("settings").begin_array();
-        for (const auto& line : options.describe()) w.value(line);
-        w.end_array();
+        json_settings(w, options);
         w.key("nodes").begin_array();
         for (const std::string& s : nodes)
           if (!s.empty()) w.raw(s);
@@ -234,6 +309,7 @@ int main(int argc, char** argv) {
         w.end_object();
         std::printf("%s\n", w.str().c_str());
       } else {
+        print_settings(options.settings(), all);
         for (const std::string& s : nodes) std::printf("%s", s.c_str());
         if (job) {
           std::printf("transports (row: from rank; column: to rank 0..%d; then the transports passed over and why)\n", n - 1);

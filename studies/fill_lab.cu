@@ -1,4 +1,4 @@
-// fill_lab: what a stream-filled staged put (MESHMEM_STAGING_STREAM_FILL) costs the GPU, against
+// fill_lab: what a stream-filled staged put (MESHMEM_STAGED_STREAM_FILL) costs the GPU, against
 // the copy engine that the staging agent's copy uses. The fill kernel copies a put of at most
 // 64 KiB from device memory into a pinned host slot with device::copy_block (the library's
 // block copy) before it sets the transfer's ready word; the question is how many blocks that

@@ -1,4 +1,4 @@
-// pipeline_lab: the study behind the staged transport's chunk size (MESHMEM_STAGING_CHUNK)
+// pipeline_lab: the study behind the staged transport's chunk size (MESHMEM_STAGED_CHUNK)
 // and the steps it enqueues per chunk. One process, GPUs 0 and 1 (peer access never enabled),
 // pinned host memory (cudaMallocHost). A host-staged copy of S bytes from GPU 0 to GPU 1, cut
 // into chunks of C bytes through K slots. Everything is enqueued up front behind a spin kernel,

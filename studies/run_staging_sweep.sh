@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The staged pipeline's chunk size and slot count on a machine of 2 or more GPUs, from a pack
 # built elsewhere (tests/gpu/run_entries.sh --pack): pipeline_lab (the floor with GPU-side
-# dependencies only), then staged_bench up to 256 MiB under each MESHMEM_STAGING_CHUNK /
-# MESHMEM_STAGING_SLOTS pair, then the default pair up to 1 GiB with every call's host time.
+# dependencies only), then staged_bench up to 256 MiB under each MESHMEM_STAGED_CHUNK /
+# MESHMEM_STAGED_SLOTS pair, then the default pair up to 1 GiB with every call's host time.
 #   there: COMMIT=<hash> studies/run_staging_sweep.sh PACK OUT MACHINE     (about 2 minutes)
 # OUT gets lab.txt, sweep.csv (the machine column names chunk and slots), default_1g.csv,
 # bench_logs.tgz and summary.txt.
@@ -21,7 +21,7 @@ for cfg in ${CONFIGS:-4M/4 2M/4 2M/8 1M/8 1M/16 8M/4}; do
   chunk=${cfg%/*}; slots=${cfg#*/}
   bytes=$(( ${chunk%M} * 1048576 ))
   log="$out/bench_${chunk}_${slots}.txt"
-  MESHMEM_STAGING_CHUNK=$bytes MESHMEM_STAGING_SLOTS=$slots timeout 120 mpirun -np 2 --bind-to none bench/staged_bench \
+  MESHMEM_STAGED_CHUNK=$bytes MESHMEM_STAGED_SLOTS=$slots timeout 120 mpirun -np 2 --bind-to none bench/staged_bench \
     --max-bytes 256M --csv "$out/sweep_${chunk}_${slots}.csv" --commit "$c" --machine "$machine-chunk$chunk-slots$slots" --date "$d" > "$log" 2>&1
   r=$?; [ $r = 0 ] || rc=$r
   { echo "== chunk $chunk, slots $slots: rc $r"; grep -E "^staged_(put|get) .*MiB:|host-call" "$log" | grep -v "^ "; } >> "$out/summary.txt"

@@ -9,6 +9,7 @@
 #include "gpu_part.hpp"
 #include "helper_cpus.hpp"
 #include "host_window.hpp"
+#include "knob_notices.hpp"
 #include "log.hpp"
 #include "memory_limits.hpp"
 #include "topology.hpp"
@@ -124,6 +125,7 @@ CommImpl::Start start_comm(MPI_Comm comm, const Options& options, FaultPlan faul
 // Every rank must run with the same MESHMEM_* settings, or they would pick different
 // transports for one pair of ranks.
 void agree_on_options(Bootstrap& boot, const Options& options) {
+  report_knob_notices(boot, options, "meshmem::Comm");  // first: a misspelt name may explain a difference
   const std::string mine = options.fingerprint();
   const std::uint64_t hash = fnv1a(mine);
   std::vector<std::uint64_t> all(static_cast<std::size_t>(boot.size()));

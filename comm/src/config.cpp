@@ -1,9 +1,13 @@
 #include "meshmem/config.hpp"
 
+#include <unistd.h>  // environ
+
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <sstream>
+
+#include "gpu_part.hpp"
 
 #include "knobs.hpp"
 #include "meshmem/error.hpp"
@@ -111,60 +115,97 @@ std::string print_transports(const std::vector<TransportKind>& kinds) {
 
 // The core's knobs.
 const OptionKnob<std::chrono::milliseconds> kTimeout{
-    "MESHMEM_TIMEOUT", &Options::timeout, parse_duration, print_duration,
+    Tier::User, "MESHMEM_TIMEOUT", &Options::timeout, parse_duration, print_duration,
     "longest wait for a peer (host waits, Comm construction, collectives): `30`, `2.5s`, `500ms`, `5min`; "
-    "`0` or `inf` = forever"};
+    "`0` or `inf` = forever",
+    nullptr};
 const OptionKnob<int> kSimulateNodes{
-    "MESHMEM_SIMULATE_NODES", &Options::simulate_nodes, parse_node_split, print_int,
-    "split each real node into N simulated nodes (contiguous blocks of ranks); ranks of different simulated "
-    "nodes are treated exactly like ranks of different real nodes"};
+    Tier::Testing, "MESHMEM_SIMULATE_NODES", &Options::simulate_nodes, parse_node_split, print_int,
+    "split each real node into N simulated nodes (blocks of ranks), treated like real nodes: cross-node routes on "
+    "one machine",
+    "Contiguous blocks of ranks form each simulated node; ranks of different simulated nodes are treated exactly "
+    "like ranks of different real nodes (routes, descriptor passing, barriers), so that the tests of every "
+    "placement run on one machine"};
 const OptionKnob<FdPassing> kFdPassingKnob{
-    "MESHMEM_FD_PASSING", &Options::fd_passing, parse_named<kFdPassing>, print_named<kFdPassing>,
+    Tier::User, "MESHMEM_FD_PASSING", &Options::fd_passing, parse_named<kFdPassing>, print_named<kFdPassing>,
+    "how node peers pass memory descriptors: `pidfd` (pidfd_getfd), `socket` (SCM_RIGHTS), or `auto` (pidfd where "
+    "every node peer permits it)",
     "`pidfd` (pidfd_getfd; needs ptrace permission), `socket` (SCM_RIGHTS over an abstract Unix socket named "
     "with a random per-job token; the sender's pid and uid are checked with SO_PEERCRED), or `auto` (pidfd "
     "where every node peer permits it)"};
 const OptionKnob<std::vector<TransportKind>> kTransports{
-    "MESHMEM_TRANSPORTS", &Options::transports, parse_transports, print_transports,
-    "the transports allowed, in the order tried for each peer and memory kind: `ipc` (device windows, same "
-    "node, VMM mappings), `staged` (device windows, same node, GPUs without peer access: through the node's "
-    "pinned staging pool; `staged,shm,mpi` forces it where peer access works), `nccl` (device windows, other "
-    "nodes: NCCL send/receive driven by each rank's proxy thread; libnccl loaded at run time), `mpi-device` "
-    "(device windows, other nodes, where NCCL is absent or left out: the same proxy threads, MPI messages through "
-    "pinned host memory), `shm` (host windows, "
-    "same node, mapped memfd), `mpi` (host windows, any node, progress thread). `mpi` alone sends even same-node "
-    "host traffic through MPI; without `ipc` and `staged` device windows reach no node peer, without `nccl` and "
-    "`mpi-device` no rank of another node"};
+    Tier::User, "MESHMEM_TRANSPORTS", &Options::transports, parse_transports, print_transports,
+    "the transports allowed, in the order tried for each peer and memory kind: `ipc`, `staged`, `nccl`, "
+    "`mpi-device`, `shm`, `mpi`",
+    "`ipc` (device windows, same node, VMM mappings), `staged` (device windows, same node, GPUs without peer "
+    "access: through the node's pinned staging pool; `staged,shm,mpi` forces it where peer access works), `nccl` "
+    "(device windows, other nodes: NCCL send/receive driven by each rank's proxy thread; libnccl loaded at run "
+    "time), `mpi-device` (device windows, other nodes, where NCCL is absent or left out: the same proxy threads, "
+    "MPI messages through pinned host memory), `shm` (host windows, same node, mapped memfd), `mpi` (host windows, "
+    "any node, progress thread). `mpi` alone sends even same-node host traffic through MPI; without `ipc` and "
+    "`staged` device windows reach no node peer, without `nccl` and `mpi-device` no rank of another node"};
 
 const OptionKnob<LogLevel> kLogLevel{
-    "MESHMEM_LOG_LEVEL", &Options::log_level, parse_named<kLogLevels>, print_named<kLogLevels>,
-    "`error`, `warn`, `info`, `debug` (stderr, prefixed with the rank); may differ between ranks",
+    Tier::User, "MESHMEM_LOG_LEVEL", &Options::log_level, parse_named<kLogLevels>, print_named<kLogLevels>,
+    "`error`, `warn`, `info`, `debug` (stderr, prefixed with the rank); may differ between ranks", nullptr,
     /*must_agree=*/false};
+
+// A GPU part's knob set in a program without the GPU part: accepted (its value checked), unused.
+std::string unused_notice(const Knob& k, const Options& o) {
+  return std::string(k.name()) + "=" + k.text(o) + " has no effect: " + kNoGpuPart;
+}
 
 }  // namespace
 }  // namespace detail
 
 void Options::set(const std::string& variable, const std::string& value) {
-  const detail::Knob* knob = detail::find_knob(variable);
+  bool old = false;
+  const detail::Knob* knob = detail::find_knob(variable, &old);
   if (knob == nullptr) {
-    std::string known;
-    for (const detail::Knob* k : detail::knob_table()) known += (known.empty() ? "" : ", ") + std::string(k->name());
+    const detail::Knob* near = detail::closest_knob(variable);
     throw Error(ErrorCode::InvalidArgument,
-                "Options::set: " + variable + " is not a meshmem setting in this build (known: " + known + ")");
+                "Options::set: " + variable + " is not a meshmem setting" +
+                    (near != nullptr ? " (did you mean " + std::string(near->name()) + "?)" : "") +
+                    "; `meshmem-info --all` lists them");
   }
   knob->set(*this, value);
+  sources_[knob->name()] = old ? std::string("set (old name ") + variable + ")" : "set";
+  if (old) notices_.push_back(detail::old_name_notice(*knob));
+  if (knob->in_gpu_part() && !detail::gpu_part_linked()) notices_.push_back(detail::unused_notice(*knob, *this));
 }
 
 Options Options::parse(const std::function<const char*(const char*)>& lookup) {
   Options o;
   for (const detail::Knob* k : detail::knob_table()) {
     const char* v = lookup(k->name());
-    if (v != nullptr && v[0] != '\0') k->set(o, v);  // empty = unset
+    const bool set = v != nullptr && v[0] != '\0';  // empty = unset
+    const char* old = k->old_name() != nullptr ? lookup(k->old_name()) : nullptr;
+    const bool old_set = old != nullptr && old[0] != '\0';
+    if (set) {
+      k->set(o, v);
+      o.sources_[k->name()] = "env";
+      if (old_set)
+        o.notices_.push_back(std::string(k->old_name()) + " is ignored: " + k->name() + " is set too (" +
+                             k->old_name() + " is its old name)");
+    } else if (old_set) {
+      k->set(o, old);
+      o.sources_[k->name()] = std::string("env (old name ") + k->old_name() + ")";
+      o.notices_.push_back(detail::old_name_notice(*k));
+    }
+    if ((set || old_set) && k->in_gpu_part() && !detail::gpu_part_linked())
+      o.notices_.push_back(detail::unused_notice(*k, o));
   }
   return o;
 }
 
 Options Options::from_environment() {
-  return parse([](const char* var) { return std::getenv(var); });
+  Options o = parse([](const char* var) { return std::getenv(var); });
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const std::string entry = *e;
+    const std::string notice = detail::unknown_variable_notice(entry.substr(0, entry.find('=')));
+    if (!notice.empty()) o.notices_.push_back(notice);
+  }
+  return o;
 }
 
 std::vector<std::string> Options::describe() const {
@@ -172,6 +213,27 @@ std::vector<std::string> Options::describe() const {
   for (const detail::Knob* k : detail::knob_table())
     lines.push_back(std::string(k->name()) + "=" + k->text(*this) + " (" + k->doc() + ")");
   return lines;
+}
+
+std::vector<Options::Setting> Options::settings() const {
+  std::vector<Setting> all;
+  for (const detail::Knob* k : detail::knob_table()) {
+    Setting s;
+    s.name = k->name();
+    s.old_name = k->old_name() != nullptr ? k->old_name() : "";
+    s.value = k->text(*this);
+    s.default_value = k->default_text();
+    s.tier = detail::to_string(k->tier());
+    const auto it = sources_.find(k->name());
+    // A field assigned by the program itself (o.timeout = ...) has no recorded source.
+    s.source = it != sources_.end() ? it->second : s.value == s.default_value ? "default" : "program";
+    s.doc = k->doc();
+    s.details = k->details();
+    s.used = !k->in_gpu_part() || detail::gpu_part_linked();
+    s.must_agree = k->must_agree();
+    all.push_back(std::move(s));
+  }
+  return all;
 }
 
 std::string Options::fingerprint() const {

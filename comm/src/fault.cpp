@@ -161,24 +161,24 @@ std::string entry_text(const FaultEntry& e) {
 
 std::string knob_doc() {
   std::string doc =
-      "**test only**: fault injection, to test dead and stalled peers (issue 13). Comma-separated "
+      "Fault injection, to test dead and stalled peers. Comma-separated "
       "`<rank>:<point>:<action>[:hit=<n>]`: when a thread of that rank of the Comm reaches the point (the n-th "
       "time; default the first) it takes the action once: `kill` (the process dies at once, as in a crash), "
       "`delay=<ms>` (the thread sleeps, then goes on), `stop=<ms>` (the thread stops until the test resumes it, "
       "at most that long) or, where the point says so, `fail` (the call made there fails as if its library had "
-      "returned an error). Points: ";
+      "returned an error). An unknown point, a rank outside the Comm or a malformed action fails the Comm's "
+      "construction. Points:";
   for (std::size_t i = 0; i < kFaultPointCount; ++i)
-    doc += std::string(i ? "; " : "") + "`" + kPoints[i].name + "` (" + kPoints[i].where + ")";
-  doc += ". An unknown point, a rank outside the Comm or a malformed action fails the Comm's construction; "
-         "may differ between ranks";
+    doc += std::string("\n- `") + kPoints[i].name + "` (" + kPoints[i].where + ")";
   return doc;
 }
 
 // Built before the knob that points at it (one translation unit: declaration order).
 const std::string kFaultDoc = knob_doc();
-// Group "testing": last in the table (README, meshmem-info), after the knobs users tune.
 const TuningKnob<std::vector<FaultEntry>> kFault{
-    "testing", "MESHMEM_FAULT", {}, parse_faults, print_faults, kFaultDoc.c_str(), /*must_agree=*/false};
+    Tier::Testing, "testing", "MESHMEM_FAULT", {}, parse_faults, print_faults,
+    "fault injection at named points of meshmem (a test): `<rank>:<point>:<action>[:hit=<n>]`, comma-separated",
+    kFaultDoc.c_str(), /*must_agree=*/false};
 
 // What this process did at each point, and the stops under way (process-wide: tests observe
 // and resume them without reaching into a Comm).

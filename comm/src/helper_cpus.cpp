@@ -21,8 +21,10 @@ enum class HelperCpusMode { Auto, Inherit };
 constexpr std::pair<const char*, HelperCpusMode> kHelperCpusModes[] = {{"auto", HelperCpusMode::Auto},
                                                                       {"inherit", HelperCpusMode::Inherit}};
 const TuningKnob<HelperCpusMode> kHelperCpus{
-    "comm", "MESHMEM_HELPER_CPUS", HelperCpusMode::Auto, parse_named<kHelperCpusModes>,
+    Tier::User, "comm", "MESHMEM_HELPER_CPUS", HelperCpusMode::Auto, parse_named<kHelperCpusModes>,
     print_named<kHelperCpusModes>,
+    "`auto`: meshmem's busy threads avoid the core a rank is bound to (other CPUs of its NUMA node); `inherit`: they "
+    "keep the creator's CPUs",
     "`auto`: where a Comm is made on a thread bound to one core (Open MPI's default for two ranks), meshmem's busy "
     "threads (the staging agent, the nccl and mpi-device transfer proxies, the proxy barrier's thread, the host MPI "
     "progress thread, NCCL's own threads) run on the other CPUs of that core's NUMA node, less those other ranks of "

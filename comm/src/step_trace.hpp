@@ -3,7 +3,7 @@
 // staging agent's: a transfer handed over, its source seen ready, its copy enqueued, its
 // descriptor posted; a peer's descriptor seen, carried out). bench/agent_trace.py reads the
 // files of all ranks and prints where the time went. Off unless asked for (the staging agent:
-// MESHMEM_TRACE_STAGED): a step then costs one branch.
+// MESHMEM_STAGED_TRACE): a step then costs one branch.
 //
 // Times are CLOCK_MONOTONIC in nanoseconds, one clock for every process of a host, so the
 // steps of two ranks of a node line up. CUDA-free and MPI-free.

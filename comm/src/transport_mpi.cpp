@@ -46,8 +46,10 @@ std::chrono::microseconds parse_idle_sleep(const char* name, const std::string& 
 // of an idle rank. bench/results/2026-11-23-ci-2core-idle-sweep-71bc903.txt and the sweep in 71bc903's
 // message: a median of 15 waits spread over [0, sleep] differs by tens of percent between runs.
 const TuningKnob<std::chrono::microseconds> kIdleSleep{
-    "mpi", "MESHMEM_MPI_IDLE_SLEEP", Backoff::kLongest, parse_idle_sleep, print_micros,
-    "mpi transport: the longest sleep between two polls for peers' requests, of the progress thread and of a host "
+    Tier::Tuning, "mpi", "MESHMEM_MPI_IDLE_SLEEP", Backoff::kLongest, parse_idle_sleep, print_micros,
+    "mpi transport: the longest sleep of an idle rank between two polls for peers' requests (`250us`, `2ms`; `0`: "
+    "never sleeps)",
+    "The longest sleep between two polls for peers' requests, of the progress thread and of a host "
     "wait that serves them meanwhile (`wait_until`, a get's or quiet's wait), reached once nothing came for 200 ms "
     "(sleeps of 20, 100 and 300 us before); a request to such a rank waits for its next poll. Shorter answers the "
     "first request after an idle spell sooner and costs more CPU time while idle; measured on a 2-core VM, two runs "

@@ -73,11 +73,8 @@ void probe_pidfd(NodeReport* r) {
 }
 
 std::string nccl_library_setting() {
-  for (const std::string& line : Options::from_environment().describe())
-    if (line.rfind("MESHMEM_NCCL_LIBRARY=", 0) == 0) {
-      const auto open = line.find(" (");
-      return line.substr(std::string("MESHMEM_NCCL_LIBRARY=").size(), open - std::string("MESHMEM_NCCL_LIBRARY=").size());
-    }
+  for (const Options::Setting& s : Options::from_environment().settings())
+    if (s.name == "MESHMEM_NCCL_LIBRARY") return s.value;
   return "libnccl.so.2";
 }
 
@@ -186,7 +183,7 @@ void explain_pair(const GpuFacts& a, const GpuFacts& b, PeerFacts* p) {
                          "passthrough, then `nvidia-smi topo -p2p r`";
   } else if (!p->enabled) {
     p->reason = "the driver allows peer access but enabling it failed";
-    p->advice = "run with MESHMEM_PEER_ACCESS=off, so that the staged transport (pinned host memory) carries this "
+    p->advice = "run with MESHMEM_IPC_PEER_ACCESS=off, so that the staged transport (pinned host memory) carries this "
                 "pair (meshmem's ipc route maps memory directly and may still try it); check dmesg for Xid errors";
   } else if (!p->copy_verified || !p->kernel_verified) {
     p->reason = std::string("peer access is granted but write-and-verify failed (") +
@@ -194,7 +191,7 @@ void explain_pair(const GpuFacts& a, const GpuFacts& b, PeerFacts* p) {
                 (!p->kernel_verified ? "kernel stores and loads" : "") +
                 "): data written to the peer did not arrive intact; an IOMMU/ACS or virtualisation layer is the "
                 "usual cause";
-    p->advice = "do not use ipc for this pair: run with MESHMEM_PEER_ACCESS=off (the staged transport carries "
+    p->advice = "do not use ipc for this pair: run with MESHMEM_IPC_PEER_ACCESS=off (the staged transport carries "
                 "it) and report the machine to its administrators";
   }
 }

@@ -118,7 +118,7 @@ inline std::vector<std::string> host_names() {
 
 // The device API (Window::view(), Window::peer) reaches only peers mapped here (ipc): a
 // test of it names the first peer that is not ("" if all are), to skip with the reason
-// (under MESHMEM_TRANSPORTS=staged,... or MESHMEM_PEER_ACCESS=off some pairs are staged).
+// (under MESHMEM_TRANSPORTS=staged,... or MESHMEM_IPC_PEER_ACCESS=off some pairs are staged).
 inline std::string unmapped_peer(const Comm& comm, const Window& win) {
   for (int r = 0; r < comm.size(); ++r)
     if (win.peer(r) == nullptr)

@@ -183,7 +183,7 @@ TEST_F(ProcessDeath, FailedContextEndsStagedTransfersWaitingForTheirStream) {
   if (std::getenv("CUDA_MPS_PIPE_DIRECTORY") != nullptr || access("/tmp/nvidia-mps/control", F_OK) == 0)
     GTEST_SKIP() << "an MPS server may serve this GPU: a trap there ends every client's context";
   ScopedEnv timeout("MESHMEM_TIMEOUT", "60");
-  ScopedEnv fill("MESHMEM_STAGING_STREAM_FILL", "on");  // the small put through the fill
+  ScopedEnv fill("MESHMEM_STAGED_STREAM_FILL", "on");  // the small put through the fill
   make_comm();
   ASSERT_EQ(n, 2) << "written for two ranks";
   ASSERT_EQ(comm->transport(1 - me, Memory::Device), TransportKind::Staged);
@@ -243,7 +243,7 @@ TEST_P(KilledOwner, EndsTheGetsItOwed) {
   ScopedEnv fault("MESHMEM_FAULT", mode == "carry"    ? "1:staged.carry:kill"
                                    : mode == "answer" ? "1:staged.answer:kill:hit=2"
                                                       : "0:staged.ends_in:fail");
-  ScopedEnv chunk("MESHMEM_STAGING_CHUNK", "4194304");  // the get's answer is three chunks
+  ScopedEnv chunk("MESHMEM_STAGED_CHUNK", "4194304");  // the get's answer is three chunks
   make_comm();
   ASSERT_EQ(n, 2) << "written for two ranks (rank 1 is killed)";
   ASSERT_EQ(comm->transport(1 - me, Memory::Device), TransportKind::Staged);

@@ -11,7 +11,7 @@ namespace {
 // data nor its signal lands. Set still works, Add into a rank on the same GPU is a local
 // atomic, and routes whose target's thread applies the Add (staged, nccl, mpi-device) take it.
 TEST_F(RealUse, SignalAddWithoutNativePeerAtomicsIsRefused) {
-  ScopedEnv atomics("MESHMEM_PEER_ATOMICS", "off");
+  ScopedEnv atomics("MESHMEM_IPC_PEER_ATOMICS", "off");
   make_comm();
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   const std::vector<std::string> bus = meshmem::test::gpu_bus_ids();

@@ -167,8 +167,8 @@ TEST_F(RealUse, EarlyLaunchedKernelsWaitForThePreviousKernel) {
 // did not wait would forward the poison.
 TEST_F(RealUse, EarlyLaunchedCopyWaitsForThePreviousCopy) {
   ScopedEnv wait("MESHMEM_STREAM_WAIT", "kernel");
-  ScopedEnv fused("MESHMEM_FUSED_SIGNAL_MAX", "8388608");  // both copies on the SMs
-  ScopedEnv sm("MESHMEM_SM_COPY_MAX", "8388608");
+  ScopedEnv fused("MESHMEM_IPC_FUSED_SIGNAL_MAX", "8388608");  // both copies on the SMs
+  ScopedEnv sm("MESHMEM_IPC_SM_COPY_MAX", "8388608");
   make_comm();
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   if (comm->device_info().find("early launch") == std::string::npos)

@@ -276,7 +276,7 @@ class StoppedProxy : public RealUse, public ::testing::WithParamInterface<const 
     std::optional<ScopedEnv> transports, channels;
     if (staged) {
       transports.emplace("MESHMEM_TRANSPORTS", "staged,shm,mpi");
-      channels.emplace("MESHMEM_STAGING_CHANNELS", "always");  // through rank 1's agent
+      channels.emplace("MESHMEM_STAGED_CHANNELS", "always");  // through rank 1's agent
     }
     make_comm();
     const TransportKind route = n >= 2 && me == 0 ? comm->transport(1, Memory::Device) : TransportKind::Mpi;
@@ -365,7 +365,7 @@ TEST_P(StoppedProxy, StagedGetFromAPeerWhoseAgentStopsEndsInTheTimeout) {
 INSTANTIATE_TEST_SUITE_P(Waits, StoppedProxy, ::testing::Values("kernel", "memop"),
                          [](const auto& info) { return std::string(info.param); });
 
-// A small staged put's stream fills its slot (MESHMEM_STAGING_STREAM_FILL) once the slot's
+// A small staged put's stream fills its slot (MESHMEM_STAGED_STREAM_FILL) once the slot's
 // previous put ended. Rank 1's agent stops for 6 s at the first chunk it takes (rank 0's put
 // P1), with a 2 s timeout: P1's stream goes on after its timeout, and P2 on the same stream
 // finds the slot still held (rank 1 may still copy P1 out of it) and is copied by rank 0's
@@ -383,8 +383,8 @@ TEST_P(StalledFill, StreamFilledPutBehindATimedOutOneLeavesItsSlotAlone) {
   ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
   ScopedEnv wait("MESHMEM_STREAM_WAIT", GetParam());
   ScopedEnv transports("MESHMEM_TRANSPORTS", "staged,shm,mpi");
-  ScopedEnv fill("MESHMEM_STAGING_STREAM_FILL", "on");
-  ScopedEnv channels("MESHMEM_STAGING_CHANNELS", "always");  // through rank 1's agent
+  ScopedEnv fill("MESHMEM_STAGED_STREAM_FILL", "on");
+  ScopedEnv channels("MESHMEM_STAGED_CHANNELS", "always");  // through rank 1's agent
   const std::string plan = "1:staged.carry:stop=" + std::to_string(kStopMs);
   ScopedEnv fault("MESHMEM_FAULT", plan.c_str());
   make_comm();
@@ -449,8 +449,8 @@ TEST_P(StalledFill, ASlotHeldByATimedOutPutIsNeverFilledAgain) {
   ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
   ScopedEnv wait("MESHMEM_STREAM_WAIT", GetParam());
   ScopedEnv transports("MESHMEM_TRANSPORTS", "staged,shm,mpi");
-  ScopedEnv fill("MESHMEM_STAGING_STREAM_FILL", "on");
-  ScopedEnv channels("MESHMEM_STAGING_CHANNELS", "always");
+  ScopedEnv fill("MESHMEM_STAGED_STREAM_FILL", "on");
+  ScopedEnv channels("MESHMEM_STAGED_CHANNELS", "always");
   const std::string plan = "1:staged.copy_in:delay=" + std::to_string(kDelayMs);
   ScopedEnv fault("MESHMEM_FAULT", plan.c_str());
   make_comm();

@@ -82,7 +82,9 @@ if [ "${1:-}" = "tier" ]; then
   device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-' | sed 's/^nvidia-//')
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
   device=${device:-no-gpu}
-  commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${MESHMEM_COMMIT:-unknown}")
+  # The device machine's copy of the tree may carry another HEAD than the tree it came from: the
+  # developer's machine passes MESHMEM_COMMIT.
+  commit=${MESHMEM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
   day=$(date -u +%Y-%m-%d)
   tsv="$build/tests/gpu/entries.tsv"
   field() { awk -F'\t' -v n="$1" -v f="$2" '$1 == n {print $f; exit}' "$tsv"; }

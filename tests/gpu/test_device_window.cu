@@ -135,7 +135,7 @@ void put_every_pair(Comm& comm, cudaStream_t stream, std::uint64_t seed, bool pa
 // says so with MESHMEM_TEST_USER_NCCL_HOSTID: meshmem sets NCCL_HOSTID itself otherwise,
 // one per simulated node, so the test cannot read it from its environment), else none. This
 // node: `staged` where MESHMEM_TRANSPORTS puts it first, or for a pair of different GPUs
-// under MESHMEM_PEER_ACCESS=off; else ipc (every GPU machine here has peer access).
+// under MESHMEM_IPC_PEER_ACCESS=off; else ipc (every GPU machine here has peer access).
 // Collective (every rank calls it for the same r).
 TransportKind expected_route(const Comm& comm, int me, int r) {
   const char* order = std::getenv("MESHMEM_TRANSPORTS");
@@ -152,7 +152,7 @@ TransportKind expected_route(const Comm& comm, int me, int r) {
     return mpi_reaches ? TransportKind::MpiDevice : TransportKind::None;
   }
   if (order != nullptr && std::strncmp(order, "staged", 6) == 0) return TransportKind::Staged;
-  const char* access = std::getenv("MESHMEM_PEER_ACCESS");
+  const char* access = std::getenv("MESHMEM_IPC_PEER_ACCESS");
   if (access == nullptr || std::strcmp(access, "off") != 0) return TransportKind::Ipc;
   if (bus[me].empty()) return TransportKind::None;
   return bus[me] == bus[r] ? TransportKind::Ipc : TransportKind::Staged;
@@ -204,12 +204,12 @@ TEST_F(DeviceWindow, PutEveryPairDeviceSource) { put_every_pair(*comm, stream, s
 TEST_F(DeviceWindow, PutEveryPairPageableSource) { put_every_pair(*comm, stream, seed, true); }
 
 class DeviceWindowCopyEngine : public DeviceWindow {
-  Options options() override { Options o = options_from_env(); o.set("MESHMEM_SM_COPY_MAX", "0"); return o; }
+  Options options() override { Options o = options_from_env(); o.set("MESHMEM_IPC_SM_COPY_MAX", "0"); return o; }
 };
 TEST_F(DeviceWindowCopyEngine, PutEveryPairAlwaysCopyEngine) { put_every_pair(*comm, stream, seed, false); }
 
 class DeviceWindowSm : public DeviceWindow {
-  Options options() override { Options o = options_from_env(); o.set("MESHMEM_SM_COPY_MAX", "1099511627776"); return o; }
+  Options options() override { Options o = options_from_env(); o.set("MESHMEM_IPC_SM_COPY_MAX", "1099511627776"); return o; }
 };
 TEST_F(DeviceWindowSm, PutEveryPairAlwaysCopyKernel) { put_every_pair(*comm, stream, seed, false); }
 

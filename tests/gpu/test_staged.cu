@@ -214,11 +214,11 @@ TEST_F(Staged, SignalsFromBothNeighboursAtOnceNeverAheadOfTheirData) {
 TEST_F(Staged, ChunksWhoseCopyFailsAreRefusedWithoutTheirSignal) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   // The fault point is the channel reader's (the target's agent copying chunks in). With one
-  // agent (MESHMEM_STAGING_CHANNELS=when-hidden; the suite's entries never hide the peer's GPU
+  // agent (MESHMEM_STAGED_CHANNELS=when-hidden; the suite's entries never hide the peer's GPU
   // there) the initiator's agent makes both copies and rank 1's copies nothing.
-  if (const char* channels = std::getenv("MESHMEM_STAGING_CHANNELS");
+  if (const char* channels = std::getenv("MESHMEM_STAGED_CHANNELS");
       channels != nullptr && std::string(channels) == "when-hidden")
-    GTEST_SKIP() << "one agent carries the transfers (MESHMEM_STAGING_CHANNELS=when-hidden): no channel reader copies "
+    GTEST_SKIP() << "one agent carries the transfers (MESHMEM_STAGED_CHANNELS=when-hidden): no channel reader copies "
                     "in, where this case injects its fault";
   comm.reset();
   comm = std::make_unique<Comm>(MPI_COMM_WORLD, staged_options("MESHMEM_FAULT", "1:staged.copy_in:fail,1:staged.copy_in:fail:hit=2"));
@@ -323,7 +323,7 @@ class StagedSourceCompletion : public Staged {
   // one-agent path.
   virtual Options options() {
     Options o = staged_options("MESHMEM_STAGED_COMPLETION", "source");
-    o.set("MESHMEM_STAGING_CHANNELS", "always");
+    o.set("MESHMEM_STAGED_CHANNELS", "always");
     return o;
   }
 };
@@ -714,7 +714,7 @@ TEST_F(Staged, ManySmallTransfersOnFourStreamsEachKeepTheirOrder) {
 }
 
 // Puts of at most 64 KiB from a rank's GPU go into a small slot by a kernel on the caller's
-// stream (MESHMEM_STAGING_STREAM_FILL=on), 16 slots, one per stream; the streams beyond
+// stream (MESHMEM_STAGED_STREAM_FILL=on), 16 slots, one per stream; the streams beyond
 // (their slots' puts still running), larger puts and odd sources, through the agent's copy. 20
 // streams, sizes on both sides of the limit, sources 4, 8 or 16 bytes into a line or odd,
 // unaligned destinations, each put to a range of its own: every byte lands, and the poisoned
@@ -723,7 +723,7 @@ TEST_F(Staged, StreamFilledAndAgentPutsOnMoreStreamsThanFillSlotsLandWhole) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   // On also where ranks share a GPU (auto: off there).
   comm.reset();
-  comm = std::make_unique<Comm>(MPI_COMM_WORLD, staged_options("MESHMEM_STAGING_STREAM_FILL", "on"));
+  comm = std::make_unique<Comm>(MPI_COMM_WORLD, staged_options("MESHMEM_STAGED_STREAM_FILL", "on"));
   constexpr int kStreams = 20, kRounds = 6;
   constexpr std::size_t kSizes[] = {1, 4096 + 3, 65536, 65537, 777, 65536 - 5};
   constexpr std::size_t kGap = 15, kSpan = 65537 + kGap;  // each put's range, a multiple of 16
@@ -831,12 +831,12 @@ int open_fds() {
 // descriptors and free GPU memory come back to where they were.
 // Every rank puts to both neighbours at once and then gets from one, with chunks of 16 KiB:
 // thousands of chunks per transfer in both directions of every pair. Through the channel
-// (the default, MESHMEM_STAGING_CHANNELS=always, or isolation) the agents carry each other's chunks while
+// (the default, MESHMEM_STAGED_CHANNELS=always, or isolation) the agents carry each other's chunks while
 // they wait for their own slots; nothing may stall, and every byte arrives.
 TEST_F(Staged, BothWaysWithThousandsOfChunksEachNothingStalls) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   comm.reset();
-  Comm c(MPI_COMM_WORLD, staged_options("MESHMEM_STAGING_CHUNK", "16384"));
+  Comm c(MPI_COMM_WORLD, staged_options("MESHMEM_STAGED_CHUNK", "16384"));
   const std::size_t bytes = (std::size_t(64) << 20) + 4099;  // 4,097 chunks
   Window win = c.alloc(2 * bytes);
   Signals sig = c.alloc_signals(2);
@@ -876,7 +876,7 @@ TEST_F(Staged, BothWaysWithThousandsOfChunksEachNothingStalls) {
 }
 
 // Peer access that the driver grants but that drops or corrupts writes: the write-and-verify
-// check at Comm creation (MESHMEM_PEER_VERIFY=corrupt makes every rank's check writes wrong,
+// check at Comm creation (MESHMEM_IPC_PEER_VERIFY_CORRUPT=on makes every rank's check writes wrong,
 // as such a path would) leaves ipc out for every peer, says why, and staged carries the data.
 // With the check on, peers are reached by ipc wherever the mapping works (one GPU per rank
 // with peer access: the GPU machines).
@@ -886,13 +886,13 @@ TEST_F(Staged, PeerAccessThatFailsWriteAndVerifyGoesThroughStaged) {
   {
     Options o = Options::from_environment();
     o.set("MESHMEM_TRANSPORTS", "ipc,staged,shm,mpi");
-    o.set("MESHMEM_PEER_VERIFY", "on");
+    o.set("MESHMEM_IPC_PEER_VERIFY", "on");
     Comm c(MPI_COMM_WORLD, o);
     EXPECT_EQ(c.transport(right, Memory::Device), TransportKind::Ipc) << "with the check passing";
   }
   Options o = Options::from_environment();
   o.set("MESHMEM_TRANSPORTS", "ipc,staged,shm,mpi");
-  o.set("MESHMEM_PEER_VERIFY", "corrupt");
+  o.set("MESHMEM_IPC_PEER_VERIFY_CORRUPT", "on");
   Comm c(MPI_COMM_WORLD, o);
   ASSERT_EQ(c.transport(right, Memory::Device), TransportKind::Staged);
   const std::string why = c.skipped_reason(right, Memory::Device);

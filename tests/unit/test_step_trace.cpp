@@ -34,7 +34,7 @@ TEST(StepTrace, OffRecordsAndWritesNothing) {
   off.record('S', 1, 2, 3);
   EXPECT_EQ(off.recorded(), 0u);
   EXPECT_NE(off.write(), "");
-  StepTrace none("", 0);  // what the agent makes where MESHMEM_TRACE_STAGED is off
+  StepTrace none("", 0);  // what the agent makes where MESHMEM_STAGED_TRACE is off
   EXPECT_FALSE(none.on());
 }
 

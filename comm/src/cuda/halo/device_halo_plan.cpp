@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "knobs.hpp"
+#include "cuda/halo/device_halo_plan_knobs.hpp"
 #include "cuda/halo/halo_watch.hpp"
 #include "cuda/runtime/block_pool.hpp"
 #include "cuda/runtime/cuda_owners.hpp"
@@ -20,18 +21,7 @@ namespace meshmem::detail {
 
 namespace {
 
-enum class HaloSends { Serial, Concurrent };
-constexpr std::pair<const char*, HaloSends> kHaloSendsKinds[] = {{"serial", HaloSends::Serial},
-                                                                  {"concurrent", HaloSends::Concurrent}};
-
-const TuningKnob<HaloSends> kHaloSends{
-    "device", "MESHMEM_HALO_SENDS", HaloSends::Concurrent, parse_named<kHaloSendsKinds>, print_named<kHaloSendsKinds>,
-    "device halo exchanges with neighbours whose windows are not mapped (staged, nccl, mpi-device): `concurrent` "
-    "sends to each on a stream of the exchange's own, forked from the caller's stream and joined back before the "
-    "exchange waits for its own halos (under graph capture too); `serial` sends to them one after the other on the "
-    "caller's stream, each transfer ending before the next starts, so their latencies add. Jacobi with staged "
-    "forced on 4 x H200, 4 GPUs: 4096^2 107 -> 102 us per iteration, 16384^2 418 -> 397 us (serial -> concurrent)",
-    /*must_agree=*/false};
+// MESHMEM_HALO_SENDS: device_halo_plan_knobs.hpp.
 
 // The copies and the neighbours' signals in one kernel; the waits for this rank's halos in
 // the same kernel, except where ranks share the GPU (MESHMEM_STREAM_WAIT memop) and the

@@ -17,6 +17,7 @@
 #include "cuda/runtime/device_window.hpp"
 #include "cuda/runtime/kernels.hpp"
 #include "meshmem/error.hpp"
+#include "cuda/ipc/transport_ipc_knobs.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
 #include "meshmem/ipc/vmm.hpp"
 
@@ -24,44 +25,7 @@ namespace meshmem::detail {
 
 namespace {
 
-const TuningKnob<std::size_t> kSmCopyMax{
-    "ipc", "MESHMEM_SM_COPY_MAX", 0, parse_bytes, print_number,
-    "device puts/gets up to this many bytes run as a copy kernel on the SMs, larger ones on the copy engine "
-    "(measured: the copy engine is faster at every size on H200, so 0)"};
-const TuningKnob<std::size_t> kFusedSignalMax{
-    "ipc", "MESHMEM_FUSED_SIGNAL_MAX", 65536, parse_bytes, print_number,
-    "a device `put_signal` up to this size is one kernel that copies then signals; larger: copy engine, then a "
-    "stream write of the signal (measured on H200, one way: 5.8 against 9.1 us at 32 KiB, 6.6 against 8.6 at "
-    "64 KiB, 11.6 against 9.6 at 256 KiB)"};
-
-// Both ipc checks below: `auto` (ask the driver, probe) or `off`.
-enum class AutoOff { Auto, Off };
-constexpr std::pair<const char*, AutoOff> kAutoOffChoices[] = {{"auto", AutoOff::Auto}, {"off", AutoOff::Off}};
-const TuningKnob<AutoOff> kPeerAtomics{
-    "ipc", "MESHMEM_PEER_ATOMICS", AutoOff::Auto, parse_named<kAutoOffChoices>, print_named<kAutoOffChoices>,
-    "signal `Add` into another GPU is a remote atomic, which can lose updates between GPUs without native peer "
-    "atomics (PCIe): `auto` asks the driver per pair (CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED) and refuses "
-    "`Add` with Error(Unsupported) where they are absent (where the peer's GPU is hidden from this process it "
-    "cannot be asked: allowed, logged at info); `off` treats every other GPU as lacking them (to test the refusal)"};
-
-const TuningKnob<AutoOff> kPeerAccess{
-    "ipc", "MESHMEM_PEER_ACCESS", AutoOff::Auto, parse_named<kAutoOffChoices>, print_named<kAutoOffChoices>,
-    "`auto`: ipc maps a node peer's GPU memory where the driver grants peer access (cudaDeviceCanAccessPeer, where "
-    "the peer's GPU is visible) and a probe mapping works; `off`: ipc reaches only ranks sharing this GPU, so pairs "
-    "of different GPUs go through `staged` as on a node without peer access (for peer access that the driver "
-    "grants but that does not work, and to test the staged route beside ipc in one job)"};
-
-// The write-and-verify check of every mapped pair: `on`, `off`, or `corrupt` (a test: this
-// rank's writes carry a wrong byte, as a broken peer path would).
-enum class PeerVerify { On, Off, Corrupt };
-constexpr std::pair<const char*, PeerVerify> kPeerVerifyChoices[] = {
-    {"on", PeerVerify::On}, {"off", PeerVerify::Off}, {"corrupt", PeerVerify::Corrupt}};
-const TuningKnob<PeerVerify> kPeerVerify{
-    "ipc", "MESHMEM_PEER_VERIFY", PeerVerify::On, parse_named<kPeerVerifyChoices>, print_named<kPeerVerifyChoices>,
-    "`on`: when a Comm is made, every rank writes a pattern through each peer mapping and reads it back, and the "
-    "peer checks in its own memory that it arrived; a pair where it did not (peer access granted but broken: some "
-    "IOMMU/ACS and virtualised setups) is not reached by ipc and goes through `staged`; `off`: no check; `corrupt`: "
-    "this rank's writes carry a wrong byte (to test the fallback)"};
+// The ipc knobs: transport_ipc_knobs.hpp.
 
 // The node peers' parts of one device window, mapped here.
 // Released by the device runtime's WindowReleaser once the GPU's earlier work is done.
@@ -118,7 +82,7 @@ void IpcTransport::probe_peers() {
     if (r == topo.rank || bus[r] == mine) continue;
     int peer_device = -1, can = 1;
     if (off) {
-      no_route_[r] = "MESHMEM_PEER_ACCESS=off: rank " + std::to_string(r) + "'s GPU (" + bus[r] +
+      no_route_[r] = "MESHMEM_IPC_PEER_ACCESS=off: rank " + std::to_string(r) + "'s GPU (" + bus[r] +
                      ") is another GPU than this rank's (" + mine + ")" + staged_hint;
     } else if (cudaDeviceGetByPCIBusId(&peer_device, bus[r].c_str()) != cudaSuccess) {
       (void)cudaGetLastError();  // hidden (isolation): the probe mapping below decides
@@ -141,7 +105,7 @@ void IpcTransport::probe_peers() {
       log(LogLevel::Warn, "ipc transport: no route to rank " + std::to_string(r) + ": " + no_route_[r]);
     }
   }
-  const PeerVerify verify = kPeerVerify.get(ctx_.options);
+  const PeerVerify verify = peer_verify(ctx_.options);
   if (verify != PeerVerify::Off) verify_peers(probe, mapped, verify == PeerVerify::Corrupt, staged_hint);
 }
 
@@ -230,7 +194,7 @@ void IpcTransport::verify_peers(const ipc::VmmAllocation& probe, const std::vect
     no_route_[r] = "peer access between this rank's GPU and rank " + std::to_string(r) +
                    "'s is granted but broken: a pattern written " + (to_them ? "by rank " + std::to_string(r) + " into this rank" : "by this rank into rank " + std::to_string(r)) +
                    " through the mapping " + (failure[r].empty() ? "did not arrive intact" : failure[r]) +
-                   " (write-and-verify when the Comm was made; MESHMEM_PEER_VERIFY)" + staged_hint;
+                   " (write-and-verify when the Comm was made; MESHMEM_IPC_PEER_VERIFY)" + staged_hint;
     log(LogLevel::Warn, "ipc transport: no route to rank " + std::to_string(r) + ": " + no_route_[r]);
   }
 }
@@ -245,7 +209,7 @@ void IpcTransport::probe_atomics(const std::vector<std::string>& bus) {
   for (int r : topo.node_ranks) {
     if (r == topo.rank || bus[r] == mine) continue;
     if (off) {
-      no_atomics_[r] = "MESHMEM_PEER_ATOMICS=off";
+      no_atomics_[r] = "MESHMEM_IPC_PEER_ATOMICS=off";
       continue;
     }
     int peer_device = -1;

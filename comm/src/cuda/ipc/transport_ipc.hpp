@@ -1,7 +1,7 @@
 // IpcTransport: device windows of peers on this node, mapped here through CUDA VMM (the
 // peer's allocation exported as a POSIX descriptor, passed by FdExchange, imported and
 // mapped). Puts and gets are stream-ordered copies through the mapped pointer: a copy
-// kernel up to MESHMEM_SM_COPY_MAX bytes (lower latency), the copy engine above it (full
+// kernel up to MESHMEM_IPC_SM_COPY_MAX bytes (lower latency), the copy engine above it (full
 // bandwidth). Signals follow their data on the same stream: one fused kernel for small
 // put_signals, else the copy then a stream write (Set) or a one-thread kernel (Add).
 #pragma once

@@ -30,6 +30,7 @@
 #include "cuda/runtime/stream_ops.hpp"
 #include "cuda/runtime/event_pool.hpp"
 #include "cuda/runtime/kernels.hpp"
+#include "cuda/proxy/transport_nccl_knobs.hpp"
 #include "meshmem/error.hpp"
 #include "cuda/proxy/nccl_library.hpp"
 
@@ -37,17 +38,7 @@ namespace meshmem::detail {
 
 namespace {
 
-std::string parse_path(const char* name, const std::string& raw) {
-  if (raw.empty()) bad_knob_value(name, raw, "a library name or path");
-  return raw;
-}
-std::string print_path(const std::string& p) { return p; }
-const TuningKnob<std::string> kNcclLibrary{
-    "nccl", "MESHMEM_NCCL_LIBRARY", "libnccl.so.2", parse_path, print_path,
-    "nccl transport (device windows of ranks on other nodes): the NCCL library to load at run time (a name the "
-    "dynamic linker finds, or a path)",
-    false};
-
+// MESHMEM_NCCL_LIBRARY: transport_nccl_knobs.hpp.
 
 constexpr int kTagInit = 2;
 
@@ -349,6 +340,5 @@ std::string NcclTransport::describe() const {
   const std::string host = host_id_.empty() ? "" : ", NCCL_HOSTID " + host_id_;
   return "NCCL " + lib_->version_text() + " (" + lib_->path + ")" + host + (proxy_ ? "" : ", not connected");
 }
-
 
 }  // namespace meshmem::detail

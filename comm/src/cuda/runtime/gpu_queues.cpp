@@ -10,23 +10,12 @@
 #include "knobs.hpp"
 #include "cuda/runtime/module_loading.hpp"
 #include "cuda/runtime/startup_env.hpp"
+#include "cuda/runtime/gpu_queues_knobs.hpp"
 
 namespace meshmem::detail {
 namespace {
 
-// Read at load, not through Options (which exist only once a Comm is made, too late for
-// CUDA); declared here so that it is in the knob table and checked like every other.
-const TuningKnob<StartupSetting> kGpuQueues{
-    "device", "MESHMEM_GPU_QUEUES", StartupSetting::Auto, parse_named<kStartupSettings>, print_named<kStartupSettings>,
-    "`auto`: when the program starts, meshmem sets CUDA_DEVICE_MAX_CONNECTIONS=32 (CUDA's most hardware queues per "
-    "device; 8 by default) unless the variable is set: a stream that waits stalls the queue it shares with other "
-    "streams of its process, and the staged, nccl and mpi-device transfers that such a wait waits for run on "
-    "meshmem's own streams of the same process (with 8 queues, on 1 x H100, a soak's transfers did not start within "
-    "MESHMEM_TIMEOUT). `keep`: leave the variable alone. Read from the environment when meshmem is loaded "
-    "(Options cannot change it); nothing is set where other threads already run then (a library loaded by dlopen), and where CUDA started before meshmem "
-    "was loaded the request comes too late: export CUDA_DEVICE_MAX_CONNECTIONS=32 yourself there. A Comm that "
-    "routes a peer through those transports with fewer than 32 queues logs a warning (once per process)",
-    false};
+// MESHMEM_GPU_QUEUES: gpu_queues_knobs.hpp.
 
 int parse_count(const char* raw) {
   char* end = nullptr;

@@ -18,7 +18,7 @@ namespace meshmem::detail {
 
 namespace {
 
-constexpr std::size_t kTraceSteps = std::size_t(1) << 20;  // MESHMEM_TRACE_STAGED: steps kept per rank
+constexpr std::size_t kTraceSteps = std::size_t(1) << 20;  // MESHMEM_STAGED_TRACE: steps kept per rank
 
 // `kind`: cudaMemcpyDefault unless both sides are known (device to host costs the host
 // ~0.3 us less per call then on H200, driver_call_lab).
@@ -129,7 +129,7 @@ StagingAgent::~StagingAgent() {
   if (trace_.on()) {
     const std::string problem = trace_.write();
     log(problem.empty() ? LogLevel::Info : LogLevel::Warn,
-        "staged transport on rank " + std::to_string(rank_) + ": step trace (MESHMEM_TRACE_STAGED) of " +
+        "staged transport on rank " + std::to_string(rank_) + ": step trace (MESHMEM_STAGED_TRACE) of " +
             std::to_string(trace_.recorded()) + " steps " + (problem.empty() ? "written" : "not written: " + problem));
   }
   for (const CountAfterCopy& c : consumed_after_copies_)

@@ -90,7 +90,7 @@ class StagingAgent {
     std::unique_ptr<StagingPool> pool;
     std::vector<int> devices;  // this rank's GPU first, then the visible peers' GPUs it drives
     std::size_t chunk = 0;
-    std::size_t first_piece = 0;  // MESHMEM_STAGING_FIRST_PIECE (PieceCursor's ramp; 0: none)
+    std::size_t first_piece = 0;  // MESHMEM_STAGED_FIRST_PIECE (PieceCursor's ramp; 0: none)
     int slots = 0;
     int rank = 0;
     int ranks = 0;
@@ -100,7 +100,7 @@ class StagingAgent {
     // process's pid namespace: the descriptor exchange checked each one's id (fd_exchange.cpp).
     std::vector<pid_t> pids;
     FaultPlan faults;  // staged.carry, staged.answer
-    std::string trace_prefix;  // MESHMEM_TRACE_STAGED: "" or where the step trace goes (+ "." + rank)
+    std::string trace_prefix;  // MESHMEM_STAGED_TRACE: "" or where the step trace goes (+ "." + rank)
     std::chrono::milliseconds timeout{0};
     cuda::WaitLimit limit{};
     // Where replays of captured transfers ring (CapturedHandoff): polled while any exists.
@@ -326,7 +326,7 @@ class StagingAgent {
   std::chrono::milliseconds timeout_;
   cuda::WaitLimit limit_;
   FaultPlan faults_;
-  // MESHMEM_TRACE_STAGED: S handed over (caller's thread), R source seen ready, P copy into a
+  // MESHMEM_STAGED_TRACE: S handed over (caller's thread), R source seen ready, P copy into a
   // slot enqueued (aux: bytes), O posted (aux: 1 for a transfer's last piece); I a peer's
   // descriptor seen, E carried out (enqueued with the rest of its look; aux: the rank whose
   // transfer it is). peer, id: the other rank and the transfer's ticket. L a look's batch
@@ -388,7 +388,7 @@ class StagingAgent {
       std::uint64_t ticket = 0;
     };
     std::vector<End> ends;
-    struct Traced {  // MESHMEM_TRACE_STAGED's E step, once enqueued
+    struct Traced {  // MESHMEM_STAGED_TRACE's E step, once enqueued
       int writer;
       std::uint64_t ticket;
       std::int64_t done_rank;

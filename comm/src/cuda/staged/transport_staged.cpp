@@ -27,31 +27,13 @@
 #include "meshmem/ipc/vmm.hpp"
 #include "cuda/staged/staging_agent.hpp"
 #include "cuda/staged/staging_pool.hpp"
+#include "cuda/staged/transport_staged_knobs.hpp"
 
 namespace meshmem::detail {
 
 namespace {
 
-std::size_t parse_slots(const char* name, const std::string& raw) {
-  const std::size_t n = parse_bytes(name, raw);
-  if (n < 2 || n > 64) bad_knob_value(name, raw, "a slot count from 2 to 64");
-  return n;
-}
-std::size_t parse_chunk(const char* name, const std::string& raw) {
-  const std::size_t n = parse_bytes(name, raw);
-  if (n < 4096 || n > (std::size_t(1) << 30) || n % 4096 != 0)
-    bad_knob_value(name, raw, "a byte count from 4096 to 2^30, a multiple of 4096");
-  return n;
-}
-
-const TuningKnob<std::size_t> kStagingChunk{
-    "staged", "MESHMEM_STAGING_CHUNK", std::size_t(4) << 20, parse_chunk, print_number,
-    "staged transport (GPU pairs without peer access): bytes per chunk; a chunk goes device-to-host on the source "
-    "GPU's copy engine while the previous one goes host-to-device on the target's"};
-const TuningKnob<std::size_t> kStagingSlots{
-    "staged", "MESHMEM_STAGING_SLOTS", 4, parse_slots, print_number,
-    "staged transport: chunks in flight per rank; each rank's share of the node's pinned staging pool is "
-    "slots x chunk plus 1 MiB of small slots for stream-filled puts (MESHMEM_STAGING_STREAM_FILL) and 1 MiB of control words (rounded up to 2 MiB pages; meshmem-info prints it), made when some pair of the Comm routes through `staged`"};
+// The knobs (chunk, slots and those below) are declared in transport_staged_knobs.hpp.
 
 // PieceCursor's ramp, off by default. Why it exists: a transfer's pipeline fills with its first
 // piece's device-to-host copy and drains with its last piece's host-to-device copy; with 4 MiB
@@ -62,33 +44,9 @@ const TuningKnob<std::size_t> kStagingSlots{
 // over, which its copy no longer hides), and they cost source completion and two streams their
 // overlap (64 MiB 0.859 -> 0.814; 0.865 -> 0.816-0.823): more pieces hold the same slots. With
 // one GPU per rank (the x4 case the ramp is for) it is not measured yet.
-std::size_t parse_first_piece(const char* name, const std::string& raw) {
-  if (raw == "off") return 0;
-  const std::size_t n = parse_bytes(name, raw);
-  if (n < PieceCursor::kRampAlign || n > (std::size_t(1) << 30) || n % PieceCursor::kRampAlign != 0)
-    bad_knob_value(name, raw, "`off` or a byte count from 64 KiB to 2^30, a multiple of 64 KiB");
-  return n;
-}
-std::string print_first_piece(const std::size_t& n) { return n == 0 ? "off" : print_number(n); }
-const TuningKnob<std::size_t> kStagingFirstPiece{
-    "staged", "MESHMEM_STAGING_FIRST_PIECE", 0, parse_first_piece, print_first_piece,
-    "staged transport: a contiguous transfer of more than twice this many bytes starts with a piece of this size, "
-    "the pieces doubling up to MESHMEM_STAGING_CHUNK, and ends with pieces halving down to between once and twice "
-    "it, so that the target's copies start and end sooner (the pipeline's fill and drain); `off` (or a size over half "
-    "a chunk): every piece a chunk. Off by default: on 1 x H200 shared by 2 ranks, 256 KiB made a 4 MiB put "
-    "14% faster, a 64 MiB one no faster, and cost source completion and two streams their overlap (bench/results/"
-    "2026-11-29-nvidia-h200-staged-first-piece-c3f85f6.txt); not yet measured with one GPU per rank"};
+// MESHMEM_STAGED_FIRST_PIECE (transport_staged_knobs.hpp).
 
-// "" (off) or a file prefix; "off" reads as "".
-std::string parse_trace_prefix(const char*, const std::string& raw) { return raw == "off" ? "" : raw; }
-std::string print_trace_prefix(const std::string& p) { return p.empty() ? "off" : p; }
-const TuningKnob<std::string> kTraceStaged{
-    "staged", "MESHMEM_TRACE_STAGED", "", parse_trace_prefix, print_trace_prefix,
-    "**test and tuning only**: a file prefix: each rank's staging agent keeps a timestamp of every step of its "
-    "transfers (handed over, source seen ready, copy enqueued, posted; a peer's chunk seen, carried out) and writes "
-    "them to `<prefix>.<rank>` when it ends (up to 2^20 steps, 32 MiB per rank while on); `bench/agent_trace.py "
-    "<prefix>` prints where the time went; `off`: none",
-    false};
+// MESHMEM_STAGED_TRACE (transport_staged_knobs.hpp).
 
 // Small puts to hidden peers whose slot the caller's stream fills. Why: on 4 x H200 (Jacobi
 // 4096^2, 4 ranks, aa3e264's trace) the writer's agent spent 4-7 us from a source seen ready
@@ -99,21 +57,7 @@ const TuningKnob<std::string> kTraceStaged{
 // 26.7. Not where ranks share a GPU: there the kernel waits for its process's time slice,
 // where a copy engine does not (1 x H200, 2 ranks, 76fa6ef: 323-329 us on against 298-302
 // off). Hence `auto`. Rows copied bytewise are left to the copy engine (fills_slot).
-enum class StreamFill { Auto, On, Off };
-constexpr std::pair<const char*, StreamFill> kStreamFillChoices[] = {
-    {"auto", StreamFill::Auto}, {"on", StreamFill::On}, {"off", StreamFill::Off}};
-const TuningKnob<StreamFill> kStagingStreamFill{
-    "staged", "MESHMEM_STAGING_STREAM_FILL", StreamFill::Auto, parse_named<kStreamFillChoices>, print_named<kStreamFillChoices>,
-    "staged transport: `on`: a put, put_signal or halo send (strided rows are packed) of at most 64 KiB from this "
-    "rank's GPU (its rows 4-byte aligned: others, which a kernel would copy bytewise, take the agent's copy) to a "
-    "rank whose GPU is hidden here "
-    "goes into a small slot of the pool by a kernel on the caller's "
-    "stream (the kernel that waits for the put's end anyway), so the agent only posts it; 16 slots, one per stream, "
-    "a slot passing to another stream once its stream's last put there ended (other streams then, captured puts and "
-    "the per-thread default stream go through the agent's copy), and a slot found held by a put that timed out never "
-    "filled again (its reader may still copy out of it); `off`: every put through the agent's copy; "
-    "`auto`: `on` unless this rank shares its GPU (MESHMEM_STREAM_WAIT resolves to memop: the kernel would wait "
-    "for its process's time slice, a copy engine does not)"};
+// MESHMEM_STAGED_STREAM_FILL (transport_staged_knobs.hpp).
 
 // When a staged put's stream goes on. `source` is the put of OpenSHMEM and NVSHMEM (docs/semantics.md "Completion":
 // "a put's source may be reused once its stream has passed the put"; quiet completes it at
@@ -121,35 +65,13 @@ const TuningKnob<StreamFill> kStagingStreamFill{
 // Why `source` exists: a stream that waits for each put's landing runs them one after the
 // other, each pipeline filling and draining (studies/pipeline_lab --transfers 4, 64 MiB x 4,
 // 4 MiB chunks, 1 x H200: 0.847 x min(d2h, h2d) one after the other, 0.879 overlapped).
-enum class Completion { Target, Source };
-constexpr std::pair<const char*, Completion> kCompletionChoices[] = {{"target", Completion::Target},
-                                                                     {"source", Completion::Source}};
-const TuningKnob<Completion> kStagedCompletion{
-    "staged", "MESHMEM_STAGED_COMPLETION", Completion::Target, parse_named<kCompletionChoices>,
-    print_named<kCompletionChoices>,
-    "staged transport: when the stream of a put, put_signal or strided put to a rank whose GPU is reached through "
-    "the channel (MESHMEM_STAGING_CHANNELS; not a stream-filled put, nor one captured into a graph) goes on: "
-    "`target`: once its bytes and signal landed there; `source`: once its source is copied into the staging pool "
-    "(the put of OpenSHMEM and NVSHMEM: the source may be reused), its copy to the target going on meanwhile; "
-    "`quiet(stream)` and `barrier(stream)` then make the stream wait for the landing of its puts, a `get` for that "
-    "of its stream's puts to the same rank, and `Window::free`, `barrier()` and `~Comm` wait on the host. Puts to "
-    "one rank land in order, each signal after its data; puts to different ranks are ordered only by a quiet"};
+// MESHMEM_STAGED_COMPLETION (transport_staged_knobs.hpp).
 
 // Who drives the target GPU of a pair whose GPUs are both visible here. Measured on 2 x H200
 // (Jacobi 4096^2, 2 ranks, staged forced): the initiator's context driving the target GPU
 // took 4.77 ms per iteration, the target's own agent 0.37 ms: work of another process on a
 // GPU busy with its own process's kernels waits for the driver's time slice.
-enum class Channels { Always, WhenHidden };
-constexpr std::pair<const char*, Channels> kChannelChoices[] = {{"always", Channels::Always},
-                                                                {"when-hidden", Channels::WhenHidden}};
-const TuningKnob<Channels> kStagingChannels{
-    "staged", "MESHMEM_STAGING_CHANNELS", Channels::Always, parse_named<kChannelChoices>, print_named<kChannelChoices>,
-    "staged transport: `always`: each rank's agent drives only its own GPU, and the two ranks' agents share every "
-    "transfer through a channel in the pool (the device-to-host copy on the source's GPU, the host-to-device copy, "
-    "signal and done word by the target's agent); `when-hidden`: where this process sees both GPUs its agent drives "
-    "both copies (to an idle GPU about as fast as the channel; but its work on a GPU busy with the peer's kernels "
-    "waits for the driver's time slice between processes, milliseconds per transfer), and the channel only where "
-    "the peer's GPU is hidden (CUDA_VISIBLE_DEVICES isolation)"};
+// MESHMEM_STAGED_CHANNELS (transport_staged_knobs.hpp).
 
 // The node peers' parts of one device window, each mapped here for that peer's GPU (peers
 // whose GPU is hidden from this process: none; their agents copy into it), and the window as
@@ -212,7 +134,7 @@ bool reader_copy_may_wait_for_a_time_slice(const StagedRequest& r, std::size_t c
   return last != 0 && last < kCopyEngineBytes;
 }
 
-// MESHMEM_STAGING_STREAM_FILL resolved: `auto` is `on` where this rank's stream waits are kernels
+// MESHMEM_STAGED_STREAM_FILL resolved: `auto` is `on` where this rank's stream waits are kernels
 // (its GPU is its own).
 bool fills_by_stream(StreamFill fill, const GpuDevice* device) {
   return fill == StreamFill::On || (fill == StreamFill::Auto && device != nullptr && device->waits_with_kernel());
@@ -542,7 +464,7 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
   }
 }
 
-// Whether the caller's stream fills the slot of this transfer itself (MESHMEM_STAGING_STREAM_FILL):
+// Whether the caller's stream fills the slot of this transfer itself (MESHMEM_STAGED_STREAM_FILL):
 // a small put to a hidden peer from memory of this rank's GPU, on a stream of one thread.
 bool StagedTransport::fills_slot(const StagedRequest& r, cudaStream_t stream) const {
   if (!stream_fill_ || r.route != StagedRequest::Route::ToHidden || stream == cudaStreamPerThread) return false;

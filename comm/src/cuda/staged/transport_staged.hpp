@@ -90,9 +90,9 @@ class StagedTransport final : public Transport, private BarrierResources {
   std::vector<int> peer_device_;    // by rank: its GPU as this process numbers it, -1 if hidden
   std::vector<std::string> no_route_;
   std::size_t chunk_;
-  std::size_t first_piece_;  // MESHMEM_STAGING_FIRST_PIECE (0: off)
+  std::size_t first_piece_;  // MESHMEM_STAGED_FIRST_PIECE (0: off)
   int slots_;
-  bool stream_fill_;  // MESHMEM_STAGING_STREAM_FILL
+  bool stream_fill_;  // MESHMEM_STAGED_STREAM_FILL
   bool source_completion_;  // MESHMEM_STAGED_COMPLETION=source
   // Puts with source completion whose stream went on before they landed, by stream.
   struct Unlanded {
