@@ -105,6 +105,12 @@ auto reaching(const std::unique_ptr<detail::CommImpl>& impl, const char* call, F
   detail::CommImpl& c = live(impl);
   c.require_mpi_alive(call);
   try {
+    struct Succeeded {  // a call that returns leaves no cause behind (void calls included)
+      detail::CommImpl& c;
+      ~Succeeded() {
+        if (std::uncaught_exceptions() == 0) c.forget_error();
+      }
+    } succeeded{c};
     return f(c);
   } catch (const Error& e) {
     c.note_error(e);

@@ -49,6 +49,9 @@ class CommImpl {
   // The last Error a call of this Comm raised on this rank (the public handles note it): the
   // cause that teardown during its unwinding names first.
   void note_error(const Error& e);
+  void forget_error() {
+    if (!last_error_.empty()) last_error_.clear();
+  }
 
   void put(const Window& win, int target, std::size_t offset, const void* src, std::size_t bytes,
            const Signals* sig, std::size_t index, std::uint64_t value, SignalOp op, Stream stream,
@@ -169,6 +172,7 @@ class CommImpl {
   bool ranks_meet() const;
   std::string apart_reason() const;
   void tell_teardown_once(const std::string& line);
+  void tell_cause_if_unwinding();
   // Frees a window's memory here: device windows once the GPU's earlier work is done
   // (bounded by MESHMEM_TIMEOUT, Error(Timeout) past it).
   void retire(WindowState& state, const char* call);

@@ -41,13 +41,15 @@ void CommImpl::note_error(const Error& e) { last_error_ = e.what(); }
 void CommImpl::tell_teardown_once(const std::string& line) {
   if (teardown_told_) return;
   teardown_told_ = true;
-  // Where this rank is unwinding from an error of its own call, that error is the cause the
-  // user must see first; what teardown then did follows it on the same line.
-  if (std::uncaught_exceptions() > 0 && !last_error_.empty())
-    log(LogLevel::Error, "rank " + std::to_string(topo.rank) + " leaves its Comm on an error: " + last_error_ +
-                             "; then " + line);
-  else
-    log(LogLevel::Error, line);
+  log(LogLevel::Error, line);
+}
+
+// Where this rank unwinds from an error of its own last call, that error is the cause the user
+// must see first: the first destructor says it before it tries to meet the others (whose
+// errors, where this rank's leaving puts them out of step, come after it).
+void CommImpl::tell_cause_if_unwinding() {
+  if (teardown_told_ || std::uncaught_exceptions() == 0 || last_error_.empty()) return;
+  tell_teardown_once("rank " + std::to_string(topo.rank) + " leaves its Comm on an error: " + last_error_);
 }
 
 void CommImpl::release(WindowState& state) {
@@ -78,6 +80,7 @@ void CommImpl::release_here(WindowState& state, const char* call) {
 
 void CommImpl::free_in_destructor(WindowState& state, const char* who) noexcept {
   try {
+    tell_cause_if_unwinding();
     if (!mpi_finalized() && !ranks_meet()) {
       release_here(state, "Window::free");
       tell_teardown_once(std::string(who) + " on rank " + std::to_string(topo.rank) +
@@ -153,6 +156,7 @@ void CommImpl::free_window(WindowState& state, bool in_destructor) {
 
 CommImpl::~CommImpl() {
   try {
+    tell_cause_if_unwinding();
     if (mpi_finalized()) {
       log(LogLevel::Warn, "meshmem::Comm destroyed after MPI_Finalize: its windows are released "
                           "here without synchronising with the other ranks");
