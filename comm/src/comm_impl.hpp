@@ -49,8 +49,11 @@ class CommImpl {
   // The last Error a call of this Comm raised on this rank (the public handles note it): the
   // cause that teardown during its unwinding names first.
   void note_error(const Error& e);
+  // A call that returned: no cause left behind, and a later teardown may say its line.
   void forget_error() {
-    if (!last_error_.empty()) last_error_.clear();
+    if (last_error_.empty()) return;
+    last_error_.clear();
+    teardown_told_ = false;
   }
 
   void put(const Window& win, int target, std::size_t offset, const void* src, std::size_t bytes,

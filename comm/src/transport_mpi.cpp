@@ -196,13 +196,14 @@ void MpiTransport::unregister_window(std::uint64_t id) {
     std::lock_guard<std::mutex> lock(regions_mutex_);
     regions_.erase(id);
   }
-  // A put still coming into the window (from an origin stalled or dead mid-put) is given up
-  // before its memory goes.
+  // A put still coming into the window, or a get's answer still going out of it (an origin
+  // stalled or dead mid-transfer), is given up before its memory goes.
   std::lock_guard<std::mutex> serving(serving_);
   for (int o : busy_)
-    if (in_flight_[o] && in_flight_[o]->req.type == RequestType::Put && in_flight_[o]->req.window == id)
-      give_up(o, "a put from rank " + std::to_string(o) + " into window #" + std::to_string(id) +
-                     " was still coming when the window was freed");
+    if (in_flight_[o] && in_flight_[o]->req.type != RequestType::Flush && in_flight_[o]->req.window == id)
+      give_up(o, std::string(in_flight_[o]->req.type == RequestType::Put ? "a put from" : "a get's answer to") +
+                     " rank " + std::to_string(o) + " was still under way when window #" + std::to_string(id) +
+                     " was freed");
 }
 
 void MpiTransport::wait(MPI_Request* req, const char* call, int peer, const std::string& what, bool serve) {

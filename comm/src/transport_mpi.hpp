@@ -72,7 +72,8 @@ class MpiTransport final : public Transport {
   // attribute), so that the thread never calls MPI after it.
   void stop() noexcept override;
 
-  // Serves at most one waiting request, unless another thread is serving; true if it did.
+  // Tests the transfers in flight and takes at most one new request, unless another thread is
+  // serving; true if a request was taken or a transfer ended.
   // Threads that wait (wait_until, the transport's own waits) call it: handing each request
   // to the progress thread instead costs scheduler round trips when ranks share few cores
   // (12 us one way measured on 2 cores, against about 1 us served by the waiter).
