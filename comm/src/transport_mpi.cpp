@@ -162,7 +162,7 @@ MpiTransport::~MpiTransport() {
   MPI_Finalized(&finalized);
   if (!finalized) {
     for (int o : busy_)
-      if (in_flight_[o]) give_up(o, "a transfer with rank " + std::to_string(o) + " was still under way at teardown");
+      if (in_flight_[o]) give_up(o, "a transfer with rank " + std::to_string(o) + " was still under way at teardown", false);
     sweep();
   }
   // Requests MPI may still complete keep their memory for the life of the process.
@@ -198,12 +198,20 @@ void MpiTransport::unregister_window(std::uint64_t id) {
   }
   // A put still coming into the window, or a get's answer still going out of it (an origin
   // stalled or dead mid-transfer), is given up before its memory goes.
+  // A get's answer whose data has reached its origin may not have been seen complete here
+  // yet: it is given a moment first. Neither case fails the peer (its later calls go on).
   std::lock_guard<std::mutex> serving(serving_);
-  for (int o : busy_)
-    if (in_flight_[o] && in_flight_[o]->req.type != RequestType::Flush && in_flight_[o]->req.window == id)
-      give_up(o, std::string(in_flight_[o]->req.type == RequestType::Put ? "a put from" : "a get's answer to") +
-                     " rank " + std::to_string(o) + " was still under way when window #" + std::to_string(id) +
-                     " was freed");
+  for (int o : busy_) {
+    if (!in_flight_[o] || in_flight_[o]->req.type == RequestType::Flush || in_flight_[o]->req.window != id) continue;
+    Deadline grace(kCancelGrace);
+    Backoff backoff;
+    while (!settle(o) && !grace.expired()) backoff.pause();
+    if (in_flight_[o])
+      give_up(o,
+              std::string(in_flight_[o]->req.type == RequestType::Put ? "a put from" : "a get's answer to") + " rank " +
+                  std::to_string(o) + " was still under way when window #" + std::to_string(id) + " was freed",
+              false);
+  }
 }
 
 void MpiTransport::wait(MPI_Request* req, const char* call, int peer, const std::string& what, bool serve) {
@@ -650,7 +658,7 @@ bool MpiTransport::settle(int source) {
   return true;
 }
 
-void MpiTransport::give_up(int source, const std::string& why) {
+void MpiTransport::give_up(int source, const std::string& why, bool peer_failed) {
   std::unique_ptr<Transfer> t = std::move(in_flight_[source]);
   int kept = 0;
   for (MPI_Request& r : t->reqs) {
@@ -666,7 +674,7 @@ void MpiTransport::give_up(int source, const std::string& why) {
   const bool put = t->req.type == RequestType::Put;
   drop_later(put ? requests_.get() : replies_.get(), source, t->req.tag);
   const std::string msg = "progress thread of rank " + std::to_string(rank_) + ": " + why;
-  {
+  if (peer_failed) {
     std::lock_guard<std::mutex> lock(failed_mutex_);
     if (failed_[static_cast<std::size_t>(source)].empty()) failed_[static_cast<std::size_t>(source)] = msg;
   }

@@ -116,8 +116,9 @@ class MpiTransport final : public Transport {
   // Whether `source`'s transfer has ended (complete, failed or expired); ends it if so.
   bool settle(int source);
   // Gives the transfer of `source` up: cancels its requests (kept while MPI may still use
-  // them) and drops anything its origin still sends with its tag.
-  void give_up(int source, const std::string& why);
+  // them) and drops anything its origin still sends with its tag. `peer_failed`: later calls
+  // with `source` raise at once (it stalled or died), as after any timeout with it.
+  void give_up(int source, const std::string& why, bool peer_failed = true);
   void apply_signal_of(const Request& req, int source);
   void put_inline(const Request& req, int target, const void* src, const std::string& what);
   void revoke(int target, int tag);
