@@ -143,6 +143,7 @@ void Bootstrap::ensure_usable(const std::string& what) const {
 }
 
 void Bootstrap::fail_timeout(const std::string& message) {
+  if (!broken_) broken_because_ = message;
   broken_ = true;
   log(LogLevel::Error, message);
   throw Error(ErrorCode::Timeout, message);
@@ -166,9 +167,12 @@ bool Bootstrap::wait(MPI_Request* req, const std::string& what) {
   }
 }
 
-void Bootstrap::arrive(const std::string& what) {
+void Bootstrap::arrive(const std::string& what) { arrive(what, timeout_); }
+
+void Bootstrap::arrive(const std::string& what, std::chrono::milliseconds budget) {
   ensure_usable(what);
   if (size_ == 1) return;
+  if (timeout_.count() == 0 || budget > timeout_) budget = timeout_;
   const std::string where = what + " on rank " + std::to_string(rank_);
   const std::int64_t epoch = ++epoch_;
   Arrival mine;
@@ -178,6 +182,7 @@ void Bootstrap::arrive(const std::string& what) {
   constexpr std::size_t kNameWords = kNameBytes / sizeof(std::int64_t);
   static_assert(2 + 1 + 2 * kNameWords <= 2 + kMaxNamed, "the release holds both names");
   auto out_of_order = [&](int other, const char* theirs, const char* rank0s) {
+    apart_ = true;
     return Error(ErrorCode::InvalidArgument,
                  where + ": collective calls out of order: rank 0 is in " + rank0s + ", rank " + std::to_string(other) +
                      " in " + theirs + " (every rank must make the Comm's collective calls in the same order); "
@@ -197,7 +202,7 @@ void Bootstrap::arrive(const std::string& what) {
         if (req != MPI_REQUEST_NULL) MPI_Request_free(&req);
       keep_for_mpi(MPI_REQUEST_NULL, mail_);
     };
-    Deadline deadline(timeout_);
+    Deadline deadline(budget);
     Backoff backoff;
     int pending = size_ - 1;
     int differs = -1;  // the first rank that arrived from another call
@@ -256,9 +261,10 @@ void Bootstrap::arrive(const std::string& what) {
       }
       abandon_receives();
       fail_timeout(where + ": rank(s) " + rank_list(missing) + " did not arrive within " +
-                   describe_timeout(timeout_));
+                   describe_timeout(budget));
     }
     if (differs >= 0) throw out_of_order(differs, mail_->arrivals[differs].call, mine.call);
+    apart_ = false;
     return;
   }
   mail_->mine = mine;
@@ -271,8 +277,12 @@ void Bootstrap::arrive(const std::string& what) {
             "MPI_Isend", where);
   // Rank 0 decides who is missing and tells every rank, those it gave up on too; give its
   // verdict time to arrive before deciding alone (rank 0 itself is late or dead then).
-  const auto grace = std::chrono::milliseconds(timeout_.count() == 0 ? 0 : 2000 + timeout_.count() / 10);
-  Deadline deadline(timeout_ + grace);
+  // A shortened wait (teardown) gives rank 0 as long again, not the full grace: its one
+  // timeout is mostly spent.
+  const auto grace = std::chrono::milliseconds(timeout_.count() == 0 ? 0
+                                               : budget < timeout_ ? budget.count()
+                                                                   : 2000 + timeout_.count() / 10);
+  Deadline deadline(budget + grace);
   Backoff backoff;
   for (;;) {
     int done = 0;
@@ -309,6 +319,7 @@ void Bootstrap::arrive(const std::string& what) {
     fail_timeout(where + ": " + (me_late ? "this rank arrived after rank 0 gave up: " : "") + "rank(s) " +
                  rank_list(missing) + " did not arrive within " + describe_timeout(timeout_) + " (reported by rank 0)");
   }
+  apart_ = false;
 }
 
 // The collectives below run on buffers of their own, copied from and to the caller's: after a

@@ -65,6 +65,10 @@ class Bootstrap {
   // another in alloc), every rank raises Error(InvalidArgument) naming both, and the Comm
   // stays usable.
   void arrive(const std::string& what);
+  // The same, rank 0 waiting at most `budget` for the others (a teardown whose earlier step
+  // timed out spends only what is left of its one timeout; the others wait as long as
+  // arrive(what) would).
+  void arrive(const std::string& what, std::chrono::milliseconds budget);
 
   // Collectives with the same timeout (they follow an arrive(), so a rank that is absent
   // is named there; these time out only if MPI itself stalls).
@@ -84,6 +88,10 @@ class Bootstrap {
   // After a timeout the ranks disagree on where they are: further collectives would hang.
   void ensure_usable(const std::string& what) const;
   bool usable() const { return !broken_; }
+  // The first timeout that broke the Comm ("" while usable).
+  const std::string& broken_because() const { return broken_because_; }
+  // The last meeting found the ranks in different calls (cleared by the next that does not).
+  bool apart() const { return apart_; }
   // Raises Error(Timeout) with `message`; the Comm refuses collectives from then on.
   [[noreturn]] void fail_timeout(const std::string& message);
 
@@ -97,6 +105,8 @@ class Bootstrap {
   int size_ = 1;
   std::chrono::milliseconds timeout_;
   bool broken_ = false;
+  std::string broken_because_;
+  bool apart_ = false;
   std::int64_t epoch_ = 0;
   static constexpr int kMaxNamed = 64;
   static constexpr std::size_t kNameBytes = 48;  // of the call's name, compared

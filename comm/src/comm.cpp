@@ -2,6 +2,7 @@
 #include <atomic>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <optional>
 
 #include "backoff.hpp"
@@ -88,6 +89,26 @@ int world_rank() {
   return r;
 }
 
+// Set as MPI_Finalize begins (an attribute of MPI_COMM_SELF is deleted then), so that a call
+// after it raises instead of reaching MPI (which aborts the process), at the cost of a load.
+std::atomic<bool> g_finalize_begun{false};
+std::atomic<bool> g_finalize_watched{false};
+
+int note_finalize(MPI_Comm, int, void*, void*) {
+  g_finalize_begun.store(true, std::memory_order_release);
+  return MPI_SUCCESS;
+}
+
+void watch_finalize() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    int key = MPI_KEYVAL_INVALID;
+    if (MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, note_finalize, &key, nullptr) == MPI_SUCCESS &&
+        MPI_Comm_set_attr(MPI_COMM_SELF, key, nullptr) == MPI_SUCCESS)
+      g_finalize_watched.store(true, std::memory_order_release);
+  });
+}
+
 void require_mpi() {
   int initialized = 0;
   MPI_Initialized(&initialized);
@@ -115,6 +136,7 @@ FaultPlan fault_plan(MPI_Comm comm, const Options& options) {
 CommImpl::Start start_comm(MPI_Comm comm, const Options& options, FaultPlan faults) {
   set_log_level(options.log_level);
   set_log_rank(world_rank());
+  watch_finalize();
   faults.hit(FaultPoint::CommStart);
   Bootstrap boot(comm, options.timeout);
   faults.hit(FaultPoint::CommJoined);
@@ -248,55 +270,6 @@ void CommImpl::select_transports() {
   }
 }
 
-CommImpl::~CommImpl() {
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  try {
-    if (finalized) {
-      log(LogLevel::Warn, "meshmem::Comm destroyed after MPI_Finalize: its windows are released "
-                          "here without synchronising with the other ranks");
-    } else {
-      // A quiet that fails (a peer failed earlier) does not keep this rank from the meeting:
-      // the other ranks would wait a whole timeout for it.
-      try {
-        quiet(nullptr, "~Comm", true);
-      } catch (const std::exception& e) {
-        log(LogLevel::Error, std::string("~Comm: ") + e.what() + "; meeting the other ranks anyway");
-      }
-      // Staged transfers to hidden peers end only when those peers' agents carried them out:
-      // every rank's own end first, then the meeting, then the agents stop.
-      for (auto& t : transports) t->settle();
-      boot.arrive("~Comm");
-    }
-  } catch (const std::exception& e) {
-    log(LogLevel::Error, std::string("~Comm: ") + e.what() + "; releasing local resources anyway");
-  }
-  // Device windows (the barrier's flags among them) are released together, once the GPU's
-  // earlier work is done, with one bounded wait; then the objects that own them go.
-  std::vector<std::shared_ptr<WindowState>> alive;
-  std::vector<WindowState*> on_device;
-  for (auto& [id, weak] : live_)
-    if (auto state = weak.lock()) {
-      alive.push_back(state);
-      if (state->memory == Memory::Device && device) on_device.push_back(state.get());
-    }
-  if (!on_device.empty()) {
-    try {
-      DeviceScope scope(*device, nullptr, false, "~Comm");
-      device->retire_all(on_device, "~Comm");
-    } catch (const std::exception& e) {
-      log(LogLevel::Error, std::string("~Comm: ") + e.what());
-    }
-  }
-  for (auto& state : alive) release(*state);
-  live_.clear();
-  if (device) device->tearing_down();
-  stream_barrier.reset();
-  for (auto& t : transports) t->stop();
-  transports.clear();
-  device.reset();
-}
-
 // Where this Comm's busy threads run: every rank says which CPUs it is bound to where that is
 // one core, and those CPUs of the node are left to their ranks.
 void CommImpl::settle_helpers() {
@@ -328,6 +301,19 @@ std::string CommImpl::device_info() const {
 
 std::string CommImpl::where(const char* call) const {
   return std::string(call) + " on rank " + std::to_string(topo.rank);
+}
+
+void CommImpl::require_mpi_alive(const char* call) const {
+  bool begun = g_finalize_begun.load(std::memory_order_acquire);
+  if (!begun && !g_finalize_watched.load(std::memory_order_acquire)) {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    begun = finalized != 0;
+  }
+  if (begun)
+    throw Error(ErrorCode::InvalidArgument,
+                where(call) + ": called after MPI_Finalize (meshmem reaches the other ranks through MPI, which may "
+                              "not be called any more); nothing was done");
 }
 
 void CommImpl::check_rank(int rank, const char* call, const char* what) const {
@@ -486,77 +472,6 @@ std::shared_ptr<WindowState> CommImpl::alloc(std::size_t bytes, Memory memory, b
   }
   live_[state->id] = state;
   return state;
-}
-
-void CommImpl::release(WindowState& state) {
-  state.release_memory();
-  state.owner = nullptr;
-}
-
-void CommImpl::retire(WindowState& state, const char* call) {
-  if (state.memory != Memory::Device || !device || !state.storage) {
-    release(state);
-    return;
-  }
-  state.owner = nullptr;  // freed, whatever retire() says
-  DeviceScope scope(*device, nullptr, false, call);
-  device->retire(state, call);
-}
-
-void CommImpl::free_window(WindowState& state) {
-  const char* call = "Window::free";
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (finalized) {
-    // The natural end of main(): windows, signals and halo exchanges declared there are
-    // destroyed after MPI_Finalize. No collective is possible any more (MPI aborted the
-    // process here until issue 13): this rank's part is released, as ~Comm does then; peers
-    // that mapped it hold their own references.
-    live_.erase(state.id);
-    retire(state, call);
-    return;
-  }
-  // A quiet that fails (a transfer with a peer timed out, now or before) still lets this rank
-  // free the window with the others, who would otherwise wait a whole timeout in the meeting
-  // and lose their Comm; this rank raises the quiet's error once the window is freed.
-  std::optional<Error> unconfirmed;
-  try {
-    quiet(nullptr, call, true);
-  } catch (const Error& e) {
-    unconfirmed = e;
-  }
-  std::uint64_t mine = state.id;
-  std::vector<std::uint64_t> all(static_cast<std::size_t>(topo.size));
-  try {
-    boot.arrive(call);
-    boot.allgather(&mine, all.data(), sizeof(mine), call);
-  } catch (const Error&) {
-    // The ranks can no longer meet (a timeout broke the Comm: a dead or late peer). Release
-    // this rank's part anyway, as ~Comm does, so that the window is freed and its destructor
-    // does not time out again; peers that mapped it hold their own references.
-    if (!boot.usable()) {
-      live_.erase(state.id);
-      try {
-        retire(state, call);
-      } catch (const std::exception& e) {
-        log(LogLevel::Error, e.what());
-      }
-    }
-    if (unconfirmed) log(LogLevel::Error, where(call) + ": before the meeting: " + unconfirmed->what());
-    throw;
-  }
-  for (int r = 0; r < topo.size; ++r)
-    if (all[r] != mine)
-      throw Error(ErrorCode::InvalidArgument,
-                  where(call) + ": ranks free different windows: this rank frees #" +
-                      std::to_string(mine) + ", rank " + std::to_string(r) + " frees #" +
-                      std::to_string(all[r]));
-  live_.erase(state.id);
-  retire(state, call);
-  if (unconfirmed)
-    throw Error(unconfirmed->code(), where(call) + ": window #" + std::to_string(mine) +
-                                         " was freed on every rank, but this rank's transfers before it are not "
-                                         "all confirmed: " + unconfirmed->message());
 }
 
 const WindowState& CommImpl::checked_transfer(const Window& win, int target, std::size_t offset, std::size_t bytes,
@@ -725,168 +640,5 @@ void CommImpl::barrier_host() {
 }
 
 }  // namespace detail
-
-// ---- public handles ----
-
-// Frees a live window from a destructor or move-assignment, where nothing may throw.
-void Window::release_noexcept() noexcept {
-  if (!state_ || state_->freed()) return;
-  try {
-    state_->owner->free_window(*state_);
-  } catch (const std::exception& e) {
-    detail::log(LogLevel::Error, std::string("Window destructor: ") + e.what());
-  }
-}
-
-Window& Window::operator=(Window&& other) noexcept {
-  if (this != &other) {
-    release_noexcept();
-    state_ = std::move(other.state_);
-  }
-  return *this;
-}
-
-Window::~Window() { release_noexcept(); }
-
-void Window::free() {
-  if (!state_) throw Error(ErrorCode::InvalidArgument, "Window::free: the window is empty");
-  if (state_->freed())
-    throw Error(ErrorCode::InvalidArgument, "Window::free: window #" + std::to_string(state_->id) + " was freed already");
-  state_->owner->free_window(*state_);
-}
-
-bool Window::valid() const noexcept { return state_ && !state_->freed(); }
-
-namespace {
-const detail::WindowState& live_state(const std::shared_ptr<detail::WindowState>& s, const char* call) {
-  if (!s) throw Error(ErrorCode::InvalidArgument, std::string(call) + ": the window is empty");
-  if (s->freed())
-    throw Error(ErrorCode::InvalidArgument, std::string(call) + ": window #" + std::to_string(s->id) + " was freed");
-  return *s;
-}
-}  // namespace
-
-std::size_t Window::size() const { return live_state(state_, "Window::size").bytes; }
-Memory Window::memory() const { return live_state(state_, "Window::memory").memory; }
-void* Window::local() const { return live_state(state_, "Window::local").local; }
-void* Window::peer(int rank) const {
-  const auto& s = live_state(state_, "Window::peer");
-  if (rank < 0 || static_cast<std::size_t>(rank) >= s.peer.size())
-    throw Error(ErrorCode::InvalidArgument, "Window::peer: rank " + std::to_string(rank) +
-                                                " is out of range (the Comm has " +
-                                                std::to_string(s.peer.size()) + " ranks)");
-  return s.peer[rank];
-}
-
-device::WindowView Window::view() const {
-  const auto& s = live_state(state_, "Window::view");
-  if (s.memory != Memory::Device)
-    throw Error(ErrorCode::InvalidArgument, "Window::view: window #" + std::to_string(s.id) + " is a host window; views are for device windows");
-  return device::WindowView{static_cast<void* const*>(s.device_peer_table), s.bytes,
-                            s.owner->topo.rank, s.owner->topo.size};
-}
-
-device::SignalsView Signals::view() const {
-  const auto v = words_.view();
-  return device::SignalsView{reinterpret_cast<std::uint64_t* const*>(v.peers), v.bytes / sizeof(std::uint64_t), v.rank, v.size};
-}
-
-std::size_t Signals::count() const { return words_.size() / sizeof(std::uint64_t); }
-
-std::uint64_t Signals::read(std::size_t index) const {
-  if (index >= count())
-    throw Error(ErrorCode::InvalidArgument, "Signals::read: index " + std::to_string(index) +
-                                                " is out of range (" + std::to_string(count()) + " signals)");
-  const auto& s = *words_.state_;
-  return s.owner->read_signal(s, index);
-}
-
-Comm::Comm(MPI_Comm comm) : impl_(detail::CommImpl::from_environment(comm)) {}
-Comm::Comm(MPI_Comm comm, const Options& options)
-    : impl_(std::make_unique<detail::CommImpl>(comm, options)) {}
-Comm::~Comm() = default;
-Comm::Comm(Comm&&) noexcept = default;
-Comm& Comm::operator=(Comm&&) noexcept = default;
-
-namespace {
-detail::CommImpl& live(const std::unique_ptr<detail::CommImpl>& impl) {
-  if (!impl) throw Error(ErrorCode::InvalidArgument, "meshmem::Comm: used after being moved from");
-  return *impl;
-}
-}  // namespace
-
-int Comm::rank() const { return live(impl_).topo.rank; }
-int Comm::size() const { return live(impl_).topo.size; }
-int Comm::node() const { return live(impl_).topo.node(); }
-int Comm::node_of(int rank) const {
-  live(impl_).check_rank(rank, "comm.node_of", "peer");
-  return impl_->topo.node_of[rank];
-}
-int Comm::node_count() const { return live(impl_).topo.node_count; }
-MPI_Comm Comm::mpi_comm() const { return live(impl_).boot.comm(); }
-const Options& Comm::options() const { return live(impl_).options; }
-FdPassing Comm::fd_passing() const { return live(impl_).fds->mode(); }
-std::string Comm::device_info() const { return live(impl_).device_info(); }
-
-Window Comm::alloc(std::size_t bytes, Memory memory) {
-  return Window(live(impl_).alloc(bytes, memory, false, "comm.alloc"));
-}
-
-Signals Comm::alloc_signals(std::size_t count, Memory memory) {
-  if (count > SIZE_MAX / sizeof(std::uint64_t))
-    throw Error(ErrorCode::InvalidArgument, "comm.alloc_signals: count " + std::to_string(count) + " is too large");
-  return Signals(Window(live(impl_).alloc(count * sizeof(std::uint64_t), memory, true, "comm.alloc_signals")));
-}
-
-void Comm::put(const Window& win, int target, std::size_t dst_offset, const void* src,
-               std::size_t bytes, Stream stream) {
-  live(impl_).put(win, target, dst_offset, src, bytes, nullptr, 0, 0, SignalOp::Set, stream, "comm.put");
-}
-
-void Comm::get(void* dst, const Window& win, int target, std::size_t src_offset, std::size_t bytes,
-               Stream stream) {
-  live(impl_).get(dst, win, target, src_offset, bytes, stream);
-}
-
-void Comm::put_signal(const Window& win, int target, std::size_t dst_offset, const void* src,
-                      std::size_t bytes, const Signals& sig, std::size_t index, std::uint64_t value,
-                      SignalOp op, Stream stream) {
-  live(impl_).put(win, target, dst_offset, src, bytes, &sig, index, value, op, stream, "comm.put_signal");
-}
-
-void Comm::signal(const Signals& sig, int target, std::size_t index, std::uint64_t value, SignalOp op,
-                  Stream stream) {
-  live(impl_).signal(sig, target, index, value, op, stream);
-}
-
-void Comm::wait_until(const Signals& sig, std::size_t index, Cmp cmp, std::uint64_t value, Stream stream) {
-  live(impl_).wait_until(sig, index, 1, cmp, value, stream, "comm.wait_until");
-}
-
-void Comm::wait_until_all(const Signals& sig, std::size_t first, std::size_t count, Cmp cmp, std::uint64_t value,
-                          Stream stream) {
-  live(impl_).wait_until(sig, first, count, cmp, value, stream, "comm.wait_until_all");
-}
-
-void Comm::wait_until_all_then_set(const Signals& sig, std::size_t first, std::size_t count, Cmp cmp,
-                                   std::uint64_t value, std::uint64_t then, Stream stream) {
-  live(impl_).wait_until(sig, first, count, cmp, value, stream, "comm.wait_until_all_then_set", then);
-}
-
-void Comm::quiet(Stream stream) { live(impl_).quiet(stream, "comm.quiet"); }
-void Comm::barrier(Stream stream) { live(impl_).barrier(stream); }
-void Comm::barrier() { live(impl_).barrier_host(); }
-
-TransportKind Comm::transport(int rank, Memory memory) const {
-  return live(impl_).transport(rank, memory, "comm.transport");
-}
-
-std::string Comm::unreachable_reason(int rank, Memory memory) const {
-  return live(impl_).unreachable_reason(rank, memory, "comm.unreachable_reason");
-}
-
-std::string Comm::skipped_reason(int rank, Memory memory) const {
-  return live(impl_).skipped_reason(rank, memory, "comm.skipped_reason");
-}
 
 }  // namespace meshmem

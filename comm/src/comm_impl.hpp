@@ -40,7 +40,21 @@ class CommImpl {
 
   std::shared_ptr<WindowState> alloc(std::size_t bytes, Memory memory, bool signals,
                                      const std::string& call);
-  void free_window(WindowState& state);
+  // Window::free (comm_teardown.cpp). `in_destructor`: an error of the meeting carries the
+  // quiet's error along instead of logging it.
+  void free_window(WindowState& state, bool in_destructor = false);
+  // A window's destructor (`who` names it): frees as free_window does while the ranks meet,
+  // else releases this rank's part; logs at most one line per Comm (tell_teardown_once).
+  void free_in_destructor(WindowState& state, const char* who) noexcept;
+  // The last Error a call of this Comm raised on this rank (the public handles note it): the
+  // cause that teardown during its unwinding names first.
+  void note_error(const Error& e);
+  // A call that returned: no cause left behind, and a later teardown may say its line.
+  void forget_error() {
+    if (last_error_.empty()) return;
+    last_error_.clear();
+    teardown_told_ = false;
+  }
 
   void put(const Window& win, int target, std::size_t offset, const void* src, std::size_t bytes,
            const Signals* sig, std::size_t index, std::uint64_t value, SignalOp op, Stream stream,
@@ -94,6 +108,9 @@ class CommImpl {
 
   // "comm.put on rank 3: " etc.
   std::string where(const char* call) const;
+  // Raises Error(InvalidArgument) naming `call` once MPI_Finalize has begun: nothing may reach
+  // MPI then.
+  void require_mpi_alive(const char* call) const;
   const WindowState& checked(const Window& win, const char* call) const;
   void check_rank(int rank, const char* call, const char* what) const;
   // The transport that reaches `target` for `win`, or Error(Unsupported) naming the pair and
@@ -153,6 +170,12 @@ class CommImpl {
                                       const char* local_name) const;
   void check_index(const WindowState& sig, std::size_t index, const char* call) const;
   void release(WindowState& state);
+  void release_here(WindowState& state, const char* call);
+  // Whether the ranks still meet for teardown, and why not.
+  bool ranks_meet() const;
+  std::string apart_reason() const;
+  void tell_teardown_once(const std::string& line);
+  void tell_cause_if_unwinding();
   // Frees a window's memory here: device windows once the GPU's earlier work is done
   // (bounded by MESHMEM_TIMEOUT, Error(Timeout) past it).
   void retire(WindowState& state, const char* call);
@@ -160,6 +183,9 @@ class CommImpl {
                          const char* call);
 
   std::uint64_t next_window_id_ = 1;
+  std::string last_error_;
+  bool teardown_told_ = false;
+  bool teardown_apart_ = false;  // a destructor's free failed in its meeting: the others release alone
   std::map<std::uint64_t, std::weak_ptr<WindowState>> live_;
 };
 

@@ -24,33 +24,33 @@ struct FdHeader {
   std::uint64_t seq;
 };
 
-std::string make_token(Bootstrap& boot) {
-  char token[33] = {};
-  if (boot.rank() == 0) {
-    const std::string t = ipc::random_token();
-    std::memcpy(token, t.data(), std::min<std::size_t>(t.size(), 32));
-  }
-  boot.broadcast(token, sizeof(token), 0, "meshmem::Comm (fd passing token)");
-  return std::string(token, 32);
-}
+// What each rank tells the others when the Comm is made: its listener, as a descriptor
+// number (the pidfd_getfd probe takes it) and as a path.
+struct ListenerInfo {
+  std::int32_t fd;
+  char path[108];  // sun_path's size, NUL-terminated
+};
 
 }  // namespace
-
-std::string FdExchange::socket_name(int rank) const {
-  return "meshmem-" + token_ + "-" + std::to_string(rank);
-}
 
 FdExchange::FdExchange(Bootstrap& boot, const Topology& topo, FdPassing requested, FaultPlan faults)
     : boot_(boot),
       topo_(topo),
       faults_(std::move(faults)),
-      token_(make_token(boot)),
-      listener_(socket_name(boot.rank())) {
+      listener_(dir_.path() + "/fd") {
   const std::string what = "meshmem::Comm (fd passing)";
+  ListenerInfo mine{};
+  mine.fd = listener_.fd();
+  std::strncpy(mine.path, listener_.name().c_str(), sizeof(mine.path) - 1);
+  std::vector<ListenerInfo> infos(static_cast<std::size_t>(topo.size));
+  boot.allgather(&mine, infos.data(), sizeof(mine), what);
   // Probe pidfd_getfd: each rank takes the listener descriptor of the next rank of its node.
   std::vector<std::int32_t> listener_fds(static_cast<std::size_t>(topo.size));
-  const std::int32_t mine = listener_.fd();
-  boot.allgather(&mine, listener_fds.data(), sizeof(mine), what);
+  for (int r = 0; r < topo.size; ++r) {
+    listener_fds[r] = infos[r].fd;
+    infos[r].path[sizeof(infos[r].path) - 1] = '\0';
+    socket_of_.emplace_back(infos[r].path);
+  }
 
   std::string probe_error;
   bool probed = false;
@@ -144,7 +144,7 @@ std::vector<ipc::UniqueFd> FdExchange::exchange_socket(int my_fd, std::uint64_t 
   for (int peer : topo_.node_ranks) {
     if (peer == topo_.rank) continue;
     try {
-      ipc::send_fds(socket_name(peer), &header, sizeof(header), &my_fd, 1, boot_.timeout());
+      ipc::send_fds(socket_of_[peer], &header, sizeof(header), &my_fd, 1, boot_.timeout());
     } catch (const Error& e) {
       // The socket's name does not say whose it is.
       throw Error(e.code(), "sending the descriptor to rank " + std::to_string(peer) + ": " + std::string(e.message()));

@@ -1,7 +1,8 @@
 // FdExchange: collective passing of one descriptor per rank to every other rank of its node.
 // The mechanism is pidfd_getfd where every node peer permits it (or where forced), else
-// SCM_RIGHTS over abstract Unix sockets whose names carry a per-Comm random token; senders
-// are checked against the pid and uid of the rank they claim to be (SO_PEERCRED).
+// SCM_RIGHTS over Unix sockets, each in a directory only the job's user may enter (other users
+// cannot connect); senders are checked against the pid and uid of the rank they claim to be
+// (SO_PEERCRED).
 #pragma once
 
 #include <cstdint>
@@ -37,13 +38,12 @@ class FdExchange {
  private:
   std::vector<ipc::UniqueFd> exchange_pidfd(const std::vector<int>& fds, std::string* error);
   std::vector<ipc::UniqueFd> exchange_socket(int my_fd, std::uint64_t seq, std::string* error);
-  std::string socket_name(int rank) const;
-
   Bootstrap& boot_;
   const Topology& topo_;
   FaultPlan faults_;
-  std::string token_;
+  ipc::PrivateDir dir_;  // before listener_: it holds the listener's socket
   ipc::FdListener listener_;
+  std::vector<std::string> socket_of_;  // per rank: its listener's path
   FdPassing mode_ = FdPassing::Socket;
   std::string reason_;
   std::uint64_t seq_ = 0;

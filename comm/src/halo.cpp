@@ -44,13 +44,7 @@ struct HaloState {
 
   ~HaloState() {
     device_plan.reset();  // before the signal words go: its watch may be writing them
-    if (sig && !sig->freed()) {
-      try {
-        sig->owner->free_window(*sig);
-      } catch (const std::exception& e) {
-        log(LogLevel::Error, std::string("HaloExchange destructor: ") + e.what());
-      }
-    }
+    if (sig && !sig->freed()) sig->owner->free_in_destructor(*sig, "HaloExchange destructor");
   }
 };
 
@@ -209,6 +203,7 @@ std::unique_ptr<HaloState> CommImpl::make_halo(const Window& win, const std::vec
 
 void CommImpl::halo_exchange(HaloState& halo, Stream stream, bool copy) {
   const char* call = copy ? "HaloExchange::exchange" : "HaloExchange::complete";
+  require_mpi_alive(call);
   if (halo.win->freed() || halo.sig->freed())
     throw Error(ErrorCode::InvalidArgument, where(call) + ": the window of this halo exchange (or its Comm) was freed");
   const WindowState& w = *halo.win;
@@ -325,6 +320,7 @@ const std::vector<int>& HaloExchange::neighbours() const {
 
 HaloExchange Comm::make_halo(const Window& win, const std::vector<HaloRegion>& sends) {
   if (!impl_) throw Error(ErrorCode::InvalidArgument, "meshmem::Comm: used after being moved from");
+  impl_->require_mpi_alive("comm.make_halo");
   return HaloExchange(impl_->make_halo(win, sends));
 }
 

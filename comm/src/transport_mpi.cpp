@@ -81,6 +81,18 @@ struct MpiTransport::Request {
   bool carries_bytes() const { return type == RequestType::Put && bytes <= kInlinePut; }
 };
 
+// A request's data in flight with its origin: a put's data received straight into the window
+// (or drained where it matches none), a get's answer, a flush's answer.
+struct MpiTransport::Transfer {
+  explicit Transfer(const Request& r, std::chrono::milliseconds timeout) : req(r), deadline(timeout) {}
+  Request req;
+  const char* call = "";  // what its requests are, for messages
+  std::vector<MPI_Request> reqs;
+  std::shared_ptr<void> keep;  // memory its requests use besides a window (a sink, zeros)
+  std::size_t done = 0;        // requests complete
+  Deadline deadline;           // restarted whenever one completes
+};
+
 std::unique_ptr<Transport> make_mpi_transport(const CommContext& ctx) { return std::make_unique<MpiTransport>(ctx); }
 
 MpiTransport::MpiTransport(const CommContext& ctx)
@@ -117,6 +129,8 @@ void MpiTransport::connect(const std::vector<bool>&) {
   check_mpi(MPI_Comm_size(requests_.get(), &size), "MPI_Comm_size", what);
   unflushed_.assign(static_cast<std::size_t>(size), 0);
   failed_.assign(static_cast<std::size_t>(size), std::string());
+  in_flight_.resize(static_cast<std::size_t>(size));
+  queued_.resize(static_cast<std::size_t>(size));
   void* ub = nullptr;
   int has_ub = 0;
   check_mpi(MPI_Comm_get_attr(requests_.get(), MPI_TAG_UB, &ub, &has_ub), "MPI_Comm_get_attr(MPI_TAG_UB)", what);
@@ -149,7 +163,11 @@ MpiTransport::~MpiTransport() {
   stop();
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!finalized) sweep();
+  if (!finalized) {
+    for (int o : busy_)
+      if (in_flight_[o]) give_up(o, "a transfer with rank " + std::to_string(o) + " was still under way at teardown", false);
+    sweep();
+  }
   // Requests MPI may still complete keep their memory for the life of the process.
   std::lock_guard<std::mutex> lock(abandoned_mutex_);
   if (!abandoned_.empty()) {
@@ -177,8 +195,26 @@ void MpiTransport::register_window(const WindowState& win) {
 }
 
 void MpiTransport::unregister_window(std::uint64_t id) {
-  std::lock_guard<std::mutex> lock(regions_mutex_);
-  regions_.erase(id);
+  {
+    std::lock_guard<std::mutex> lock(regions_mutex_);
+    regions_.erase(id);
+  }
+  // A put still coming into the window, or a get's answer still going out of it (an origin
+  // stalled or dead mid-transfer), is given up before its memory goes.
+  // A get's answer whose data has reached its origin may not have been seen complete here
+  // yet: it is given a moment first. Neither case fails the peer (its later calls go on).
+  std::lock_guard<std::mutex> serving(serving_);
+  for (int o : busy_) {
+    if (!in_flight_[o] || in_flight_[o]->req.type == RequestType::Flush || in_flight_[o]->req.window != id) continue;
+    Deadline grace(kCancelGrace);
+    Backoff backoff;
+    while (!settle(o) && !grace.expired()) backoff.pause();
+    if (in_flight_[o])
+      give_up(o,
+              std::string(in_flight_[o]->req.type == RequestType::Put ? "a put from" : "a get's answer to") + " rank " +
+                  std::to_string(o) + " was still under way when window #" + std::to_string(id) + " was freed",
+              false);
+  }
 }
 
 void MpiTransport::wait(MPI_Request* req, const char* call, int peer, const std::string& what, bool serve) {
@@ -505,37 +541,20 @@ void MpiTransport::take_revocations() {
   }
 }
 
-// A put's data after its header, received straight into the window (or drained where it
-// matches none); false if it did not all come (the put is then dropped, its signal not raised).
-bool MpiTransport::receive_put_data(const Request& req, const Region& dst, int source, const std::string& what) {
-  std::vector<MPI_Request> r(1, MPI_REQUEST_NULL);
-  // Drains the payload of a request that matches no window.
-  std::shared_ptr<std::vector<char>> sink;
-  if (dst.base == nullptr && req.bytes > 0)
-    sink = std::make_shared<std::vector<char>>(std::min<std::size_t>(req.bytes, kMaxMessage));
-  for (int c = 0; c < chunk_count(req.bytes); ++c) {
-    char* to = dst.base ? dst.base + static_cast<std::size_t>(c) * kMaxMessage : sink->data();
-    try {
-      check_mpi(MPI_Irecv(to, chunk_bytes(req.bytes, c), MPI_BYTE, source, req.tag, requests_.get(), &r[0]),
-                "MPI_Irecv", what);
-      wait(&r[0], "MPI_Irecv (put data)", source, what);
-    } catch (const Error& e) {
-      const int kept = abandon(r, sink);
-      drop_later(requests_.get(), source, req.tag);
-      log(LogLevel::Error, std::string(e.what()) + "; the put is dropped (its signal is not raised" +
-                               (kept ? "; MPI may still write its bytes into the window)" : ")"));
-      return false;
-    }
-  }
-  return true;
+void MpiTransport::apply_signal_of(const Request& req, int source) {
+  if (!req.has_signal) return;
+  const Region word = find(req.signal_window, req.signal_index * sizeof(std::uint64_t), sizeof(std::uint64_t), source);
+  if (word.base != nullptr)
+    apply_signal(reinterpret_cast<std::uint64_t*>(word.base), req.signal_value, static_cast<SignalOp>(req.signal_op));
 }
 
-// Serves one request. Its payload or answer goes with the tag the header names; a wait for
-// the origin is bounded like every wait (an origin stopped or dead in the middle of a put must
-// not hold this thread: the put is dropped, and anything it still sends with that tag too).
+// Serves one request. Its payload or answer goes with the tag the header names, as a transfer
+// that later passes test (an origin stopped or dead in the middle of a put must not hold this
+// thread: the put is dropped after the timeout, and anything it still sends with that tag too).
 void MpiTransport::handle(const Request& req, const char* payload, int source) {
   const std::string what = "progress thread of rank " + std::to_string(rank_);
-  std::vector<MPI_Request> r(1, MPI_REQUEST_NULL);
+  auto t = std::make_unique<Transfer>(req, timeout_);
+  const auto count = static_cast<std::size_t>(chunk_count(req.bytes));
   switch (req.type) {
     case RequestType::Put: {
       ctx_.faults.hit(FaultPoint::MpiServePut);
@@ -549,61 +568,155 @@ void MpiTransport::handle(const Request& req, const char* payload, int source) {
       const Region dst = find(req.window, req.offset, req.bytes, source);
       if (req.carries_bytes()) {
         if (dst.base != nullptr && req.bytes > 0) std::memcpy(dst.base, payload, req.bytes);
-      } else if (!receive_put_data(req, dst, source, what)) {
+        apply_signal_of(req, source);
         return;
       }
-      if (req.has_signal) {
-        const Region word = find(req.signal_window, req.signal_index * sizeof(std::uint64_t),
-                                 sizeof(std::uint64_t), source);
-        if (word.base != nullptr)
-          apply_signal(reinterpret_cast<std::uint64_t*>(word.base), req.signal_value,
-                       static_cast<SignalOp>(req.signal_op));
+      t->call = "MPI_Irecv (put data)";
+      std::shared_ptr<std::vector<char>> sink;  // drains the payload of a request that matches no window
+      if (dst.base == nullptr && req.bytes > 0)
+        t->keep = sink = std::make_shared<std::vector<char>>(std::min<std::size_t>(req.bytes, kMaxMessage));
+      t->reqs.assign(count, MPI_REQUEST_NULL);
+      in_flight_[source] = std::move(t);
+      for (std::size_t c = 0; c < count; ++c) {
+        char* to = dst.base ? dst.base + c * kMaxMessage : sink->data();
+        const int rc = MPI_Irecv(to, chunk_bytes(req.bytes, static_cast<int>(c)), MPI_BYTE, source, req.tag,
+                                 requests_.get(), &in_flight_[source]->reqs[c]);
+        if (rc != MPI_SUCCESS) return give_up(source, "MPI_Irecv failed (error " + std::to_string(rc) + ")");
       }
       break;
     }
     case RequestType::Get: {
       ctx_.faults.hit(FaultPoint::MpiServeGet);
       const Region src = find(req.window, req.offset, req.bytes, source);
+      t->call = "MPI_Isend (get data)";
       std::shared_ptr<std::vector<char>> zeros;
       if (src.base == nullptr && req.bytes > 0)
-        zeros = std::make_shared<std::vector<char>>(std::min<std::size_t>(req.bytes, kMaxMessage));
-      for (int c = 0; c < chunk_count(req.bytes); ++c) {
-        const char* from = src.base ? src.base + static_cast<std::size_t>(c) * kMaxMessage : zeros->data();
-        try {
-          check_mpi(MPI_Isend(from, chunk_bytes(req.bytes, c), MPI_BYTE, source, req.tag, replies_.get(), &r[0]),
-                    "MPI_Isend", what);
-          wait(&r[0], "MPI_Isend (get data)", source, what);
-        } catch (const Error& e) {
-          abandon(r, zeros);
-          log(LogLevel::Error, std::string(e.what()) + "; the rest of this get's answer is not sent");
-          return;
-        }
+        t->keep = zeros = std::make_shared<std::vector<char>>(std::min<std::size_t>(req.bytes, kMaxMessage));
+      t->reqs.assign(count, MPI_REQUEST_NULL);
+      in_flight_[source] = std::move(t);
+      for (std::size_t c = 0; c < count; ++c) {
+        const char* from = src.base ? src.base + c * kMaxMessage : zeros->data();
+        const int rc = MPI_Isend(from, chunk_bytes(req.bytes, static_cast<int>(c)), MPI_BYTE, source, req.tag,
+                                 replies_.get(), &in_flight_[source]->reqs[c]);
+        if (rc != MPI_SUCCESS) return give_up(source, "MPI_Isend failed (error " + std::to_string(rc) + ")");
       }
       break;
     }
     case RequestType::Flush: {
       ctx_.faults.hit(FaultPoint::MpiServeFlush);
       static const std::uint64_t kAck = 1;  // lives as long as any send of it may
-      try {
-        check_mpi(MPI_Isend(&kAck, 1, MPI_UINT64_T, source, req.tag, replies_.get(), &r[0]), "MPI_Isend", what);
-        wait(&r[0], "MPI_Isend (flush answer)", source, what);
-      } catch (const Error& e) {
-        abandon(r, nullptr);
-        log(LogLevel::Error, e.what());
-      }
+      t->call = "MPI_Isend (flush answer)";
+      t->reqs.assign(1, MPI_REQUEST_NULL);
+      in_flight_[source] = std::move(t);
+      const int rc = MPI_Isend(&kAck, 1, MPI_UINT64_T, source, req.tag, replies_.get(), &in_flight_[source]->reqs[0]);
+      if (rc != MPI_SUCCESS) return give_up(source, "MPI_Isend failed (error " + std::to_string(rc) + ")");
       break;
     }
     default:
-      log(LogLevel::Error, what + ": unknown request type " +
-                               std::to_string(static_cast<unsigned>(req.type)) + " from rank " +
-                               std::to_string(source));
+      log(LogLevel::Error, what + ": unknown request type " + std::to_string(static_cast<unsigned>(req.type)) +
+                               " from rank " + std::to_string(source));
+      return;
   }
+  if (std::find(busy_.begin(), busy_.end(), source) == busy_.end()) busy_.push_back(source);
+  settle(source);  // small answers are often done at once
+}
+
+void MpiTransport::take(const char* message, std::size_t bytes, int source) {
+  if (in_flight_[source] || !queued_[source].empty()) {
+    queued_[source].emplace_back(message, message + bytes);
+    if (std::find(busy_.begin(), busy_.end(), source) == busy_.end()) busy_.push_back(source);
+    return;
+  }
+  Request req;
+  std::memcpy(&req, message, sizeof(req));
+  handle(req, message + sizeof(Request), source);
+}
+
+bool MpiTransport::settle(int source) {
+  Transfer* t = in_flight_[source].get();
+  if (t == nullptr) return true;
+  std::vector<int> indices(t->reqs.size());
+  int ended = 0;
+  const int rc = MPI_Testsome(static_cast<int>(t->reqs.size()), t->reqs.data(), &ended, indices.data(),
+                              MPI_STATUSES_IGNORE);
+  if (rc != MPI_SUCCESS) {
+    char text[MPI_MAX_ERROR_STRING] = {};
+    int len = 0;
+    MPI_Error_string(rc, text, &len);
+    give_up(source, std::string("MPI_Testsome failed: ") + std::string(text, static_cast<std::size_t>(len)));
+    return true;
+  }
+  if (ended != MPI_UNDEFINED && ended > 0) {
+    t->done += static_cast<std::size_t>(ended);
+    t->deadline = Deadline(timeout_);
+  }
+  if (ended == MPI_UNDEFINED || t->done >= t->reqs.size()) {
+    if (t->req.type == RequestType::Put) apply_signal_of(t->req, source);
+    in_flight_[source].reset();
+    return true;
+  }
+  if (!t->deadline.expired()) return false;
+  give_up(source, std::string(t->call) + " with rank " + std::to_string(source) + " did not complete within " +
+                      describe_timeout(timeout_) + " (is rank " + std::to_string(source) + " alive?)");
+  return true;
+}
+
+void MpiTransport::give_up(int source, const std::string& why, bool peer_failed) {
+  std::unique_ptr<Transfer> t = std::move(in_flight_[source]);
+  int kept = 0;
+  for (MPI_Request& r : t->reqs) {
+    if (r == MPI_REQUEST_NULL) continue;
+    // No grace here, unlike abandon(): the other origins must not wait for this one. A receive
+    // not yet matched ends at once; one that cannot be cancelled keeps its memory until it ends.
+    (void)MPI_Cancel(&r);
+    int done = 0;
+    if (MPI_Test(&r, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done) continue;
+    keep_until_done(r, t->keep);
+    ++kept;
+  }
+  const bool put = t->req.type == RequestType::Put;
+  drop_later(put ? requests_.get() : replies_.get(), source, t->req.tag);
+  const std::string msg = "progress thread of rank " + std::to_string(rank_) + ": " + why;
+  if (peer_failed) {
+    std::lock_guard<std::mutex> lock(failed_mutex_);
+    if (failed_[static_cast<std::size_t>(source)].empty()) failed_[static_cast<std::size_t>(source)] = msg;
+  }
+  log(LogLevel::Error,
+      msg + (put ? "; the put is dropped (its signal is not raised" +
+                       std::string(kept ? "; MPI may still write its bytes into the window)" : ")")
+                 : "; the rest of this answer is not sent"));
+}
+
+bool MpiTransport::advance() {
+  bool ended = false;
+  for (std::size_t i = 0; i < busy_.size();) {
+    const int o = busy_[i];
+    if (in_flight_[o] && !settle(o)) {
+      ++i;
+      continue;
+    }
+    ended = true;
+    while (!in_flight_[o] && !queued_[o].empty()) {
+      const std::vector<char> message = std::move(queued_[o].front());
+      queued_[o].pop_front();
+      Request req;
+      std::memcpy(&req, message.data(), sizeof(req));
+      handle(req, message.data() + sizeof(Request), o);
+    }
+    if (in_flight_[o]) {
+      ++i;
+    } else {
+      busy_.erase(busy_.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+  }
+  return ended;
 }
 
 bool MpiTransport::serve_one() {
   std::unique_lock<std::mutex> lock(serving_, std::try_to_lock);
   if (!lock.owns_lock() || stop_.load(std::memory_order_acquire)) return false;
   if (sweep_.load(std::memory_order_acquire)) sweep();
+  const bool ended = !busy_.empty() && advance();
   const std::string what = "serving requests on rank " + std::to_string(rank_);
   int found = 0;
   MPI_Message message = MPI_MESSAGE_NULL;
@@ -616,7 +729,7 @@ bool MpiTransport::serve_one() {
   if (!found)
     check_mpi(MPI_Improbe(MPI_ANY_SOURCE, kTagRequest, requests_.get(), &found, &message, &status), "MPI_Improbe",
               what);
-  if (!found) return false;
+  if (!found) return ended;
   int count = 0;
   check_mpi(MPI_Get_count(&status, MPI_BYTE, &count), "MPI_Get_count", what);
   if (count < static_cast<int>(sizeof(Request)) || count > static_cast<int>(sizeof(Request) + kInlinePut)) {
@@ -635,7 +748,7 @@ bool MpiTransport::serve_one() {
     throw Error(ErrorCode::Internal, what + ": a request from rank " + std::to_string(status.MPI_SOURCE) + " carries " +
                                          std::to_string(count - static_cast<int>(sizeof(Request))) +
                                          " bytes after its header, expected " + std::to_string(carried));
-  handle(req, inbox_.data() + sizeof(Request), status.MPI_SOURCE);
+  take(inbox_.data(), static_cast<std::size_t>(count), status.MPI_SOURCE);
   return true;
 }
 

@@ -5,6 +5,11 @@
 // sleeps up to MESHMEM_MPI_IDLE_SLEEP between polls once nothing came for 200 ms (MPI cannot
 // wake it when a message comes), so a request to an idle rank waits for its next poll.
 //
+// The serving side never waits for one origin: a put's data, a get's answer or a flush's
+// answer in flight with an origin is a transfer that each serving pass tests, and requests
+// that origin sends meanwhile wait behind it (its order is kept); other origins are served as
+// usual. A transfer that makes no progress for MESHMEM_TIMEOUT is given up (a put is dropped).
+//
 // After a timeout (a peer stalled, stopped or dead): every MPI request the timed-out call
 // posted is cancelled, and one that cannot be (already matched) is kept with its memory until
 // it ends, so nothing lands in freed memory; a receive into the caller's memory that was
@@ -18,6 +23,7 @@
 #include <mpi.h>
 
 #include <atomic>
+#include <deque>
 #include <memory>
 #include <string>
 #include <mutex>
@@ -66,7 +72,8 @@ class MpiTransport final : public Transport {
   // attribute), so that the thread never calls MPI after it.
   void stop() noexcept override;
 
-  // Serves at most one waiting request, unless another thread is serving; true if it did.
+  // Tests the transfers in flight and takes at most one new request, unless another thread is
+  // serving; true if a request was taken or a transfer ended.
   // Threads that wait (wait_until, the transport's own waits) call it: handing each request
   // to the progress thread instead costs scheduler round trips when ranks share few cores
   // (12 us one way measured on 2 cores, against about 1 us served by the waiter).
@@ -95,11 +102,24 @@ class MpiTransport final : public Transport {
     std::size_t bytes;
   };
   struct Request;
+  struct Transfer;  // a request's data in flight with its origin (transport_mpi.cpp)
 
   void serve();
-  // `payload`: a small put's bytes, which came in the request's message (carries_bytes).
+  // Starts serving a request of `source`: applied at once, or left in flight as its origin's
+  // transfer. `payload`: a small put's bytes, which came in the request's message (carries_bytes).
   void handle(const Request& req, const char* payload, int source);
-  bool receive_put_data(const Request& req, const Region& dst, int source, const std::string& what);
+  // Takes a request that came from `source`: handled now, or queued behind that origin's transfer.
+  void take(const char* message, std::size_t bytes, int source);
+  // Tests the transfers in flight; ends those complete or past their timeout, then starts what
+  // their origins sent after them. True if any ended.
+  bool advance();
+  // Whether `source`'s transfer has ended (complete, failed or expired); ends it if so.
+  bool settle(int source);
+  // Gives the transfer of `source` up: cancels its requests (kept while MPI may still use
+  // them) and drops anything its origin still sends with its tag. `peer_failed`: later calls
+  // with `source` raise at once (it stalled or died), as after any timeout with it.
+  void give_up(int source, const std::string& why, bool peer_failed = true);
+  void apply_signal_of(const Request& req, int source);
   void put_inline(const Request& req, int target, const void* src, const std::string& what);
   void revoke(int target, int tag);
   Region find(std::uint64_t id, std::size_t offset, std::size_t bytes, int source) const;
@@ -149,6 +169,11 @@ class MpiTransport final : public Transport {
   std::vector<Stale> stale_;
   std::atomic<bool> sweep_{false};  // something to sweep
   std::set<std::pair<int, int>> revoked_;  // (origin, tag) of puts revoked (progress thread, under serving_)
+  // Under serving_: per origin, its transfer in flight (or null) and the requests it sent
+  // after it (each a header and a small put's bytes); `busy_`: the origins with either.
+  std::vector<std::unique_ptr<Transfer>> in_flight_;
+  std::vector<std::deque<std::vector<char>>> queued_;
+  std::vector<int> busy_;
 
   mutable std::mutex regions_mutex_;
   std::unordered_map<std::uint64_t, Region> regions_;

@@ -7,15 +7,20 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <stdlib.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <dirent.h>
+
 #include <algorithm>
 #include <climits>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -42,27 +47,42 @@ constexpr std::size_t kControlBytes = CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage
   throw Error(ErrorCode::System, what + ": " + std::strerror(err));
 }
 
-// Abstract names are shown with a leading '@', as ss(8) and /proc/net/unix do.
-std::string display(const std::string& name) { return "\"@" + name + "\""; }
+std::string display(const std::string& path) { return "\"" + path + "\""; }
 
-struct AbstractAddress {
+struct SocketAddress {
   sockaddr_un addr;
   socklen_t length;
 };
 
-AbstractAddress abstract_address(const std::string& name) {
-  AbstractAddress a{};
-  // The name goes after the leading NUL; it is not NUL-terminated, the length delimits it.
-  if (name.empty() || name.size() > sizeof(a.addr.sun_path) - 1) {
+SocketAddress socket_address(const std::string& path) {
+  SocketAddress a{};
+  if (path.empty() || path.size() > sizeof(a.addr.sun_path) - 1) {
     throw Error(ErrorCode::InvalidArgument,
-                "socket name " + display(name) + " must have 1 to " +
-                    std::to_string(sizeof(a.addr.sun_path) - 1) + " bytes");
+                "socket path " + display(path) + " must have 1 to " + std::to_string(sizeof(a.addr.sun_path) - 1) +
+                    " bytes");
   }
   a.addr.sun_family = AF_UNIX;
-  a.addr.sun_path[0] = '\0';
-  std::memcpy(a.addr.sun_path + 1, name.data(), name.size());
-  a.length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  std::memcpy(a.addr.sun_path, path.data(), path.size());
+  a.length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + path.size() + 1);
   return a;
+}
+
+// The directory of `path` must be one that only this user may enter, or other users could
+// connect to the socket.
+void check_private_directory(const std::string& path) {
+  const auto slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0) throw_system("lstat of the directory of socket " + display(path), errno);
+  if (!S_ISDIR(st.st_mode) || st.st_uid != ::geteuid() || (st.st_mode & 077) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    throw Error(ErrorCode::InvalidArgument,
+                "socket " + display(path) + ": its directory \"" + dir + "\" (mode " + mode + ", owner uid " +
+                    std::to_string(st.st_uid) +
+                    ") may be entered by other users; a descriptor socket needs one only uid " +
+                    std::to_string(::geteuid()) + " may enter (mode 0700)");
+  }
 }
 
 timeval to_timeval(milliseconds ms) {
@@ -113,8 +133,45 @@ std::string random_token() {
   return token;
 }
 
+namespace {
+std::string private_base() {
+  // Room for "/meshmem-XXXXXX/" and a short socket name within sun_path's 107 bytes.
+  const char* tmp = std::getenv("TMPDIR");
+  if (tmp != nullptr && tmp[0] == '/' && std::strlen(tmp) < 64) return tmp;
+  return "/tmp";
+}
+}  // namespace
+
+PrivateDir::PrivateDir() {
+  std::string templ = private_base() + "/meshmem-XXXXXX";
+  if (::mkdtemp(templ.data()) == nullptr) throw_system("mkdtemp(" + templ + ")", errno);
+  path_ = templ;  // mode 0700, owned by this user
+}
+
+PrivateDir& PrivateDir::operator=(PrivateDir&& other) noexcept {
+  if (this != &other) {
+    PrivateDir old(std::move(*this));
+    path_ = std::move(other.path_);
+    other.path_.clear();
+  }
+  return *this;
+}
+
+PrivateDir::~PrivateDir() {
+  if (path_.empty()) return;
+  if (DIR* d = ::opendir(path_.c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      if (name != "." && name != "..") (void)::unlink((path_ + "/" + name).c_str());
+    }
+    ::closedir(d);
+  }
+  (void)::rmdir(path_.c_str());
+}
+
 FdListener::FdListener(const std::string& name) : name_(name) {
-  const AbstractAddress address = abstract_address(name);
+  const SocketAddress address = socket_address(name);
+  check_private_directory(name);
   // Non-blocking so that a connection that vanishes between poll() and accept4() gives
   // EAGAIN instead of blocking receive() past its timeout.
   const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
@@ -143,9 +200,25 @@ struct FdListener::Incoming {
   Clock::time_point since;
 };
 
-FdListener::FdListener(FdListener&&) noexcept = default;
-FdListener& FdListener::operator=(FdListener&&) noexcept = default;
-FdListener::~FdListener() = default;
+FdListener::FdListener(FdListener&& other) noexcept
+    : name_(std::move(other.name_)), socket_(std::move(other.socket_)), incoming_(std::move(other.incoming_)) {
+  other.name_.clear();
+}
+
+FdListener& FdListener::operator=(FdListener&& other) noexcept {
+  if (this != &other) {
+    FdListener old(std::move(*this));
+    name_ = std::move(other.name_);
+    socket_ = std::move(other.socket_);
+    incoming_ = std::move(other.incoming_);
+    other.name_.clear();
+  }
+  return *this;
+}
+
+FdListener::~FdListener() {
+  if (!name_.empty() && socket_) (void)::unlink(name_.c_str());
+}
 
 namespace {
 
@@ -344,7 +417,7 @@ void send_fds(const std::string& name, const void* payload, std::size_t payload_
   if ((payload_bytes > 0 && payload == nullptr) || (fd_count > 0 && fds == nullptr)) {
     throw Error(ErrorCode::InvalidArgument, "send_fds to " + display(name) + ": null buffer");
   }
-  const AbstractAddress address = abstract_address(name);
+  const SocketAddress address = socket_address(name);
 
   const bool forever = timeout == milliseconds::zero();
   const Clock::time_point start = Clock::now();
@@ -361,7 +434,7 @@ void send_fds(const std::string& name, const void* payload, std::size_t payload_
       break;
     }
     const int err = errno;
-    // Nobody listening yet (abstract names give ECONNREFUSED), or a full backlog: retry.
+    // Nobody listening yet (no socket file, or one not yet listening), or a full backlog: retry.
     if (err != ECONNREFUSED && err != ENOENT && err != EAGAIN && err != EINTR) {
       throw_system("connect to socket " + display(name), err);
     }

@@ -13,6 +13,7 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -22,6 +23,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <meshmem/meshmem.hpp>
@@ -419,6 +421,109 @@ TEST_F(Killed, MidPut) {
   c.reset();
   EXPECT_LT(seconds_since(t1), kAtOnce) << "~Comm waited for the dead rank again";
   verdict("mid-put");
+}
+
+// Median and largest of `seconds`.
+std::pair<double, double> median_and_max(std::vector<double> seconds) {
+  std::sort(seconds.begin(), seconds.end());
+  return {seconds[seconds.size() / 2], seconds.back()};
+}
+
+// Rank 2 dies in the middle of a 256 MiB put to rank 0 (its header there, its data not): rank
+// 0's progress thread must not wait for that data while rank 1 asks it for something. A 4 KiB
+// get from rank 1 to rank 0 costs the same as before the death (before the fix, the first one
+// waited for the dead origin's put to time out: most of a timeout).
+TEST_F(Killed, MidPutHoldsNoOtherOriginUp) {
+  Options o = options_with(entry(kVictim, "mpi.put.after_header", "kill") + "," + entry(0, "mpi.serve.put", "delay=1"));
+  o.set("MESHMEM_TRANSPORTS", "mpi");
+  auto c = comm_everywhere(o);
+  ASSERT_TRUE(c);
+  const std::size_t bytes = std::size_t(256) << 20, small = 4096;
+  Window w = c->alloc(bytes, Memory::Host);
+  Window served = c->alloc(small, Memory::Host);
+  std::memset(w.local(), kPoison, bytes);
+  const auto data = pattern(seed, 7, small);
+  std::memcpy(served.local(), data.data(), small);
+  c->barrier();
+  constexpr int kGets = 25;
+  std::vector<unsigned char> dst(small);
+  const auto timed_gets = [&] {
+    std::vector<double> took;
+    for (int i = 0; i < kGets; ++i) {
+      std::memset(dst.data(), kPoison, small);
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        c->get(dst.data(), served, 0, 0, small);
+        EXPECT_EQ(first_difference(dst.data(), data.data(), small), -1) << "get " << i;
+      } catch (const Error& e) {
+        ADD_FAILURE() << "get " << i << ": " << e.what();  // every rank still comes to the verdict
+      }
+      took.push_back(seconds_since(t0));
+    }
+    return median_and_max(took);
+  };
+  std::pair<double, double> before{0, 0};
+  if (me == 1) before = timed_gets();
+  MPI_Barrier(MPI_COMM_WORLD);
+  const std::uint64_t taken = faults_taken(FaultPoint::MpiServePut);
+  if (me == kVictim) {
+    const auto src = pattern(seed, 8, bytes);
+    c->put(w, 0, 0, src.data(), bytes);
+    victim_survived("mpi.put.after_header");
+  }
+  // Rank 0's progress thread has the dead origin's header before rank 1 asks it anything.
+  if (me == 0) EXPECT_TRUE(wait_for_fault(meshmem::detail::faults_over, FaultPoint::MpiServePut, taken + 1));
+  wait_for_victims_death();
+  MPI_Barrier(survivors_);
+  if (me == 1) {
+    const auto after = timed_gets();
+    std::printf("[rank 1] 4 KiB get from rank 0, median / max of %d: %.3f / %.3f ms before rank 2 died, %.3f / %.3f ms "
+                "with rank 2 dead mid-put to rank 0\n",
+                kGets, before.first * 1e3, before.second * 1e3, after.first * 1e3, after.second * 1e3);
+    EXPECT_LT(after.second, 0.25 * kTimeout.count() / 1e3) << "a get waited for the dead origin's put";
+    EXPECT_LT(after.first, before.first + 0.010) << "the median get with a dead origin mid-put";
+  }
+  MPI_Barrier(survivors_);
+  verdict("mid-put, another origin's gets");
+}
+
+// Rank 0 has unconfirmed puts to rank 2 when rank 2 dies: tearing its Comm down (two windows,
+// signals, ~Comm) takes one timeout in all, on every survivor (before the fix, the first free
+// waited one timeout for its quiet and another for the meeting).
+TEST_F(Killed, TeardownWithUnconfirmedPutsTakesOneTimeout) {
+  Options o = options_with(entry(kVictim, "mpi.serve.put", "kill"));
+  o.set("MESHMEM_TRANSPORTS", "mpi");
+  auto c = comm_everywhere(o);
+  ASSERT_TRUE(c);
+  Window w = c->alloc(4096, Memory::Host);
+  Window other = c->alloc(4096, Memory::Host);
+  Signals sig = c->alloc_signals(2, Memory::Host);
+  c->barrier();
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (me == kVictim) {
+    // Dies in its progress thread, serving rank 0's put.
+    const auto t0 = std::chrono::steady_clock::now();
+    while (seconds_since(t0) < 60) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    victim_survived("mpi.serve.put");
+  }
+  if (me == 0) {
+    const auto src = pattern(seed, 9, 64);
+    c->put(w, kVictim, 0, src.data(), 64);  // one message: returns before rank 2 takes it
+  }
+  wait_for_victims_death();
+  MPI_Barrier(survivors_);
+  const auto t0 = std::chrono::steady_clock::now();
+  if (me == 0)
+    expect_error([&] { w.free(); }, {ErrorCode::Timeout, ErrorCode::Mpi}, {"Window::free", "2 did not arrive"});
+  else
+    expect_error([&] { w.free(); }, {ErrorCode::Timeout}, {"Window::free", "2 did not arrive"});
+  other = Window();
+  sig = Signals();
+  c.reset();
+  const double took = seconds_since(t0);
+  std::printf("[rank %d] teardown with a dead peer: %.2f s (timeout %.1f s)\n", me, took, kTimeout.count() / 1e3);
+  EXPECT_LT(took, 1.5 * kTimeout.count() / 1e3) << "the teardown waited more than one timeout";
+  verdict("teardown with unconfirmed puts");
 }
 
 // Rank 2 dies during the construction, once the Comm's communicator exists: the others raise

@@ -1,9 +1,11 @@
-// FdChannel: descriptors passed with SCM_RIGHTS over abstract-namespace Unix sockets.
+// FdChannel: descriptors passed with SCM_RIGHTS over filesystem Unix sockets.
 //
-// Each process listens on a name that includes an unguessable per-job token. A sender
-// connects, writes one message (a small payload plus descriptors) and closes. The receiver
-// reads the sender's credentials with SO_PEERCRED at accept time and refuses, closing every
-// descriptor received, any sender whose uid differs from its own or whom `accept` rejects.
+// Each process listens on a socket in a directory that only its user may enter (PrivateDir,
+// mode 0700): another user cannot even connect, so a flood of other users' connections costs
+// the listener nothing (an abstract socket, which anyone may connect to, once cost 34-49x).
+// A sender connects, writes one message (a small payload plus descriptors) and closes. The
+// receiver reads the sender's credentials with SO_PEERCRED at accept time and refuses, closing
+// every descriptor received, any sender whose uid differs from its own or whom `accept` rejects.
 #pragma once
 
 #include <sys/types.h>
@@ -35,18 +37,38 @@ struct FdMessage {
 inline constexpr std::size_t kMaxFdPayload = 256;  // bytes of payload per message
 inline constexpr std::size_t kMaxFdsPerMessage = 16;
 
-// Random token for socket names: 32 hex digits from getrandom().
+// Random token: 32 hex digits from getrandom().
 std::string random_token();
+
+// A new directory that only this user may enter (mkdtemp, mode 0700) under $TMPDIR, or /tmp
+// where $TMPDIR is unset or too long for a socket path; removed, with the sockets left in it,
+// on destruction. Raises Error(System) if it cannot be made.
+class PrivateDir {
+ public:
+  PrivateDir();
+  PrivateDir(PrivateDir&& other) noexcept : path_(std::move(other.path_)) { other.path_.clear(); }
+  PrivateDir& operator=(PrivateDir&& other) noexcept;
+  PrivateDir(const PrivateDir&) = delete;
+  PrivateDir& operator=(const PrivateDir&) = delete;
+  ~PrivateDir();
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 class FdListener {
  public:
-  // Binds and listens on the abstract name "\0<name>". Raises Error(System) if taken.
-  explicit FdListener(const std::string& name);
+  // Binds and listens on the socket file `path` (removed on destruction), in a directory that
+  // only this user may enter: owned by it, no access for group or others (PrivateDir). Raises
+  // Error(InvalidArgument) for a path too long or in another directory, Error(System) if the
+  // path is taken.
+  explicit FdListener(const std::string& path);
   FdListener(FdListener&&) noexcept;
   FdListener& operator=(FdListener&&) noexcept;
   ~FdListener();
 
-  const std::string& name() const { return name_; }
+  const std::string& name() const { return name_; }  // the socket's path
   int fd() const { return socket_.get(); }
 
   // Returns true to accept the message, false to refuse it.
@@ -57,8 +79,10 @@ class FdListener {
   // their descriptors closed; the wait goes on. Returns nullopt on timeout. A negative
   // timeout takes only a message already waiting. Connections are read side by side, so a
   // stalled or idle one holds no other sender up; it is refused once it has sent no complete
-  // message for 5 s (a partly read message is kept from one call to the next). Other users' connections are closed unread at once, and a flood of them is told
-  // in two lines (the first, and how many more).
+  // message for 5 s (a partly read message is kept from one call to the next). Other users
+  // cannot connect (the directory); a connection of another uid all the same (root, or a
+  // directory made accessible since) is closed unread at once, and a flood of them is told in
+  // two lines (the first, and how many more).
   std::optional<FdMessage> receive(std::chrono::milliseconds timeout, const Check& accept,
                                    std::vector<std::string>* refused = nullptr);
 
@@ -70,7 +94,7 @@ class FdListener {
   std::vector<Incoming> incoming_;  // in the order accepted; kept from one receive to the next
 };
 
-// Connects to the listener `name` and sends one message. Retries a refused or missing
+// Connects to the listener at path `name` and sends one message. Retries a refused or missing
 // listener until `timeout` (zero: forever; negative: one attempt), then raises
 // Error(Timeout). Raises Error(InvalidArgument) for more than kMaxFdPayload bytes or
 // kMaxFdsPerMessage descriptors. Returning means the message is queued at the listener,
