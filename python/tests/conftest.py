@@ -66,6 +66,8 @@ def mpi():
 
 @pytest.fixture(scope="session")
 def comm():
+    if meshmem.gpu_available()[0]:
+        meshmem.select_local_device(world())  # before the Comm: it uses the current device
     c = meshmem.Comm(world())
     yield c
     c.close()

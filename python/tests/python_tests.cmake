@@ -2,10 +2,11 @@
 # failures across ranks; a run where every test skipped exits 77, reported as skipped).
 # Labels: python (CPU, host windows), python;gpu (device windows; they skip without a GPU,
 # CuPy or PyTorch), python;hosts (two namespace hosts; skipped where none can be made).
+include(${PROJECT_SOURCE_DIR}/cmake/MeshmemMpiTest.cmake)  # MESHMEM_MPIEXEC_IS_OPEN_MPI
 set(_pytests ${CMAKE_CURRENT_SOURCE_DIR}/tests)
 set(_pyenv "PYTHONPATH=${CMAKE_CURRENT_BINARY_DIR}" "PYTHONDONTWRITEBYTECODE=1" "OMPI_ALLOW_RUN_AS_ROOT=1"
            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1" "OMPI_MCA_rmaps_base_oversubscribe=1")
-set(_pytest_args -m pytest -q --color=no -p no:cacheprovider --rootdir=${_pytests})
+set(_pytest_args -m pytest -q -rs --color=no -p no:cacheprovider --rootdir=${_pytests})
 set(_mpi_flags ${MPIEXEC_PREFLAGS})
 if(MESHMEM_MPIEXEC_IS_OPEN_MPI)
   list(APPEND _mpi_flags --oversubscribe --bind-to none)
