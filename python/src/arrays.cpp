@@ -240,7 +240,15 @@ Memory memory_of(py::handle m, const char* call) {
   invalid(std::string(call) + ": memory must be \"device\" or \"host\", not " + py::repr(m).cast<std::string>());
 }
 
+namespace {
+bool is(py::handle s, const char* text) { return PyUnicode_CompareWithASCIIString(s.ptr(), text) == 0; }
+}  // namespace
+
 Cmp cmp_of(py::handle c, const char* call) {
+  if (PyUnicode_Check(c.ptr())) {  // the common spellings without building strings
+    if (is(c, ">=")) return Cmp::GE;
+    if (is(c, "==")) return Cmp::EQ;
+  }
   if (py::isinstance<Cmp>(c)) return c.cast<Cmp>();
   if (py::isinstance<py::str>(c)) {
     const std::string s = lower_str(c);
@@ -256,6 +264,10 @@ Cmp cmp_of(py::handle c, const char* call) {
 }
 
 SignalOp op_of(py::handle o, const char* call) {
+  if (PyUnicode_Check(o.ptr())) {
+    if (is(o, "set")) return SignalOp::Set;
+    if (is(o, "add")) return SignalOp::Add;
+  }
   if (py::isinstance<SignalOp>(o)) return o.cast<SignalOp>();
   if (py::isinstance<py::str>(o)) {
     const std::string s = lower_str(o);

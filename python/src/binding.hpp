@@ -107,6 +107,7 @@ py::object window_array(const std::shared_ptr<WindowHolder>& w, int rank, py::ha
                         std::size_t offset, const char* call);
 
 void bind_arrays(py::module_& m);
+void bind_world(py::module_& m);  // the tests' MPI_COMM_WORLD without mpi4py
 int current_device();  // -1 without the GPU part or a device
 
 }  // namespace meshmem::python

@@ -257,6 +257,7 @@ PYBIND11_MODULE(_meshmem, m) {
       .value("GE", Cmp::GE).value("LT", Cmp::LT).value("LE", Cmp::LE);
 
   bind_arrays(m);
+  bind_world(m);
 
   py::class_<PyWindow, std::shared_ptr<PyWindow>> window(m, "Window", "A symmetric window (Comm.alloc)");
   bind_window_common(window, "Window");

@@ -36,6 +36,10 @@ void init_mpi_here(bool* initialised_here) {
 
 MPI_Comm mpi_comm_of(py::handle comm, bool* initialised_here) {
   *initialised_here = false;
+  if (!comm.is_none() && py::hasattr(comm, "_meshmem_world")) {  // the tests' world without mpi4py
+    init_mpi_here(initialised_here);
+    return MPI_COMM_WORLD;
+  }
   py::object mpi;
   try {
     mpi = py::module_::import("mpi4py.MPI");
@@ -74,6 +78,72 @@ MPI_Comm mpi_comm_of(py::handle comm, bool* initialised_here) {
   const MPI_Comm c = *reinterpret_cast<const MPI_Comm*>(address);
   if (c == MPI_COMM_NULL) invalid("meshmem.Comm(comm): comm is MPI.COMM_NULL");
   return c;
+}
+
+// MPI_COMM_WORLD for the tests where mpi4py is absent (python/tests/conftest.py): rank, size,
+// barrier, allgather and broadcast of bytes. Not part of the package's API.
+void bind_world(py::module_& m) {
+  auto check = [](int rc, const char* call) {
+    if (rc != MPI_SUCCESS) throw Error(ErrorCode::Mpi, std::string("meshmem._world: ") + call + " failed (" + std::to_string(rc) + ")");
+  };
+  m.def("_world_init", [] {
+    bool here = false;
+    init_mpi_here(&here);
+    return here;
+  });
+  m.def("_world_finalize", [] {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Finalize();
+  });
+  m.def("_world_rank", [check] {
+    int r = 0;
+    check(MPI_Comm_rank(MPI_COMM_WORLD, &r), "MPI_Comm_rank");
+    return r;
+  });
+  m.def("_world_size", [check] {
+    int n = 0;
+    check(MPI_Comm_size(MPI_COMM_WORLD, &n), "MPI_Comm_size");
+    return n;
+  });
+  m.def("_world_barrier", [check] {
+    py::gil_scoped_release release;
+    check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+  });
+  m.def("_world_allgather", [check](const py::bytes& mine) {
+    const std::string data = mine;
+    int size = 0;
+    check(MPI_Comm_size(MPI_COMM_WORLD, &size), "MPI_Comm_size");
+    int len = static_cast<int>(data.size());
+    std::vector<int> lens(static_cast<std::size_t>(size)), offsets(static_cast<std::size_t>(size));
+    std::string all;
+    {
+      py::gil_scoped_release release;
+      check(MPI_Allgather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, MPI_COMM_WORLD), "MPI_Allgather");
+      int total = 0;
+      for (int r = 0; r < size; ++r) {
+        offsets[r] = total;
+        total += lens[r];
+      }
+      all.resize(static_cast<std::size_t>(total));
+      check(MPI_Allgatherv(data.data(), len, MPI_BYTE, all.data(), lens.data(), offsets.data(), MPI_BYTE, MPI_COMM_WORLD),
+            "MPI_Allgatherv");
+    }
+    py::list out;
+    for (int r = 0; r < size; ++r) out.append(py::bytes(all.data() + offsets[r], static_cast<std::size_t>(lens[r])));
+    return out;
+  });
+  m.def("_world_bcast", [check](const py::bytes& mine, int root) {
+    std::string data = mine;
+    {
+      py::gil_scoped_release release;
+      long long len = static_cast<long long>(data.size());
+      check(MPI_Bcast(&len, 1, MPI_LONG_LONG, root, MPI_COMM_WORLD), "MPI_Bcast");
+      data.resize(static_cast<std::size_t>(len));
+      check(MPI_Bcast(data.data(), static_cast<int>(len), MPI_BYTE, root, MPI_COMM_WORLD), "MPI_Bcast");
+    }
+    return py::bytes(data);
+  });
 }
 
 }  // namespace meshmem::python

@@ -36,6 +36,9 @@ set(_host test_host.py test_errors.py)
 meshmem_add_python_test(NAME python.host.one_node FILES ${_host} RANKS 2 4 ENV MESHMEM_TIMEOUT=60)
 meshmem_add_python_test(NAME python.host.simulated_nodes FILES ${_host} RANKS 2 4
   ENV MESHMEM_TIMEOUT=60 MESHMEM_SIMULATE_NODES=2)
+# Without mpi4py (as in a GPU machine's virtual environment): meshmem.Comm() over MPI_COMM_WORLD.
+meshmem_add_python_test(NAME python.host.no_mpi4py FILES ${_host} RANKS 2
+  ENV MESHMEM_TIMEOUT=60 MESHMEM_TEST_NO_MPI4PY=1)
 meshmem_add_python_test(NAME python.host.mpi_only FILES ${_host} RANKS 2 ENV MESHMEM_TIMEOUT=60 MESHMEM_TRANSPORTS=mpi)
 
 # Two hosts made of namespaces (launch/meshmem-hosts), 2 ranks each.
@@ -61,5 +64,7 @@ meshmem_add_python_test(NAME python.gpu.nccl_simulated FILES ${_gpu} RANKS 2 LAB
   ENV MESHMEM_TIMEOUT=120 MESHMEM_SIMULATE_NODES=2)
 
 # python -m meshmem.info beside meshmem-info; the Jacobi example against its one-rank run.
-meshmem_add_python_test(NAME python.info FILES test_info.py RANKS 1 2)
+add_test(NAME python.info COMMAND ${MESHMEM_PYTHON_EXE} ${_pytest_args} ${_pytests}/test_info.py)
+set_tests_properties(python.info PROPERTIES TIMEOUT 300 PROCESSORS 2 LABELS python SKIP_RETURN_CODE 77
+  ENVIRONMENT "${_pyenv}")
 meshmem_add_python_test(NAME python.examples.jacobi FILES test_jacobi.py RANKS 2 4 LABELS gpu ENV MESHMEM_TIMEOUT=120)

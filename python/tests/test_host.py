@@ -8,10 +8,9 @@ import time
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 import meshmem
-from conftest import agree, data, fresh_seed, raises
+from conftest import agree, data, fresh_seed, needs_mpi4py, raises
 
 POISON = 0xA5
 
@@ -222,6 +221,7 @@ def test_gil_released_while_waiting(comm, mpi):
         comm.barrier()
 
 
+@needs_mpi4py
 def test_comm_of_a_split_communicator(comm, mpi):
     sub = mpi.Split(mpi.rank % 2, mpi.rank)
     with meshmem.Comm(sub) as c:
