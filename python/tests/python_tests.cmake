@@ -46,11 +46,11 @@ if(MESHMEM_MPIEXEC_IS_OPEN_MPI)
   add_test(NAME python.host.two_hosts.np4
     COMMAND ${PROJECT_SOURCE_DIR}/launch/meshmem-hosts --hosts 2 --ranks-per-host 2 --gpus-per-host 0
             --timeout 280 --unavailable-exit 77 --
-            --oversubscribe --bind-to none -x PYTHONPATH -x PYTHONDONTWRITEBYTECODE
+            --oversubscribe --bind-to none -x PYTHONPATH -x PYTHONDONTWRITEBYTECODE -x MESHMEM_TEST_EXPECT_NODES
             ${MESHMEM_PYTHON_EXE} ${_pytest_args} ${_pytests}/test_host.py)
   set_tests_properties(python.host.two_hosts.np4 PROPERTIES
     TIMEOUT 300 SKIP_RETURN_CODE 77 PROCESSORS 4 LABELS "python;hosts"
-    ENVIRONMENT "${_pyenv};MESHMEM_TIMEOUT=60")
+    ENVIRONMENT "${_pyenv};MESHMEM_TIMEOUT=60;MESHMEM_TEST_EXPECT_NODES=2")
 endif()
 
 # Device windows with CuPy and PyTorch, on one node and with every route forced.
