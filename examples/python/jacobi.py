@@ -8,7 +8,7 @@ signals, ordered on the CuPy stream; the host does not wait).
     mpirun -np 4 python examples/python/jacobi.py --n 4096 --iters 200 --halo mpi
     mpirun -np 2 python examples/python/jacobi.py --n 512 --iters 100 --check
 
---check compares the result with the same iterations run on rank 0 alone (bitwise: every
+--array numpy runs the same program on the CPU (NumPy, host windows). --check compares the result with the same iterations run on rank 0 alone (bitwise: every
 point is computed by the same expression). The top edge is held at 1, the others at 0.
 """
 
@@ -25,6 +25,12 @@ def parse(argv):
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--halo", choices=("meshmem", "mpi"), default="meshmem")
     p.add_argument("--check", action="store_true", help="compare with a one-rank run on rank 0")
+    p.add_argument("--array", choices=("cupy", "numpy"), default="cupy",
+                   help="numpy: the same program on the CPU with host windows (no GPU needed)")
+    p.add_argument("--csv", help="append a row in bench/results' format (variant python-<halo>, size_bytes = n, "
+                                 "latency_us = time per iteration), as examples/03_jacobi --csv does")
+    p.add_argument("--machine", default="unknown")
+    p.add_argument("--commit", default="unknown")
     return p.parse_args(argv)
 
 
@@ -81,8 +87,42 @@ def run_mpi(cp, mpi, n, iters, first, count):
     return a, time.perf_counter() - start
 
 
+class NumpyAsCupy:
+    """What this program uses of CuPy, done by NumPy on the host (--array numpy)."""
+
+    float64 = np.float64
+    zeros = staticmethod(np.zeros)
+    asarray = staticmethod(np.asarray)
+    asnumpy = staticmethod(np.asarray)
+
+    class cuda:  # noqa: N801 - CuPy's name
+        class Stream:
+            def __init__(self, non_blocking=False):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def synchronize(self):
+                pass
+
+        class Device:
+            def __init__(self, device=None):
+                pass
+
+            def synchronize(self):
+                pass
+
+            def use(self):
+                pass
+
+
 def run_meshmem(cp, mpi, n, iters, first, count):
     import meshmem
+    on_host = cp is NumpyAsCupy  # host windows, the host form of the exchange
     stream = cp.cuda.Stream(non_blocking=True)
     row = n * 8
     sends = []
@@ -93,12 +133,14 @@ def run_meshmem(cp, mpi, n, iters, first, count):
         sends.append(meshmem.HaloRegion(peer=mpi.rank + 1, src_offset=count * row, dst_offset=0, width=row))
     with meshmem.Comm(mpi) as comm:
         # Two windows in alternation: iteration k reads one while the halos of the other land.
-        wins = [comm.alloc((count + 2) * row, memory="device") for _ in range(2)]
+        # Windows are symmetric: every rank allocates for the largest band (rank 0's).
+        most = rows_of(n, mpi.size, 0)[1]
+        wins = [comm.alloc((most + 2) * row, memory="host" if on_host else "device") for _ in range(2)]
         grids = [cp.asarray(w.local(np.float64, (count + 2, n))) for w in wins]
         halos = [comm.make_halo(w, sends) for w in wins]
         with stream:
-            for g in grids:
-                g[:] = initial(cp, n, first, count)
+            for i in range(2):
+                grids[i][:] = initial(cp, n, first, count)
         stream.synchronize()
         comm.barrier()
         start = time.perf_counter()
@@ -106,11 +148,11 @@ def run_meshmem(cp, mpi, n, iters, first, count):
             src, dst = k % 2, (k + 1) % 2
             with stream:
                 step(grids[src], grids[dst])
-            halos[dst].exchange(stream=stream)
+            halos[dst].exchange(stream=None if on_host else stream)
         stream.synchronize()
         elapsed = time.perf_counter() - start
         result = grids[iters % 2].copy()
-        del grids
+        del grids  # the windows' arrays: free() is refused while they live
         for h in halos:
             h.close()
         for w in wins:
@@ -120,16 +162,19 @@ def run_meshmem(cp, mpi, n, iters, first, count):
 
 def main(argv=None, mpi=None):
     args = parse(sys.argv[1:] if argv is None else argv)
-    try:
-        import cupy as cp
-    except ImportError:
-        print("jacobi.py: cupy is not installed")
-        return 77
+    if args.array == "numpy":
+        cp = NumpyAsCupy
+    else:
+        try:
+            import cupy as cp
+        except ImportError:
+            print("jacobi.py: cupy is not installed (--array numpy runs on the CPU)")
+            return 77
     if mpi is None:
         from mpi4py import MPI
         mpi = MPI.COMM_WORLD
     import meshmem
-    if meshmem.gpu_available()[0]:
+    if args.array == "cupy" and meshmem.gpu_available()[0]:
         cp.cuda.Device(meshmem.select_local_device(mpi)).use()
     first, count = rows_of(args.n, mpi.size, mpi.rank)
     run = run_meshmem if args.halo == "meshmem" else run_mpi
@@ -139,6 +184,16 @@ def main(argv=None, mpi=None):
     if mpi.rank == 0:
         print(f"jacobi {args.n}x{args.n}, {args.iters} iterations, {mpi.size} ranks, halo {args.halo}: "
               f"{worst / args.iters * 1e6:.1f} us per iteration")
+        if args.csv:
+            import datetime
+            import os
+            new = not os.path.exists(args.csv) or os.path.getsize(args.csv) == 0
+            with open(args.csv, "a") as f:
+                if new:
+                    f.write("date,commit,machine,benchmark,variant,ranks,size_bytes,latency_us,bandwidth_gbps\n")
+                date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+                f.write(f"{date},{args.commit},{args.machine},jacobi,python-{args.halo},{mpi.size},{args.n},"
+                        f"{worst / args.iters * 1e6:.4f},\n")
     error = 0.0
     if args.check:
         parts = mpi.gather(interior, root=0)

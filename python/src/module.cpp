@@ -120,9 +120,8 @@ void CommHolder::close() {
 }
 
 CommHolder::~CommHolder() {
-  if (!comm) return;
-  if (Py_IsInitialized() && PyGILState_Check()) {
-    py::gil_scoped_release release;
+  if (comm && Py_IsInitialized() && PyGILState_Check()) {
+    py::gil_scoped_release release;  // collective
     comm.reset();
   } else {
     comm.reset();

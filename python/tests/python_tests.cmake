@@ -67,4 +67,5 @@ meshmem_add_python_test(NAME python.gpu.nccl_simulated FILES ${_gpu} RANKS 2 LAB
 add_test(NAME python.info COMMAND ${MESHMEM_PYTHON_EXE} ${_pytest_args} ${_pytests}/test_info.py)
 set_tests_properties(python.info PROPERTIES TIMEOUT 300 PROCESSORS 2 LABELS python SKIP_RETURN_CODE 77
   ENVIRONMENT "${_pyenv}")
+# (With NumPy and host windows everywhere, with CuPy where there is a GPU.)
 meshmem_add_python_test(NAME python.examples.jacobi FILES test_jacobi.py RANKS 2 4 LABELS gpu ENV MESHMEM_TIMEOUT=120)

@@ -62,12 +62,15 @@ grep -h "^SKIPPED" "$build/Testing/Temporary/LastTest.log" | sort | uniq -c || t
 echo "== Jacobi 4096^2, $ranks ranks: meshmem vs MPI halo (Python), the C++ example beside where built"
 export PYTHONPATH=$build/python
 if "$py" -c 'import cupy, mpi4py' 2>/dev/null; then
+  machine="$(hostname -s)-gpu" commit=$(git -C "$root" rev-parse --short HEAD)
+  csv=$root/bench/results/$(date -u +%Y-%m-%d)-$machine-python-jacobi.csv
   for halo in meshmem mpi; do
     mpirun -np "$ranks" --oversubscribe --bind-to none "$py" "$root/examples/python/jacobi.py" \
-      --n 4096 --iters 200 --halo "$halo" || status=1
+      --n 4096 --iters 200 --halo "$halo" --csv "$csv" --machine "$machine" --commit "$commit" || status=1
     mpirun -np "$ranks" --oversubscribe --bind-to none "$build/examples/03_jacobi" \
-      --size 4096 --iters 200 --halo="$halo" || status=1
+      --size 4096 --iters 200 --halo="$halo" --csv "$csv" --machine "$machine" --commit "$commit" || status=1
   done
+  echo "rows in $csv"
 else
   echo "skipped: the Jacobi example needs cupy and mpi4py"
 fi
