@@ -4,7 +4,15 @@
 # CuPy or PyTorch), python;hosts (two namespace hosts; skipped where none can be made).
 include(${PROJECT_SOURCE_DIR}/cmake/MeshmemMpiTest.cmake)  # MESHMEM_MPIEXEC_IS_OPEN_MPI
 set(_pytests ${CMAKE_CURRENT_SOURCE_DIR}/tests)
-set(_pyenv "PYTHONPATH=${CMAKE_CURRENT_BINARY_DIR}" "PYTHONDONTWRITEBYTECODE=1" "OMPI_ALLOW_RUN_AS_ROOT=1"
+# pytest from python/third_party/pylib (python/tests/carry_for_gpu.sh) where the interpreter has none.
+set(_pypath "${CMAKE_CURRENT_BINARY_DIR}")
+execute_process(COMMAND ${MESHMEM_PYTHON_EXE} -c "import pytest" RESULT_VARIABLE _no_pytest OUTPUT_QUIET ERROR_QUIET)
+if(_no_pytest AND EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/third_party/pylib/pytest)
+  string(APPEND _pypath ":${CMAKE_CURRENT_SOURCE_DIR}/third_party/pylib")
+elseif(_no_pytest)
+  message(STATUS "meshmem: ${MESHMEM_PYTHON_EXE} has no pytest: the Python tests will fail (Debian: python3-pytest)")
+endif()
+set(_pyenv "PYTHONPATH=${_pypath}" "PYTHONDONTWRITEBYTECODE=1" "OMPI_ALLOW_RUN_AS_ROOT=1"
            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1" "OMPI_MCA_rmaps_base_oversubscribe=1")
 set(_pytest_args -m pytest -q -rs --color=no -p no:cacheprovider --rootdir=${_pytests})
 set(_mpi_flags ${MPIEXEC_PREFLAGS})

@@ -46,7 +46,13 @@ if [ ! -e "$inc/Python.h" ]; then
        "install that Python's development headers (python3.12-dev) or point MESHMEM_PYTHON at one that has them" >&2
   exit 3
 fi
-"$py" -c 'import pytest, numpy' || { echo "run_gpu.sh: $py lacks pytest or numpy" >&2; exit 3; }
+"$py" -c 'import numpy' || { echo "run_gpu.sh: $py lacks numpy" >&2; exit 3; }
+pylib=$root/python/third_party/pylib  # python/tests/carry_for_gpu.sh
+if ! "$py" -c 'import pytest' 2>/dev/null; then
+  PYTHONPATH=$pylib "$py" -c 'import pytest' 2>/dev/null \
+    || { echo "run_gpu.sh: $py has no pytest and none is carried (run python/tests/carry_for_gpu.sh on a Debian machine)" >&2; exit 3; }
+  echo "pytest: carried ($pylib)"
+fi
 
 gen=()
 [ -x /opt/torch/.venv/bin/ninja ] && gen=(-G Ninja -DCMAKE_MAKE_PROGRAM=/opt/torch/.venv/bin/ninja)
