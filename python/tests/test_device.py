@@ -41,13 +41,18 @@ class Cupy:
 
     def to_device(self, host, s):
         with s:
-            return self.cp.asarray(host)
+            a = self.cp.asarray(host)
+        s.synchronize()  # usable on any stream from here on
+        return a
 
     def to_host(self, a, s):
         with s:
             h = self.cp.asnumpy(a, stream=s)
         s.synchronize()
         return h
+
+    def sync_all(self):
+        self.cp.cuda.Device().synchronize()
 
 
 class Torch:
@@ -75,11 +80,16 @@ class Torch:
 
     def to_device(self, host, s):
         with self.torch.cuda.stream(s):
-            return self.torch.from_numpy(host).to(self.dev)
+            a = self.torch.from_numpy(host).to(self.dev)
+        s.synchronize()  # usable on any stream from here on
+        return a
 
     def to_host(self, a, s):
         s.synchronize()
         return a.cpu().numpy()
+
+    def sync_all(self):
+        self.torch.cuda.synchronize()
 
 
 def have(module):
@@ -140,8 +150,8 @@ def test_get_on_the_framework_stream(comm, fw):
     right = (comm.rank + 1) % comm.size
     with comm.alloc(n, memory="device") as win:
         mine = fw.wrap(win.local())
-        mine[:] = fw.to_device(data(seed, comm.rank, nbytes=n), s)
-        s.synchronize()
+        mine[:] = fw.to_device(data(seed, comm.rank, nbytes=n), s)  # on the framework's current stream
+        fw.sync_all()
         comm.barrier()
         dst = fw.to_device(np.full(n - 100, POISON, np.uint8), s)
         comm.get(dst, win, right, 100, stream=s)
@@ -157,8 +167,8 @@ def test_peer_views_where_mapped(comm, fw):
     s = fw.stream()
     with comm.alloc(n, memory="device") as win:
         mine = fw.wrap(win.local())
-        mine[:] = fw.to_device(data(seed, comm.rank, nbytes=n), s)
-        s.synchronize()
+        mine[:] = fw.to_device(data(seed, comm.rank, nbytes=n), s)  # on the framework's current stream
+        fw.sync_all()
         comm.barrier()
         bad = []
         for r in range(comm.size):
@@ -189,7 +199,7 @@ def test_halo_exchange_on_a_stream(comm, fw):
         host = np.full((rows + 2, cols), -1.0)
         host[1:-1] = np.random.default_rng([seed, comm.rank]).random((rows, cols))
         grid[:] = fw.to_device(host, s)
-        s.synchronize()
+        fw.sync_all()
         comm.barrier()
         sends = [meshmem.HaloRegion(peer=up, src_offset=row, dst_offset=(rows + 1) * row, width=row),
                  meshmem.HaloRegion(peer=down, src_offset=rows * row, dst_offset=0, width=row)]
