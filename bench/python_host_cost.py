@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """The per-call host cost of put_signal and wait_until from Python, beside the same calls from
-C++ (python_host_cost_cpp, built with the Python package). Each rank issues `calls`
+C++ (python_host_cost_cpp, built with the Python package). Python is timed twice: arguments by position (the
+hot-loop form) and with op= / stream= by keyword (pybind11 matches keywords by name, which
+costs about a microsecond). Each rank issues `calls`
 put_signal of 8 bytes (a NumPy array, or a CuPy/PyTorch one for device windows) to its right
 neighbour, then `calls` wait_until on a word already satisfied; rank 0's mean per call.
 
@@ -46,23 +48,32 @@ def measure(memory, calls):
         with comm.alloc(4096, memory=memory) as win, comm.alloc_signals(2, memory=memory) as sig:
             right = (comm.rank + 1) % comm.size
             put_signal, wait_until = comm.put_signal, comm.wait_until
-            comm.barrier()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                put_signal(win, right, src, sig, 0, 1, op="add", stream=stream)
-            t1 = time.perf_counter()
-            if stream is not None:
-                sync()
-            comm.barrier()
-            t2 = time.perf_counter()
-            for _ in range(calls):
-                wait_until(sig, 1, ">=", 0, stream=stream)
-            t3 = time.perf_counter()
-            if stream is not None:
-                sync()
-            comm.barrier()
+
+            def timed(put_call, wait_call):
+                comm.barrier()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    put_call()
+                t1 = time.perf_counter()
+                if stream is not None:
+                    sync()
+                comm.barrier()
+                t2 = time.perf_counter()
+                for _ in range(calls):
+                    wait_call()
+                t3 = time.perf_counter()
+                if stream is not None:
+                    sync()
+                comm.barrier()
+                return (t1 - t0) / calls * 1e6, (t3 - t2) / calls * 1e6
+
+            # Arguments by position (the hot-loop form), then op= and stream= by keyword.
+            positional = timed(lambda: put_signal(win, right, src, sig, 0, 1, 0, "add", stream),
+                               lambda: wait_until(sig, 1, ">=", 0, stream))
+            keywords = timed(lambda: put_signal(win, right, src, sig, 0, 1, op="add", stream=stream),
+                             lambda: wait_until(sig, 1, ">=", 0, stream=stream))
         rank, size = comm.rank, comm.size
-    return (t1 - t0) / calls * 1e6, (t3 - t2) / calls * 1e6, rank, size
+    return positional, keywords, rank, size
 
 
 def main():
@@ -74,10 +85,11 @@ def main():
     p.add_argument("--commit", default="")
     p.add_argument("--cpp-results", help="the C++ baseline's output (python_host_cost_cpp), to put beside")
     a = p.parse_args()
-    put_us, wait_us, rank, size = measure(a.memory, a.calls)
+    positional, keywords, rank, size = measure(a.memory, a.calls)
     if rank != 0:
         return 0
-    rows = [("python", "put_signal", put_us), ("python", "wait_until", wait_us)]
+    rows = [("python", "put_signal", positional[0]), ("python", "wait_until", positional[1]),
+            ("python-keywords", "put_signal", keywords[0]), ("python-keywords", "wait_until", keywords[1])]
     if a.cpp_results:
         for line in open(a.cpp_results):
             f = line.split()
@@ -87,9 +99,9 @@ def main():
     for lang, call, us in rows:
         print(f"{lang}  {call}  {a.memory}  {a.calls}  {us:.3f}")
     cpp = {call: us for lang, call, us in rows if lang == "c++"}
-    for call, us in ((r[1], r[2]) for r in rows if r[0] == "python"):
-        if call in cpp:
-            print(f"# {call}: Python costs {us - cpp[call]:+.3f} us per call more than C++")
+    for lang, call, us in rows:
+        if lang != "c++" and call in cpp:
+            print(f"# {call} ({lang}): {us - cpp[call]:+.3f} us per call more than C++")
     if a.csv:
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         with open(a.csv, "a") as f:

@@ -400,8 +400,8 @@ PYBIND11_MODULE(_meshmem, m) {
            py::arg("count"), py::arg("memory") = "device",
            "Collective: count 64-bit signal words, zero, on every rank")
       .def("put",
-           [](CommHolder& c, PyWindow& w, int target, py::handle src, py::handle offset, py::handle elem_offset,
-              py::handle stream) {
+           [](CommHolder& c, PyWindow& w, int target, py::handle src, py::handle offset, py::handle stream,
+              py::handle elem_offset) {
              const char* call = "comm.put";
              Span s;
              span_of(s, src, false, call, "src");
@@ -413,13 +413,13 @@ PYBIND11_MODULE(_meshmem, m) {
              py::gil_scoped_release release;
              comm.put(w.win, target, off, s.ptr, s.nbytes, st);
            },
-           py::arg("win"), py::arg("target"), py::arg("src"), py::arg("offset") = 0, py::kw_only(),
-           py::arg("elem_offset") = py::none(), py::arg("stream") = py::none(),
+           py::arg("win"), py::arg("target"), py::arg("src"), py::arg("offset") = 0, py::arg("stream") = py::none(),
+           py::kw_only(), py::arg("elem_offset") = py::none(),
            "Copies all of src (a contiguous array) into target's part of win at byte offset (or elem_offset "
            "items of src's dtype)")
       .def("get",
-           [](CommHolder& c, py::handle dst, PyWindow& w, int target, py::handle offset, py::handle elem_offset,
-              py::handle stream) {
+           [](CommHolder& c, py::handle dst, PyWindow& w, int target, py::handle offset, py::handle stream,
+              py::handle elem_offset) {
              const char* call = "comm.get";
              Span s;
              span_of(s, dst, true, call, "dst");
@@ -431,12 +431,12 @@ PYBIND11_MODULE(_meshmem, m) {
              py::gil_scoped_release release;
              comm.get(s.ptr, w.win, target, off, s.nbytes, st);
            },
-           py::arg("dst"), py::arg("win"), py::arg("target"), py::arg("offset") = 0, py::kw_only(),
-           py::arg("elem_offset") = py::none(), py::arg("stream") = py::none(),
+           py::arg("dst"), py::arg("win"), py::arg("target"), py::arg("offset") = 0, py::arg("stream") = py::none(),
+           py::kw_only(), py::arg("elem_offset") = py::none(),
            "Fills all of dst from target's part of win at byte offset (or elem_offset items of dst's dtype)")
       .def("put_signal",
            [](CommHolder& c, PyWindow& w, int target, py::handle src, PySignals& sig, std::size_t index,
-              std::uint64_t value, py::handle offset, py::handle elem_offset, py::handle op, py::handle stream) {
+              std::uint64_t value, py::handle offset, py::handle op, py::handle stream, py::handle elem_offset) {
              const char* call = "comm.put_signal";
              Span s;
              span_of(s, src, false, call, "src");
@@ -451,8 +451,8 @@ PYBIND11_MODULE(_meshmem, m) {
              comm.put_signal(w.win, target, off, s.ptr, s.nbytes, sig.sig, index, value, o, st);
            },
            py::arg("win"), py::arg("target"), py::arg("src"), py::arg("sig"), py::arg("index"), py::arg("value"),
-           py::arg("offset") = 0, py::kw_only(), py::arg("elem_offset") = py::none(), py::arg("op") = "set",
-           py::arg("stream") = py::none(),
+           py::arg("offset") = 0, py::arg("op") = "set", py::arg("stream") = py::none(), py::kw_only(),
+           py::arg("elem_offset") = py::none(),
            "put, then target's signal word index is set to (op=\"add\": increased by) value; whoever sees "
            "the signal sees the data")
       .def("signal",
@@ -467,7 +467,7 @@ PYBIND11_MODULE(_meshmem, m) {
              comm.signal(sig.sig, target, index, value, o, st);
            },
            py::arg("sig"), py::arg("target"), py::arg("index"), py::arg("value"), py::arg("op") = "set",
-           py::kw_only(), py::arg("stream") = py::none())
+           py::arg("stream") = py::none())
       .def("wait_until",
            [](CommHolder& c, PySignals& sig, std::size_t index, py::handle cmp, std::uint64_t value, py::handle stream) {
              const char* call = "comm.wait_until";
@@ -478,8 +478,7 @@ PYBIND11_MODULE(_meshmem, m) {
              py::gil_scoped_release release;
              comm.wait_until(sig.sig, index, k, value, st);
            },
-           py::arg("sig"), py::arg("index"), py::arg("cmp"), py::arg("value"), py::kw_only(),
-           py::arg("stream") = py::none(),
+           py::arg("sig"), py::arg("index"), py::arg("cmp"), py::arg("value"), py::arg("stream") = py::none(),
            "Until this rank's word index compares true (cmp: \">=\", meshmem.Cmp.GE, ...): the host waits "
            "(GIL released) without a stream, the stream waits with one")
       .def("wait_until_all",
@@ -493,7 +492,7 @@ PYBIND11_MODULE(_meshmem, m) {
              py::gil_scoped_release release;
              comm.wait_until_all(sig.sig, first, count, k, value, st);
            },
-           py::arg("sig"), py::arg("first"), py::arg("count"), py::arg("cmp"), py::arg("value"), py::kw_only(),
+           py::arg("sig"), py::arg("first"), py::arg("count"), py::arg("cmp"), py::arg("value"),
            py::arg("stream") = py::none())
       .def("quiet",
            [](CommHolder& c, py::handle stream) {
