@@ -130,8 +130,8 @@ const OptionKnob<FdPassing> kFdPassingKnob{
     Tier::User, "MESHMEM_FD_PASSING", &Options::fd_passing, parse_named<kFdPassing>, print_named<kFdPassing>,
     "how node peers pass memory descriptors: `pidfd` (pidfd_getfd), `socket` (SCM_RIGHTS), or `auto` (pidfd where "
     "every node peer permits it)",
-    "`pidfd` (pidfd_getfd; needs ptrace permission), `socket` (SCM_RIGHTS over an abstract Unix socket named "
-    "with a random per-job token; the sender's pid and uid are checked with SO_PEERCRED), or `auto` (pidfd "
+    "`pidfd` (pidfd_getfd; needs ptrace permission), `socket` (SCM_RIGHTS over a Unix socket in a directory "
+    "only the job's user may enter, mode 0700; the sender's pid and uid are checked with SO_PEERCRED), or `auto` (pidfd "
     "where every node peer permits it)"};
 const OptionKnob<std::vector<TransportKind>> kTransports{
     Tier::User, "MESHMEM_TRANSPORTS", &Options::transports, parse_transports, print_transports,

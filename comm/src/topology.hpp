@@ -23,8 +23,8 @@ struct RealPlacement {
 
 // What names this process's real node: its host name (its UTS namespace's), the kernel's
 // boot id (as NCCL tells hosts apart), and its network and pid namespaces, since node peers
-// pass descriptors through abstract Unix sockets (one set per network namespace) and check
-// each other by pid (SO_PEERCRED, pidfd: one pid namespace). Ranks with equal keys share a
+// pass descriptors through Unix sockets (in a private directory of the shared /tmp, within one
+// network namespace's job) and check each other by pid (SO_PEERCRED, pidfd: one pid namespace). Ranks with equal keys share a
 // node; two containers of one machine with the same host name but namespaces of their own
 // are two nodes. MPI_COMM_TYPE_SHARED is not asked: some Open MPI 4.1 builds put ranks of one
 // node in nodes of their own (open-mpi/ompi#11585, PMIx 4.2.3; seen with Open MPI 4.1.6 on the

@@ -25,7 +25,7 @@ const char* to_string(TransportKind kind) noexcept;
 enum class FdPassing {
   Auto,    // pidfd_getfd where every node peer permits it, else Socket
   Pidfd,   // pidfd_open + pidfd_getfd (needs ptrace permission over the peer)
-  Socket,  // SCM_RIGHTS over an abstract Unix socket, SO_PEERCRED checked
+  Socket,  // SCM_RIGHTS over a Unix socket in a directory of mode 0700, SO_PEERCRED checked
 };
 const char* to_string(FdPassing mode) noexcept;
 
