@@ -8,6 +8,7 @@
 #     OUT      where the CSV, the summary and the logs go
 #     ENTRY_REGEX  ctest -R of the new build's entries to run after the figures (none: skip)
 #   Environment: ROUNDS (turns of old and new, default 3), BUDGET (seconds for the entries),
+#   OLD_TARGETS (what of the old tree is built: default staged_bench 03_jacobi),
 #   COMMIT_OLD, COMMIT_NEW, MACHINE, DATE (for the CSV rows; give the commits from the machine
 #   that has the git history: a copied tree may report another HEAD).
 # Builds with Ninja where it is found (the GPU machines' /opt/torch/.venv/bin/ninja).
@@ -28,7 +29,7 @@ build() {  # src dir targets...
     cmake --build "$dir" -j "$(nproc)" --target "$@" >> "$out/cmake-$(basename "$src").log" 2>&1
 }
 t0=$(date +%s)
-build "$old_src" "$old_src/build" staged_bench 03_jacobi & p_old=$!
+build "$old_src" "$old_src/build" ${OLD_TARGETS:-staged_bench 03_jacobi} & p_old=$!
 build "$new_src" "$new_src/build-new" all; rc_new=$?
 wait $p_old; rc_old=$?
 note "builds: old rc $rc_old, new rc $rc_new, $(( $(date +%s) - t0 )) s"
