@@ -368,7 +368,8 @@ void bind_arrays(py::module_& m) {
            "writes before it yourself)")
       .def("__dlpack_device__",
            [](const Part& p) {
-             return p.device() ? py::tuple(py::make_tuple(kDLCUDA, p.window->owner->device)) : py::tuple(py::make_tuple(kDLCPU, 0));
+             if (p.device()) return py::tuple(py::make_tuple(kDLCUDA, p.window->owner->device));
+             return py::tuple(py::make_tuple(kDLCPU, 0));
            })
       .def("__repr__", [](const Part& p) {
         return "<meshmem.WindowArray rank " + std::to_string(p.owner_rank) + " " + (p.device() ? "device" : "host") +
