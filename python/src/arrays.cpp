@@ -147,7 +147,8 @@ void span_of(Span& out, py::handle obj, bool writable, const std::string& call, 
     out.device = p.device();
     return;
   }
-  if (PyObject_CheckBuffer(obj.ptr())) {
+  // GPU arrays first: CuPy's ndarray also offers a buffer, which refuses (its memory is not host memory).
+  if (PyObject_CheckBuffer(obj.ptr()) && !py::hasattr(obj, "__cuda_array_interface__")) {
     if (PyObject_GetBuffer(obj.ptr(), &out.view, PyBUF_RECORDS_RO) != 0) {
       py::error_already_set e;
       invalid(at + " (" + type_name(obj) + ") refused its buffer: " + e.what());
