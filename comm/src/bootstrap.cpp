@@ -279,9 +279,10 @@ void Bootstrap::arrive(const std::string& what, std::chrono::milliseconds budget
   // verdict time to arrive before deciding alone (rank 0 itself is late or dead then).
   // A shortened wait (teardown) gives rank 0 as long again, not the full grace: its one
   // timeout is mostly spent.
+  const auto usual_grace = 2000 + timeout_.count() / 10;
   const auto grace = std::chrono::milliseconds(timeout_.count() == 0 ? 0
-                                               : budget < timeout_ ? budget.count()
-                                                                   : 2000 + timeout_.count() / 10);
+                                               : budget < timeout_ ? std::min<std::int64_t>(budget.count(), usual_grace)
+                                                                   : usual_grace);
   Deadline deadline(budget + grace);
   Backoff backoff;
   for (;;) {

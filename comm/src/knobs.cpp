@@ -85,8 +85,13 @@ bool exempt_variable(const std::string& name) {
   static const char* const kPrefixes[] = {"MESHMEM_TEST_",  "MESHMEM_SOAK_",    "MESHMEM_HOSTS_",
                                           "MESHMEM_BUILD_", "MESHMEM_ENABLE_",  "MESHMEM_BENCH_",
                                           "MESHMEM_EXAMPLE_", "MESHMEM_NVSHMEM_", "MESHMEM_MPIEXEC_"};
+  // Whole names: the GPU run script's commit label, the Python package's tool and interpreter,
+  // and the CMake variable that names the NCCL of the examples and benchmarks.
+  static const char* const kNames[] = {"MESHMEM_COMMIT", "MESHMEM_INFO", "MESHMEM_PYTHON", "MESHMEM_NCCL_LIBRARY_PATH"};
   for (const char* p : kPrefixes)
     if (name.rfind(p, 0) == 0) return true;
+  for (const char* n : kNames)
+    if (name == n) return true;
   return false;
 }
 

@@ -199,6 +199,10 @@ void MpiTransport::unregister_window(std::uint64_t id) {
     std::lock_guard<std::mutex> lock(regions_mutex_);
     regions_.erase(id);
   }
+  // After MPI_Finalize (a window alive at the end of main) no MPI call may be made, and MPI
+  // touches no buffer any more: nothing to give up.
+  int finalized = 0;
+  if (MPI_Finalized(&finalized) != MPI_SUCCESS || finalized) return;
   // A put still coming into the window, or a get's answer still going out of it (an origin
   // stalled or dead mid-transfer), is given up before its memory goes.
   // A get's answer whose data has reached its origin may not have been seen complete here

@@ -70,7 +70,7 @@ inline const TuningKnob<OffOn> kPeerVerifyCorrupt{
     "`on`: this rank's peer-verify writes carry a wrong byte, as a broken peer path would (to test the fallback)",
     "Formerly the value `corrupt` of MESHMEM_PEER_VERIFY. The check runs (whatever MESHMEM_IPC_PEER_VERIFY says) "
     "and finds every pair of this rank broken: they go through `staged`",
-    false};
+    /*must_agree=*/true};
 
 // What the check of the mapped pairs does.
 inline PeerVerify peer_verify(const Options& o) {
