@@ -5,7 +5,7 @@
 set -euo pipefail
 build=$1 machine=$2 ranks=${3:-2} python=${4:-python3}
 root=$(cd "$(dirname "$0")/.." && pwd)
-commit=$(git -C "$root" rev-parse --short HEAD)
+commit=${MESHMEM_COMMIT:-$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=$root/bench/results/$(date -u +%Y-%m-%d)-$machine-python-host-cost.csv
 export PYTHONPATH=$build/python${PYTHONPATH:+:$PYTHONPATH}
 [ "$(id -u)" = 0 ] && export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

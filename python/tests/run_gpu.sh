@@ -68,7 +68,7 @@ grep -h "^SKIPPED" "$build/Testing/Temporary/LastTest.log" | sort | uniq -c || t
 echo "== Jacobi 4096^2, $ranks ranks: meshmem vs MPI halo (Python), the C++ example beside where built"
 export PYTHONPATH=$build/python
 if "$py" -c 'import cupy, mpi4py' 2>/dev/null; then
-  machine="$(hostname -s)-gpu" commit=$(git -C "$root" rev-parse --short HEAD)
+  machine="$(hostname -s)-gpu" commit=${MESHMEM_COMMIT:-$(git -C "$root" rev-parse --short HEAD)}
   csv=$root/bench/results/$(date -u +%Y-%m-%d)-$machine-python-jacobi.csv
   for halo in meshmem mpi; do
     mpirun -np "$ranks" --oversubscribe --bind-to none "$py" "$root/examples/python/jacobi.py" \
