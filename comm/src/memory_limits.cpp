@@ -5,14 +5,12 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <limits>
 #include <map>
-#include <sstream>
 #include <stdexcept>
 
 #include "bootstrap.hpp"
@@ -35,20 +33,46 @@ bool read_first_line(const std::string& path, std::string& line) {
   return static_cast<bool>(std::getline(in, line));
 }
 
+// The words of a line, split at spaces and tabs. The files below are read without iostreams'
+// number parsing: that follows the process's global C++ locale, which a host application (a
+// Python interpreter's extensions, say) may have changed.
+std::vector<std::string> words_of(const std::string& line) {
+  std::vector<std::string> out;
+  std::size_t i = 0;
+  while (i < line.size()) {
+    while (i < line.size() && (line[i] == ' ' || line[i] == '\t')) ++i;
+    const std::size_t from = i;
+    while (i < line.size() && line[i] != ' ' && line[i] != '\t') ++i;
+    if (i > from) out.push_back(line.substr(from, i - from));
+  }
+  return out;
+}
+
+// A decimal number and nothing else.
+bool parse_number(const std::string& word, std::uint64_t& value) {
+  if (word.empty() || word.size() > 20) return false;
+  std::uint64_t v = 0;
+  for (char c : word) {
+    if (c < '0' || c > '9') return false;
+    const std::uint64_t digit = static_cast<std::uint64_t>(c - '0');
+    if (v > (kMax - digit) / 10) return false;
+    v = v * 10 + digit;
+  }
+  value = v;
+  return true;
+}
+
 // A file holding one number ("max" for v2's no limit: kMax).
 bool read_number(const std::string& path, std::uint64_t& value) {
   std::string line;
   if (!read_first_line(path, line)) return false;
-  if (line == "max") {
+  const auto w = words_of(line);
+  if (w.size() != 1) return false;
+  if (w[0] == "max") {
     value = kMax;
     return true;
   }
-  char* end = nullptr;
-  errno = 0;
-  const unsigned long long v = std::strtoull(line.c_str(), &end, 10);
-  if (errno != 0 || end == line.c_str()) return false;
-  value = v;
-  return true;
+  return parse_number(w[0], value);
 }
 
 // "key value [kB]" lines (memory.stat, /proc/meminfo): the values of the keys asked for.
@@ -56,13 +80,13 @@ std::map<std::string, std::uint64_t> read_keyed(const std::string& path, std::in
   std::map<std::string, std::uint64_t> out;
   std::ifstream in(path);
   for (std::string line; std::getline(in, line);) {
-    std::istringstream fields(line);
-    std::string key, unit;
+    const auto w = words_of(line);
     std::uint64_t value = 0;
-    if (!(fields >> key >> value)) continue;
+    if (w.size() < 2 || !parse_number(w[1], value)) continue;
+    std::string key = w[0];
     if (!key.empty() && key.back() == ':') key.pop_back();
     for (const char* k : keys)
-      if (key == k) out[key] = (fields >> unit && unit == "kB") ? mul(value, 1024) : value;
+      if (key == k) out[key] = w.size() > 2 && w[2] == "kB" ? mul(value, 1024) : value;
   }
   return out;
 }
@@ -94,9 +118,7 @@ bool find_memory_hierarchy(const SystemFiles& files, int& version, CgroupMount& 
   bool have_v2 = false;
   CgroupMount v2;
   for (std::string line; std::getline(in, line);) {
-    std::istringstream fields(line);
-    std::vector<std::string> f;
-    for (std::string w; fields >> w;) f.push_back(w);
+    const std::vector<std::string> f = words_of(line);
     const auto dash = std::find(f.begin(), f.end(), "-");
     if (dash == f.end() || dash - f.begin() < 5 || f.end() - dash < 4) continue;
     const std::string& type = *(dash + 1);
@@ -233,7 +255,10 @@ void read_address_space_bound(const SystemFiles& files, std::vector<MemoryBound>
   if (::getrlimit(RLIMIT_AS, &as) != 0 || as.rlim_cur == RLIM_INFINITY) return;
   std::string line;
   std::uint64_t pages = 0;
-  if (read_first_line(files.proc_self + "/statm", line)) std::istringstream(line) >> pages;
+  if (read_first_line(files.proc_self + "/statm", line)) {
+    const auto w = words_of(line);
+    if (w.empty() || !parse_number(w[0], pages)) pages = 0;
+  }
   const long page = ::sysconf(_SC_PAGESIZE);
   MemoryBound b;
   b.kind = MemoryBound::Kind::AddressSpace;

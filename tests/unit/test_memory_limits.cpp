@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <locale>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -152,6 +153,43 @@ TEST(MemoryLimits, StrictOvercommitAddsTheCommitLimit) {
 // A cgroup's limit counts the parts of every rank of the machine in it (not those of another
 // machine, even where its cgroup has the same inode); the machine's memory, those of every rank
 // on it; the address space, this rank's part and the peers' parts it maps.
+// A process whose global C++ locale reads numbers its own way (a host application set it, as a
+// Python process on a GPU machine did: every bound read 0 and an 8 KiB host window was refused)
+// still reads the limits as the files write them.
+TEST(MemoryLimits, ReadTheSameUnderAnotherGlobalLocale) {
+  struct ZeroNumbers : std::num_get<char> {
+    iter_type do_get(iter_type in, iter_type end, std::ios_base& io, std::ios_base::iostate& err,
+                     unsigned long& v) const override {
+      std::num_get<char>::do_get(in, end, io, err, v);
+      v = 0;
+      return end;
+    }
+  };
+  FakeSystem sys;
+  sys.write("proc/self/mountinfo", "50 40 0:30 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n");
+  sys.write("proc/self/cgroup", "0::/job\n");
+  sys.write("sys/fs/cgroup/job/memory.max", std::to_string(2048 * MiB) + "\n");
+  sys.write("sys/fs/cgroup/job/memory.current", std::to_string(400 * MiB) + "\n");
+  sys.write("sys/fs/cgroup/job/memory.stat", "active_file " + std::to_string(64 * MiB) + "\ninactive_file " +
+                                                 std::to_string(36 * MiB) + "\nfile_mapped 0\n");
+  const std::locale before = std::locale::global(std::locale(std::locale::classic(), new ZeroNumbers));
+  std::vector<MemoryBound> bounds;
+  try {
+    bounds = read_memory_bounds(sys.files());
+  } catch (...) {
+    std::locale::global(before);
+    throw;
+  }
+  std::locale::global(before);
+  const auto machine = of_kind(bounds, MemoryBound::Kind::Machine);
+  ASSERT_EQ(machine.size(), 1u);
+  EXPECT_EQ(machine[0].limit, (4000000ull + 1000ull) * 1024);
+  const auto cgroups = of_kind(bounds, MemoryBound::Kind::Cgroup);
+  ASSERT_EQ(cgroups.size(), 1u);
+  EXPECT_EQ(cgroups[0].limit, 2048 * MiB);
+  EXPECT_EQ(cgroups[0].in_use, 300 * MiB);  // 400 less the 100 of page cache no process maps
+}
+
 TEST(MemoryLimits, WhoseParts) {
   MemoryBound cgroup;
   cgroup.kind = MemoryBound::Kind::Cgroup;
