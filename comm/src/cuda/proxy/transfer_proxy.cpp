@@ -41,16 +41,10 @@ void TransferProxy::stop(bool abort) noexcept {
   if (wire_) wire_->stop(abort);
 }
 
-void TransferProxy::add_window(std::uint64_t id, void* local, std::size_t bytes) {
-  std::lock_guard<std::mutex> lock(windows_m_);
-  windows_[id] = {static_cast<char*>(local), bytes};
-}
+void TransferProxy::add_window(std::uint64_t id, void* local, std::size_t bytes) { windows_.add(id, local, bytes); }
 
 bool TransferProxy::remove_window(std::uint64_t id) {
-  {
-    std::lock_guard<std::mutex> lock(windows_m_);
-    windows_.erase(id);
-  }
+  windows_.erase(id);
   const Deadline deadline(timeout_);
   Backoff backoff;
   while (wire_->pending() > 0 && !deadline.expired()) backoff.pause();
@@ -92,20 +86,6 @@ void TransferProxy::send_header(int peer, const Message& m) {
     throw Error(ErrorCode::Mpi, where() + ": MPI_Isend of a header to rank " + std::to_string(peer) +
                                     " failed (code " + std::to_string(rc) + ")");
   }
-}
-
-char* TransferProxy::resolve(std::uint64_t id, std::uint64_t offset, std::uint64_t bytes, std::string* problem) {
-  const auto it = windows_.find(id);
-  if (it == windows_.end()) {
-    *problem = "window #" + std::to_string(id) + " is not (or no longer) allocated here";
-    return nullptr;
-  }
-  if (offset > it->second.second || bytes > it->second.second - offset) {
-    *problem = "bytes [" + std::to_string(offset) + ", " + std::to_string(offset + bytes) + ") are outside window #" +
-               std::to_string(id) + " (" + std::to_string(it->second.second) + " bytes)";
-    return nullptr;
-  }
-  return it->second.first + offset;
 }
 
 void TransferProxy::release_bounce(const ProxyRequest& r) noexcept {
@@ -217,19 +197,19 @@ void TransferProxy::handle(int peer, const Message& m) {
   const std::string from = where() + ", from rank " + std::to_string(peer);
   switch (m.kind) {
     case MessageKind::Put: {
-      std::lock_guard<std::mutex> lock(windows_m_);
+      const auto lock = windows_.lock();
       std::string problem;
       std::uint64_t span = 0;
       char* dst = nullptr;
       if (put_span(m, &span))
-        dst = resolve(m.window, m.offset, span, &problem);
+        dst = windows_.resolve(m.window, m.offset, span, 1, 0, &problem);
       else
         problem = "a strided put of " + std::to_string(m.bytes) + " bytes in rows of " + std::to_string(m.width) +
                   ", " + std::to_string(m.pitch) + " apart, is malformed";
       std::uint64_t* signal = nullptr;
       if (dst != nullptr && (m.flags & 1u))
         signal = reinterpret_cast<std::uint64_t*>(
-            resolve(m.signal_window, m.signal_index * sizeof(std::uint64_t), sizeof(std::uint64_t), &problem));
+            windows_.resolve(m.signal_window, m.signal_index * sizeof(std::uint64_t), sizeof(std::uint64_t), 1, 0, &problem));
       const bool refused = dst == nullptr || ((m.flags & 1u) && signal == nullptr);
       cudaStream_t s = streams.in->get();
       // The data must be received wherever it goes, or every later transfer of the pair
@@ -260,9 +240,9 @@ void TransferProxy::handle(int peer, const Message& m) {
       return;
     }
     case MessageKind::GetRequest: {
-      std::lock_guard<std::mutex> lock(windows_m_);
+      const auto lock = windows_.lock();
       std::string problem;
-      const char* src = resolve(m.window, m.offset, m.bytes, &problem);
+      const char* src = windows_.resolve(m.window, m.offset, m.bytes, 1, 0, &problem);
       if (src == nullptr) {
         note_error(from + ": a get was refused: " + problem);
         send_header(peer, Message{MessageKind::Refused, 1, m.id, 0, 0, 0, 0, 0, 0});

@@ -21,6 +21,7 @@
 #include "bootstrap.hpp"
 #include "fault.hpp"
 #include "cuda/agent/host_agent.hpp"
+#include "cuda/agent/landing_windows.hpp"
 #include "cuda/proxy/proxy_request.hpp"
 #include "cuda/proxy/proxy_wire.hpp"
 #include "cuda/runtime/block_pool.hpp"
@@ -111,10 +112,6 @@ class TransferProxy {
 
   void send_header(int peer, const Message& m);
 
-  // Where [offset, offset + bytes) of window `id` is here; null (and why) if nowhere. Under
-  // windows_m_ (held until the copy into it is enqueued).
-  char* resolve(std::uint64_t id, std::uint64_t offset, std::uint64_t bytes, std::string* problem);
-
   void release_bounce(const ProxyRequest& r) noexcept;
 
   void start(ProxyRequest r);
@@ -173,8 +170,7 @@ class TransferProxy {
   std::chrono::steady_clock::time_point next_watch_{};
   std::list<Outgoing> outgoing_;
 
-  std::mutex windows_m_;
-  std::map<std::uint64_t, std::pair<char*, std::size_t>> windows_;
+  LandingWindows windows_;  // where the wire's puts land and its gets are read (under its lock until enqueued)
 
   EventPool events_;
   std::thread thread_;

@@ -42,49 +42,48 @@ void raise_count(std::uint64_t* word, std::uint64_t value) {
 }
 }  // namespace
 
+StagingSite StagingAgent::site_of(Setup& setup) {
+  StagingSite site;
+  site.pool = std::move(setup.pool);
+  site.slots = static_cast<char*>(site.pool->region(setup.rank));
+  site.chunk = setup.chunk;
+  site.first_piece = setup.first_piece;
+  site.nslots = setup.slots;
+  site.control = ControlWords{nullptr, static_cast<std::size_t>(setup.ranks), setup.node_ranks.size()};
+  site.rank = setup.rank;
+  site.device = setup.devices.front();
+  site.local_of.assign(static_cast<std::size_t>(setup.ranks), 0);
+  for (std::size_t i = 0; i < setup.node_ranks.size(); ++i) {
+    site.local_of[static_cast<std::size_t>(setup.node_ranks[i])] = i;
+    if (setup.hidden[static_cast<std::size_t>(setup.node_ranks[i])]) site.hidden.push_back(setup.node_ranks[i]);
+  }
+  site.timeout = setup.timeout;
+  site.control = site.control_of(setup.rank);
+  return site;
+}
+
 StagingAgent::StagingAgent(Setup setup)
-    : pool_(std::move(setup.pool)),
-      slots_(static_cast<char*>(pool_->region(setup.rank))),
-      chunk_(setup.chunk),
-      first_piece_(setup.first_piece),
-      nslots_(setup.slots),
-      control_{nullptr, static_cast<std::size_t>(setup.ranks), setup.node_ranks.size()},
-      rank_(setup.rank),
-      device_(setup.devices.front()),
-      local_of_(static_cast<std::size_t>(setup.ranks), 0),
-      timeout_(setup.timeout),
-      limit_(setup.limit),
+    : site_(site_of(setup)),
       faults_(std::move(setup.faults)),
       trace_(setup.trace_prefix.empty() ? "" : setup.trace_prefix + "." + std::to_string(setup.rank),
              setup.trace_prefix.empty() ? 0 : kTraceSteps),
-      held_after_(timeout_.count() != 0 ? std::min(std::chrono::milliseconds(2000), timeout_ / 2)
+      held_after_(site_.timeout.count() != 0 ? std::min(std::chrono::milliseconds(2000), site_.timeout / 2)
                                         : std::chrono::milliseconds(2000)),
-      captured_(std::move(setup.captured)) {
-  const std::string what = "staged transport on rank " + std::to_string(rank_);
-  for (std::size_t i = 0; i < setup.node_ranks.size(); ++i) {
-    local_of_[static_cast<std::size_t>(setup.node_ranks[i])] = i;
-    if (setup.hidden[static_cast<std::size_t>(setup.node_ranks[i])]) hidden_.push_back(setup.node_ranks[i]);
-  }
-  control_ = control_of(rank_);
-  if (control_.transfer_count() < ControlWords::kLeastTransferWords)
+      captured_(std::move(setup.captured)),
+      fill_slots_(site_.control, cuda::kTransferGivenUp) {
+  const std::string what = "staged transport on rank " + std::to_string(site_.rank);
+  if (site_.control.transfer_count() < ControlWords::kLeastTransferWords)
     throw Error(ErrorCode::Unsupported, what + ": " + std::to_string(setup.node_ranks.size()) + " ranks on a node and " +
                                             std::to_string(setup.ranks) +
                                             " in the Comm leave too few of the staging pool's control words");
-  std::memset(control_.base, 0, ControlWords::kBytes);
-  for (std::size_t i = control_.transfer_count(); i-- > 0;) free_words_.push_back(i);
-  next_post_.assign(setup.node_ranks.size(), 0);
-  seen_.assign(setup.node_ranks.size(), 0);
-  failed_seen_.assign(setup.node_ranks.size(), 0);
+  std::memset(site_.control.base, 0, ControlWords::kBytes);
+  for (std::size_t i = site_.control.transfer_count(); i-- > 0;) ledger_.free_words.push_back(i);
   outgoing_.resize(setup.node_ranks.size());
-  current_.assign(setup.node_ranks.size(), kNoTransfer);
-  refused_.assign(setup.node_ranks.size(), false);
-  broken_.assign(setup.node_ranks.size(), false);
-  gone_.assign(setup.node_ranks.size(), false);
-  watches_.resize(setup.node_ranks.size());
-  for (int peer : hidden_) {
+  peers_.resize(setup.node_ranks.size());
+  for (int peer : site_.hidden) {
     if (static_cast<std::size_t>(peer) < setup.pids.size())
-      watches_[local_index(peer)] = ipc::ProcessWatch(setup.pids[static_cast<std::size_t>(peer)]);
-    if (!watches_[local_index(peer)].watching())
+      peers_[site_.local_index(peer)].process = ipc::ProcessWatch(setup.pids[static_cast<std::size_t>(peer)]);
+    if (!peers_[site_.local_index(peer)].process.watching())
       log(LogLevel::Info, what + ": rank " + std::to_string(peer) +
                               "'s process cannot be watched (pidfd_open refused): should it die, the staging slots "
                               "posted to it stay held");
@@ -100,21 +99,21 @@ StagingAgent::StagingAgent(Setup setup)
     Lane& lane = lanes_[d];
     lane.ordinal = lanes_.size() - 1;
     ipc::check_cuda(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", what);
-    lane.copied.resize(static_cast<std::size_t>(nslots_), nullptr);
-    lane.freed.resize(static_cast<std::size_t>(nslots_), nullptr);
-    for (int s = 0; s < nslots_; ++s) {
+    lane.copied.resize(static_cast<std::size_t>(site_.nslots), nullptr);
+    lane.freed.resize(static_cast<std::size_t>(site_.nslots), nullptr);
+    for (int s = 0; s < site_.nslots; ++s) {
       ipc::check_cuda(cudaEventCreateWithFlags(&lane.copied[s], cudaEventDisableTiming), "cudaEventCreateWithFlags", what);
       ipc::check_cuda(cudaEventCreateWithFlags(&lane.freed[s], cudaEventDisableTiming), "cudaEventCreateWithFlags", what);
     }
   }
-  if (!hidden_.empty()) {
+  if (!site_.hidden.empty()) {
     // Its own stream: chunks from hidden peers never queue behind this rank's outgoing copies,
     // which may wait for those peers (two ranks sending to each other would hold each other).
-    CurrentDevice current(device_);
+    CurrentDevice current(site_.device);
     ipc::check_cuda(cudaStreamCreateWithFlags(&incoming_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", what);
   }
-  slot_use_.assign(static_cast<std::size_t>(nslots_), SlotUse{});
-  pulse_ = std::make_shared<WorkerPulse>("the staging agent of rank " + std::to_string(rank_));
+  slot_use_.assign(static_cast<std::size_t>(site_.nslots), SlotUse{});
+  pulse_ = std::make_shared<WorkerPulse>("the staging agent of rank " + std::to_string(site_.rank));
   register_worker_pulse(pulse_);
   thread_ = std::thread([this] { run(); });
   place_helper_thread(thread_, "staging agent");  // off a caller bound to one core (helper_cpus.hpp)
@@ -129,7 +128,7 @@ StagingAgent::~StagingAgent() {
   if (trace_.on()) {
     const std::string problem = trace_.write();
     log(problem.empty() ? LogLevel::Info : LogLevel::Warn,
-        "staged transport on rank " + std::to_string(rank_) + ": step trace (MESHMEM_STAGED_TRACE) of " +
+        "staged transport on rank " + std::to_string(site_.rank) + ": step trace (MESHMEM_STAGED_TRACE) of " +
             std::to_string(trace_.recorded()) + " steps " + (problem.empty() ? "written" : "not written: " + problem));
   }
   for (const CountAfterCopy& c : consumed_after_copies_)
@@ -141,39 +140,39 @@ StagingAgent::~StagingAgent() {
     if (lane.stream) (void)cudaStreamDestroy(lane.stream);
   }
   if (incoming_) {
-    CurrentDevice current(device_);
+    CurrentDevice current(site_.device);
     (void)cudaStreamDestroy(incoming_);
   }
 }
 
 void StagingAgent::stop() noexcept {
   {
-    std::lock_guard<std::mutex> lock(m_);
-    stop_ = true;
+    std::lock_guard<std::mutex> lock(ledger_.m);
+    ledger_.stop = true;
   }
-  cv_.notify_all();
+  ledger_.cv.notify_all();
   if (thread_.joinable()) thread_.join();
   if (pulse_) pulse_->stop();  // the agent may live on (window attachments): not "stuck"
 }
 
 bool StagingAgent::try_take_word(std::size_t* word) {
-  std::lock_guard<std::mutex> lock(m_);
+  std::lock_guard<std::mutex> lock(ledger_.m);
   reclaim_words();  // every time, not only when none is left: words are reused at once (and so tested)
-  if (free_words_.empty()) return false;
-  *word = free_words_.back();
-  free_words_.pop_back();
+  if (ledger_.free_words.empty()) return false;
+  *word = ledger_.free_words.back();
+  ledger_.free_words.pop_back();
   return true;
 }
 
 std::size_t StagingAgent::take_word(const std::string& what) {
-  Deadline deadline(timeout_);
+  Deadline deadline(site_.timeout);
   Backoff backoff;
   std::size_t word = 0;
   while (!try_take_word(&word)) {
     if (deadline.expired())
-      throw Error(ErrorCode::Timeout, what + ": " + std::to_string(control_.transfer_count()) +
+      throw Error(ErrorCode::Timeout, what + ": " + std::to_string(site_.control.transfer_count()) +
                                           " staged transfers of this rank are waiting or running (or captured) and "
-                                          "none ended within " + describe_timeout(timeout_) + "; nothing was enqueued" +
+                                          "none ended within " + describe_timeout(site_.timeout) + "; nothing was enqueued" +
                                           describe_worker_pulses());
     backoff.pause();
   }
@@ -181,85 +180,46 @@ std::size_t StagingAgent::take_word(const std::string& what) {
 }
 
 void StagingAgent::release_word(std::size_t word) {
-  std::lock_guard<std::mutex> lock(m_);
-  free_words_.push_back(word);
+  std::lock_guard<std::mutex> lock(ledger_.m);
+  ledger_.free_words.push_back(word);
 }
 
 void StagingAgent::release_captured_word(std::size_t word, const std::uint64_t* done, std::uint64_t last) {
-  std::lock_guard<std::mutex> lock(m_);
+  std::lock_guard<std::mutex> lock(ledger_.m);
   if (last == 0 || __atomic_load_n(done, __ATOMIC_ACQUIRE) >= last)
-    free_words_.push_back(word);
+    ledger_.free_words.push_back(word);
   else
-    released_captured_.push_back(CapturedEnd{done, last, word});
+    ledger_.released_captured.push_back(CapturedEnd{done, last, word});
 }
 
 std::uint64_t StagingAgent::submit(StagedRequest r) {
-  std::lock_guard<std::mutex> lock(m_);
+  std::lock_guard<std::mutex> lock(ledger_.m);
   // Even: a put with source completion has its source read written as ticket - 1, which no
   // earlier transfer of its word can have reached.
-  r.ticket = 2 * ++submitted_;
+  r.ticket = 2 * ++ledger_.submitted;
   trace_.record('S', r.peer, r.ticket);
-  queue_.push_back(r);
-  cv_.notify_all();
+  ledger_.queue.push_back(r);
+  ledger_.cv.notify_all();
   return r.ticket;
-}
-
-bool StagingAgent::fill_slot_of(cudaStream_t stream, std::size_t* slot) {
-  // A retired slot (a fill kernel found it held by a transfer that timed out: cuda::SlotFill)
-  // is never filled again; its stream looks for another. It stays used, so no stream takes it.
-  const auto retired = [&](std::size_t i) { return __atomic_load_n(control_.fill_retired(i), __ATOMIC_ACQUIRE) != 0; };
-  const auto it = fill_of_.find(stream);
-  if (it != fill_of_.end()) {
-    if (!retired(it->second)) {
-      *slot = it->second;
-      return true;
-    }
-    fill_of_.erase(it);
-  }
-  // A slot never used, or one whose stream's last transfer there has ended (a stream destroyed,
-  // or idle): taken over, so that the new stream's first fill waits for nothing.
-  for (std::size_t i = 0; i < FillSlots::kSlots; ++i) {
-    if (retired(i)) continue;
-    const FillUse& last = fill_last_[i];
-    const std::uint64_t reached = last.done == nullptr ? 0 : __atomic_load_n(last.done, __ATOMIC_ACQUIRE);
-    if (fill_used_[i] && last.done != nullptr && reached == (last.ticket | cuda::kTransferGivenUp)) {
-      // Its last put was given up: its reader may still copy out of it. Retired here, as the
-      // next fill kernel there would.
-      __atomic_store_n(control_.fill_retired(i), 1, __ATOMIC_RELEASE);
-      continue;
-    }
-    const bool ended = last.done == nullptr || reached >= last.ticket;
-    if (fill_used_[i] && !ended) continue;
-    if (fill_used_[i]) fill_of_.erase(fill_stream_[i]);
-    fill_used_[i] = true;
-    fill_stream_[i] = stream;
-    fill_of_[stream] = i;
-    *slot = i;
-    return true;
-  }
-  return false;
 }
 
 void StagingAgent::withdraw(std::uint64_t ticket, std::uint64_t* ready) {
   {
-    std::lock_guard<std::mutex> lock(m_);
-    withdrawn_.push_back(ticket);
-    withdrawn_count_.store(withdrawn_.size(), std::memory_order_release);
+    std::lock_guard<std::mutex> lock(ledger_.m);
+    ledger_.withdrawn.push_back(ticket);
+    ledger_.withdrawn_count.store(ledger_.withdrawn.size(), std::memory_order_release);
   }
   __atomic_store_n(ready, ticket, __ATOMIC_RELEASE);  // after the list: the agent looks there once it sees this
 }
 
 void StagingAgent::captured_added() {
-  // Under m_: the thread either sees the capture when it next decides to sleep, or sleeps
+  // Under ledger_.m: the thread either sees the capture when it next decides to sleep, or sleeps
   // already and gets the notification.
-  { std::lock_guard<std::mutex> lock(m_); }
-  cv_.notify_all();
+  { std::lock_guard<std::mutex> lock(ledger_.m); }
+  ledger_.cv.notify_all();
 }
 
-void StagingAgent::add_window(std::uint64_t id, void* local, std::size_t bytes) {
-  std::lock_guard<std::mutex> lock(windows_m_);
-  windows_[id] = {static_cast<char*>(local), bytes};
-}
+void StagingAgent::add_window(std::uint64_t id, void* local, std::size_t bytes) { windows_.add(id, local, bytes); }
 
 void StagingAgent::remove_window(std::uint64_t id) {
   // Chunks from hidden peers (incoming stream) and answers to their gets (this GPU's lane) are
@@ -267,11 +227,11 @@ void StagingAgent::remove_window(std::uint64_t id) {
   // will be. What was enqueued before is behind an event on each of those streams.
   std::vector<cudaEvent_t> enqueued;
   {
-    std::lock_guard<std::mutex> lock(windows_m_);
-    windows_.erase(id);
+    const auto lock = windows_.lock();
+    windows_.erase_locked(id);
     if (incoming_ == nullptr) return;
-    CurrentDevice current(device_);
-    for (cudaStream_t stream : {incoming_, lanes_.at(device_).stream}) {
+    CurrentDevice current(site_.device);
+    for (cudaStream_t stream : {incoming_, lanes_.at(site_.device).stream}) {
       cudaEvent_t e = nullptr;
       if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess || cudaEventRecord(e, stream) != cudaSuccess) {
         (void)cudaGetLastError();
@@ -282,7 +242,7 @@ void StagingAgent::remove_window(std::uint64_t id) {
     }
   }
   // Those copies end before the window's memory goes (bounded), whatever else is in flight.
-  Deadline deadline(timeout_);
+  Deadline deadline(site_.timeout);
   Backoff backoff;
   bool ended = true;
   for (cudaEvent_t e : enqueued) {
@@ -299,52 +259,47 @@ void StagingAgent::remove_window(std::uint64_t id) {
   for (cudaEvent_t e : enqueued)
     if (e) (void)cudaEventDestroy(e);
   if (!ended)
-    log(LogLevel::Error, "staged transport on rank " + std::to_string(rank_) + ": copies between hidden peers and window #" +
+    log(LogLevel::Error, "staged transport on rank " + std::to_string(site_.rank) + ": copies between hidden peers and window #" +
                              std::to_string(id) + " did not end before it was freed");
 }
 
-ControlWords StagingAgent::control_of(int rank) const {
-  return ControlWords{reinterpret_cast<std::uint64_t*>(static_cast<char*>(pool_->region(rank)) +
-                                                       chunk_ * static_cast<std::size_t>(nslots_) + FillSlots::kBytes),
-                      control_.ranks, control_.node_ranks};
-}
 
 // The first error since the caller last took it is the one its next call raises; later ones
 // are only logged.
 void StagingAgent::keep_error(const std::string& message, ErrorCode code) {
-  std::lock_guard<std::mutex> lock(m_);
+  std::lock_guard<std::mutex> lock(ledger_.m);
   keep_error_locked(message, code);
 }
 
 void StagingAgent::keep_error_locked(const std::string& message, ErrorCode code) {
-  if (!error_.empty()) return;
-  error_ = message;
-  error_code_ = code;
+  if (!ledger_.error.empty()) return;
+  ledger_.error = message;
+  ledger_.error_code = code;
 }
 
 std::string StagingAgent::take_error(ErrorCode* code) {
   *code = ErrorCode::Cuda;
   std::string failed;
-  for (int peer : hidden_) {
-    const std::uint64_t now = __atomic_load_n(control_of(peer).failed(local_index(rank_)), __ATOMIC_ACQUIRE);
-    std::uint64_t& seen = failed_seen_[local_index(peer)];
+  for (int peer : site_.hidden) {
+    const std::uint64_t now = __atomic_load_n(site_.control_of(peer).failed(site_.local_index(site_.rank)), __ATOMIC_ACQUIRE);
+    std::uint64_t& seen = peers_[site_.local_index(peer)].failed_seen;
     if (now > seen) {
       failed += (failed.empty() ? "" : "; ") + std::string("rank ") + std::to_string(peer) + " could not carry out " +
                 std::to_string(now - seen) + " staged transfer(s) from this rank (its log says why)";
       seen = now;
     }
   }
-  std::lock_guard<std::mutex> lock(m_);
-  if (!error_.empty()) *code = error_code_;
-  if (!failed.empty()) return error_.empty() ? failed : std::exchange(error_, std::string()) + "; " + failed;
-  return std::exchange(error_, std::string());
+  std::lock_guard<std::mutex> lock(ledger_.m);
+  if (!ledger_.error.empty()) *code = ledger_.error_code;
+  if (!failed.empty()) return ledger_.error.empty() ? failed : std::exchange(ledger_.error, std::string()) + "; " + failed;
+  return std::exchange(ledger_.error, std::string());
 }
 
 bool StagingAgent::drain() noexcept {
-  const auto deadline = Clock::now() + (timeout_.count() == 0 ? std::chrono::hours(24 * 365) : timeout_);
+  const auto deadline = Clock::now() + (site_.timeout.count() == 0 ? std::chrono::hours(24 * 365) : site_.timeout);
   {
-    std::unique_lock<std::mutex> lock(m_);
-    if (!cv_.wait_until(lock, deadline, [&] { return (handled_ == submitted_ && answers_ == 0) || stop_; })) return false;
+    std::unique_lock<std::mutex> lock(ledger_.m);
+    if (!ledger_.cv.wait_until(lock, deadline, [&] { return (ledger_.handled == ledger_.submitted && ledger_.answers == 0) || ledger_.stop; })) return false;
   }
   Backoff backoff;
   auto idle = [&](cudaStream_t stream, int device) {
@@ -360,21 +315,21 @@ bool StagingAgent::drain() noexcept {
     if (!idle(lane.stream, d)) return false;
   for (;;) {
     {
-      std::lock_guard<std::mutex> lock(m_);
+      std::lock_guard<std::mutex> lock(ledger_.m);
       reclaim_words();
-      if (remote_lent_.empty()) break;
+      if (ledger_.remote_lent.empty()) break;
     }
     if (Clock::now() > deadline) return false;
     backoff.pause();
   }
-  return incoming_ == nullptr || idle(incoming_, device_);
+  return incoming_ == nullptr || idle(incoming_, site_.device);
 }
 
 void StagingAgent::reclaim_words() {
   for (auto& [d, lane] : lanes_) {
-    const std::uint64_t done = __atomic_load_n(control_.lane_done(lane.ordinal), __ATOMIC_ACQUIRE);
+    const std::uint64_t done = __atomic_load_n(site_.control.lane_done(lane.ordinal), __ATOMIC_ACQUIRE);
     while (!lane.lent.empty() && lane.lent.front().count <= done) {
-      free_words_.push_back(lane.lent.front().word);
+      ledger_.free_words.push_back(lane.lent.front().word);
       lane.lent.pop_front();
     }
   }
@@ -385,12 +340,12 @@ void StagingAgent::reclaim_words() {
   auto ended = [&](const auto& e) {
     const std::uint64_t done = __atomic_load_n(e.done, __ATOMIC_ACQUIRE);
     if (done < e.ticket) return false;
-    if ((done & cuda::kTransferGivenUp) == 0) free_words_.push_back(e.word);
+    if ((done & cuda::kTransferGivenUp) == 0) ledger_.free_words.push_back(e.word);
     return true;
   };
-  remote_lent_.erase(std::remove_if(remote_lent_.begin(), remote_lent_.end(), ended), remote_lent_.end());
-  released_captured_.erase(std::remove_if(released_captured_.begin(), released_captured_.end(), ended),
-                           released_captured_.end());
+  ledger_.remote_lent.erase(std::remove_if(ledger_.remote_lent.begin(), ledger_.remote_lent.end(), ended), ledger_.remote_lent.end());
+  ledger_.released_captured.erase(std::remove_if(ledger_.released_captured.begin(), ledger_.released_captured.end(), ended),
+                           ledger_.released_captured.end());
 }
 
 void StagingAgent::run() {
@@ -410,22 +365,22 @@ void StagingAgent::run() {
     return false;
   };
   // Hidden peers may post chunks, and replays of captured transfers ring, at any time.
-  auto polls = [&] { return !hidden_.empty() || captured_->live(); };
+  auto polls = [&] { return !site_.hidden.empty() || captured_->live(); };
   for (;;) {
-    // Outside m_: a replay's hand-off submits (which takes it).
+    // Outside ledger_.m: a replay's hand-off submits (which takes it).
     if (captured_->poll()) last_work = Clock::now();
     const bool working = busy();
     pulse_->turn(pulse_now_ns());
     {
-      std::unique_lock<std::mutex> lock(m_);
-      auto woken = [&] { return stop_ || !queue_.empty(); };
+      std::unique_lock<std::mutex> lock(ledger_.m);
+      auto woken = [&] { return ledger_.stop || !ledger_.queue.empty(); };
       // A capture makes polls() true and wakes this thread (captured_added).
       auto woken_or_polls = [&] { return woken() || polls(); };
       if (!working && !polls() && !streams_hold_work) {
         pulse_->sleep(pulse_now_ns());
-        cv_.wait(lock, woken_or_polls);
+        ledger_.cv.wait(lock, woken_or_polls);
       } else if (!working && !polls()) {
-        cv_.wait_for(lock, std::chrono::milliseconds(100), woken_or_polls);  // the next look at the streams
+        ledger_.cv.wait_for(lock, std::chrono::milliseconds(100), woken_or_polls);  // the next look at the streams
       } else if (!working) {
         // Poll, yielding for 1 ms after recent work
         // (the next chunk, or the next exchange of an iterating code, is near: a halo exchange
@@ -438,27 +393,27 @@ void StagingAgent::run() {
           std::this_thread::yield();
           lock.lock();
         } else {
-          cv_.wait_for(lock, quiet < std::chrono::milliseconds(20) ? std::chrono::microseconds(20)
+          ledger_.cv.wait_for(lock, quiet < std::chrono::milliseconds(20) ? std::chrono::microseconds(20)
                                                                    : std::chrono::microseconds(200),
                        woken);
         }
       }
-      while (!queue_.empty()) {
-        waiting.push(queue_.front());
-        queue_.pop_front();
+      while (!ledger_.queue.empty()) {
+        waiting.push(ledger_.queue.front());
+        ledger_.queue.pop_front();
       }
       // Stopping: after drain (bounded) gave up on sources that never became ready (or on
       // transfers that found no slot), their done words are set from here so that no
       // caller's stream waits for ever (MESHMEM_TIMEOUT=0); chunks hidden peers still post
       // are not carried out.
-      if (stop_) {
+      if (ledger_.stop) {
         lock.unlock();
         (void)write_counts_after_copies();  // copies already done still free their slots for the peers
         give_up_all(waiting);
         return;
       }
     }
-    if (!hidden_.empty() && Clock::now() >= next_watch_) {
+    if (!site_.hidden.empty() && Clock::now() >= next_watch_) {
       watch_readers();
       end_overdue();
       next_watch_ = Clock::now() + std::chrono::milliseconds(10);
@@ -502,13 +457,13 @@ void StagingAgent::give_up_all(ReadyQueue<StagedRequest>& waiting) {
   visible_.clear();
   for (auto& queue : outgoing_) {
     for (const Outgoing& o : queue) {
-      __atomic_store_n(control_of(o.done_rank).transfer(o.done_word), o.ticket, __ATOMIC_RELEASE);
+      __atomic_store_n(site_.control_of(o.done_rank).transfer(o.done_word), o.ticket, __ATOMIC_RELEASE);
       ++n;
     }
     queue.clear();
   }
   if (n > 0)
-    log(LogLevel::Error, "staged transport on rank " + std::to_string(rank_) + ": " + std::to_string(n) +
+    log(LogLevel::Error, "staged transport on rank " + std::to_string(site_.rank) + ": " + std::to_string(n) +
                              " transfer(s) still waiting or running when the agent stopped were ended unfinished");
 }
 
@@ -518,15 +473,15 @@ void StagingAgent::give_up_all(ReadyQueue<StagedRequest>& waiting) {
 // returned it). An error that a second look no longer returns was not the context's.
 void StagingAgent::give_up_if_context_failed(ReadyQueue<StagedRequest>& waiting) {
   if (waiting.empty()) return;
-  CurrentDevice current(device_);
-  const cudaStream_t lane = lanes_.at(device_).stream;
+  CurrentDevice current(site_.device);
+  const cudaStream_t lane = lanes_.at(site_.device).stream;
   cudaError_t rc = cudaStreamQuery(lane);
   if (rc == cudaSuccess || rc == cudaErrorNotReady) return;
   (void)cudaGetLastError();
   rc = cudaStreamQuery(lane);
   if (rc == cudaSuccess || rc == cudaErrorNotReady) return;
   (void)cudaGetLastError();
-  const std::string message = "staged transport on rank " + std::to_string(rank_) +
+  const std::string message = "staged transport on rank " + std::to_string(site_.rank) +
                               ": the GPU context failed before the callers' streams reached their transfers (" +
                               cudaGetErrorString(rc) + ")";
   std::size_t n = 0;
@@ -547,7 +502,7 @@ bool StagingAgent::start_ready(ReadyQueue<StagedRequest>& waiting) {
   };
   return waiting.take_ready(ready, [&](const StagedRequest& r, cudaError_t) {
     trace_.record('R', r.peer, r.ticket);
-    if (r.ready != nullptr && withdrawn_count_.load(std::memory_order_acquire) != 0 && take_withdrawn(r.ticket)) {
+    if (r.ready != nullptr && ledger_.withdrawn_count.load(std::memory_order_acquire) != 0 && take_withdrawn(r.ticket)) {
       end_unstarted(r);  // its caller raised the error already
       ended(false);
       return;
@@ -557,23 +512,23 @@ bool StagingAgent::start_ready(ReadyQueue<StagedRequest>& waiting) {
 }
 
 bool StagingAgent::take_withdrawn(std::uint64_t ticket) {
-  std::lock_guard<std::mutex> lock(m_);
-  const auto it = std::find(withdrawn_.begin(), withdrawn_.end(), ticket);
-  if (it == withdrawn_.end()) return false;
-  withdrawn_.erase(it);
-  withdrawn_count_.store(withdrawn_.size(), std::memory_order_release);
+  std::lock_guard<std::mutex> lock(ledger_.m);
+  const auto it = std::find(ledger_.withdrawn.begin(), ledger_.withdrawn.end(), ticket);
+  if (it == ledger_.withdrawn.end()) return false;
+  ledger_.withdrawn.erase(it);
+  ledger_.withdrawn_count.store(ledger_.withdrawn.size(), std::memory_order_release);
   return true;
 }
 
 void StagingAgent::ended(bool answer) {
   {
-    std::lock_guard<std::mutex> lock(m_);
+    std::lock_guard<std::mutex> lock(ledger_.m);
     if (answer)
-      --answers_;
+      --ledger_.answers;
     else
-      ++handled_;
+      ++ledger_.handled;
   }
-  cv_.notify_all();
+  ledger_.cv.notify_all();
 }
 
 // A transfer that could not be enqueued: the error goes to the caller's next call, and its
@@ -596,7 +551,7 @@ void StagingAgent::end_unstarted(const StagedRequest& r) {
 // queue, and pump() cuts it into pieces as slots free up.
 void StagingAgent::execute(const StagedRequest& r) {
   if (r.route == StagedRequest::Route::Visible) {
-    visible_.push_back(VisibleTransfer{r, PieceCursor(r.width, r.rows, chunk_, first_piece_), Clock::now()});
+    visible_.push_back(VisibleTransfer{r, PieceCursor(r.width, r.rows, site_.chunk, site_.first_piece), Clock::now()});
     return;
   }
   Outgoing o;
@@ -606,11 +561,11 @@ void StagingAgent::execute(const StagedRequest& r) {
   o.src_pitch = r.src_pitch;
   o.dst_pitch = r.dst_pitch;
   o.window = r.window;
-  o.done_rank = rank_;
+  o.done_rank = site_.rank;
   o.done_word = r.word;
   o.ticket = r.ticket;
   o.moved = Clock::now();
-  o.what = "staged transfer " + std::to_string(r.ticket) + " of rank " + std::to_string(rank_) + " with rank " +
+  o.what = "staged transfer " + std::to_string(r.ticket) + " of rank " + std::to_string(site_.rank) + " with rank " +
            std::to_string(r.peer);
   if (r.route == StagedRequest::Route::ToHidden) {
     o.src = reinterpret_cast<std::uint64_t>(r.src);
@@ -642,19 +597,19 @@ void StagingAgent::execute(const StagedRequest& r) {
       o.host_source = !known || attributes.type == cudaMemoryTypeUnregistered;
       o.to_slot = known && attributes.type == cudaMemoryTypeDevice ? cudaMemcpyDeviceToHost : cudaMemcpyDefault;
     }
-    o.pieces = PieceCursor(o.width, o.rows, chunk_, first_piece_);
+    o.pieces = PieceCursor(o.width, o.rows, site_.chunk, site_.first_piece);
   } else {  // FromHidden: the peer's agent answers with chunks of its window
     o.get_request = true;
     o.src = r.offset;  // in the peer's window `window`
     o.dst = reinterpret_cast<std::uint64_t>(r.dst);
   }
   if (r.word_is_lent) {
-    std::lock_guard<std::mutex> lock(m_);
-    remote_lent_.push_back(
-        RemoteEnd{r.done, r.ticket, r.word, r.route == StagedRequest::Route::ToHidden ? r.peer : rank_, r.peer,
+    std::lock_guard<std::mutex> lock(ledger_.m);
+    ledger_.remote_lent.push_back(
+        RemoteEnd{r.done, r.ticket, r.word, r.route == StagedRequest::Route::ToHidden ? r.peer : site_.rank, r.peer,
                   r.ends_at_timeout, std::nullopt});
   }
-  outgoing_[local_index(r.peer)].push_back(std::move(o));
+  outgoing_[site_.local_index(r.peer)].push_back(std::move(o));
 }
 
 // Enqueues what it can: pieces of the oldest visible transfer, and of the oldest outgoing
@@ -665,7 +620,7 @@ bool StagingAgent::pump() {
   while (!visible_.empty()) {
     VisibleTransfer& t = visible_.front();
     const StagedRequest& r = t.request;
-    const std::string what = "staged transfer " + std::to_string(r.ticket) + " of rank " + std::to_string(rank_);
+    const std::string what = "staged transfer " + std::to_string(r.ticket) + " of rank " + std::to_string(site_.rank);
     bool moved = false;
     bool left = false;
     try {
@@ -686,7 +641,7 @@ bool StagingAgent::pump() {
     if (moved) t.moved = Clock::now();
     if (!left && stalled(t.moved)) {
       abandon_visible(r,
-                      what + ": no staging slot came free within " + describe_timeout(timeout_) + " (" +
+                      what + ": no staging slot came free within " + describe_timeout(site_.timeout) + " (" +
                           slot_holders() + ")" + gpu_queue_hint(),
                       ErrorCode::Timeout);
       left = true;
@@ -702,11 +657,11 @@ bool StagingAgent::pump() {
       Outgoing& o = queue.front();
       bool moved = false;
       bool left = false;
-      if (gone_[local_index(o.reader)]) {
+      if (peers_[site_.local_index(o.reader)].gone) {
         // One that watch_readers already ended was reported there (once).
-        if (__atomic_load_n(control_of(o.done_rank).transfer(o.done_word), __ATOMIC_ACQUIRE) < o.ticket)
+        if (__atomic_load_n(site_.control_of(o.done_rank).transfer(o.done_word), __ATOMIC_ACQUIRE) < o.ticket)
           abandon_outgoing(o, o.what + ": rank " + std::to_string(o.reader) + "'s process (pid " +
-                                  std::to_string(watches_[local_index(o.reader)].pid()) + ") has ended");
+                                  std::to_string(peers_[site_.local_index(o.reader)].process.pid()) + ") has ended");
         left = true;
       } else {
         try {
@@ -720,7 +675,7 @@ bool StagingAgent::pump() {
       if (!left && stalled(o.moved)) {
         abandon_outgoing(o,
                          o.what + ": rank " + std::to_string(o.reader) + " took nothing from this rank's channel within " +
-                             describe_timeout(timeout_) + " (" + slot_holders() + ")" + gpu_queue_hint(),
+                             describe_timeout(site_.timeout) + " (" + slot_holders() + ")" + gpu_queue_hint(),
                          ErrorCode::Timeout);
         left = true;
       }
@@ -744,7 +699,7 @@ void StagingAgent::enqueue_visible_piece(const StagedRequest& r, const PieceCurs
   Lane& to = lanes_.at(r.dst_device);
   const char* src = static_cast<const char*>(r.src) + p.row * r.src_pitch + p.col;
   char* dst = static_cast<char*>(r.dst) + p.row * r.dst_pitch + p.col;
-  char* slot = slots_ + s * chunk_;
+  char* slot = site_.slots + s * site_.chunk;
   {
     CurrentDevice current(r.src_device);
     if (slot_use_[s].event != nullptr)
@@ -776,9 +731,9 @@ void StagingAgent::end_visible(const StagedRequest& r, bool signal, const std::s
     ops.push_back(stream_write_op(r.signal, r.value));  // fenced: the data lands first
   }
   ops.push_back(stream_write_op(r.done, r.ticket));
-  ops.push_back(stream_write_op(control_.lane_done(to.ordinal), to.ended + 1));
-  run_stream_batch(ops, to.stream, "staged transfer", rank_);
-  std::lock_guard<std::mutex> lock(m_);
+  ops.push_back(stream_write_op(site_.control.lane_done(to.ordinal), to.ended + 1));
+  run_stream_batch(ops, to.stream, "staged transfer", site_.rank);
+  std::lock_guard<std::mutex> lock(ledger_.m);
   ++to.ended;
   if (r.word_is_lent) to.lent.push_back(Lane::LentEnd{to.ended, r.word, r.ticket});
 }
@@ -802,8 +757,8 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
   // Given up meanwhile (its caller's wait timed out and marked the done word, kTransferGivenUp,
   // or this rank ended it): nothing more of it is read from its source, which its caller may
   // reuse or free now, nor posted. Its error was reported where it was given up.
-  if (__atomic_load_n(control_of(o.done_rank).transfer(o.done_word), __ATOMIC_ACQUIRE) >= o.ticket) return true;
-  CurrentDevice current(device_);
+  if (__atomic_load_n(site_.control_of(o.done_rank).transfer(o.done_word), __ATOMIC_ACQUIRE) >= o.ticket) return true;
+  CurrentDevice current(site_.device);
   Descriptor d;
   d.window = o.window;
   d.dst = o.dst;
@@ -826,7 +781,7 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
   d.signal_index = o.signal_index;
   d.value = o.value;
   const std::uint64_t chunk = Descriptor::kChunk | static_cast<std::uint64_t>(o.op) << 16;
-  Lane& own = lanes_.at(device_);
+  Lane& own = lanes_.at(site_.device);
   if (o.width == 0 || o.rows == 0) {  // nothing to copy: a descriptor with the signal and the done word alone
     if (!ring_has_room(o.reader)) return false;
     d.width = 0;
@@ -852,11 +807,11 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
   while (!o.pieces.done() && ring_has_room(o.reader) && take_slot(o.host_source, &s)) {
     const PieceCursor::Piece p = o.pieces.current();
     bool copy_pending = false;  // a last piece's copy into slot s, enqueued without an event
-    char* slot = slots_ + s * chunk_;
+    char* slot = site_.slots + s * site_.chunk;
     {
       // A window of this rank (an answer) stays allocated while its copy is enqueued;
       // remove_window waits for what was enqueued from it.
-      std::lock_guard<std::mutex> windows(windows_m_);
+      const auto windows = windows_.lock();
       std::string problem;
       const auto* from = static_cast<const char*>(resolve(o.src_window, o.src + p.row * o.src_pitch + p.col, p.width,
                                                           p.rows, o.src_pitch, &problem));
@@ -879,7 +834,7 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
         copy_pending = p.last;
       }
     }
-    d.slot_offset = s * chunk_;
+    d.slot_offset = s * site_.chunk;
     d.width = p.width;
     d.rows = p.rows;
     d.dst = o.dst + p.row * o.dst_pitch + p.col;
@@ -897,7 +852,7 @@ bool StagingAgent::advance_outgoing(Outgoing& o, bool* moved) {
         // stream waits for. Raised, never stored: the reader's end (the ticket), or one
         // written here (a dead reader, the timeout), may come first, and the word must not
         // move back.
-        std::uint64_t* done = control_of(o.done_rank).transfer(o.done_word);
+        std::uint64_t* done = site_.control_of(o.done_rank).transfer(o.done_word);
         if (o.host_source) {
           raise_count(done, o.ticket - 1);
         } else {
@@ -933,26 +888,26 @@ void StagingAgent::abandon_outgoing(const Outgoing& o, const std::string& messag
   log(LogLevel::Error, message);
   if (o.answer) {
     // Once per transfer: a refused get was counted when it was refused (carry_out).
-    if (!o.failure_counted) __atomic_add_fetch(control_.failed(local_index(o.reader)), 1, __ATOMIC_RELEASE);
+    if (!o.failure_counted) __atomic_add_fetch(site_.control.failed(site_.local_index(o.reader)), 1, __ATOMIC_RELEASE);
   } else {
     keep_error(message, code);
   }
-  raise_count(control_of(o.done_rank).transfer(o.done_word), o.ticket);  // a given-up mark stays
+  raise_count(site_.control_of(o.done_rank).transfer(o.done_word), o.ticket);  // a given-up mark stays
 }
 
 void StagingAgent::watch_readers() {
-  for (int peer : hidden_) {
-    const std::size_t i = local_index(peer);
-    if (gone_[i] || !watches_[i].ended()) continue;
+  for (int peer : site_.hidden) {
+    const std::size_t i = site_.local_index(peer);
+    if (peers_[i].gone || !peers_[i].process.ended()) continue;
     // What it posted before it died is carried out first (its chunks lie in the pool, which
     // this process maps too): a get it answered in full ends as usual, and the ends below are
     // enqueued behind every copy of its chunks. Later chunks for this rank's gets from it are
     // not carried out (carry_out).
     (void)poll_incoming();
-    gone_[i] = true;
+    peers_[i].gone = true;
     // Its context, and every copy it had enqueued out of these slots, went with the process.
     std::size_t slots = 0;
-    Lane& own = lanes_.at(device_);
+    Lane& own = lanes_.at(site_.device);
     for (std::size_t s = 0; s < slot_use_.size(); ++s) {
       if (slot_use_[s].reader != peer) continue;
       if (consumed_by(peer) < slot_use_[s].sequence) ++slots;
@@ -966,7 +921,7 @@ void StagingAgent::watch_readers() {
     // whose stream goes on then finds it.
     std::vector<std::pair<std::uint64_t*, std::uint64_t>> gets;  // (done word, ticket)
     {
-      std::lock_guard<std::mutex> lock(m_);
+      std::lock_guard<std::mutex> lock(ledger_.m);
       // The last chunk of the answer to this rank's get was carried out: its done word is
       // enqueued on the incoming stream.
       auto answered = [&](const RemoteEnd& e) {
@@ -974,15 +929,15 @@ void StagingAgent::watch_readers() {
         return it != last_answered_.end() && it->second == e.ticket;
       };
       std::vector<const RemoteEnd*> puts;
-      for (const RemoteEnd& e : remote_lent_) {
+      for (const RemoteEnd& e : ledger_.remote_lent) {
         if (e.peer != peer || __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket) continue;
         if (e.writer == peer)
           puts.push_back(&e);
         else if (!answered(e))
           gets.emplace_back(const_cast<std::uint64_t*>(e.done), e.ticket);
       }
-      const std::string message = "staged transport on rank " + std::to_string(rank_) + ": rank " +
-                                  std::to_string(peer) + "'s process (pid " + std::to_string(watches_[i].pid()) +
+      const std::string message = "staged transport on rank " + std::to_string(site_.rank) + ": rank " +
+                                  std::to_string(peer) + "'s process (pid " + std::to_string(peers_[i].process.pid()) +
                                   ") has ended; " + std::to_string(slots) + " staging slot(s) it held are taken back, " +
                                   std::to_string(puts.size()) + " put(s) to it and " + std::to_string(gets.size()) +
                                   " get(s) from it ended unfinished, and transfers with it fail";
@@ -994,25 +949,25 @@ void StagingAgent::watch_readers() {
       // lent again (a few per dead peer): a write of the dead process's that landed late (a
       // deferred context teardown, MPS) must not move a reused word back. Gets' words stay:
       // reclaim_words takes them back once their ends below landed.
-      remote_lent_.erase(std::remove_if(remote_lent_.begin(), remote_lent_.end(),
+      ledger_.remote_lent.erase(std::remove_if(ledger_.remote_lent.begin(), ledger_.remote_lent.end(),
                                         [&](const RemoteEnd& e) {
                                           if (e.peer != peer || e.writer != peer) return false;
                                           if (std::find(puts.begin(), puts.end(), &e) == puts.end() &&
                                               (__atomic_load_n(e.done, __ATOMIC_ACQUIRE) & cuda::kTransferGivenUp) == 0)
-                                            free_words_.push_back(e.word);
+                                            ledger_.free_words.push_back(e.word);
                                           return true;
                                         }),
-                         remote_lent_.end());
+                         ledger_.remote_lent.end());
     }
     // A get's end is this GPU's to write: on the incoming stream, after the copies of the
     // chunks that did come (the caller's stream must not go on while they still write into
-    // its buffer). Outside m_: a CUDA call may wait (a full queue), and callers take m_.
+    // its buffer). Outside ledger_.m: a CUDA call may wait (a full queue), and callers take ledger_.m.
     if (!gets.empty()) {
       std::vector<CUstreamBatchMemOpParams> ops;
       for (const auto& [done, ticket] : gets) ops.push_back(stream_write_op(done, ticket));
       try {
-        CurrentDevice current(device_);
-        run_stream_batch(ops, incoming_, "staged transfer (ending gets a dead peer did not answer)", rank_);
+        CurrentDevice current(site_.device);
+        run_stream_batch(ops, incoming_, "staged transfer (ending gets a dead peer did not answer)", site_.rank);
       } catch (const std::exception& e) {
         log(LogLevel::Error, std::string(e.what()) + "; the gets' ends are set from the host");
         for (const auto& [done, ticket] : gets) __atomic_store_n(done, ticket, __ATOMIC_RELEASE);
@@ -1022,8 +977,8 @@ void StagingAgent::watch_readers() {
 }
 
 void StagingAgent::mark_posted(std::size_t word, std::uint64_t ticket) {
-  std::lock_guard<std::mutex> lock(m_);
-  for (RemoteEnd& e : remote_lent_)
+  std::lock_guard<std::mutex> lock(ledger_.m);
+  for (RemoteEnd& e : ledger_.remote_lent)
     if (e.word == word && e.ticket == ticket) e.posted = Clock::now();
 }
 
@@ -1034,27 +989,27 @@ void StagingAgent::mark_posted(std::size_t word, std::uint64_t ticket) {
 // write its end later, which must not move a reused word back; and its done word having
 // reached its ticket, chunks of it that still come are not carried out (carry_out).
 void StagingAgent::end_overdue() {
-  if (timeout_.count() == 0) return;
+  if (site_.timeout.count() == 0) return;
   const auto now = Clock::now();
   std::vector<std::pair<std::uint64_t*, std::uint64_t>> ends;  // (done word, ticket)
   {
-    std::lock_guard<std::mutex> lock(m_);
-    for (auto it = remote_lent_.begin(); it != remote_lent_.end();) {
+    std::lock_guard<std::mutex> lock(ledger_.m);
+    for (auto it = ledger_.remote_lent.begin(); it != ledger_.remote_lent.end();) {
       const RemoteEnd& e = *it;
-      if (!e.ends_at_timeout || !e.posted || now - *e.posted < timeout_ ||
+      if (!e.ends_at_timeout || !e.posted || now - *e.posted < site_.timeout ||
           __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket) {
         ++it;
         continue;
       }
       const std::string message =
           "staged put to rank " + std::to_string(e.peer) + " (transfer " + std::to_string(e.ticket) + " of rank " +
-          std::to_string(rank_) + "): rank " + std::to_string(e.peer) + " did not land it within " +
-          describe_timeout(timeout_) + " of its last descriptor; ended from the host, its data may be incomplete (" +
+          std::to_string(site_.rank) + "): rank " + std::to_string(e.peer) + " did not land it within " +
+          describe_timeout(site_.timeout) + " of its last descriptor; ended from the host, its data may be incomplete (" +
           slot_holders() + ")";
       log(LogLevel::Error, message);
       keep_error_locked(message, ErrorCode::Timeout);
       ends.emplace_back(const_cast<std::uint64_t*>(e.done), e.ticket);
-      it = remote_lent_.erase(it);
+      it = ledger_.remote_lent.erase(it);
     }
   }
   // After the error: a caller whose stream goes on finds it at its next call.
@@ -1065,7 +1020,7 @@ void StagingAgent::end_overdue() {
 // the host sees), or one whose last copy out was a visible transfer's (its event: waited for
 // on the GPU, or, `on_host`, seen done). False if none.
 bool StagingAgent::take_slot(bool on_host, std::size_t* s) {
-  const auto n = static_cast<std::size_t>(nslots_);
+  const auto n = static_cast<std::size_t>(site_.nslots);
   for (std::size_t k = 0; k < n; ++k) {
     const std::size_t i = (next_slot_ + k) % n;
     const SlotUse& use = slot_use_[i];
@@ -1098,37 +1053,37 @@ bool StagingAgent::watch_streams() {
       ++lane.pieces_done;
     }
     (void)cudaGetLastError();
-    const std::uint64_t ended = __atomic_load_n(control_.lane_done(lane.ordinal), __ATOMIC_ACQUIRE);
+    const std::uint64_t ended = __atomic_load_n(site_.control.lane_done(lane.ordinal), __ATOMIC_ACQUIRE);
     std::uint64_t done = lane.pieces_done + ended;
     bool pending = !lane.pieces.empty() || ended < lane.ended;
     std::string holds = std::to_string(lane.pieces.size()) + " piece(s) and " +
                         std::to_string(lane.ended - std::min(ended, lane.ended)) + " transfer end(s)";
-    if (device == device_) {
+    if (device == site_.device) {
       std::uint64_t posts = 0;
-      for (int reader : hidden_) {
-        const std::size_t to = local_index(reader);
-        const std::uint64_t posted = __atomic_load_n(control_.posted(to), __ATOMIC_ACQUIRE);
+      for (int reader : site_.hidden) {
+        const std::size_t to = site_.local_index(reader);
+        const std::uint64_t posted = __atomic_load_n(site_.control.posted(to), __ATOMIC_ACQUIRE);
         done += posted;
-        if (posted < next_post_[to]) posts += next_post_[to] - posted;
+        if (posted < peers_[to].posted) posts += peers_[to].posted - posted;
       }
       pending = pending || posts != 0;
       holds += " and " + std::to_string(posts) + " chunk(s) for hidden peers";
     }
     watch(lane.watch, done, pending, "lane of device " + std::to_string(device), holds);
-    if (pending && timeout_.count() != 0 && lane.watch.unmoved_for(Clock::now()) >= timeout_)
+    if (pending && site_.timeout.count() != 0 && lane.watch.unmoved_for(Clock::now()) >= site_.timeout)
       end_held(lane, device);
     pending_any = pending_any || pending;
   }
   if (incoming_ != nullptr) {
     std::uint64_t done = 0, left = 0;
-    for (int writer : hidden_) {
-      const std::size_t from = local_index(writer);
-      if (broken_[from]) continue;
-      const std::uint64_t consumed = __atomic_load_n(control_.consumed(from), __ATOMIC_ACQUIRE);
+    for (int writer : site_.hidden) {
+      const std::size_t from = site_.local_index(writer);
+      if (peers_[from].broken) continue;
+      const std::uint64_t consumed = __atomic_load_n(site_.control.consumed(from), __ATOMIC_ACQUIRE);
       done += consumed;
-      if (consumed < seen_[from]) left += seen_[from] - consumed;
+      if (consumed < peers_[from].seen) left += peers_[from].seen - consumed;
     }
-    watch(incoming_watch_, done, left != 0, "incoming stream (device " + std::to_string(device_) + ")",
+    watch(incoming_watch_, done, left != 0, "incoming stream (device " + std::to_string(site_.device) + ")",
           std::to_string(left) + " chunk(s) of hidden peers");
     pending_any = pending_any || left != 0;
   }
@@ -1141,17 +1096,17 @@ void StagingAgent::watch(StreamWatch& w, std::uint64_t done, bool pending, const
   const StreamWatch::Seen seen = w.observe(done, pending, now, held_after_);
   if (seen == StreamWatch::Seen::MovesAgain)
     log(LogLevel::Warn,
-        "staged transport on rank " + std::to_string(rank_) + ": the agent's " + stream + " moves again");
+        "staged transport on rank " + std::to_string(site_.rank) + ": the agent's " + stream + " moves again");
   if (seen != StreamWatch::Seen::Held) return;
   const std::string report =
-      "on rank " + std::to_string(rank_) + " the staging agent's " + stream + " has not moved for " +
+      "on rank " + std::to_string(site_.rank) + " the staging agent's " + stream + " has not moved for " +
       describe_timeout(std::chrono::duration_cast<std::chrono::milliseconds>(w.unmoved_for(now))) + " (it holds " +
       holds +
       "); it waits for nothing outside this process, so a stream of this process that waits sits ahead of it in a GPU "
       "queue they share and holds it back (README \"GPU queues\"; " + describe_gpu_queues() + ")";
   log(LogLevel::Warn, "staged transport: " + report);
   note_held_stream(report);
-  std::lock_guard<std::mutex> lock(m_);
+  std::lock_guard<std::mutex> lock(ledger_.m);
   held_report_ = report;
 }
 
@@ -1163,17 +1118,17 @@ void StagingAgent::watch(StreamWatch& w, std::uint64_t done, bool pending, const
 void StagingAgent::end_held(Lane& lane, int device) {
   std::vector<std::pair<std::uint64_t*, std::uint64_t>> ends;  // (done word, ticket)
   {
-    std::lock_guard<std::mutex> lock(m_);
+    std::lock_guard<std::mutex> lock(ledger_.m);
     for (const Lane::LentEnd& l : lane.lent) {
-      std::uint64_t* done = control_.transfer(l.word);
+      std::uint64_t* done = site_.control.transfer(l.word);
       if (__atomic_load_n(done, __ATOMIC_ACQUIRE) < l.ticket) ends.emplace_back(done, l.ticket);
     }
   }
   if (ends.empty()) return;
   const std::string message =
-      "staged transport on rank " + std::to_string(rank_) + ": " + std::to_string(ends.size()) +
+      "staged transport on rank " + std::to_string(site_.rank) + ": " + std::to_string(ends.size()) +
       " transfer(s) whose end was held on the agent's lane of device " + std::to_string(device) + " for " +
-      describe_timeout(timeout_) + " were ended from the host: their streams went on, their data may be incomplete" +
+      describe_timeout(site_.timeout) + " were ended from the host: their streams went on, their data may be incomplete" +
       gpu_queue_hint();
   log(LogLevel::Error, message);
   // The error first: a caller whose stream goes on at the write below finds it at its next call.
@@ -1198,18 +1153,18 @@ std::string StagingAgent::describe_state(std::size_t waiting) const {
     add(std::to_string(outgoing_[i].size()) + " for rank " + std::to_string(o.reader) + " (the oldest, " + o.what +
         (o.pieces.done() ? "" : ", last moved " + ago(o.moved) + " ago") + ")");
   }
-  for (int peer : hidden_) {
-    const std::size_t i = local_index(peer);
-    const std::uint64_t posted = __atomic_load_n(control_.posted(i), __ATOMIC_ACQUIRE);
+  for (int peer : site_.hidden) {
+    const std::size_t i = site_.local_index(peer);
+    const std::uint64_t posted = __atomic_load_n(site_.control.posted(i), __ATOMIC_ACQUIRE);
     const std::uint64_t taken = consumed_by(peer);
-    const std::uint64_t consumed = __atomic_load_n(control_.consumed(i), __ATOMIC_ACQUIRE);
-    if (next_post_[i] != taken || seen_[i] != consumed)
-      add("channel to rank " + std::to_string(peer) + ": " + std::to_string(next_post_[i]) + " posted, " +
+    const std::uint64_t consumed = __atomic_load_n(site_.control.consumed(i), __ATOMIC_ACQUIRE);
+    if (peers_[i].posted != taken || peers_[i].seen != consumed)
+      add("channel to rank " + std::to_string(peer) + ": " + std::to_string(peers_[i].posted) + " posted, " +
           std::to_string(posted) + " of them counted, " + std::to_string(taken) +
-          " taken there; from it: " + std::to_string(seen_[i]) + " seen, " + std::to_string(consumed) + " consumed here");
+          " taken there; from it: " + std::to_string(peers_[i].seen) + " seen, " + std::to_string(consumed) + " consumed here");
   }
   for (const auto& [device, lane] : lanes_) {
-    const std::uint64_t ended = __atomic_load_n(control_.lane_done(lane.ordinal), __ATOMIC_ACQUIRE);
+    const std::uint64_t ended = __atomic_load_n(site_.control.lane_done(lane.ordinal), __ATOMIC_ACQUIRE);
     if (ended < lane.ended || !lane.pieces.empty())
       add("lane of device " + std::to_string(device) + ": " + std::to_string(lane.ended - std::min(ended, lane.ended)) +
           " transfer end(s) and up to " + std::to_string(lane.pieces.size()) + " piece(s) not run");
@@ -1219,7 +1174,7 @@ std::string StagingAgent::describe_state(std::size_t waiting) const {
 }
 
 std::string StagingAgent::held_report() {
-  std::lock_guard<std::mutex> lock(m_);
+  std::lock_guard<std::mutex> lock(ledger_.m);
   return held_report_;
 }
 
@@ -1236,12 +1191,12 @@ std::string StagingAgent::slot_holders() const {
 }
 
 std::uint64_t StagingAgent::consumed_by(int reader) const {
-  return __atomic_load_n(control_of(reader).consumed(local_index(rank_)), __ATOMIC_ACQUIRE);
+  return __atomic_load_n(site_.control_of(reader).consumed(site_.local_index(site_.rank)), __ATOMIC_ACQUIRE);
 }
 
 // The channel to `reader` has an entry free: the one posted kRing entries ago was consumed.
 bool StagingAgent::ring_has_room(int reader) const {
-  const std::uint64_t n = next_post_[local_index(reader)] + 1;
+  const std::uint64_t n = peers_[site_.local_index(reader)].posted + 1;
   return n <= ControlWords::kRing || consumed_by(reader) >= n - ControlWords::kRing;
 }
 
@@ -1263,7 +1218,7 @@ bool StagingAgent::write_counts_after_copies() {
         // goes to this rank's next call.
         (void)cudaGetLastError();
         const bool posted = pending == &posted_after_copies_;
-        const std::string message = "staged transport on rank " + std::to_string(rank_) + ": cudaEventQuery after " +
+        const std::string message = "staged transport on rank " + std::to_string(site_.rank) + ": cudaEventQuery after " +
                                     (posted ? "a chunk's copy to rank " : "the copy of a chunk from rank ") +
                                     std::to_string(c.peer) + " failed (its " + (posted ? "posted" : "consumed") +
                                     " count " + std::to_string(c.value) + " is not written): " + cudaGetErrorString(rc);
@@ -1287,61 +1242,61 @@ bool StagingAgent::write_counts_after_copies() {
 std::uint64_t StagingAgent::post(int reader, Descriptor d, cudaEvent_t copied, bool filled) {
   static_assert(sizeof(Descriptor) == ControlWords::kDescriptorWords * sizeof(std::uint64_t),
                 "a descriptor fills its ring entry");
-  Lane& own = lanes_.at(device_);
-  const std::size_t to = local_index(reader);
-  const std::uint64_t n = next_post_[to] + 1;
+  Lane& own = lanes_.at(site_.device);
+  const std::size_t to = site_.local_index(reader);
+  const std::uint64_t n = peers_[to].posted + 1;
   d.sequence = n;
-  std::uint64_t* entry = control_.ring(to) + ((n - 1) % ControlWords::kRing) * ControlWords::kDescriptorWords;
+  std::uint64_t* entry = site_.control.ring(to) + ((n - 1) % ControlWords::kRing) * ControlWords::kDescriptorWords;
   const auto* words = reinterpret_cast<const std::uint64_t*>(&d);
   for (std::size_t i = 0; i < ControlWords::kDescriptorWords; ++i) __atomic_store_n(entry + i, words[i], __ATOMIC_RELAXED);
   // The entry is out before the count is enqueued. On x86 stores are seen in order and the
   // GPU's write of the count follows the driver's doorbell write; a host with a weaker order
   // (ARM) needs a store fence here that makes the entry visible to another CPU first.
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (filled && __atomic_load_n(control_.posted(to), __ATOMIC_ACQUIRE) + 1 >= n) {
+  if (filled && __atomic_load_n(site_.control.posted(to), __ATOMIC_ACQUIRE) + 1 >= n) {
     // Its bytes are in the slot, and every count before it is written: this thread writes
     // it (a stream write would cost a driver call and the lane's latency).
-    raise_count(control_.posted(to), n);
+    raise_count(site_.control.posted(to), n);
   } else if (copied != nullptr) {
-    posted_after_copies_.push_back(CountAfterCopy{copied, false, reader, control_.posted(to), n});
+    posted_after_copies_.push_back(CountAfterCopy{copied, false, reader, site_.control.posted(to), n});
   } else {
-    std::vector<CUstreamBatchMemOpParams> ops{stream_write_op(control_.posted(to), n)};
-    run_stream_batch(ops, own.stream, "staged transfer (channel post)", rank_);
+    std::vector<CUstreamBatchMemOpParams> ops{stream_write_op(site_.control.posted(to), n)};
+    run_stream_batch(ops, own.stream, "staged transfer (channel post)", site_.rank);
   }
-  next_post_[to] = n;  // only once enqueued: a failed post leaves no gap in the numbers
+  peers_[to].posted = n;  // only once enqueued: a failed post leaves no gap in the numbers
   return n;
 }
 
 // Takes every descriptor hidden peers posted here since the last look; true if any. What they
-// ask for is enqueued on incoming_ together at the end (flush_incoming), under windows_m_ from
+// ask for is enqueued on incoming_ together at the end (flush_incoming), under windows_' lock from
 // the first descriptor's resolve to the enqueueing: a window freed meanwhile waits for it.
 bool StagingAgent::poll_incoming() {
   bool any = false;
-  const std::size_t me = local_index(rank_);
-  std::unique_lock<std::mutex> windows(windows_m_, std::defer_lock);
+  const std::size_t me = site_.local_index(site_.rank);
+  std::unique_lock<std::mutex> windows = windows_.lock(std::defer_lock);
   std::optional<CurrentDevice> current;  // once something came: a look that finds nothing costs no call
-  for (int writer : hidden_) {
-    const std::size_t from = local_index(writer);
-    if (broken_[from]) continue;
-    const ControlWords theirs = control_of(writer);
+  for (int writer : site_.hidden) {
+    const std::size_t from = site_.local_index(writer);
+    if (peers_[from].broken) continue;
+    const ControlWords theirs = site_.control_of(writer);
     const std::uint64_t posted = __atomic_load_n(theirs.posted(me), __ATOMIC_ACQUIRE);
-    while (seen_[from] < posted) {
-      const std::uint64_t n = seen_[from] + 1;
+    while (peers_[from].seen < posted) {
+      const std::uint64_t n = peers_[from].seen + 1;
       Descriptor d;
       const volatile std::uint64_t* entry =
           theirs.ring(me) + ((n - 1) % ControlWords::kRing) * ControlWords::kDescriptorWords;
       auto* words = reinterpret_cast<std::uint64_t*>(&d);
       for (std::size_t i = 0; i < ControlWords::kDescriptorWords; ++i) words[i] = entry[i];
-      seen_[from] = n;
+      peers_[from].seen = n;
       any = true;
       if (d.sequence != n) {
         // Stale or overwritten: nothing of this channel can be trusted any more. Its
         // transfers' waits time out on the writer's side.
-        broken_[from] = true;
-        log(LogLevel::Error, "staged transport on rank " + std::to_string(rank_) + ": the channel from rank " +
+        peers_[from].broken = true;
+        log(LogLevel::Error, "staged transport on rank " + std::to_string(site_.rank) + ": the channel from rank " +
                                  std::to_string(writer) + " holds descriptor " + std::to_string(d.sequence) +
                                  " where " + std::to_string(n) + " was due; nothing more from that rank is carried out");
-        __atomic_add_fetch(control_.failed(from), 1, __ATOMIC_RELEASE);
+        __atomic_add_fetch(site_.control.failed(from), 1, __ATOMIC_RELEASE);
         break;
       }
       if (faults_.armed() && windows.owns_lock()) {
@@ -1351,7 +1306,7 @@ bool StagingAgent::poll_incoming() {
       }
       faults_.hit(FaultPoint::StagedCarry);
       if (!windows.owns_lock()) windows.lock();
-      if (!current) current.emplace(device_);
+      if (!current) current.emplace(site_.device);
       trace_.record('I', writer, d.ticket, static_cast<std::int64_t>(d.done_rank));
       carry_out(writer, n, d);
       incoming_batch_.traced.push_back({writer, d.ticket, static_cast<std::int64_t>(d.done_rank)});
@@ -1366,24 +1321,24 @@ bool StagingAgent::poll_incoming() {
 // consumed count moves on in either case, also when the descriptor is refused (a window freed
 // here, a range outside it): then nothing is copied, no signal is raised for that transfer,
 // the failure is counted once (for the writer, or for this rank's own get) and the done word
-// still ends the transfer. Under windows_m_; the copy and the writes go into incoming_batch_
+// still ends the transfer. Under windows_' lock; the copy and the writes go into incoming_batch_
 // (flush_incoming enqueues them), except a strided chunk's copy and an Add signal's kernel,
 // which are enqueued at once, after what the batch holds.
 void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descriptor& d) {
   // For messages only (built when one is needed: this runs per descriptor, on the halo's path).
   const auto what = [&] {
-    return "staged transfer from rank " + std::to_string(writer) + " to rank " + std::to_string(rank_);
+    return "staged transfer from rank " + std::to_string(writer) + " to rank " + std::to_string(site_.rank);
   };
-  const std::size_t from = local_index(writer);
+  const std::size_t from = site_.local_index(writer);
   IncomingBatch& batch = incoming_batch_;
   std::string problem;
-  std::uint64_t* done = control_of(static_cast<int>(d.done_rank)).transfer(d.done_word);
+  std::uint64_t* done = site_.control_of(static_cast<int>(d.done_rank)).transfer(d.done_word);
   // A transfer's refusal is its own: the first descriptor of another one starts clean (one the
   // writer abandoned midway never sent its last).
   const std::pair<std::uint64_t, std::uint64_t> transfer{d.done_rank, d.ticket};
-  if (d.kind() == Descriptor::kChunk && current_[from] != transfer) {
-    refused_[from] = false;
-    current_[from] = transfer;
+  if (d.kind() == Descriptor::kChunk && peers_[from].current != transfer) {
+    peers_[from].refused = false;
+    peers_[from].current = transfer;
   }
   // Its done word already reached its ticket: the writer abandoned it (a timeout: its agent's
   // end_overdue, or its wait kernel's kTransferGivenUp), and its caller went on. Nothing of it
@@ -1392,7 +1347,7 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
   // that get (enqueued) once it had carried out what the writer posted before it died.
   const bool abandoned = d.kind() == Descriptor::kChunk &&
                          (__atomic_load_n(done, __ATOMIC_ACQUIRE) >= d.ticket ||
-                          (gone_[from] && d.done_rank == static_cast<std::uint64_t>(rank_)));
+                          (peers_[from].gone && d.done_rank == static_cast<std::uint64_t>(site_.rank)));
   const bool own_get = d.kind() == Descriptor::kChunk && d.window == StagedRequest::kAddress;
   bool answered = false;      // a get's answer is queued
   bool copy_batched = false;  // its copy went into the batch (the batch's round then)
@@ -1402,14 +1357,14 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
     if (d.kind() == Descriptor::kChunk && d.last() && !abandoned) {
       IncomingBatch::End e;
       e.op = stream_write_op(done, d.ticket);
-      if (d.done_rank == static_cast<std::uint64_t>(rank_)) {
+      if (d.done_rank == static_cast<std::uint64_t>(site_.rank)) {
         e.answered_word = d.done_word;
         e.ticket = d.ticket;
       }
       end.push_back(e);
     }
     IncomingBatch::End count;
-    count.op = stream_write_op(control_.consumed(from), sequence);
+    count.op = stream_write_op(site_.control.consumed(from), sequence);
     end.push_back(count);
     return end;
   };
@@ -1419,7 +1374,7 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
     } else if (d.kind() == Descriptor::kChunk) {
       void* dst = d.width == 0 ? nullptr : resolve(d.window, d.dst, d.width, d.rows, d.dst_pitch, &problem);
       if (dst != nullptr) {
-        const char* slot = static_cast<const char*>(pool_->region(writer)) + d.slot_offset;
+        const char* slot = static_cast<const char*>(site_.pool->region(writer)) + d.slot_offset;
         if (d.rows == 1) {
           // The copies of one batch run in no set order: one onto bytes that an earlier chunk
           // of the batch writes (two puts of one stream to the same place, whose stream went
@@ -1444,8 +1399,8 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
                           "cudaMemcpy2DAsync (from a hidden peer's staging slot)", what());
         }
       }
-      if (!problem.empty()) refused_[from] = true;
-      if (d.last() && !refused_[from] && d.signal_window != StagedRequest::kAddress) {
+      if (!problem.empty()) peers_[from].refused = true;
+      if (d.last() && !peers_[from].refused && d.signal_window != StagedRequest::kAddress) {
         auto* word = static_cast<std::uint64_t*>(
             resolve(d.signal_window, d.signal_index * sizeof(std::uint64_t), sizeof(std::uint64_t), 1, 0, &problem));
         if (word != nullptr && d.op() == SignalOp::Add) {
@@ -1478,17 +1433,17 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
       o.done_rank = static_cast<int>(d.done_rank);
       o.done_word = d.done_word;
       o.ticket = d.ticket;
-      o.pieces = PieceCursor(o.width, o.rows, chunk_, first_piece_);
+      o.pieces = PieceCursor(o.width, o.rows, site_.chunk, site_.first_piece);
       o.moved = Clock::now();
       o.what = "answer to rank " + std::to_string(writer) + "'s staged get (its transfer " + std::to_string(d.ticket) +
-               ") on rank " + std::to_string(rank_);
+               ") on rank " + std::to_string(site_.rank);
       {
-        std::lock_guard<std::mutex> lock(m_);
-        ++answers_;
+        std::lock_guard<std::mutex> lock(ledger_.m);
+        ++ledger_.answers;
       }
       outgoing_[from].push_back(std::move(o));
       answered = true;
-      if (!problem.empty()) refused_[from] = true;
+      if (!problem.empty()) peers_[from].refused = true;
     } else {
       problem = "descriptor " + std::to_string(sequence) + " has an unknown kind " + std::to_string(d.kind());
     }
@@ -1497,9 +1452,9 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
     // writes go out anyway.
     if (d.kind() == Descriptor::kChunk && !d.last() && !abandoned) {
       IncomingBatch::End mid;
-      mid.op = stream_write_op(control_.consumed(from), sequence);
+      mid.op = stream_write_op(site_.control.consumed(from), sequence);
       mid.mid_writer = writer;
-      mid.word = control_.consumed(from);
+      mid.word = site_.control.consumed(from);
       mid.value = sequence;
       batch.ends.push_back(mid);
     } else {
@@ -1507,7 +1462,7 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
     }
   } catch (const std::exception& e) {
     problem = e.what();
-    refused_[from] = true;
+    peers_[from].refused = true;
     if (answered) outgoing_[from].back().failure_counted = true;  // counted below
     if (d.kind() == Descriptor::kGet && !answered) raise_count(done, d.ticket);  // no answer comes
     try {  // the channel and the initiator's wait still move on
@@ -1522,15 +1477,15 @@ void StagingAgent::carry_out(int writer, std::uint64_t sequence, const Descripto
   // Counted once per transfer, at its end: for the writer (its put or the request of its get),
   // or, for an answer to this rank's own get, here.
   const bool ends = d.kind() == Descriptor::kGet || d.last();
-  if (ends && refused_[from]) {
-    refused_[from] = false;
+  if (ends && peers_[from].refused) {
+    peers_[from].refused = false;
     count_refusal(writer, own_get);
     // Its copy, still in the batch, is not counted again if the batch fails.
     if (copy_batched && batch.round == batch_round) batch.copied.back().counted = true;
   }
   // A transfer ends with its last chunk: a failed copy of one of its earlier chunks, still in
   // the batch, no longer marks the channel's next transfer (see flush_incoming).
-  if (d.kind() == Descriptor::kChunk && d.last()) current_[from] = kNoTransfer;
+  if (d.kind() == Descriptor::kChunk && d.last()) peers_[from].current = kNoTransfer;
 }
 
 // A transfer from `writer` refused here, counted once: for the writer (its failed count), or,
@@ -1539,7 +1494,7 @@ void StagingAgent::count_refusal(int writer, bool own_get) {
   if (own_get)
     keep_error("a staged get from rank " + std::to_string(writer) + " was refused there or here (see the logs)");
   else
-    __atomic_add_fetch(control_.failed(local_index(writer)), 1, __ATOMIC_RELEASE);
+    __atomic_add_fetch(site_.control.failed(site_.local_index(writer)), 1, __ATOMIC_RELEASE);
 }
 
 // Enqueues incoming_batch_ on incoming_: its copies (one cudaMemcpyBatchAsync where more than
@@ -1555,7 +1510,7 @@ void StagingAgent::flush_incoming(bool* last_copy_failed) noexcept {
   } catch (const std::exception& e) {  // memory for the batch's bookkeeping
     if (last_copy_failed != nullptr) *last_copy_failed = true;
     try {
-      log(LogLevel::Error, "staged transport on rank " + std::to_string(rank_) + ": carrying out " +
+      log(LogLevel::Error, "staged transport on rank " + std::to_string(site_.rank) + ": carrying out " +
                                std::to_string(incoming_batch_.traced.size()) + " descriptor(s) (chunks, get requests) from hidden peers failed: " +
                                e.what() + " (their initiators' waits will time out)");
       keep_error(e.what());
@@ -1567,7 +1522,7 @@ void StagingAgent::flush_incoming(bool* last_copy_failed) noexcept {
 
 void StagingAgent::enqueue_incoming(bool* last_copy_failed) {
   IncomingBatch& b = incoming_batch_;
-  const auto what = [&] { return "staged transport on rank " + std::to_string(rank_); };  // messages only
+  const auto what = [&] { return "staged transport on rank " + std::to_string(site_.rank); };  // messages only
   // Copies that could not be enqueued, by place in the batch.
   std::vector<bool> failed(b.dsts.size(), false);
   if (!b.dsts.empty()) {
@@ -1605,11 +1560,11 @@ void StagingAgent::enqueue_incoming(bool* last_copy_failed) {
                                  (c.own_get ? "this rank's next call says so)" : "the writer's next call says so)"));
         // A transfer whose last chunk this is is counted now (unless carry_out counted it),
         // one that goes on at its end.
-        const std::size_t from = local_index(c.writer);
+        const std::size_t from = site_.local_index(c.writer);
         if (c.last) {
           if (!c.counted) count_refusal(c.writer, c.own_get);
-        } else if (current_[from] == c.transfer) {
-          refused_[from] = true;
+        } else if (peers_[from].current == c.transfer) {
+          peers_[from].refused = true;
         }
       }
     }
@@ -1655,31 +1610,19 @@ void StagingAgent::write_ends(std::vector<CUstreamBatchMemOpParams>& ops, const 
   for (const auto& e : ends) ops.push_back(e.op);
   if (faults_.hit(FaultPoint::StagedEndsIn))  // MESHMEM_FAULT ...:staged.ends_in:fail
     throw Error(ErrorCode::Cuda, std::string(call) + ": cuStreamBatchMemOp of " + std::to_string(ops.size()) +
-                                     " stream writes on rank " + std::to_string(rank_) +
+                                     " stream writes on rank " + std::to_string(site_.rank) +
                                      " failed (MESHMEM_FAULT staged.ends_in)");
-  run_stream_batch(ops, incoming_, call, rank_);
+  run_stream_batch(ops, incoming_, call, site_.rank);
   for (const auto& e : ends)
     if (e.answered_word != IncomingBatch::kNoWord) last_answered_[e.answered_word] = e.ticket;
 }
 
-// Under windows_m_: this rank's window `window` at `offset`, checked to hold `rows` rows of `width` bytes
-// `pitch` apart; kAddress: `offset` is an address of this process. Null (and why) if not.
 void* StagingAgent::resolve(std::uint64_t window, std::uint64_t offset, std::size_t width, std::size_t rows,
                             std::size_t pitch, std::string* problem) {
-  if (window == StagedRequest::kAddress) return reinterpret_cast<void*>(offset);
-  const auto it = windows_.find(window);
-  if (it == windows_.end()) {
-    *problem = "window #" + std::to_string(window) + " is not (or no longer) allocated here; nothing was written";
-    return nullptr;
-  }
-  const std::size_t bytes = it->second.second;
-  const std::uint64_t last = rows == 0 ? 0 : (rows - 1) * static_cast<std::uint64_t>(pitch) + width;
-  if (offset > bytes || last > bytes - offset) {
-    *problem = "bytes " + std::to_string(offset) + " .. " + std::to_string(offset + last) + " are outside window #" +
-               std::to_string(window) + " (" + std::to_string(bytes) + " bytes here); nothing was written";
-    return nullptr;
-  }
-  return it->second.first + offset;
+  if (window == StagedRequest::kAddress) return reinterpret_cast<void*>(offset);  // an address of this process
+  char* at = windows_.resolve(window, offset, width, rows, pitch, problem);
+  if (at == nullptr) *problem += "; nothing was written";
+  return at;
 }
 
 }  // namespace meshmem::detail

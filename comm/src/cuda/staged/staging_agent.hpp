@@ -28,13 +28,16 @@
 #include "step_trace.hpp"
 #include "worker_pulse.hpp"
 #include "cuda/agent/captured_handoff.hpp"
+#include "cuda/agent/landing_windows.hpp"
 #include "cuda/runtime/event_pool.hpp"
 #include "cuda/runtime/kernels.hpp"
 #include "meshmem/ipc/awake_clock.hpp"
 #include "meshmem/ipc/pidfd.hpp"
 #include "meshmem/types.hpp"
 #include "cuda/staged/channel_layout.hpp"
+#include "cuda/staged/fill_slot_table.hpp"
 #include "cuda/staged/staging_pool.hpp"
+#include "cuda/staged/staging_site.hpp"
 
 namespace meshmem::detail {
 
@@ -102,7 +105,6 @@ class StagingAgent {
     FaultPlan faults;  // staged.carry, staged.answer
     std::string trace_prefix;  // MESHMEM_STAGED_TRACE: "" or where the step trace goes (+ "." + rank)
     std::chrono::milliseconds timeout{0};
-    cuda::WaitLimit limit{};
     // Where replays of captured transfers ring (CapturedHandoff): polled while any exists.
     // Required.
     std::shared_ptr<HandoffBoard<StagingAgent>> captured;
@@ -146,23 +148,19 @@ class StagingAgent {
   // belongs to another stream whose last transfer there has not ended. What enqueue throws goes to the caller, the ticket in
   // *ticket (then withdraw it). A slot stays its stream's, so its previous transfer is that
   // stream's, which the stream waited for already: the fill never waits on another stream.
-  struct FillUse {
-    const std::uint64_t* done = nullptr;  // null: the slot was never used
-    std::uint64_t ticket = 0;
-    int peer = -1;
-  };
+  using FillUse = FillSlotTable::Use;
   template <class Enqueue>
   bool submit_filled(StagedRequest r, cudaStream_t stream, std::uint64_t* ticket, Enqueue enqueue) {
     std::size_t i = 0;
-    if (!fill_slot_of(stream, &i)) return false;
+    if (!fill_slots_.slot_of(stream, &i)) return false;
     r.filled_slot = fill_offset(i);
-    const FillUse before = fill_last_[i];
+    const FillUse before = fill_slots_.last(i);
     *ticket = submit(r);
-    enqueue(slots_ + r.filled_slot, control_.fill_retired(i), before, *ticket);
-    fill_last_[i] = FillUse{r.done, *ticket, r.peer};
+    enqueue(site_.slots + r.filled_slot, site_.control.fill_retired(i), before, *ticket);
+    fill_slots_.used(i, FillUse{r.done, *ticket, r.peer});
     return true;
   }
-  std::uint64_t fill_offset(std::size_t i) const { return chunk_ * static_cast<std::size_t>(nslots_) + i * FillSlots::kSlotBytes; }
+  std::uint64_t fill_offset(std::size_t i) const { return site_.fill_offset(i); }
 
   // Transfer `ticket` (submitted) will never be marked ready by its stream (its wait could not
   // be enqueued; the caller raised that): it ends without being started. `ready` is its word.
@@ -174,10 +172,10 @@ class StagingAgent {
   void add_window(std::uint64_t id, void* local, std::size_t bytes);
   void remove_window(std::uint64_t id);
 
-  const ControlWords& control() const { return control_; }
+  const ControlWords& control() const { return site_.control; }
   // Rank r's control words, in its region of the pool as mapped here (node ranks).
-  ControlWords control_of(int rank) const;
-  const StagingPool& pool() const { return *pool_; }
+  ControlWords control_of(int rank) const { return site_.control_of(rank); }
+  const StagingPool& pool() const { return *site_.pool; }
 
   // The latest report of one of the agent's streams held back (watch_streams), or "".
   std::string held_report();
@@ -251,7 +249,7 @@ class StagingAgent {
   };
   using Descriptor = ChannelDescriptor;
 
-  void reclaim_words();  // under m_
+  void reclaim_words();  // under ledger_.m
   void run();
   void give_up_all(ReadyQueue<StagedRequest>& waiting);
   bool start_ready(ReadyQueue<StagedRequest>& waiting);
@@ -259,7 +257,7 @@ class StagingAgent {
   void give_up_if_context_failed(ReadyQueue<StagedRequest>& waiting);
   bool poll_incoming();
   bool pump();
-  // The first one since take_error(); takes m_ (keep_error_locked: under m_).
+  // The first one since take_error(); takes ledger_.m (keep_error_locked: under ledger_.m).
   void keep_error(const std::string& message, ErrorCode code = ErrorCode::Cuda);
   void keep_error_locked(const std::string& message, ErrorCode code);
   void fail(const StagedRequest& r, const std::string& message);
@@ -305,26 +303,17 @@ class StagingAgent {
   // what it could not enqueue is kept as this rank's error, and those transfers' waits time out.
   void flush_incoming(bool* last_copy_failed = nullptr) noexcept;
   void enqueue_incoming(bool* last_copy_failed);
+  // Under windows_' lock: LandingWindows::resolve (its problem ending "; nothing was written"),
+  // or, for kAddress, `offset` as an address of this process.
   void* resolve(std::uint64_t window, std::uint64_t offset, std::size_t width, std::size_t rows, std::size_t pitch,
                 std::string* problem);
   bool stalled(Clock::time_point moved) const {
-    return timeout_.count() != 0 && Clock::now() - moved >= timeout_;
+    return site_.timeout.count() != 0 && Clock::now() - moved >= site_.timeout;
   }
   void ended(bool answer);  // a transfer left the agent's hands (enqueued to its end, or failed)
-  std::size_t local_index(int rank) const { return local_of_[static_cast<std::size_t>(rank)]; }
+  static StagingSite site_of(Setup& setup);
 
-  std::unique_ptr<StagingPool> pool_;  // first: destroyed last, after the lanes stopped using it
-  char* slots_;
-  std::size_t chunk_;
-  std::size_t first_piece_;
-  int nslots_;
-  ControlWords control_;
-  int rank_;
-  int device_;  // this rank's GPU
-  std::vector<std::size_t> local_of_;  // by rank: place in node_ranks
-  std::vector<int> hidden_;            // node peers whose GPU this process cannot see
-  std::chrono::milliseconds timeout_;
-  cuda::WaitLimit limit_;
+  StagingSite site_;  // first: the pool is destroyed last, after the lanes stopped using it
   FaultPlan faults_;
   // MESHMEM_STAGED_TRACE: S handed over (caller's thread), R source seen ready, P copy into a
   // slot enqueued (aux: bytes), O posted (aux: 1 for a transfer's last piece); I a peer's
@@ -407,7 +396,7 @@ class StagingAgent {
       traced.clear();
     }
   };
-  IncomingBatch incoming_batch_;  // under windows_m_ while it holds copies
+  IncomingBatch incoming_batch_;  // under windows_' lock while it holds copies
   // Enqueues `ops`, then `ends`, in one batch on incoming_; then marks the ends of this rank's
   // own gets among them answered (last_answered_).
   void write_ends(std::vector<CUstreamBatchMemOpParams>& ops, const std::vector<IncomingBatch::End>& ends,
@@ -416,14 +405,18 @@ class StagingAgent {
   static constexpr std::pair<std::uint64_t, std::uint64_t> kNoTransfer{~std::uint64_t(0), ~std::uint64_t(0)};
   std::vector<SlotUse> slot_use_;
   std::size_t next_slot_ = 0;
-  std::vector<std::uint64_t> next_post_;  // by node index: descriptors posted to that rank
-  std::vector<std::uint64_t> seen_;       // by node index: its descriptors taken here
-  std::vector<std::uint64_t> failed_seen_;
-  std::vector<bool> refused_;             // by node index: a chunk of its current transfer was refused here
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> current_;  // by node index: (done rank, ticket) of that transfer
-  std::vector<bool> broken_;              // by node index: its channel held a wrong entry; no longer read
-  std::vector<ipc::ProcessWatch> watches_;  // by node index: hidden peers' processes
-  std::vector<bool> gone_;                // by node index: its process ended; nothing more goes to it
+  // This rank's side of the channels with one node peer (used for hidden peers).
+  struct PeerChannel {
+    std::uint64_t posted = 0;       // descriptors posted to it
+    std::uint64_t seen = 0;         // its descriptors taken here
+    std::uint64_t failed_seen = 0;  // its count of this rank's transfers it refused, as last reported
+    bool refused = false;           // a chunk of its current transfer was refused here
+    std::pair<std::uint64_t, std::uint64_t> current = kNoTransfer;  // (done rank, ticket) of that transfer
+    bool broken = false;            // its channel held a wrong entry; no longer read
+    ipc::ProcessWatch process;      // its process (hidden peers)
+    bool gone = false;              // its process ended; nothing more goes to it
+  };
+  std::vector<PeerChannel> peers_;  // by node index
   std::map<std::size_t, std::uint64_t> last_answered_;  // by done word: the ticket of this rank's get whose answer's last chunk was carried out
   Clock::time_point next_watch_{};
   Clock::time_point next_stream_watch_{};
@@ -434,20 +427,14 @@ class StagingAgent {
 
   std::shared_ptr<HandoffBoard<StagingAgent>> captured_;
 
-  std::mutex windows_m_;
-  std::map<std::uint64_t, std::pair<char*, std::size_t>> windows_;
+  LandingWindows windows_;  // where hidden peers' chunks land and their gets are read
 
   EventPool events_;
-  std::mutex m_;  // the queue, counters, free words, lent words, error
-  std::condition_variable cv_;
-  std::deque<StagedRequest> queue_;
-  std::vector<std::size_t> free_words_;
   struct CapturedEnd {  // release_captured_word
     const std::uint64_t* done;
     std::uint64_t ticket;
     std::size_t word;
   };
-  std::vector<CapturedEnd> released_captured_;  // under m_
   struct RemoteEnd {
     const std::uint64_t* done;
     std::uint64_t ticket;
@@ -457,21 +444,27 @@ class StagingAgent {
     bool ends_at_timeout;  // StagedRequest::ends_at_timeout
     std::optional<Clock::time_point> posted;  // when its last descriptor was posted (end_overdue)
   };
-  std::vector<RemoteEnd> remote_lent_;  // words of transfers a hidden peer (or the answer to a get) ends
-  std::uint64_t submitted_ = 0;
-  std::uint64_t handled_ = 0;  // transfers enqueued to their end, or failed
-  bool fill_slot_of(cudaStream_t stream, std::size_t* slot);  // under hand_over()
-  std::mutex hand_over_m_;  // callers' threads; guards the fill slots' state too
-  std::map<cudaStream_t, std::size_t> fill_of_;  // each stream's fill slot
-  cudaStream_t fill_stream_[FillSlots::kSlots] = {};  // each slot's stream (with fill_used_)
-  bool fill_used_[FillSlots::kSlots] = {};
-  FillUse fill_last_[FillSlots::kSlots];
-  std::vector<std::uint64_t> withdrawn_;  // under m_: tickets withdraw() ended unstarted
-  std::atomic<std::size_t> withdrawn_count_{0};  // withdrawn_.size(), read without m_
-  std::uint64_t answers_ = 0;  // answers to hidden peers' gets not yet posted to their end
-  bool stop_ = false;
-  std::string error_;
-  ErrorCode error_code_ = ErrorCode::Cuda;
+  // What the callers' threads and the agent's thread share, under `m`: the transfers handed
+  // over, the done words free and lent, the counts, the first error, the stop flag.
+  struct Ledger {
+    std::mutex m;
+    std::condition_variable cv;
+    std::deque<StagedRequest> queue;
+    std::vector<std::size_t> free_words;
+    std::vector<CapturedEnd> released_captured;
+    std::vector<RemoteEnd> remote_lent;  // words of transfers a hidden peer (or the answer to a get) ends
+    std::uint64_t submitted = 0;
+    std::uint64_t handled = 0;  // transfers enqueued to their end, or failed
+    std::vector<std::uint64_t> withdrawn;  // tickets withdraw() ended unstarted
+    std::atomic<std::size_t> withdrawn_count{0};  // withdrawn.size(), read without m
+    std::uint64_t answers = 0;  // answers to hidden peers' gets not yet posted to their end
+    bool stop = false;
+    std::string error;
+    ErrorCode error_code = ErrorCode::Cuda;
+  };
+  Ledger ledger_;
+  std::mutex hand_over_m_;  // callers' threads; guards fill_slots_ too
+  FillSlotTable fill_slots_;
   std::string held_report_;
   // Its loop's turns and its state, for the timeout errors of callers' threads
   // (describe_worker_pulses): a stall inside this thread shows there.

@@ -243,7 +243,6 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
     setup.faults = ctx_.faults;
     setup.timeout = ctx_.options.timeout;
     setup.trace_prefix = kTraceStaged.get(ctx_.options);
-    setup.limit = device_->wait_limit();
     agent_ = std::make_shared<StagingAgent>(std::move(setup));
   });
   board_->open(agent_.get());
