@@ -35,6 +35,9 @@
 #include "meshmem/ipc/pidfd.hpp"
 #include "meshmem/types.hpp"
 #include "cuda/staged/channel_layout.hpp"
+#include "cuda/staged/channel_counts.hpp"
+#include "cuda/staged/channel_reader.hpp"
+#include "cuda/staged/staged_outgoing.hpp"
 #include "cuda/staged/fill_slot_table.hpp"
 #include "cuda/staged/staging_pool.hpp"
 #include "cuda/staged/staging_site.hpp"
@@ -223,30 +226,7 @@ class StagingAgent {
   };
   // A transfer to a hidden reader (a put, or the answer to its get), or this rank's request
   // for a get from it, as far as it is posted on the channel.
-  struct Outgoing {
-    int reader = -1;
-    bool get_request = false;  // a get's request: one descriptor, no data
-    bool answer = false;       // answers the reader's get (not one of this rank's transfers)
-    std::uint64_t filled_slot = StagedRequest::kAddress;  // a stream-filled put's slot, its bytes there already
-    bool host_source = false;  // the source is pageable host memory: copied by this thread
-    bool source_complete = false;  // StagedRequest::source_complete
-    bool ends_at_timeout = false;  // StagedRequest::ends_at_timeout
-    cudaMemcpyKind to_slot = cudaMemcpyDefault;  // the copies into slots (device to host where known)
-    bool failure_counted = false;  // an answer to a refused get: its reader was told already
-    // The source: this rank's window (answers) or kAddress and an address; no data when
-    // `width` is 0 (a signal alone, or a refused get).
-    std::uint64_t src_window = StagedRequest::kAddress, src = 0;
-    std::size_t width = 0, rows = 1, src_pitch = 0, dst_pitch = 0;
-    std::uint64_t window = StagedRequest::kAddress;  // the reader's window (the one read, for a request), or kAddress
-    std::uint64_t dst = 0;                           // offset in it, or an address of the reader (of this rank, for a request)
-    std::uint64_t signal_window = StagedRequest::kAddress, signal_index = 0, value = 0;
-    SignalOp op = SignalOp::Set;
-    int done_rank = -1;  // whose transfer word ends it
-    std::uint64_t done_word = 0, ticket = 0;
-    PieceCursor pieces;
-    Clock::time_point moved;
-    std::string what;  // for messages
-  };
+  using Outgoing = StagedOutgoing;
   using Descriptor = ChannelDescriptor;
 
   void reclaim_words();  // under ledger_.m
@@ -255,7 +235,6 @@ class StagingAgent {
   bool start_ready(ReadyQueue<StagedRequest>& waiting);
   bool take_withdrawn(std::uint64_t ticket);  // true (and forgotten) if withdraw() named it
   void give_up_if_context_failed(ReadyQueue<StagedRequest>& waiting);
-  bool poll_incoming();
   bool pump();
   // The first one since take_error(); takes ledger_.m (keep_error_locked: under ledger_.m).
   void keep_error(const std::string& message, ErrorCode code = ErrorCode::Cuda);
@@ -295,23 +274,14 @@ class StagingAgent {
   // `filled`: the bytes are in the slot already (a stream-filled put): this thread writes the count
   // where every earlier one is written.
   std::uint64_t post(int reader, Descriptor d, cudaEvent_t copied = nullptr, bool filled = false);
-  // Writes the counts of CountAfterCopy whose copies are done, oldest first; true if any.
+  // Writes the posted counts (and the reader's consumed ones) whose copies are done; true if any.
   bool write_counts_after_copies();
-  void carry_out(int writer, std::uint64_t sequence, const Descriptor& d);
-  void count_refusal(int writer, bool own_get);
-  // `last_copy_failed`: set where the batch's last copy could not be enqueued. Never throws:
-  // what it could not enqueue is kept as this rank's error, and those transfers' waits time out.
-  void flush_incoming(bool* last_copy_failed = nullptr) noexcept;
-  void enqueue_incoming(bool* last_copy_failed);
-  // Under windows_' lock: LandingWindows::resolve (its problem ending "; nothing was written"),
-  // or, for kAddress, `offset` as an address of this process.
-  void* resolve(std::uint64_t window, std::uint64_t offset, std::size_t width, std::size_t rows, std::size_t pitch,
-                std::string* problem);
   bool stalled(Clock::time_point moved) const {
     return site_.timeout.count() != 0 && Clock::now() - moved >= site_.timeout;
   }
   void ended(bool answer);  // a transfer left the agent's hands (enqueued to its end, or failed)
   static StagingSite site_of(Setup& setup);
+  ChannelReader::Agent reader_links();  // what reader_ reaches of this agent
 
   StagingSite site_;  // first: the pool is destroyed last, after the lanes stopped using it
   FaultPlan faults_;
@@ -322,102 +292,17 @@ class StagingAgent {
   // enqueued (peer -1, id: its descriptors, aux: its copies). Written at teardown.
   StepTrace trace_;
   std::map<int, Lane> lanes_;
-  cudaStream_t incoming_ = nullptr;    // chunks from hidden peers, onto this rank's GPU
-  // A channel count that this thread writes once a copy is done, instead of a stream write
-  // after the copy: a stream write between two copies on one stream idles that copy engine
-  // about 3.5 us (studies/pipeline_lab, 4 x H200: 16 copies of 4 MiB to host take 1,258 us, 1,317
-  // with a write after each), and a stream of its own for the writes would be one more stream
-  // that a waiting stream of this process can hold (docs/semantics.md "GPU queues"). Only for pieces that
-  // more pieces of their transfer follow: a transfer's last piece has its count (and end)
-  // written by its stream, which covers the pieces before it. The host raises a count, never
-  // lowers it, so that a later count the stream wrote first stands.
-  struct CountAfterCopy {
-    cudaEvent_t copied;  // recorded after the copy
-    bool pooled;         // `copied` came from events_ (incoming chunks; given back once looked at,
-                         // by the last of the entries that share it: flush_incoming)
-    int peer;            // the reader (posted) or the writer (consumed), for errors
-    std::uint64_t* word;
-    std::uint64_t value;
-  };
-  std::deque<CountAfterCopy> posted_after_copies_;    // this GPU's lane: posted counts
-  std::deque<CountAfterCopy> consumed_after_copies_;  // incoming_: consumed counts
-  // What one look at the incoming channels took (poll_incoming), enqueued on incoming_ at its
-  // end as one copy batch and one batch of stream writes (flush_incoming): a middle rank of
-  // Jacobi gets a halo from each neighbour at about the same time, and two driver calls
-  // instead of four save its agent 2.4-3 us per pair (studies/driver_call_lab's reader-pair
-  // rows, 1 x H200). Whatever carry_out enqueues on incoming_ directly (a strided chunk's 2D
-  // copy, an Add signal's kernel, the ends after an error) comes after a flush, so each
-  // signal, done word and consumed count follows its copy, and a channel's consumed counts
-  // stay in take order.
-  struct IncomingBatch {
-    static constexpr std::size_t kNoWord = ~std::size_t(0);
-    std::vector<void*> dsts;  // the contiguous chunks' copies
-    std::vector<const void*> srcs;
-    std::vector<std::size_t> sizes;
-    struct Copied {  // per copy: how its transfer is refused if the copies fail
-      int writer;
-      std::pair<std::uint64_t, std::uint64_t> transfer;  // (done rank, ticket)
-      bool last;     // its transfer's last chunk
-      bool own_get;  // the answer to this rank's get
-      bool counted;  // carry_out counted the transfer's refusal already
-    };
-    std::vector<Copied> copied;
-    // Set signals of last chunks, written after every copy and before every end of the batch
-    // (earlier descriptors' ends included: a signal only has to follow its own copy); each
-    // with its copy's place in the batch (-1: none there), dropped where that copy failed.
-    std::vector<std::pair<CUstreamBatchMemOpParams, long>> signals;
-    struct End {  // a done word or consumed count, in take order
-      CUstreamBatchMemOpParams op;
-      int mid_writer = -1;  // >= 0: the consumed count of a chunk that more chunks follow (CountAfterCopy-able)
-      std::uint64_t* word = nullptr;
-      std::uint64_t value = 0;
-      // The done word of this rank's own get (kNoWord: none), marked answered (last_answered_)
-      // once this write is enqueued: watch_readers ends only gets whose end is not.
-      std::size_t answered_word = kNoWord;
-      std::uint64_t ticket = 0;
-    };
-    std::vector<End> ends;
-    struct Traced {  // MESHMEM_STAGED_TRACE's E step, once enqueued
-      int writer;
-      std::uint64_t ticket;
-      std::int64_t done_rank;
-    };
-    std::vector<Traced> traced;
-    bool empty() const { return dsts.empty() && signals.empty() && ends.empty() && traced.empty(); }
-    std::uint64_t round = 0;  // how many times it was enqueued
-    void clear() {
-      ++round;
-      dsts.clear();
-      srcs.clear();
-      sizes.clear();
-      copied.clear();
-      signals.clear();
-      ends.clear();
-      traced.clear();
-    }
-  };
-  IncomingBatch incoming_batch_;  // under windows_' lock while it holds copies
-  // Enqueues `ops`, then `ends`, in one batch on incoming_; then marks the ends of this rank's
-  // own gets among them answered (last_answered_).
-  void write_ends(std::vector<CUstreamBatchMemOpParams>& ops, const std::vector<IncomingBatch::End>& ends,
-                  const char* call);
-  bool batch_copies_ = true;      // cudaMemcpyBatchAsync (false once the driver said it is not supported)
-  static constexpr std::pair<std::uint64_t, std::uint64_t> kNoTransfer{~std::uint64_t(0), ~std::uint64_t(0)};
+  std::deque<CountAfterCopy> posted_after_copies_;  // this GPU's lane: posted counts
   std::vector<SlotUse> slot_use_;
   std::size_t next_slot_ = 0;
-  // This rank's side of the channels with one node peer (used for hidden peers).
+  // This rank's writer side of the channel to one node peer (hidden peers; ChannelReader reads theirs).
   struct PeerChannel {
     std::uint64_t posted = 0;       // descriptors posted to it
-    std::uint64_t seen = 0;         // its descriptors taken here
     std::uint64_t failed_seen = 0;  // its count of this rank's transfers it refused, as last reported
-    bool refused = false;           // a chunk of its current transfer was refused here
-    std::pair<std::uint64_t, std::uint64_t> current = kNoTransfer;  // (done rank, ticket) of that transfer
-    bool broken = false;            // its channel held a wrong entry; no longer read
     ipc::ProcessWatch process;      // its process (hidden peers)
     bool gone = false;              // its process ended; nothing more goes to it
   };
   std::vector<PeerChannel> peers_;  // by node index
-  std::map<std::size_t, std::uint64_t> last_answered_;  // by done word: the ticket of this rank's get whose answer's last chunk was carried out
   Clock::time_point next_watch_{};
   Clock::time_point next_stream_watch_{};
   std::chrono::milliseconds held_after_;  // 2 s, or half of MESHMEM_TIMEOUT if that is less
@@ -465,6 +350,7 @@ class StagingAgent {
   Ledger ledger_;
   std::mutex hand_over_m_;  // callers' threads; guards fill_slots_ too
   FillSlotTable fill_slots_;
+  ChannelReader reader_;  // hidden peers' channels into this rank (after events_ and windows_, which it uses)
   std::string held_report_;
   // Its loop's turns and its state, for the timeout errors of callers' threads
   // (describe_worker_pulses): a stall inside this thread shows there.
