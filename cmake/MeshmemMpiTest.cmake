@@ -59,12 +59,12 @@ function(meshmem_add_mpi_test)
 endfunction()
 
 # meshmem_add_hosts_test(NAME <name> TARGET <exe> HOSTS <h> RANKS_PER_HOST <r> [GPUS_PER_HOST <g>]
-#                        [ENV ...] [LABELS ...])
+#                        [ENV ...] [LABELS ...] [WRAPPER <launcher> ...])
 # One CTest test <name>.np<h*r> run across <h> hosts made on this machine with network and UTS
 # namespaces (launch/meshmem-hosts), <r> ranks on each: MPI and meshmem see separate nodes.
 # Skipped (exit 77, with the reason) where namespaces cannot be made (not root); needs Open MPI.
 function(meshmem_add_hosts_test)
-  cmake_parse_arguments(T "" "NAME;TARGET;TIMEOUT;HOSTS;RANKS_PER_HOST;GPUS_PER_HOST" "ENV;LABELS;ARGS" ${ARGN})
+  cmake_parse_arguments(T "" "NAME;TARGET;TIMEOUT;HOSTS;RANKS_PER_HOST;GPUS_PER_HOST" "ENV;LABELS;ARGS;WRAPPER" ${ARGN})
   if(NOT T_GPUS_PER_HOST)
     set(T_GPUS_PER_HOST 0)
   endif()
@@ -79,7 +79,7 @@ function(meshmem_add_hosts_test)
   set(test_name ${T_NAME}.np${n})
   meshmem_startup_env_cleared(cleared "${T_ENV}")
   add_test(NAME ${test_name}
-    COMMAND ${PROJECT_SOURCE_DIR}/launch/meshmem-hosts --hosts ${T_HOSTS} --ranks-per-host ${T_RANKS_PER_HOST}
+    COMMAND ${T_WRAPPER} ${PROJECT_SOURCE_DIR}/launch/meshmem-hosts --hosts ${T_HOSTS} --ranks-per-host ${T_RANKS_PER_HOST}
             --gpus-per-host ${T_GPUS_PER_HOST}
             --timeout ${harness_timeout} --unavailable-exit 77 --
             --oversubscribe --bind-to none $<TARGET_FILE:${T_TARGET}> ${T_ARGS})

@@ -114,7 +114,8 @@ function(meshmem_gpu_entries)
           set(gpus 0)
         endif()
         meshmem_add_hosts_test(NAME ${name} TARGET ${target} HOSTS ${CMAKE_MATCH_1} RANKS_PER_HOST ${CMAKE_MATCH_2}
-                               GPUS_PER_HOST ${gpus} LABELS ${label} ${timeout} ENV ${reg_env} ARGS ${args})
+                               GPUS_PER_HOST ${gpus} LABELS ${label} ${timeout} ENV ${reg_env} ARGS ${args}
+                               WRAPPER ${PROJECT_SOURCE_DIR}/tests/gpu/needs_gpu.sh)
         math(EXPR np "${CMAKE_MATCH_1} * ${CMAKE_MATCH_2}")
         if(MESHMEM_MPIEXEC_IS_OPEN_MPI)
           list(APPEND names ${name}.np${np})
@@ -126,7 +127,8 @@ function(meshmem_gpu_entries)
           continue()
         endif()
         meshmem_add_mpi_test(NAME ${name} TARGET ${target} RANKS ${rank_counts} LABELS ${label} TIMEOUT 120
-                             MPIEXEC_FLAGS --enable-recovery ENV ${reg_env} ARGS ${args} --gtest_color=no)
+                             MPIEXEC_FLAGS --enable-recovery ENV ${reg_env} ARGS ${args} --gtest_color=no
+                             WRAPPER ${PROJECT_SOURCE_DIR}/tests/gpu/needs_gpu.sh)
         string(REPLACE "," ";" survivors "${verdict}")
         set(pass "")
         set(first TRUE)
@@ -149,7 +151,7 @@ function(meshmem_gpu_entries)
         string(APPEND placement ", verdict of rank(s) ${verdict}")
       else()
         meshmem_add_mpi_test(NAME ${name} TARGET ${target} RANKS ${rank_counts} LABELS ${label} ${timeout} ENV ${reg_env}
-                             ARGS ${args})
+                             ARGS ${args} WRAPPER ${PROJECT_SOURCE_DIR}/tests/gpu/needs_gpu.sh)
         foreach(n IN LISTS rank_counts)
           list(APPEND names ${name}.np${n})
         endforeach()

@@ -87,7 +87,8 @@ def run(t):
         env[k] = v
     if a.tool != "none":
         program = next(i for i, c in enumerate(cmd)
-                       if re.search(r"/(tests|examples)/", c) and os.path.isfile(c) and os.access(c, os.X_OK))
+                       if re.search(r"/(tests|examples)/", c) and not c.endswith(".sh") and os.path.isfile(c)
+                       and os.access(c, os.X_OK))  # the test binary, not the entries' launcher (needs_gpu.sh)
         cmd[program:program] = ["compute-sanitizer", "--tool", a.tool, "--error-exitcode", "86", "--print-limit",
                                 "30", "--log-file", os.path.join(a.out, name + ".%p.san")]
     if a.exclude:
