@@ -200,6 +200,44 @@ TEST_F(DeviceWindow, StreamWaitsAvoidKernelsWhereAnyRankSharesTheGpu) {
       << "rank " << me << (shared ? " shares its GPU with another rank" : " has its GPU to itself") << ": " << info;
 }
 
+// A Comm of one rank (MPI_COMM_SELF) under whatever this entry forces: its stream barrier
+// needs no peer and no NCCL. Under MESHMEM_TRANSPORTS=mpi (no device route, not even to
+// itself) such a Comm chose the node leaders' NCCL all-reduce without an NCCL library and
+// crashed in its constructor (gpu.one_rank_comm_mpi_only; found by the Python suite's split
+// communicator on 1 x H200). Every byte of a host put to itself is checked, and of a device
+// put where it has a device route.
+TEST_F(DeviceWindow, AOneRankCommOfEveryRankBarriersAndPutsToItself) {
+  Comm self(MPI_COMM_SELF, options());
+  ASSERT_EQ(self.size(), 1);
+  for (int round = 0; round < 3; ++round) self.barrier(stream);
+  CUDA_OK(cudaStreamSynchronize(stream));
+  EXPECT_NE(self.device_info().find("barrier(stream) none needed (one rank)"), std::string::npos) << self.device_info();
+  const std::size_t bytes = 4099;
+  const auto data = pattern(seed, key(bytes, me, 0, 7), bytes);
+  {
+    Window host = self.alloc(bytes, Memory::Host);
+    std::memset(host.local(), kPoison, bytes);
+    self.put(host, 0, 0, data.data(), bytes);
+    self.quiet();
+    EXPECT_EQ(first_difference(host.local(), data.data(), bytes), -1) << "host put to itself on rank " << me;
+  }
+  if (self.transport(0, Memory::Device) != TransportKind::None) {
+    Window dev = self.alloc(bytes);
+    CUDA_OK(cudaMemsetAsync(dev.local(), kPoison, bytes, stream));
+    DeviceBuffer src(bytes);
+    CUDA_OK(upload(src.p, data.data(), bytes));
+    self.put(dev, 0, 0, src.p, bytes, stream);
+    self.barrier(stream);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const auto got = to_host(dev.local(), bytes);
+    EXPECT_EQ(first_difference(got.data(), data.data(), bytes), -1) << "device put to itself on rank " << me;
+  } else {
+    EXPECT_FALSE(self.unreachable_reason(0, Memory::Device).empty());
+  }
+  comm->barrier(stream);
+  CUDA_OK(cudaStreamSynchronize(stream));
+}
+
 TEST_F(DeviceWindow, PutEveryPairDeviceSource) { put_every_pair(*comm, stream, seed, false); }
 TEST_F(DeviceWindow, PutEveryPairPageableSource) { put_every_pair(*comm, stream, seed, true); }
 

@@ -429,6 +429,13 @@ std::unique_ptr<StreamBarrier> make_hierarchical_barrier(const CommContext& ctx,
   }
   if (why.empty() && staged != nullptr && mapped) why = "some of this node's ranks are mapped here and others staged";
   if (why.empty() && staged != nullptr && !staged->has_node_flags()) why = "the staged transport has no pool here";
+  // The leaders meet through NCCL: without a connected nccl transport there is none to use
+  // (one node whose ranks reach no peer across nodes, say).
+  const NcclLibrary* lib = nullptr;
+  for (const Transport* t : bctx.connected)
+    if (const BarrierResources* res = resources_of(t); res != nullptr && res->reaches_nodes_over_nccl())
+      lib = res->nccl_library();
+  if (why.empty() && lib == nullptr) why = "no nccl transport is connected here";
   // A GPU that ranks share is time-sliced between them: NCCL's all-reduce kernel spins on it
   // and holds it from the very ranks it waits for (1 x H100, two simulated nodes: 4.7 ms per
   // all-reduce against 48 us for the proxy's meeting, bench/results/2026-11-24-*-cross-host-*).
@@ -447,10 +454,6 @@ std::unique_ptr<StreamBarrier> make_hierarchical_barrier(const CommContext& ctx,
     auto node = mapped    ? std::make_unique<KernelBarrier>(topo, flags, device)
                 : staged  ? std::make_unique<KernelBarrier>(topo, *staged, device)
                           : std::make_unique<KernelBarrier>(topo, device);
-    const NcclLibrary* lib = nullptr;
-    for (const Transport* t : bctx.connected)
-      if (const BarrierResources* res = resources_of(t); res != nullptr && res->reaches_nodes_over_nccl())
-        lib = res->nccl_library();
     auto leaders = std::make_unique<LeaderAllReduce>(
         ctx, lib, [&device](const std::string& failure) { device.report_barrier_failure(failure); });
     log(LogLevel::Info, "barrier(stream) across nodes: hierarchical (node kernel, the leaders' NCCL all-reduce, node "
@@ -472,6 +475,8 @@ std::unique_ptr<StreamBarrier> make_stream_barrier(const CommContext& ctx, const
                                                    GpuDevice& device) {
   const std::string what = "meshmem::Comm (barrier setup)";
   const Topology& topo = ctx.topo;
+  // One rank meets no one, whatever its routes (it may have no device route at all).
+  if (topo.size == 1) return std::make_unique<SingleRankBarrier>();
   // The node variants need every rank on this node and reached through a transport that
   // maps its device windows here; where some are staged instead, the kernel barrier's flags
   // live in the staging pool. Otherwise the proxy meets the ranks over MPI.
@@ -508,7 +513,6 @@ std::unique_ptr<StreamBarrier> make_stream_barrier(const CommContext& ctx, const
       return std::make_unique<MeetingFirstBarrier>(ctx, std::move(kernel), nullptr, what);
     return kernel;
   }
-  if (topo.size == 1) return std::make_unique<SingleRankBarrier>();
   switch (kBarrier.get(ctx.options)) {
     case BarrierKind::Flag: return std::make_unique<FlagBarrier>(topo, bctx, device.wait_flags());
     case BarrierKind::Event: return std::make_unique<EventBarrier>(ctx, what);
