@@ -65,6 +65,11 @@ constexpr PointInfo kPoints[kFaultPointCount] = {
      "transfers' waits end at MESHMEM_TIMEOUT or when their peer's process is seen to end, and this rank's next call "
      "says so",
      true},
+    {FaultPoint::MpiCancel, "mpi.cancel",
+     "the mpi transport gives a transfer up (its origin stalled or died, or its window is freed) and cancels its MPI "
+     "requests; `fail` makes none of them end, as for a receive MPI has matched already: they are kept, with the memory "
+     "they use, until MPI ends them",
+     true},
 };
 
 constexpr int kMaxRank = 1 << 20;

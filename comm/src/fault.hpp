@@ -59,9 +59,11 @@ enum class FaultPoint : unsigned {
                       // peers' chunks that one look at its channels took (`fail`: they fail)
   StagedEndsIn,       // "staged.ends_in": ... enqueues the stream writes that end them (signals,
                       // done words, consumed counts; `fail`: that enqueue fails)
+  MpiCancel,          // "mpi.cancel": the mpi transport gives a transfer up and cancels its
+                      // requests (`fail`: none ends, as a receive MPI has matched: all are kept)
 };
-constexpr unsigned kFaultPointCount = 14;
-static_assert(static_cast<unsigned>(FaultPoint::StagedEndsIn) + 1 == kFaultPointCount,
+constexpr unsigned kFaultPointCount = 15;
+static_assert(static_cast<unsigned>(FaultPoint::MpiCancel) + 1 == kFaultPointCount,
               "a point added to FaultPoint is added to the count and to fault.cpp's list of names");
 
 const char* to_string(FaultPoint point) noexcept;

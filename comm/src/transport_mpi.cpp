@@ -146,11 +146,18 @@ namespace {
 class MpiRegistration final : public WindowAttachment {
  public:
   MpiRegistration(MpiTransport& t, std::uint64_t id) : t_(t), id_(id) {}
-  ~MpiRegistration() override { t_.unregister_window(id_); }
+  ~MpiRegistration() override {
+    if (!released_) t_.unregister_window(id_, nullptr);
+  }
+  void releasing(const std::shared_ptr<WindowMemory>& memory) override {
+    released_ = true;
+    t_.unregister_window(id_, memory);
+  }
 
  private:
   MpiTransport& t_;
   std::uint64_t id_;
+  bool released_ = false;
 };
 }  // namespace
 
@@ -194,7 +201,7 @@ void MpiTransport::register_window(const WindowState& win) {
   regions_[win.id] = Region{static_cast<char*>(win.local), win.bytes};
 }
 
-void MpiTransport::unregister_window(std::uint64_t id) {
+void MpiTransport::unregister_window(std::uint64_t id, const std::shared_ptr<WindowMemory>& memory) {
   {
     std::lock_guard<std::mutex> lock(regions_mutex_);
     regions_.erase(id);
@@ -219,6 +226,22 @@ void MpiTransport::unregister_window(std::uint64_t id) {
                   std::to_string(o) + " was still under way when window #" + std::to_string(id) + " was freed",
               false);
   }
+  // Requests given up on now or earlier that MPI may still complete keep the window's memory
+  // until they end (sweep): a late write must not land in memory given back or reused.
+  if (!memory) return;
+  std::size_t held = 0;
+  {
+    std::lock_guard<std::mutex> lock(abandoned_mutex_);
+    for (Abandoned& a : abandoned_) {
+      if (a.window != id) continue;
+      a.keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<WindowMemory>>>(a.keep, memory);
+      ++held;
+    }
+  }
+  if (held > 0)
+    log(LogLevel::Warn, "mpi transport on rank " + std::to_string(rank_) + ": window #" + std::to_string(id) +
+                            " is freed while " + std::to_string(held) +
+                            " MPI request(s) given up on may still use it; its memory is kept until they end");
 }
 
 void MpiTransport::wait(MPI_Request* req, const char* call, int peer, const std::string& what, bool serve) {
@@ -479,9 +502,9 @@ int MpiTransport::abandon(std::vector<MPI_Request>& reqs, const std::shared_ptr<
   return kept;
 }
 
-void MpiTransport::keep_until_done(MPI_Request r, const std::shared_ptr<void>& keep) {
+void MpiTransport::keep_until_done(MPI_Request r, const std::shared_ptr<void>& keep, std::uint64_t window) {
   std::lock_guard<std::mutex> lock(abandoned_mutex_);
-  abandoned_.push_back(Abandoned{r, keep});
+  abandoned_.push_back(Abandoned{r, keep, window});
   sweep_.store(true, std::memory_order_release);
 }
 
@@ -667,15 +690,21 @@ bool MpiTransport::settle(int source) {
 
 void MpiTransport::give_up(int source, const std::string& why, bool peer_failed) {
   std::unique_ptr<Transfer> t = std::move(in_flight_[source]);
+  // A put's data or a get's answer uses the window's memory (unless it matched no window: a
+  // sink, or zeros, which `keep` holds).
+  const std::uint64_t window = t->req.type == RequestType::Flush || t->keep ? kNoWindow : t->req.window;
+  const bool uncancelled = ctx_.faults.hit(FaultPoint::MpiCancel);  // MESHMEM_FAULT ...:mpi.cancel:fail
   int kept = 0;
   for (MPI_Request& r : t->reqs) {
     if (r == MPI_REQUEST_NULL) continue;
     // No grace here, unlike abandon(): the other origins must not wait for this one. A receive
     // not yet matched ends at once; one that cannot be cancelled keeps its memory until it ends.
-    (void)MPI_Cancel(&r);
-    int done = 0;
-    if (MPI_Test(&r, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done) continue;
-    keep_until_done(r, t->keep);
+    if (!uncancelled) {
+      (void)MPI_Cancel(&r);
+      int done = 0;
+      if (MPI_Test(&r, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done) continue;
+    }
+    keep_until_done(r, t->keep, window);
     ++kept;
   }
   const bool put = t->req.type == RequestType::Put;

@@ -66,7 +66,9 @@ class MpiTransport final : public Transport {
 
   // Windows the progress thread may serve, by id.
   void register_window(const WindowState& win);
-  void unregister_window(std::uint64_t id);
+  // Gives up the transfers into or out of window `id` still under way; where MPI may still
+  // use the window's memory for them, they keep `memory` (if given) until they end.
+  void unregister_window(std::uint64_t id, const std::shared_ptr<WindowMemory>& memory);
 
   // Stops the progress thread; also called when MPI_Finalize starts (MPI_COMM_SELF
   // attribute), so that the thread never calls MPI after it.
@@ -132,7 +134,10 @@ class MpiTransport final : public Transport {
   // counts those that ended by completing instead of being cancelled (a send's data left).
   int abandon(std::vector<MPI_Request>& reqs, const std::shared_ptr<void>& keep, int* completed = nullptr);
   // `r` and the memory it uses (`keep`) stay until it ends; the progress thread sweeps it.
-  void keep_until_done(MPI_Request r, const std::shared_ptr<void>& keep);
+  // `window`: the window whose memory it reads or writes (kNoWindow: none), which is kept
+  // with it should the window be freed first (unregister_window).
+  static constexpr std::uint64_t kNoWindow = ~std::uint64_t(0);
+  void keep_until_done(MPI_Request r, const std::shared_ptr<void>& keep, std::uint64_t window = kNoWindow);
   // A message that may still come (tag `tag` from `source` on `comm`) for a call that gave
   // up: the progress thread receives and drops it (its sender then completes).
   void drop_later(MPI_Comm comm, int source, int tag);
@@ -158,6 +163,7 @@ class MpiTransport final : public Transport {
   struct Abandoned {
     MPI_Request request;
     std::shared_ptr<void> keep;
+    std::uint64_t window;  // whose memory it uses (kNoWindow: none)
   };
   struct Stale {
     MPI_Comm comm;

@@ -24,6 +24,10 @@ class WindowMemory {
 class WindowAttachment {
  public:
   virtual ~WindowAttachment() = default;
+  // The window is being freed (WindowState::release_memory), this attachment next to go: a
+  // transport whose given-up requests may still read or write the window's memory keeps
+  // `memory` (shared) until they end. Detaching itself stays the destructor's.
+  virtual void releasing(const std::shared_ptr<WindowMemory>& memory) { (void)memory; }
 };
 
 struct WindowState {
@@ -41,12 +45,17 @@ struct WindowState {
 
   bool freed() const { return owner == nullptr; }
 
-  // Detaches the transports (last attached first), then frees this rank's part.
+  // Detaches the transports (last attached first), then frees this rank's part, unless a
+  // transport still keeps it for requests MPI may complete (WindowAttachment::releasing).
   void release_memory() {
-    while (!attachments.empty()) attachments.pop_back();
+    std::shared_ptr<WindowMemory> part(std::move(storage));
+    while (!attachments.empty()) {
+      if (part) attachments.back()->releasing(part);
+      attachments.pop_back();
+    }
     peer.clear();
     device_peer_table = nullptr;
-    storage.reset();
+    part.reset();
     local = nullptr;
   }
 };

@@ -423,6 +423,51 @@ TEST_F(Killed, MidPut) {
   verdict("mid-put");
 }
 
+// Whether `address` lies in one of this process's mappings (/proc/self/maps).
+bool mapped(const void* address) {
+  std::ifstream maps("/proc/self/maps");
+  const auto at = reinterpret_cast<std::uintptr_t>(address);
+  for (std::string line; std::getline(maps, line);) {
+    unsigned long long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%llx-%llx", &lo, &hi) == 2 && at >= lo && at < hi) return true;
+  }
+  return false;
+}
+
+// Rank 2 dies mid-put to rank 0, and rank 0's MPI cannot cancel the put's receive (as for a
+// receive MPI matched already; made so by the fault mpi.cancel:fail): the request is kept, and
+// MPI may still write into the window. The window freed, its memory stays mapped on rank 0
+// while that request lives (before, it was unmapped under a pending receive), and only there:
+// rank 1's is gone.
+TEST_F(Killed, AFreedWindowKeepsItsMemoryWhileMpiMayStillWriteIt) {
+  Options o = options_with(entry(kVictim, "mpi.put.after_header", "kill") + "," + entry(0, "mpi.cancel", "fail"));
+  o.set("MESHMEM_TRANSPORTS", "mpi");
+  auto c = comm_everywhere(o);
+  ASSERT_TRUE(c);
+  const std::size_t bytes = (std::size_t(8) << 20) + 13;
+  Window w = c->alloc(bytes, Memory::Host);
+  std::memset(w.local(), kPoison, bytes);
+  c->barrier();
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (me == kVictim) {
+    const auto src = pattern(seed, 7, bytes);
+    c->put(w, 0, 0, src.data(), bytes);
+    victim_survived("mpi.put.after_header");
+  }
+  wait_for_victims_death();
+  const void* part = w.local();
+  ASSERT_TRUE(mapped(part));
+  // Past the timeout: rank 0's progress thread has given the put up (its receive kept).
+  expect_error([&] { c->barrier(); }, {ErrorCode::Timeout}, {"comm.barrier", "rank(s) 2 did not arrive"});
+  w = Window();
+  if (me == 0)
+    EXPECT_TRUE(mapped(part)) << "rank 0's window memory was unmapped while MPI may still write the given-up put into it";
+  else
+    EXPECT_FALSE(mapped(part)) << "rank 1's window memory (no transfer into it) was not given back";
+  c.reset();
+  verdict("freed under a kept receive");
+}
+
 // Median and largest of `seconds`.
 std::pair<double, double> median_and_max(std::vector<double> seconds) {
   std::sort(seconds.begin(), seconds.end());
