@@ -131,8 +131,9 @@ const OptionKnob<FdPassing> kFdPassingKnob{
     "how node peers pass memory descriptors: `pidfd` (pidfd_getfd), `socket` (SCM_RIGHTS), or `auto` (pidfd where "
     "every node peer permits it)",
     "`pidfd` (pidfd_getfd; needs ptrace permission), `socket` (SCM_RIGHTS over a Unix socket in a directory "
-    "only the job's user may enter, mode 0700; the sender's pid and uid are checked with SO_PEERCRED), or `auto` (pidfd "
-    "where every node peer permits it)"};
+    "only the job's user may enter, mode 0700, under TMPDIR, else /tmp, which the node's ranks must see alike: "
+    "checked when the Comm is made; the sender's pid and uid are checked with SO_PEERCRED), or `auto` (pidfd "
+    "where every node peer permits it; no socket is made then)"};
 const OptionKnob<std::vector<TransportKind>> kTransports{
     Tier::User, "MESHMEM_TRANSPORTS", &Options::transports, parse_transports, print_transports,
     "the transports allowed, in the order tried for each peer and memory kind: `ipc`, `staged`, `nccl`, "

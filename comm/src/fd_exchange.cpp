@@ -1,5 +1,7 @@
 #include "fd_exchange.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,49 +26,42 @@ struct FdHeader {
   std::uint64_t seq;
 };
 
-// What each rank tells the others when the Comm is made: its listener, as a descriptor
-// number (the pidfd_getfd probe takes it) and as a path.
+// Where each rank's listener is (socket mode), as the others learn it.
 struct ListenerInfo {
-  std::int32_t fd;
   char path[108];  // sun_path's size, NUL-terminated
 };
 
 }  // namespace
 
 FdExchange::FdExchange(Bootstrap& boot, const Topology& topo, FdPassing requested, FaultPlan faults)
-    : boot_(boot),
-      topo_(topo),
-      faults_(std::move(faults)),
-      listener_(dir_.path() + "/fd") {
+    : boot_(boot), topo_(topo), faults_(std::move(faults)) {
   const std::string what = "meshmem::Comm (fd passing)";
-  ListenerInfo mine{};
-  mine.fd = listener_.fd();
-  std::strncpy(mine.path, listener_.name().c_str(), sizeof(mine.path) - 1);
-  std::vector<ListenerInfo> infos(static_cast<std::size_t>(topo.size));
-  boot.allgather(&mine, infos.data(), sizeof(mine), what);
-  // Probe pidfd_getfd: each rank takes the listener descriptor of the next rank of its node.
-  std::vector<std::int32_t> listener_fds(static_cast<std::size_t>(topo.size));
-  for (int r = 0; r < topo.size; ++r) {
-    listener_fds[r] = infos[r].fd;
-    infos[r].path[sizeof(infos[r].path) - 1] = '\0';
-    socket_of_.emplace_back(infos[r].path);
-  }
-
+  // Probe pidfd_getfd with a descriptor of no consequence: each rank takes one of the next rank
+  // of its node. (MESHMEM_FD_PASSING agrees on every rank, so all or none take part.)
   std::string probe_error;
   bool probed = false;
-  if (requested != FdPassing::Socket && topo.node_ranks.size() > 1) {
-    const auto& nr = topo.node_ranks;
-    const auto me = std::find(nr.begin(), nr.end(), topo.rank) - nr.begin();
-    const int peer = nr[(static_cast<std::size_t>(me) + 1) % nr.size()];
-    int err = 0;
-    ipc::UniqueFd probe = ipc::try_fetch_fd(topo.pid_of[peer], listener_fds[peer], &err);
-    probed = true;
-    if (!probe)
-      probe_error = "pidfd_getfd from rank " + std::to_string(peer) + " (pid " +
-                    std::to_string(topo.pid_of[peer]) + ") failed: " + std::strerror(err);
+  std::uint64_t failed = 0;
+  if (requested != FdPassing::Socket) {
+    ipc::UniqueFd bait(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+    const std::int32_t mine = bait ? bait.get() : -1;
+    std::vector<std::int32_t> baits(static_cast<std::size_t>(topo.size));
+    boot.allgather(&mine, baits.data(), sizeof(mine), what);
+    if (topo.node_ranks.size() > 1) {
+      const auto& nr = topo.node_ranks;
+      const auto me = std::find(nr.begin(), nr.end(), topo.rank) - nr.begin();
+      const int peer = nr[(static_cast<std::size_t>(me) + 1) % nr.size()];
+      probed = true;
+      int err = 0;
+      if (baits[static_cast<std::size_t>(peer)] < 0) {
+        probe_error = "rank " + std::to_string(peer) + " could not open /dev/null to be probed";
+      } else if (!ipc::try_fetch_fd(topo.pid_of[peer], baits[static_cast<std::size_t>(peer)], &err)) {
+        probe_error = "pidfd_getfd from rank " + std::to_string(peer) + " (pid " + std::to_string(topo.pid_of[peer]) +
+                      ") failed: " + std::strerror(err);
+      }
+    }
+    // The baits must stay open until every probe is done; agreeing is the barrier.
+    failed = boot.allreduce_max(probe_error.empty() ? 0 : 1, what);
   }
-  // The listener fds must stay valid until every probe is done; agreeing is the barrier.
-  const std::uint64_t failed = boot.allreduce_max(probe_error.empty() ? 0 : 1, what);
   if (requested == FdPassing::Pidfd) {
     boot.agree(probe_error.empty(), ErrorCode::Unsupported,
                "MESHMEM_FD_PASSING=pidfd, but " + probe_error +
@@ -86,7 +81,45 @@ FdExchange::FdExchange(Bootstrap& boot, const Topology& topo, FdPassing requeste
     reason_ = probe_error.empty() ? "pidfd_getfd refused on another rank"
                                   : probe_error + "; using SCM_RIGHTS sockets";
   }
+  if (mode_ == FdPassing::Socket) open_listeners(what);
   log(LogLevel::Info, std::string("fd passing: ") + to_string(mode_) + " (" + reason_ + ")");
+}
+
+void FdExchange::open_listeners(const std::string& what) {
+  // Its private directory and socket. Where they cannot be made (TMPDIR or /tmp unusable),
+  // every rank fails here with the reason, instead of its peers waiting for it.
+  ListenerInfo mine{};
+  std::string error;
+  try {
+    dir_ = std::make_unique<ipc::PrivateDir>();
+    listener_ = std::make_unique<ipc::FdListener>(dir_->path() + "/fd");
+    std::strncpy(mine.path, listener_->name().c_str(), sizeof(mine.path) - 1);
+  } catch (const std::exception& e) {
+    error = "rank " + std::to_string(topo_.rank) + " cannot make its descriptor socket: " + e.what();
+  }
+  std::vector<ListenerInfo> infos(static_cast<std::size_t>(topo_.size));
+  boot_.allgather(&mine, infos.data(), sizeof(mine), what);
+  boot_.agree(error.empty(), ErrorCode::System, error, what);
+  for (int r = 0; r < topo_.size; ++r) {
+    infos[r].path[sizeof(infos[r].path) - 1] = '\0';
+    socket_of_.emplace_back(infos[r].path);
+  }
+  // Every node peer's socket must be reachable from here: ranks that see different /tmp (a
+  // mount namespace or container of their own) would otherwise wait a whole timeout at the
+  // first exchange.
+  std::string unseen;
+  for (int peer : topo_.node_ranks) {
+    struct stat st {};
+    if (peer == topo_.rank || !unseen.empty()) continue;
+    const int rc = ::lstat(socket_of_[peer].c_str(), &st);
+    const std::string why = rc != 0 ? std::strerror(errno) : "not a socket";
+    if (rc != 0 || !S_ISSOCK(st.st_mode))
+      unseen = "rank " + std::to_string(peer) + "'s descriptor socket " + socket_of_[peer] + " is not there on rank " +
+               std::to_string(topo_.rank) + " (" + why +
+               "): the node's ranks must see one directory for it (TMPDIR, else /tmp); do they run in mount "
+               "namespaces or containers of their own?";
+  }
+  boot_.agree(unseen.empty(), ErrorCode::Unsupported, unseen, what);
 }
 
 std::vector<ipc::UniqueFd> FdExchange::exchange(int my_fd, const std::string& what) {
@@ -173,7 +206,7 @@ std::vector<ipc::UniqueFd> FdExchange::exchange_socket(int my_fd, std::uint64_t 
   };
   Deadline deadline(boot_.timeout());
   while (got < expected) {
-    auto msg = listener_.receive(deadline.remaining(), check, &refused);
+    auto msg = listener_->receive(deadline.remaining(), check, &refused);
     for (const auto& r : refused) log(LogLevel::Warn, r);
     refused.clear();
     if (!msg) {

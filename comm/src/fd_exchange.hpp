@@ -1,12 +1,13 @@
 // FdExchange: collective passing of one descriptor per rank to every other rank of its node.
 // The mechanism is pidfd_getfd where every node peer permits it (or where forced), else
 // SCM_RIGHTS over Unix sockets, each in a directory only the job's user may enter (other users
-// cannot connect); senders are checked against the pid and uid of the rank they claim to be
-// (SO_PEERCRED).
+// cannot connect), made only then; senders are checked against the pid and uid of the rank
+// they claim to be (SO_PEERCRED).
 #pragma once
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,8 +42,11 @@ class FdExchange {
   Bootstrap& boot_;
   const Topology& topo_;
   FaultPlan faults_;
-  ipc::PrivateDir dir_;  // before listener_: it holds the listener's socket
-  ipc::FdListener listener_;
+  // Socket mode only: every rank's listener, in a private directory, and every node peer's
+  // seen from here; a failure on any rank fails every rank.
+  void open_listeners(const std::string& what);
+  std::unique_ptr<ipc::PrivateDir> dir_;  // before listener_: it holds the listener's socket
+  std::unique_ptr<ipc::FdListener> listener_;
   std::vector<std::string> socket_of_;  // per rank: its listener's path
   FdPassing mode_ = FdPassing::Socket;
   std::string reason_;

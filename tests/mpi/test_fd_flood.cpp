@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <set>
@@ -186,6 +187,66 @@ TEST_F(FdFlood, AnotherUserCannotConnectToTheJobsSockets) {
     EXPECT_EQ(n.connected, 0) << "another user connected to the job's descriptor sockets";
     EXPECT_EQ(n.first_errno, 0) << std::strerror(n.first_errno);
   }
+}
+
+// The descriptor sockets' setup: a rank that cannot make its private directory (TMPDIR names
+// one that does not exist) fails every rank at once, with its reason, instead of its peers
+// waiting a whole timeout for it (before: the others waited for its part of the exchange of
+// socket names). In pidfd mode no socket directory is made at all, so the same TMPDIR does
+// no harm there.
+class FdSetup : public meshmem::test::MpiTest {
+ protected:
+  // Runs `f` with TMPDIR on rank 1 pointing where no directory exists.
+  template <class F>
+  void with_bad_tmpdir_on_rank_1(F&& f) {
+    const char* old = std::getenv("TMPDIR");
+    const std::string saved = old ? old : "";
+    if (meshmem::test::world_rank() == 1) ::setenv("TMPDIR", "/nonexistent-meshmem-test-dir", 1);
+    f();
+    if (meshmem::test::world_rank() == 1) {
+      if (old) ::setenv("TMPDIR", saved.c_str(), 1); else ::unsetenv("TMPDIR");
+    }
+  }
+};
+
+TEST_F(FdSetup, ARankThatCannotMakeItsSocketFailsEveryRankAtOnce) {
+  if (meshmem::test::world_size() < 2) GTEST_SKIP() << "needs two ranks";
+  Options o = Options::from_environment();
+  o.set("MESHMEM_FD_PASSING", "socket");
+  o.timeout = std::chrono::milliseconds(20000);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string message;
+  with_bad_tmpdir_on_rank_1([&] {
+    try {
+      Comm c(MPI_COMM_WORLD, o);
+      if (c.node_count() != 1) message = "skip";
+    } catch (const Error& e) {
+      message = e.what();
+    }
+  });
+  if (message == "skip") GTEST_SKIP() << "the ranks are on several nodes";
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(message.find("rank 1 cannot make its descriptor socket"), std::string::npos) << message;
+  EXPECT_NE(message.find("/nonexistent-meshmem-test-dir"), std::string::npos) << message;
+  EXPECT_LT(seconds, 10.0) << "the ranks waited for rank 1 instead of failing with it (MESHMEM_TIMEOUT 20 s)";
+}
+
+TEST_F(FdSetup, PidfdModeMakesNoSocketDirectory) {
+  if (meshmem::test::world_size() < 2) GTEST_SKIP() << "needs two ranks";
+  Options o = Options::from_environment();
+  o.set("MESHMEM_FD_PASSING", "auto");
+  with_bad_tmpdir_on_rank_1([&] {
+    try {
+      Comm c(MPI_COMM_WORLD, o);
+      // auto took pidfd here (else rank 1 could not have made a socket): windows still map.
+      EXPECT_EQ(c.fd_passing(), FdPassing::Pidfd);
+      Window w = c.alloc(4096, Memory::Host);
+      c.barrier();
+    } catch (const Error& e) {
+      // Where pidfd_getfd is refused, auto falls back to sockets, and rank 1 cannot make one.
+      EXPECT_NE(std::string(e.what()).find("cannot make its descriptor socket"), std::string::npos) << e.what();
+    }
+  });
 }
 
 }  // namespace
