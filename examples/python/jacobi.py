@@ -50,7 +50,24 @@ def initial(cp, n, first, count):
     return g
 
 
+_fused_step = None  # CuPy's kernel for step(), made at its first use
+
+
 def step(src, dst):
+    """One sweep of src's interior into dst's. CuPy arrays: one fused kernel over the four
+    shifted views (the sum of slices would launch a kernel and make a grid-sized temporary
+    for each operation: about three times the memory traffic of the C++ example's kernel);
+    NumPy arrays: the same sum on the host. Both add in the same order, so they agree bit
+    for bit."""
+    global _fused_step
+    if hasattr(src, "__cuda_array_interface__"):
+        if _fused_step is None:
+            import cupy
+            _fused_step = cupy.ElementwiseKernel(
+                "float64 up, float64 down, float64 left, float64 right", "float64 out",
+                "out = 0.25 * (up + down + left + right)", "meshmem_jacobi_step")
+        _fused_step(src[:-2, 1:-1], src[2:, 1:-1], src[1:-1, :-2], src[1:-1, 2:], dst[1:-1, 1:-1])
+        return
     dst[1:-1, 1:-1] = 0.25 * (src[:-2, 1:-1] + src[2:, 1:-1] + src[1:-1, :-2] + src[1:-1, 2:])
 
 
