@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/random.h>
 #include <sys/socket.h>
@@ -23,6 +24,7 @@
 #include <cstdio>
 #include <cstring>
 #include <thread>
+#include <vector>
 
 #include "meshmem/error.hpp"
 #include "meshmem/ipc/awake_clock.hpp"
@@ -142,8 +144,59 @@ std::string private_base() {
 }
 }  // namespace
 
+namespace {
+// Whether nobody listens on the socket file `path` (or there is none): connect() is refused.
+bool nobody_listens(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return errno == ENOENT;
+  if (!S_ISSOCK(st.st_mode)) return false;
+  const SocketAddress address = socket_address(path);
+  UniqueFd s(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!s) return false;
+  return ::connect(s.get(), reinterpret_cast<const sockaddr*>(&address.addr), address.length) != 0 &&
+         errno == ECONNREFUSED;
+}
+
+// Removes the private directories that processes of this user left in `base` when they were
+// killed (a normal end removes its own): named for a process that no longer exists here and
+// holding no socket anyone listens on (a process of another pid namespace that shares this
+// /tmp may have the same number).
+void remove_stale_private_dirs(const std::string& base) {
+  DIR* d = ::opendir(base.c_str());
+  if (d == nullptr) return;
+  std::vector<std::string> stale;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    unsigned long pid = 0;
+    char rest[16] = {};
+    if (name.compare(0, 8, "meshmem-") != 0 || std::sscanf(name.c_str() + 8, "%lu-%15s", &pid, rest) != 2 ||
+        std::strlen(rest) != 6 || pid == 0 || pid > static_cast<unsigned long>(INT_MAX))
+      continue;
+    const std::string dir = base + "/" + name;
+    struct stat st {};
+    if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid()) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to ask)
+    if (!nobody_listens(dir + "/fd")) continue;
+    stale.push_back(dir);
+  }
+  ::closedir(d);
+  for (const std::string& dir : stale) {
+    if (DIR* inner = ::opendir(dir.c_str())) {
+      while (const dirent* e = ::readdir(inner)) {
+        const std::string name = e->d_name;
+        if (name != "." && name != "..") (void)::unlink((dir + "/" + name).c_str());
+      }
+      ::closedir(inner);
+    }
+    (void)::rmdir(dir.c_str());
+  }
+}
+}  // namespace
+
 PrivateDir::PrivateDir() {
-  std::string templ = private_base() + "/meshmem-XXXXXX";
+  const std::string base = private_base();
+  remove_stale_private_dirs(base);
+  std::string templ = base + "/meshmem-" + std::to_string(::getpid()) + "-XXXXXX";
   if (::mkdtemp(templ.data()) == nullptr) throw_system("mkdtemp(" + templ + ")", errno);
   path_ = templ;  // mode 0700, owned by this user
 }

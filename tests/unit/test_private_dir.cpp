@@ -1,8 +1,11 @@
 // PrivateDir and the directory check of FdListener: a descriptor socket lives only in a
 // directory that no other user may enter, so that no other user can connect to it at all.
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
+#include <memory>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -50,6 +53,62 @@ TEST(PrivateDir, AListenerInADirectoryOthersMayEnterIsRefusedBeforeItBinds) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::InvalidArgument) << e.what();
   }
+}
+
+// The directories of killed processes (their process gone, nobody listening on their socket)
+// are removed when the next one is made; one whose process lives, or whose socket someone
+// listens on (a process of another pid namespace with that number), and anything not named
+// like one, stay.
+TEST(PrivateDir, DirectoriesThatKilledProcessesLeftAreRemovedAndNoOthers) {
+  PrivateDir base;  // stands for TMPDIR
+  const char* old = std::getenv("TMPDIR");
+  const std::string saved = old ? old : "";
+  ::setenv("TMPDIR", base.path().c_str(), 1);
+  // A pid that no longer exists: a child that has exited and been reaped.
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  const std::string dead = std::to_string(child), alive = std::to_string(::getpid());
+  auto make = [&](const std::string& name, bool with_socket, bool listening) {
+    const std::string dir = base.path() + "/" + name;
+    EXPECT_EQ(::mkdir(dir.c_str(), 0700), 0) << dir;
+    if (!with_socket) return std::unique_ptr<FdListener>();
+    auto l = std::make_unique<FdListener>(dir + "/fd");
+    if (!listening) {
+      // The socket file stays, as a killed process leaves it; nobody listens on it.
+      const std::string keep = dir + "/fd.keep";
+      EXPECT_EQ(::link((dir + "/fd").c_str(), keep.c_str()), 0);
+      l.reset();
+      EXPECT_EQ(::rename(keep.c_str(), (dir + "/fd").c_str()), 0);
+    }
+    return l;
+  };
+  make("meshmem-" + dead + "-aaaaaa", true, false);              // killed: removed
+  make("meshmem-" + dead + "-bbbbbb", false, false);             // killed before its socket: removed
+  auto other_ns = make("meshmem-" + dead + "-cccccc", true, true);  // someone listens: stays
+  make("meshmem-" + alive + "-dddddd", true, false);             // its process lives: stays
+  make("meshmem-notapid-eeeeee", false, false);                  // not one of ours: stays
+  {
+    PrivateDir fresh;
+    EXPECT_EQ(fresh.path().rfind(base.path() + "/meshmem-" + alive + "-", 0), 0u) << fresh.path();
+  }
+  auto there = [&](const std::string& name) { return ::access((base.path() + "/" + name).c_str(), F_OK) == 0; };
+  EXPECT_FALSE(there("meshmem-" + dead + "-aaaaaa"));
+  EXPECT_FALSE(there("meshmem-" + dead + "-bbbbbb"));
+  EXPECT_TRUE(there("meshmem-" + dead + "-cccccc"));
+  EXPECT_TRUE(there("meshmem-" + alive + "-dddddd"));
+  EXPECT_TRUE(there("meshmem-notapid-eeeeee"));
+  other_ns.reset();
+  if (old) ::setenv("TMPDIR", saved.c_str(), 1); else ::unsetenv("TMPDIR");
+  // Left for `base` to remove: it removes files only, so empty the directories that stay.
+  for (const char* name : {"-cccccc", "-dddddd"}) {
+    const std::string dir = base.path() + "/meshmem-" + (name[1] == 'c' ? dead : alive) + name;
+    (void)::unlink((dir + "/fd").c_str());
+    (void)::rmdir(dir.c_str());
+  }
+  (void)::rmdir((base.path() + "/meshmem-notapid-eeeeee").c_str());
 }
 
 }  // namespace

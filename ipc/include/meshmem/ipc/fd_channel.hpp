@@ -41,8 +41,10 @@ inline constexpr std::size_t kMaxFdsPerMessage = 16;
 std::string random_token();
 
 // A new directory that only this user may enter (mkdtemp, mode 0700) under $TMPDIR, or /tmp
-// where $TMPDIR is unset or too long for a socket path; removed, with the sockets left in it,
-// on destruction. Raises Error(System) if it cannot be made.
+// where $TMPDIR is unset or too long for a socket path, named meshmem-<pid>-XXXXXX; removed,
+// with the sockets left in it, on destruction. Before it is made, the ones this user's killed
+// processes left there are removed (their process gone, nobody listening on their socket).
+// Raises Error(System) if it cannot be made.
 class PrivateDir {
  public:
   PrivateDir();
