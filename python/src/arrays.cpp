@@ -138,7 +138,8 @@ Span::~Span() {
 }
 
 void span_of(Span& out, py::handle obj, bool writable, const std::string& call, const char* what) {
-  const std::string at = call + ": " + what;
+  // The message prefix is built only where a message is: this runs on every put and get.
+  const auto at = [&] { return call + ": " + what; };
   if (py::isinstance<Part>(obj)) {
     const Part& p = obj.cast<const Part&>();
     out.ptr = p.ptr;
@@ -147,28 +148,30 @@ void span_of(Span& out, py::handle obj, bool writable, const std::string& call, 
     out.device = p.device();
     return;
   }
-  // GPU arrays first: CuPy's ndarray also offers a buffer, which refuses (its memory is not host memory).
-  if (PyObject_CheckBuffer(obj.ptr()) && !py::hasattr(obj, "__cuda_array_interface__")) {
-    if (PyObject_GetBuffer(obj.ptr(), &out.view, PyBUF_RECORDS_RO) != 0) {
-      py::error_already_set e;
-      invalid(at + " (" + type_name(obj) + ") refused its buffer: " + e.what());
+  // Host arrays through the buffer protocol. GPU arrays that offer one refuse it (CuPy's
+  // memory is not host memory): their refusal is set aside and they are taken below.
+  std::string refused;
+  if (PyObject_CheckBuffer(obj.ptr())) {
+    if (PyObject_GetBuffer(obj.ptr(), &out.view, PyBUF_RECORDS_RO) == 0) {
+      out.has_view = true;
+      if (writable && out.view.readonly) invalid(at() + " (" + type_name(obj) + ") is read-only; nothing was written");
+      if (!PyBuffer_IsContiguous(&out.view, 'C'))
+        invalid(at() + " (" + type_name(obj) + ") is not C-contiguous; pass a contiguous array "
+                       "(numpy.ascontiguousarray) or a contiguous slice; nothing was written");
+      if (out.view.format != nullptr && std::strchr(out.view.format, 'O') != nullptr)
+        invalid(at() + " has dtype object (Python references, not data); nothing was written");
+      out.ptr = out.view.buf;
+      out.nbytes = static_cast<std::size_t>(out.view.len);
+      out.itemsize = static_cast<std::size_t>(out.view.itemsize);
+      return;
     }
-    out.has_view = true;
-    if (writable && out.view.readonly) invalid(at + " (" + type_name(obj) + ") is read-only; nothing was written");
-    if (!PyBuffer_IsContiguous(&out.view, 'C'))
-      invalid(at + " (" + type_name(obj) + ") is not C-contiguous; pass a contiguous array "
-                   "(numpy.ascontiguousarray) or a contiguous slice; nothing was written");
-    if (out.view.format != nullptr && std::strchr(out.view.format, 'O') != nullptr)
-      invalid(at + " has dtype object (Python references, not data); nothing was written");
-    out.ptr = out.view.buf;
-    out.nbytes = static_cast<std::size_t>(out.view.len);
-    out.itemsize = static_cast<std::size_t>(out.view.itemsize);
-    return;
+    py::error_already_set e;
+    refused = e.what();
   }
   // PyTorch: the tensor's own accessors (its __cuda_array_interface__ is slow and CPU tensors have none).
   if (py::hasattr(obj, "data_ptr") && py::hasattr(obj, "element_size") && py::hasattr(obj, "is_contiguous")) {
     if (!obj.attr("is_contiguous")().cast<bool>())
-      invalid(at + " (a torch tensor) is not contiguous; pass tensor.contiguous(); nothing was written");
+      invalid(at() + " (a torch tensor) is not contiguous; pass tensor.contiguous(); nothing was written");
     out.ptr = reinterpret_cast<void*>(obj.attr("data_ptr")().cast<std::uintptr_t>());
     out.itemsize = obj.attr("element_size")().cast<std::size_t>();
     out.nbytes = obj.attr("numel")().cast<std::size_t>() * out.itemsize;
@@ -179,17 +182,17 @@ void span_of(Span& out, py::handle obj, bool writable, const std::string& call, 
   if (!cai.is_none()) {
     py::dict d = cai.cast<py::dict>();
     py::tuple data = d["data"].cast<py::tuple>();
-    if (writable && data[1].cast<bool>()) invalid(at + " (" + type_name(obj) + ") is read-only; nothing was written");
-    if (d.contains("mask") && !d["mask"].is_none()) invalid(at + " has a mask; masked arrays are not supported");
+    if (writable && data[1].cast<bool>()) invalid(at() + " (" + type_name(obj) + ") is read-only; nothing was written");
+    if (d.contains("mask") && !d["mask"].is_none()) invalid(at() + " has a mask; masked arrays are not supported");
     const std::string typestr = d["typestr"].cast<std::string>();
     out.itemsize = itemsize_of_typestr(typestr);
-    if (typestr.size() > 1 && typestr[1] == 'O') invalid(at + " has dtype object; nothing was written");
+    if (typestr.size() > 1 && typestr[1] == 'O') invalid(at() + " has dtype object; nothing was written");
     std::vector<py::ssize_t> shape = d["shape"].cast<std::vector<py::ssize_t>>();
     std::size_t n = out.itemsize;
     for (py::ssize_t s : shape) n *= static_cast<std::size_t>(s);
     if (d.contains("strides") && !d["strides"].is_none()) {
       if (!c_contiguous(shape, d["strides"].cast<std::vector<py::ssize_t>>(), out.itemsize))
-        invalid(at + " (" + type_name(obj) + ") is not C-contiguous; pass a contiguous array "
+        invalid(at() + " (" + type_name(obj) + ") is not C-contiguous; pass a contiguous array "
                      "(cupy.ascontiguousarray); nothing was written");
     }
     out.ptr = reinterpret_cast<void*>(data[0].cast<std::uintptr_t>());
@@ -197,7 +200,8 @@ void span_of(Span& out, py::handle obj, bool writable, const std::string& call, 
     out.device = true;
     return;
   }
-  invalid(at + ": " + type_name(obj) + " is not an array (neither the buffer protocol, "
+  if (!refused.empty()) invalid(at() + " (" + type_name(obj) + ") refused its buffer: " + refused);
+  invalid(at() + ": " + type_name(obj) + " is not an array (neither the buffer protocol, "
                "__cuda_array_interface__ nor a torch tensor)");
 }
 
