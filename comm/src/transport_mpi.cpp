@@ -10,6 +10,7 @@
 #include "knobs.hpp"
 #include "log.hpp"
 #include "meshmem/error.hpp"
+#include "topology.hpp"
 
 namespace meshmem::detail {
 
@@ -96,7 +97,7 @@ struct MpiTransport::Transfer {
 std::unique_ptr<Transport> make_mpi_transport(const CommContext& ctx) { return std::make_unique<MpiTransport>(ctx); }
 
 MpiTransport::MpiTransport(const CommContext& ctx)
-    : ctx_(ctx), timeout_(ctx.options.timeout), idle_sleep_(kIdleSleep.get(ctx.options)) {}
+    : ctx_(ctx), timeout_(ctx.options.timeout), idle_sleep_(kIdleSleep.get(ctx.options)), given_up_(ctx.topo.rank) {}
 
 namespace {
 // Whether [a, a + bytes) and [b, b + bytes) share a byte.
@@ -173,18 +174,9 @@ MpiTransport::~MpiTransport() {
   if (!finalized) {
     for (int o : busy_)
       if (in_flight_[o]) give_up(o, "a transfer with rank " + std::to_string(o) + " was still under way at teardown", false);
-    sweep();
+    given_up_.sweep();
   }
-  // Requests MPI may still complete keep their memory for the life of the process.
-  std::lock_guard<std::mutex> lock(abandoned_mutex_);
-  if (!abandoned_.empty()) {
-    static auto* kept = new std::vector<Abandoned>();
-    static std::mutex m;
-    std::lock_guard<std::mutex> keep_lock(m);
-    for (auto& a : abandoned_) kept->push_back(std::move(a));
-    log(LogLevel::Warn, "mpi transport on rank " + std::to_string(rank_) + ": " + std::to_string(abandoned_.size()) +
-                            " request(s) given up on after a timeout still pending at teardown; their memory is kept");
-  }
+  // Requests MPI may still complete keep their memory for the life of the process (~GivenUpRequests).
   if (!finalized && finalize_keyval_ != MPI_KEYVAL_INVALID) {
     MPI_Comm_delete_attr(MPI_COMM_SELF, finalize_keyval_);
     MPI_Comm_free_keyval(&finalize_keyval_);
@@ -229,15 +221,7 @@ void MpiTransport::unregister_window(std::uint64_t id, const std::shared_ptr<Win
   // Requests given up on now or earlier that MPI may still complete keep the window's memory
   // until they end (sweep): a late write must not land in memory given back or reused.
   if (!memory) return;
-  std::size_t held = 0;
-  {
-    std::lock_guard<std::mutex> lock(abandoned_mutex_);
-    for (Abandoned& a : abandoned_) {
-      if (a.window != id) continue;
-      a.keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<WindowMemory>>>(a.keep, memory);
-      ++held;
-    }
-  }
+  const std::size_t held = given_up_.hold_window(id, memory);
   if (held > 0)
     log(LogLevel::Warn, "mpi transport on rank " + std::to_string(rank_) + ": window #" + std::to_string(id) +
                             " is freed while " + std::to_string(held) +
@@ -350,7 +334,7 @@ void MpiTransport::revoke(int target, int tag) {
   auto revoked = std::make_shared<std::int32_t>(tag);
   MPI_Request r = MPI_REQUEST_NULL;
   if (MPI_Isend(revoked.get(), 1, MPI_INT32_T, target, kTagRevoke, requests_.get(), &r) == MPI_SUCCESS)
-    keep_until_done(r, revoked);
+    given_up_.keep_until_done(r, revoked);
 }
 
 // A small put: header and bytes in one message (a copy, so the source is free at once and
@@ -414,7 +398,7 @@ void MpiTransport::get(void* dst, const WindowState& win, int target, std::size_
   } catch (const Error& e) {
     abandon(send, header);
     const int kept = abandon(recvs, copy);
-    drop_later(replies_.get(), target, req.tag);
+    given_up_.drop_later(replies_.get(), target, req.tag);
     rethrow_with(e, kept == 0 ? "nothing will be written into the destination after this error"
                               : std::to_string(kept) + " receive(s) into the destination could not be cancelled: "
                                 "MPI may still write those bytes of it");
@@ -460,7 +444,7 @@ void MpiTransport::quiet(Stream) {
   } catch (const Error&) {
     abandon(sends, flush);
     abandon(acks, flush);
-    for (std::size_t k = 0; k < targets.size(); ++k) drop_later(replies_.get(), targets[k], flush->headers[k].tag);
+    for (std::size_t k = 0; k < targets.size(); ++k) given_up_.drop_later(replies_.get(), targets[k], flush->headers[k].tag);
     throw;
   }
 }
@@ -495,48 +479,11 @@ int MpiTransport::abandon(std::vector<MPI_Request>& reqs, const std::shared_ptr<
       if (completed != nullptr && MPI_Test_cancelled(&status, &cancelled) == MPI_SUCCESS && !cancelled) ++*completed;
       continue;
     }
-    keep_until_done(r, keep);
+    given_up_.keep_until_done(r, keep);
     r = MPI_REQUEST_NULL;
     ++kept;
   }
   return kept;
-}
-
-void MpiTransport::keep_until_done(MPI_Request r, const std::shared_ptr<void>& keep, std::uint64_t window) {
-  std::lock_guard<std::mutex> lock(abandoned_mutex_);
-  abandoned_.push_back(Abandoned{r, keep, window});
-  sweep_.store(true, std::memory_order_release);
-}
-
-void MpiTransport::drop_later(MPI_Comm comm, int source, int tag) {
-  std::lock_guard<std::mutex> lock(abandoned_mutex_);
-  stale_.push_back(Stale{comm, source, tag});
-  sweep_.store(true, std::memory_order_release);
-}
-
-void MpiTransport::sweep() {
-  std::lock_guard<std::mutex> lock(abandoned_mutex_);
-  abandoned_.erase(std::remove_if(abandoned_.begin(), abandoned_.end(),
-                                  [](Abandoned& a) {
-                                    int done = 0;
-                                    return MPI_Test(&a.request, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done;
-                                  }),
-                   abandoned_.end());
-  for (const Stale& s : stale_) {
-    for (;;) {  // a payload may come in several messages
-      int found = 0;
-      MPI_Message message = MPI_MESSAGE_NULL;
-      MPI_Status status;
-      if (MPI_Improbe(s.source, s.tag, s.comm, &found, &message, &status) != MPI_SUCCESS || !found) break;
-      int count = 0;
-      MPI_Get_count(&status, MPI_BYTE, &count);
-      std::vector<char> sink(static_cast<std::size_t>(std::max(count, 1)));
-      (void)MPI_Mrecv(sink.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
-      log(LogLevel::Warn, "mpi transport on rank " + std::to_string(rank_) + ": dropped " + std::to_string(count) +
-                              " late byte(s) from rank " + std::to_string(s.source) + " for a call that had given up");
-    }
-  }
-  sweep_.store(!abandoned_.empty() || !stale_.empty(), std::memory_order_release);
 }
 
 MpiTransport::Region MpiTransport::find(std::uint64_t id, std::size_t offset, std::size_t bytes,
@@ -587,7 +534,7 @@ void MpiTransport::handle(const Request& req, const char* payload, int source) {
       ctx_.faults.hit(FaultPoint::MpiServePut);
       take_revocations();
       if (revoked_.erase({source, req.tag}) > 0) {
-        if (!req.carries_bytes()) drop_later(requests_.get(), source, req.tag);  // its data, if any was sent, is dropped
+        if (!req.carries_bytes()) given_up_.drop_later(requests_.get(), source, req.tag);  // its data, if any was sent, is dropped
         log(LogLevel::Warn, what + ": a put from rank " + std::to_string(source) +
                                 " was revoked by its origin (it timed out there); dropped");
         return;
@@ -692,7 +639,7 @@ void MpiTransport::give_up(int source, const std::string& why, bool peer_failed)
   std::unique_ptr<Transfer> t = std::move(in_flight_[source]);
   // A put's data or a get's answer uses the window's memory (unless it matched no window: a
   // sink, or zeros, which `keep` holds).
-  const std::uint64_t window = t->req.type == RequestType::Flush || t->keep ? kNoWindow : t->req.window;
+  const std::uint64_t window = t->req.type == RequestType::Flush || t->keep ? GivenUpRequests::kNoWindow : t->req.window;
   const bool uncancelled = ctx_.faults.hit(FaultPoint::MpiCancel);  // MESHMEM_FAULT ...:mpi.cancel:fail
   int kept = 0;
   for (MPI_Request& r : t->reqs) {
@@ -704,11 +651,11 @@ void MpiTransport::give_up(int source, const std::string& why, bool peer_failed)
       int done = 0;
       if (MPI_Test(&r, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done) continue;
     }
-    keep_until_done(r, t->keep, window);
+    given_up_.keep_until_done(r, t->keep, window);
     ++kept;
   }
   const bool put = t->req.type == RequestType::Put;
-  drop_later(put ? requests_.get() : replies_.get(), source, t->req.tag);
+  given_up_.drop_later(put ? requests_.get() : replies_.get(), source, t->req.tag);
   const std::string msg = "progress thread of rank " + std::to_string(rank_) + ": " + why;
   if (peer_failed) {
     std::lock_guard<std::mutex> lock(failed_mutex_);
@@ -748,7 +695,7 @@ bool MpiTransport::advance() {
 bool MpiTransport::serve_one() {
   std::unique_lock<std::mutex> lock(serving_, std::try_to_lock);
   if (!lock.owns_lock() || stop_.load(std::memory_order_acquire)) return false;
-  if (sweep_.load(std::memory_order_acquire)) sweep();
+  if (given_up_.pending()) given_up_.sweep();
   const bool ended = !busy_.empty() && advance();
   const std::string what = "serving requests on rank " + std::to_string(rank_);
   int found = 0;

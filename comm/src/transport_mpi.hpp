@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "bootstrap.hpp"
+#include "mpi_given_up.hpp"
 #include "transport.hpp"
 
 namespace meshmem::detail {
@@ -133,15 +134,6 @@ class MpiTransport final : public Transport {
   // Returns how many were kept (MPI may still use their memory); `*completed`, if given,
   // counts those that ended by completing instead of being cancelled (a send's data left).
   int abandon(std::vector<MPI_Request>& reqs, const std::shared_ptr<void>& keep, int* completed = nullptr);
-  // `r` and the memory it uses (`keep`) stay until it ends; the progress thread sweeps it.
-  // `window`: the window whose memory it reads or writes (kNoWindow: none), which is kept
-  // with it should the window be freed first (unregister_window).
-  static constexpr std::uint64_t kNoWindow = ~std::uint64_t(0);
-  void keep_until_done(MPI_Request r, const std::shared_ptr<void>& keep, std::uint64_t window = kNoWindow);
-  // A message that may still come (tag `tag` from `source` on `comm`) for a call that gave
-  // up: the progress thread receives and drops it (its sender then completes).
-  void drop_later(MPI_Comm comm, int source, int tag);
-  void sweep();  // the progress thread: abandoned requests that ended, stale messages
   void take_revocations();  // the progress thread
   int next_tag();
   // Raises at once if an earlier call with `peer` timed out.
@@ -160,20 +152,7 @@ class MpiTransport final : public Transport {
   std::atomic<std::uint64_t> next_tag_{0};  // unique tags of payloads and answers
   mutable std::mutex failed_mutex_;
   std::vector<std::string> failed_;       // per peer: the first timeout with it ("" none)
-  struct Abandoned {
-    MPI_Request request;
-    std::shared_ptr<void> keep;
-    std::uint64_t window;  // whose memory it uses (kNoWindow: none)
-  };
-  struct Stale {
-    MPI_Comm comm;
-    int source;
-    int tag;
-  };
-  std::mutex abandoned_mutex_;
-  std::vector<Abandoned> abandoned_;
-  std::vector<Stale> stale_;
-  std::atomic<bool> sweep_{false};  // something to sweep
+  GivenUpRequests given_up_;  // requests and messages of calls given up on
   std::set<std::pair<int, int>> revoked_;  // (origin, tag) of puts revoked (progress thread, under serving_)
   // Under serving_: per origin, its transfer in flight (or null) and the requests it sent
   // after it (each a header and a small put's bytes); `busy_`: the origins with either.
