@@ -23,6 +23,8 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
+#include <cctype>
 #include <thread>
 #include <vector>
 
@@ -145,10 +147,30 @@ std::string private_base() {
 }  // namespace
 
 namespace {
-// Whether nobody listens on the socket file `path` (or there is none): connect() is refused.
-bool nobody_listens(const std::string& path) {
+// This kernel, as 8 hex digits of its boot id: a directory of a process of another machine
+// that shares this TMPDIR (a network file system) has another, and is never taken for a
+// dead one of this machine.
+std::string machine_tag() {
+  static const std::string tag = [] {
+    std::string id;
+    if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+      char buf[64] = {};
+      if (std::fgets(buf, sizeof buf, f) != nullptr) id = buf;
+      std::fclose(f);
+    }
+    std::string hex;
+    for (char c : id)
+      if (std::isxdigit(static_cast<unsigned char>(c)) && hex.size() < 8) hex += static_cast<char>(std::tolower(c));
+    return hex.size() == 8 ? hex : std::string("00000000");
+  }();
+  return tag;
+}
+
+// Whether nobody listens on the socket file `path`: connect() is refused. No socket file counts
+// only in a directory over a minute old (its maker may be about to bind).
+bool nobody_listens(const std::string& path, const struct stat& dir) {
   struct stat st {};
-  if (::lstat(path.c_str(), &st) != 0) return errno == ENOENT;
+  if (::lstat(path.c_str(), &st) != 0) return errno == ENOENT && ::time(nullptr) - dir.st_mtime > 60;
   if (!S_ISSOCK(st.st_mode)) return false;
   const SocketAddress address = socket_address(path);
   UniqueFd s(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
@@ -158,25 +180,27 @@ bool nobody_listens(const std::string& path) {
 }
 
 // Removes the private directories that processes of this user left in `base` when they were
-// killed (a normal end removes its own): named for a process that no longer exists here and
-// holding no socket anyone listens on (a process of another pid namespace that shares this
-// /tmp may have the same number).
+// killed (a normal end removes its own): named for this machine and a process that no longer
+// exists here, and holding no socket anyone listens on (a process of another pid namespace of
+// this kernel that shares this /tmp may have the same number).
 void remove_stale_private_dirs(const std::string& base) {
   DIR* d = ::opendir(base.c_str());
   if (d == nullptr) return;
   std::vector<std::string> stale;
   while (const dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;
+    const std::string prefix = "meshmem-" + machine_tag() + "-";
     unsigned long pid = 0;
     char rest[16] = {};
-    if (name.compare(0, 8, "meshmem-") != 0 || std::sscanf(name.c_str() + 8, "%lu-%15s", &pid, rest) != 2 ||
-        std::strlen(rest) != 6 || pid == 0 || pid > static_cast<unsigned long>(INT_MAX))
+    if (name.compare(0, prefix.size(), prefix) != 0 ||
+        std::sscanf(name.c_str() + prefix.size(), "%lu-%15s", &pid, rest) != 2 || std::strlen(rest) != 6 || pid == 0 ||
+        pid > static_cast<unsigned long>(INT_MAX))
       continue;
     const std::string dir = base + "/" + name;
     struct stat st {};
     if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid()) continue;
     if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to ask)
-    if (!nobody_listens(dir + "/fd")) continue;
+    if (!nobody_listens(dir + "/fd", st)) continue;
     stale.push_back(dir);
   }
   ::closedir(d);
@@ -196,7 +220,7 @@ void remove_stale_private_dirs(const std::string& base) {
 PrivateDir::PrivateDir() {
   const std::string base = private_base();
   remove_stale_private_dirs(base);
-  std::string templ = base + "/meshmem-" + std::to_string(::getpid()) + "-XXXXXX";
+  std::string templ = base + "/meshmem-" + machine_tag() + "-" + std::to_string(::getpid()) + "-XXXXXX";
   if (::mkdtemp(templ.data()) == nullptr) throw_system("mkdtemp(" + templ + ")", errno);
   path_ = templ;  // mode 0700, owned by this user
 }

@@ -1,10 +1,14 @@
 // PrivateDir and the directory check of FdListener: a descriptor socket lives only in a
 // directory that no other user may enter, so that no other user can connect to it at all.
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdlib>
+#include <ctime>
+#include <fstream>
 #include <memory>
 #include <string>
 
@@ -55,10 +59,11 @@ TEST(PrivateDir, AListenerInADirectoryOthersMayEnterIsRefusedBeforeItBinds) {
   }
 }
 
-// The directories of killed processes (their process gone, nobody listening on their socket)
-// are removed when the next one is made; one whose process lives, or whose socket someone
-// listens on (a process of another pid namespace with that number), and anything not named
-// like one, stay.
+// The directories of this machine's killed processes (their process gone, nobody listening on
+// their socket, or no socket made in a minute) are removed when the next one is made; one
+// whose process lives, whose socket someone listens on (a process of another pid namespace
+// with that number), just made without its socket yet, of another machine sharing the
+// directory, or not named like one, stays.
 TEST(PrivateDir, DirectoriesThatKilledProcessesLeftAreRemovedAndNoOthers) {
   PrivateDir base;  // stands for TMPDIR
   const char* old = std::getenv("TMPDIR");
@@ -70,7 +75,18 @@ TEST(PrivateDir, DirectoriesThatKilledProcessesLeftAreRemovedAndNoOthers) {
   if (child == 0) ::_exit(0);
   int status = 0;
   ASSERT_EQ(::waitpid(child, &status, 0), child);
-  const std::string dead = std::to_string(child), alive = std::to_string(::getpid());
+  // This machine's tag: the first 8 hex digits of the kernel's boot id.
+  std::string tag;
+  {
+    std::ifstream in("/proc/sys/kernel/random/boot_id");
+    std::string id;
+    std::getline(in, id);
+    for (char c : id)
+      if (std::isxdigit(static_cast<unsigned char>(c)) && tag.size() < 8) tag += static_cast<char>(std::tolower(c));
+    if (tag.size() != 8) tag = "00000000";
+  }
+  const std::string other = tag == "12345678" ? "87654321" : "12345678";  // another machine's
+  const std::string dead = tag + "-" + std::to_string(child), alive = tag + "-" + std::to_string(::getpid());
   auto make = [&](const std::string& name, bool with_socket, bool listening) {
     const std::string dir = base.path() + "/" + name;
     EXPECT_EQ(::mkdir(dir.c_str(), 0700), 0) << dir;
@@ -86,7 +102,12 @@ TEST(PrivateDir, DirectoriesThatKilledProcessesLeftAreRemovedAndNoOthers) {
     return l;
   };
   make("meshmem-" + dead + "-aaaaaa", true, false);              // killed: removed
-  make("meshmem-" + dead + "-bbbbbb", false, false);             // killed before its socket: removed
+  make("meshmem-" + dead + "-bbbbbb", false, false);             // killed before its socket, long ago: removed
+  const std::string old_dir = base.path() + "/meshmem-" + dead + "-bbbbbb";
+  const timeval long_ago[2] = {{::time(nullptr) - 3600, 0}, {::time(nullptr) - 3600, 0}};
+  EXPECT_EQ(::utimes(old_dir.c_str(), long_ago), 0);
+  make("meshmem-" + dead + "-ffffff", false, false);             // no socket yet, just made: stays
+  make("meshmem-" + other + "-" + std::to_string(child) + "-gggggg", true, false);  // another machine's: stays
   auto other_ns = make("meshmem-" + dead + "-cccccc", true, true);  // someone listens: stays
   make("meshmem-" + alive + "-dddddd", true, false);             // its process lives: stays
   make("meshmem-notapid-eeeeee", false, false);                  // not one of ours: stays
@@ -100,6 +121,8 @@ TEST(PrivateDir, DirectoriesThatKilledProcessesLeftAreRemovedAndNoOthers) {
   EXPECT_TRUE(there("meshmem-" + dead + "-cccccc"));
   EXPECT_TRUE(there("meshmem-" + alive + "-dddddd"));
   EXPECT_TRUE(there("meshmem-notapid-eeeeee"));
+  EXPECT_TRUE(there("meshmem-" + dead + "-ffffff"));
+  EXPECT_TRUE(there("meshmem-" + other + "-" + std::to_string(child) + "-gggggg"));
   other_ns.reset();
   if (old) ::setenv("TMPDIR", saved.c_str(), 1); else ::unsetenv("TMPDIR");
   // Left for `base` to remove: it removes files only, so empty the directories that stay.
@@ -109,6 +132,10 @@ TEST(PrivateDir, DirectoriesThatKilledProcessesLeftAreRemovedAndNoOthers) {
     (void)::rmdir(dir.c_str());
   }
   (void)::rmdir((base.path() + "/meshmem-notapid-eeeeee").c_str());
+  (void)::rmdir((base.path() + "/meshmem-" + dead + "-ffffff").c_str());
+  const std::string g = base.path() + "/meshmem-" + other + "-" + std::to_string(child) + "-gggggg";
+  (void)::unlink((g + "/fd").c_str());
+  (void)::rmdir(g.c_str());
 }
 
 }  // namespace

@@ -41,9 +41,11 @@ inline constexpr std::size_t kMaxFdsPerMessage = 16;
 std::string random_token();
 
 // A new directory that only this user may enter (mkdtemp, mode 0700) under $TMPDIR, or /tmp
-// where $TMPDIR is unset or too long for a socket path, named meshmem-<pid>-XXXXXX; removed,
-// with the sockets left in it, on destruction. Before it is made, the ones this user's killed
-// processes left there are removed (their process gone, nobody listening on their socket).
+// where $TMPDIR is unset or too long for a socket path, named meshmem-<machine>-<pid>-XXXXXX
+// (<machine>: 8 hex digits of the kernel's boot id); removed, with the sockets left in it, on
+// destruction. Before it is made, the ones this user's killed processes of this machine left
+// there are removed (their process gone, nobody listening on their socket, or none made in a
+// minute).
 // Raises Error(System) if it cannot be made.
 class PrivateDir {
  public:
