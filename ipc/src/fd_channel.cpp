@@ -147,6 +147,18 @@ std::string private_base() {
 }  // namespace
 
 namespace {
+// Removes directory `dir` with the files in it (sockets; it holds no subdirectories).
+void remove_with_files(const std::string& dir) {
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      if (name != "." && name != "..") (void)::unlink((dir + "/" + name).c_str());
+    }
+    ::closedir(d);
+  }
+  (void)::rmdir(dir.c_str());
+}
+
 // This kernel, as 8 hex digits of its boot id: a directory of a process of another machine
 // that shares this TMPDIR (a network file system) has another, and is never taken for a
 // dead one of this machine.
@@ -187,9 +199,9 @@ void remove_stale_private_dirs(const std::string& base) {
   DIR* d = ::opendir(base.c_str());
   if (d == nullptr) return;
   std::vector<std::string> stale;
+  const std::string prefix = "meshmem-" + machine_tag() + "-";
   while (const dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;
-    const std::string prefix = "meshmem-" + machine_tag() + "-";
     unsigned long pid = 0;
     char rest[16] = {};
     if (name.compare(0, prefix.size(), prefix) != 0 ||
@@ -204,16 +216,7 @@ void remove_stale_private_dirs(const std::string& base) {
     stale.push_back(dir);
   }
   ::closedir(d);
-  for (const std::string& dir : stale) {
-    if (DIR* inner = ::opendir(dir.c_str())) {
-      while (const dirent* e = ::readdir(inner)) {
-        const std::string name = e->d_name;
-        if (name != "." && name != "..") (void)::unlink((dir + "/" + name).c_str());
-      }
-      ::closedir(inner);
-    }
-    (void)::rmdir(dir.c_str());
-  }
+  for (const std::string& dir : stale) remove_with_files(dir);
 }
 }  // namespace
 
@@ -235,15 +238,7 @@ PrivateDir& PrivateDir::operator=(PrivateDir&& other) noexcept {
 }
 
 PrivateDir::~PrivateDir() {
-  if (path_.empty()) return;
-  if (DIR* d = ::opendir(path_.c_str())) {
-    while (const dirent* e = ::readdir(d)) {
-      const std::string name = e->d_name;
-      if (name != "." && name != "..") (void)::unlink((path_ + "/" + name).c_str());
-    }
-    ::closedir(d);
-  }
-  (void)::rmdir(path_.c_str());
+  if (!path_.empty()) remove_with_files(path_);
 }
 
 FdListener::FdListener(const std::string& name) : name_(name) {

@@ -156,14 +156,13 @@ class StagingAgent {
   bool submit_filled(StagedRequest r, cudaStream_t stream, std::uint64_t* ticket, Enqueue enqueue) {
     std::size_t i = 0;
     if (!fill_slots_.slot_of(stream, &i)) return false;
-    r.filled_slot = fill_offset(i);
+    r.filled_slot = site_.fill_offset(i);
     const FillUse before = fill_slots_.last(i);
     *ticket = submit(r);
     enqueue(site_.slots + r.filled_slot, site_.control.fill_retired(i), before, *ticket);
     fill_slots_.used(i, FillUse{r.done, *ticket, r.peer});
     return true;
   }
-  std::uint64_t fill_offset(std::size_t i) const { return site_.fill_offset(i); }
 
   // Transfer `ticket` (submitted) will never be marked ready by its stream (its wait could not
   // be enqueued; the caller raised that): it ends without being started. `ready` is its word.
