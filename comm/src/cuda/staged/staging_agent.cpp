@@ -1,7 +1,6 @@
-// StagingAgent, part 1 of 3: its thread, the queue of transfers handed over and their done
-// words, the one-agent (visible) path between two GPUs this process sees, and teardown. Part 2:
-// staging_agent_writer.cpp (the channels to hidden peers), part 3: staging_agent_watch.cpp
-// (watchdogs and diagnostics); the channels from hidden peers: channel_reader.cpp.
+// StagingAgent: its thread, the queue of transfers handed over and their done words, and
+// teardown; what its roles (VisibleCopier, ChannelWriter, ChannelReader, StreamWatchdog) reach
+// of it. Its watches of hidden peers: staging_agent_watch.cpp.
 #include "cuda/staged/staging_agent.hpp"
 
 #include <algorithm>
@@ -60,58 +59,88 @@ ChannelReader::Agent StagingAgent::reader_links() {
       std::lock_guard<std::mutex> lock(ledger_.m);
       ++ledger_.answers;
     }
-    outgoing_[from].push_back(std::move(answer));
-    return outgoing_[from].back();
+    return writer_.queue(from, std::move(answer));
   };
   return a;
 }
+
+ChannelWriter::Agent StagingAgent::writer_links() {
+  ChannelWriter::Agent a;
+  a.site = &site_;
+  a.faults = &faults_;
+  a.trace = &trace_;
+  a.events = &events_;
+  a.windows = &windows_;
+  a.slots = &slots_;
+  a.lane = &lanes_.at(site_.device);
+  a.peers = &hidden_peers_;
+  a.keep_error = [this](const std::string& message, ErrorCode code) { keep_error(message, code); };
+  a.posted_in_full = [this](std::size_t word, std::uint64_t ticket) { mark_posted(word, ticket); };
+  a.ended = [this](bool answer) { ended(answer); };
+  return a;
+}
+
+VisibleCopier::Agent StagingAgent::copier_links() {
+  VisibleCopier::Agent a;
+  a.site = &site_;
+  a.lanes = &lanes_;
+  a.slots = &slots_;
+  a.keep_error = [this](const std::string& message, ErrorCode code) { keep_error(message, code); };
+  a.fail = [this](const StagedRequest& r, const std::string& message) { fail(r, message); };
+  a.end_enqueued = [this](Lane& to, const StagedRequest& r) {
+    std::lock_guard<std::mutex> lock(ledger_.m);
+    ++to.ended;
+    if (r.word_is_lent) to.lent.push_back(Lane::LentEnd{to.ended, r.word, r.ticket});
+  };
+  a.ended = [this] { ended(false); };
+  return a;
+}
+
+StreamWatchdog::Agent StagingAgent::watchdog_links() {
+  StreamWatchdog::Agent a;
+  a.site = &site_;
+  a.lanes = &lanes_;
+  a.writer = &writer_;
+  a.reader = &reader_;
+  a.keep_error = [this](const std::string& message, ErrorCode code) { keep_error(message, code); };
+  a.unended = [this](const Lane& lane) {
+    std::vector<std::pair<std::uint64_t*, std::uint64_t>> ends;
+    std::lock_guard<std::mutex> lock(ledger_.m);
+    for (const Lane::LentEnd& l : lane.lent) {
+      std::uint64_t* done = site_.control.transfer(l.word);
+      if (__atomic_load_n(done, __ATOMIC_ACQUIRE) < l.ticket) ends.emplace_back(done, l.ticket);
+    }
+    return ends;
+  };
+  return a;
+}
+
+namespace {
+std::string agent_name(int rank) { return "staged transport on rank " + std::to_string(rank); }
+}  // namespace
 
 StagingAgent::StagingAgent(Setup setup)
     : site_(site_of(setup)),
       faults_(std::move(setup.faults)),
       trace_(setup.trace_prefix.empty() ? "" : setup.trace_prefix + "." + std::to_string(setup.rank),
              setup.trace_prefix.empty() ? 0 : kTraceSteps),
-      held_after_(site_.timeout.count() != 0 ? std::min(std::chrono::milliseconds(2000), site_.timeout / 2)
-                                        : std::chrono::milliseconds(2000)),
+      lanes_(setup.devices, setup.slots, ControlWords::kLanes, agent_name(setup.rank)),
+      slots_(site_),
+      hidden_peers_(site_, setup.pids, agent_name(setup.rank)),
+      failed_seen_(setup.node_ranks.size(), 0),
       captured_(std::move(setup.captured)),
       fill_slots_(site_.control, cuda::kTransferGivenUp),
-      reader_(reader_links()) {
-  const std::string what = "staged transport on rank " + std::to_string(site_.rank);
+      writer_(writer_links()),
+      copier_(copier_links()),
+      reader_(reader_links()),
+      watchdog_(watchdog_links()) {
+  const std::string what = agent_name(site_.rank);
   if (site_.control.transfer_count() < ControlWords::kLeastTransferWords)
     throw Error(ErrorCode::Unsupported, what + ": " + std::to_string(setup.node_ranks.size()) + " ranks on a node and " +
                                             std::to_string(setup.ranks) +
                                             " in the Comm leave too few of the staging pool's control words");
   std::memset(site_.control.base, 0, ControlWords::kBytes);
   for (std::size_t i = site_.control.transfer_count(); i-- > 0;) ledger_.free_words.push_back(i);
-  outgoing_.resize(setup.node_ranks.size());
-  peers_.resize(setup.node_ranks.size());
-  for (int peer : site_.hidden) {
-    if (static_cast<std::size_t>(peer) < setup.pids.size())
-      peers_[site_.local_index(peer)].process = ipc::ProcessWatch(setup.pids[static_cast<std::size_t>(peer)]);
-    if (!peers_[site_.local_index(peer)].process.watching())
-      log(LogLevel::Info, what + ": rank " + std::to_string(peer) +
-                              "'s process cannot be watched (pidfd_open refused): should it die, the staging slots "
-                              "posted to it stay held");
-  }
-  for (int d : setup.devices) {
-    if (lanes_.count(d)) continue;
-    if (lanes_.size() == ControlWords::kLanes)
-      throw Error(ErrorCode::Unsupported, what + ": more than " + std::to_string(ControlWords::kLanes) + " GPUs to drive");
-    CurrentDevice current(d);
-    // The signal and wait kernels may run on this GPU from the agent's thread: loaded now,
-    // not at a first launch behind a polling kernel (kernels.hpp, preload_kernels).
-    ipc::check_cuda(cuda::preload_kernels(), "cudaFuncGetAttributes (loading meshmem's kernels)", what);
-    Lane& lane = lanes_[d];
-    lane.ordinal = lanes_.size() - 1;
-    ipc::check_cuda(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", what);
-    lane.copied.resize(static_cast<std::size_t>(site_.nslots), nullptr);
-    lane.freed.resize(static_cast<std::size_t>(site_.nslots), nullptr);
-    for (int s = 0; s < site_.nslots; ++s) {
-      ipc::check_cuda(cudaEventCreateWithFlags(&lane.copied[s], cudaEventDisableTiming), "cudaEventCreateWithFlags", what);
-      ipc::check_cuda(cudaEventCreateWithFlags(&lane.freed[s], cudaEventDisableTiming), "cudaEventCreateWithFlags", what);
-    }
-  }
-  slot_use_.assign(static_cast<std::size_t>(site_.nslots), SlotUse{});
   pulse_ = std::make_shared<WorkerPulse>("the staging agent of rank " + std::to_string(site_.rank));
   register_worker_pulse(pulse_);
   thread_ = std::thread([this] { run(); });
@@ -129,12 +158,6 @@ StagingAgent::~StagingAgent() {
     log(problem.empty() ? LogLevel::Info : LogLevel::Warn,
         "staged transport on rank " + std::to_string(site_.rank) + ": step trace (MESHMEM_STAGED_TRACE) of " +
             std::to_string(trace_.recorded()) + " steps " + (problem.empty() ? "written" : "not written: " + problem));
-  }
-  for (auto& [d, lane] : lanes_) {
-    CurrentDevice current(d);
-    for (cudaEvent_t e : lane.copied) (void)cudaEventDestroy(e);
-    for (cudaEvent_t e : lane.freed) (void)cudaEventDestroy(e);
-    if (lane.stream) (void)cudaStreamDestroy(lane.stream);
   }
 }
 
@@ -157,7 +180,7 @@ bool StagingAgent::try_take_word(std::size_t* word) {
   return true;
 }
 
-std::size_t StagingAgent::take_word(const std::string& what) {
+std::uint64_t* StagingAgent::lend_word(StagedRequest& r, const std::string& what) {
   Deadline deadline(site_.timeout);
   Backoff backoff;
   std::size_t word = 0;
@@ -169,7 +192,18 @@ std::size_t StagingAgent::take_word(const std::string& what) {
                                           describe_worker_pulses());
     backoff.pause();
   }
-  return word;
+  r.word = word;
+  r.done = site_.control.transfer(word);
+  r.word_is_lent = true;
+  std::uint64_t* ready = site_.control.ready(word);
+  r.ready = ready;
+  return ready;
+}
+
+bool StagingAgent::try_hold_word(StagedRequest& r) {
+  if (!try_take_word(&r.word)) return false;
+  r.done = site_.control.transfer(r.word);
+  return true;
 }
 
 void StagingAgent::release_word(std::size_t word) {
@@ -274,7 +308,7 @@ std::string StagingAgent::take_error(ErrorCode* code) {
   std::string failed;
   for (int peer : site_.hidden) {
     const std::uint64_t now = __atomic_load_n(site_.control_of(peer).failed(site_.local_index(site_.rank)), __ATOMIC_ACQUIRE);
-    std::uint64_t& seen = peers_[site_.local_index(peer)].failed_seen;
+    std::uint64_t& seen = failed_seen_[site_.local_index(peer)];
     if (now > seen) {
       failed += (failed.empty() ? "" : "; ") + std::string("rank ") + std::to_string(peer) + " could not carry out " +
                 std::to_string(now - seen) + " staged transfer(s) from this rank (its log says why)";
@@ -350,11 +384,7 @@ void StagingAgent::run() {
   auto last_work = Clock::now();
   bool streams_hold_work = false;
   auto busy = [&] {
-    if (!waiting.empty() || !visible_.empty()) return true;
-    if (!posted_after_copies_.empty() || reader_.counts_pending()) return true;
-    for (const auto& q : outgoing_)
-      if (!q.empty()) return true;
-    return false;
+    return !waiting.empty() || copier_.busy() || writer_.busy() || reader_.counts_pending();
   };
   // Hidden peers may post chunks, and replays of captured transfers ring, at any time.
   auto polls = [&] { return !site_.hidden.empty() || captured_->live(); };
@@ -412,7 +442,7 @@ void StagingAgent::run() {
     }
     if (Clock::now() >= next_stream_watch_) {
       give_up_if_context_failed(waiting);
-      streams_hold_work = watch_streams();
+      streams_hold_work = watchdog_.look();
       pulse_->publish(describe_state(waiting.size()), pulse_now_ns());
       next_stream_watch_ = Clock::now() + std::chrono::milliseconds(100);
     }
@@ -442,18 +472,8 @@ void StagingAgent::give_up_all(ReadyQueue<StagedRequest>& waiting) {
     __atomic_store_n(r.done, r.ticket, __ATOMIC_RELEASE);
     ++n;
   });
-  for (const VisibleTransfer& t : visible_) {
-    __atomic_store_n(t.request.done, t.request.ticket, __ATOMIC_RELEASE);
-    ++n;
-  }
-  visible_.clear();
-  for (auto& queue : outgoing_) {
-    for (const Outgoing& o : queue) {
-      __atomic_store_n(site_.control_of(o.done_rank).transfer(o.done_word), o.ticket, __ATOMIC_RELEASE);
-      ++n;
-    }
-    queue.clear();
-  }
+  n += copier_.give_up_all();
+  n += writer_.give_up_all();
   if (n > 0)
     log(LogLevel::Error, "staged transport on rank " + std::to_string(site_.rank) + ": " + std::to_string(n) +
                              " transfer(s) still waiting or running when the agent stopped were ended unfinished");
@@ -543,10 +563,10 @@ void StagingAgent::end_unstarted(const StagedRequest& r) {
 // queue, and pump() cuts it into pieces as slots free up.
 void StagingAgent::execute(const StagedRequest& r) {
   if (r.route == StagedRequest::Route::Visible) {
-    visible_.push_back(VisibleTransfer{r, PieceCursor(r.width, r.rows, site_.chunk, site_.first_piece), Clock::now()});
+    copier_.queue(r);
     return;
   }
-  Outgoing o;
+  StagedOutgoing o;
   o.reader = r.peer;
   o.width = r.width;
   o.rows = r.rows;
@@ -601,146 +621,22 @@ void StagingAgent::execute(const StagedRequest& r) {
         RemoteEnd{r.done, r.ticket, r.word, r.route == StagedRequest::Route::ToHidden ? r.peer : site_.rank, r.peer,
                   r.ends_at_timeout, std::nullopt});
   }
-  outgoing_[site_.local_index(r.peer)].push_back(std::move(o));
+  writer_.queue(site_.local_index(r.peer), std::move(o));
 }
 
 // Enqueues what it can: pieces of the oldest visible transfer, and of the oldest outgoing
-// transfer of each hidden reader, while slots (and ring entries) are free; true if anything
-// moved. A transfer that finds none stays, and fails once nothing moved for MESHMEM_TIMEOUT.
+// transfer of each hidden reader, while slots (and ring entries) are free; true if anything moved.
 bool StagingAgent::pump() {
-  bool any = false;
-  while (!visible_.empty()) {
-    VisibleTransfer& t = visible_.front();
-    const StagedRequest& r = t.request;
-    const std::string what = "staged transfer " + std::to_string(r.ticket) + " of rank " + std::to_string(site_.rank);
-    bool moved = false;
-    bool left = false;
-    try {
-      std::size_t s = 0;
-      while (!t.pieces.done() && take_slot(false, &s)) {
-        enqueue_visible_piece(r, t.pieces.current(), s, what);
-        t.pieces.advance();
-        moved = true;
-      }
-      if (t.pieces.done()) {
-        end_visible(r, true, what);
-        left = true;
-      }
-    } catch (const std::exception& e) {
-      abandon_visible(r, e.what());
-      left = true;
-    }
-    if (moved) t.moved = Clock::now();
-    if (!left && stalled(t.moved)) {
-      abandon_visible(r,
-                      what + ": no staging slot came free within " + describe_timeout(site_.timeout) + " (" +
-                          slot_holders() + ")" + gpu_queue_hint(),
-                      ErrorCode::Timeout);
-      left = true;
-    }
-    any = any || moved || left;
-    if (!left) break;
-    visible_.pop_front();
-    if (!visible_.empty()) visible_.front().moved = Clock::now();  // its turn starts now
-    ended(false);
-  }
-  for (auto& queue : outgoing_) {
-    while (!queue.empty()) {
-      Outgoing& o = queue.front();
-      bool moved = false;
-      bool left = false;
-      if (peers_[site_.local_index(o.reader)].gone) {
-        // One that watch_readers already ended was reported there (once).
-        if (__atomic_load_n(site_.control_of(o.done_rank).transfer(o.done_word), __ATOMIC_ACQUIRE) < o.ticket)
-          abandon_outgoing(o, o.what + ": rank " + std::to_string(o.reader) + "'s process (pid " +
-                                  std::to_string(peers_[site_.local_index(o.reader)].process.pid()) + ") has ended");
-        left = true;
-      } else {
-        try {
-          left = advance_outgoing(o, &moved);
-        } catch (const std::exception& e) {
-          abandon_outgoing(o, e.what());
-          left = true;
-        }
-      }
-      if (moved) o.moved = Clock::now();
-      if (!left && stalled(o.moved)) {
-        abandon_outgoing(o,
-                         o.what + ": rank " + std::to_string(o.reader) + " took nothing from this rank's channel within " +
-                             describe_timeout(site_.timeout) + " (" + slot_holders() + ")" + gpu_queue_hint(),
-                         ErrorCode::Timeout);
-        left = true;
-      }
-      if (left && o.ends_at_timeout) mark_posted(o.done_word, o.ticket);
-      any = any || moved || left;
-      if (!left) break;
-      const bool answer = o.answer;
-      queue.pop_front();
-      if (!queue.empty()) queue.front().moved = Clock::now();  // its turn starts now
-      ended(answer);
-    }
-  }
-  return any;
+  const bool visible = copier_.pump();
+  const bool outgoing = writer_.pump();
+  return visible || outgoing;
 }
 
-// One piece of a visible transfer through slot `s`: device-to-host on the source GPU's lane,
-// host-to-device on the target's.
-void StagingAgent::enqueue_visible_piece(const StagedRequest& r, const PieceCursor::Piece& p, std::size_t s,
-                                         const std::string& what) {
-  Lane& from = lanes_.at(r.src_device);
-  Lane& to = lanes_.at(r.dst_device);
-  const char* src = static_cast<const char*>(r.src) + p.row * r.src_pitch + p.col;
-  char* dst = static_cast<char*>(r.dst) + p.row * r.dst_pitch + p.col;
-  char* slot = site_.slots + s * site_.chunk;
-  {
-    CurrentDevice current(r.src_device);
-    if (slot_use_[s].event != nullptr)
-      ipc::check_cuda(cudaStreamWaitEvent(from.stream, slot_use_[s].event, 0), "cudaStreamWaitEvent", what);
-    ipc::check_cuda(copy_rows(slot, p.width, src, r.src_pitch, p.width, p.rows, from.stream),
-                    "cudaMemcpyAsync (to the staging slot)", what);
-    ipc::check_cuda(cudaEventRecord(from.copied[s], from.stream), "cudaEventRecord", what);
-  }
-  CurrentDevice current(r.dst_device);
-  ipc::check_cuda(cudaStreamWaitEvent(to.stream, from.copied[s], 0), "cudaStreamWaitEvent", what);
-  ipc::check_cuda(copy_rows(dst, r.dst_pitch, slot, p.width, p.width, p.rows, to.stream),
-                  "cudaMemcpyAsync (from the staging slot)", what);
-  ipc::check_cuda(cudaEventRecord(to.freed[s], to.stream), "cudaEventRecord", what);
-  slot_use_[s] = SlotUse{to.freed[s], -1, 0};
-  to.pieces.push_back(s);
-}
-
-// After a visible transfer's last piece (on the target's lane): its signal (unless it is
-// abandoned), its done word, which the caller's stream waits for, then the lane's counter
-// (the host takes the word back once it passed).
-void StagingAgent::end_visible(const StagedRequest& r, bool signal, const std::string& what) {
-  Lane& to = lanes_.at(r.dst_device);
-  CurrentDevice current(r.dst_device);
-  std::vector<CUstreamBatchMemOpParams> ops;
-  if (signal && r.signal != nullptr && r.op == SignalOp::Add) {
-    ipc::check_cuda(cuda::launch_copy(nullptr, nullptr, 0, r.signal, r.value, r.op, to.stream, false),
-                    "signal kernel launch", what);
-  } else if (signal && r.signal != nullptr) {
-    ops.push_back(stream_write_op(r.signal, r.value));  // fenced: the data lands first
-  }
-  ops.push_back(stream_write_op(r.done, r.ticket));
-  ops.push_back(stream_write_op(site_.control.lane_done(to.ordinal), to.ended + 1));
-  run_stream_batch(ops, to.stream, "staged transfer", site_.rank);
-  std::lock_guard<std::mutex> lock(ledger_.m);
-  ++to.ended;
-  if (r.word_is_lent) to.lent.push_back(Lane::LentEnd{to.ended, r.word, r.ticket});
-}
-
-// A visible transfer that cannot go on: no signal; its done word ends it after the pieces
-// already enqueued (or at once, from the host, if even that fails); the error goes to the
-// caller's next call.
-void StagingAgent::abandon_visible(const StagedRequest& r, const std::string& message, ErrorCode code) {
-  log(LogLevel::Error, message);
-  keep_error(message, code);
-  try {
-    end_visible(r, false, message);
-  } catch (const std::exception& e) {
-    fail(r, e.what());
-  }
+// Writes the posted counts (and the reader's consumed ones) whose copies are done; true if any.
+bool StagingAgent::write_counts_after_copies() {
+  const bool posted = writer_.write_counts_after_copies();
+  const bool consumed = reader_.write_counts_after_copies();
+  return posted || consumed;
 }
 
 }  // namespace meshmem::detail

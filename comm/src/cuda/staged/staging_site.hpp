@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -33,6 +34,10 @@ struct StagingSite {
     return ControlWords{reinterpret_cast<std::uint64_t*>(static_cast<char*>(pool->region(r)) +
                                                          chunk * static_cast<std::size_t>(nslots) + FillSlots::kBytes),
                         control.ranks, control.node_ranks};
+  }
+  // How many of this rank's descriptors `reader` (a node peer) has consumed from its channel.
+  std::uint64_t consumed_by(int reader) const {
+    return __atomic_load_n(control_of(reader).consumed(local_index(rank)), __ATOMIC_ACQUIRE);
   }
   // Where fill slot i lies in this rank's region (an offset from `slots`).
   std::size_t fill_offset(std::size_t i) const { return chunk * static_cast<std::size_t>(nslots) + i * FillSlots::kSlotBytes; }

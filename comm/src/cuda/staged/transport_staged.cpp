@@ -408,11 +408,7 @@ void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const c
     capture_transfer(r, graph, peer, s, name);
     return;
   }
-  r.word = agent_->take_word(what(name, peer));
-  r.done = agent_->control().transfer(r.word);
-  r.word_is_lent = true;
-  std::uint64_t* ready = agent_->control().ready(r.word);
-  r.ready = ready;
+  std::uint64_t* ready = agent_->lend_word(r, what(name, peer));
   r.stream = s;
   std::uint64_t* done = r.done;
   const bool visible = r.route == StagedRequest::Route::Visible;
@@ -485,14 +481,13 @@ bool StagedTransport::fills_slot(const StagedRequest& r, cudaStream_t stream) co
 void StagedTransport::capture_transfer(const StagedRequest& r, cudaGraph_t graph, int peer, cudaStream_t stream,
                                        const char* name) {
   const auto all_in_use = [&] {
-    return Error(ErrorCode::Unsupported, what(name, peer) + ": all " + std::to_string(agent_->control().transfer_count()) +
+    return Error(ErrorCode::Unsupported, what(name, peer) + ": all " + std::to_string(agent_->word_count()) +
                                              " done words of this rank are held by staged transfers waiting, running "
                                              "or captured into CUDA graphs that still exist; nothing was enqueued");
   };
   StagedHandoff::Request captured;
   captured.transfer = r;
-  if (!agent_->try_take_word(&captured.transfer.word)) throw all_in_use();
-  captured.transfer.done = agent_->control().transfer(captured.transfer.word);
+  if (!agent_->try_hold_word(captured.transfer)) throw all_in_use();
   const TicketWait wait = TicketWait::on(*device_, captured.transfer.done, cuda::FaultKind::Transfer, peer);
   CapturedHandoff<StagedHandoff>::capture(board_, std::move(captured), wait, graph, stream, what(name, peer));
   agent_->captured_added();
@@ -588,7 +583,7 @@ StagedRequest StagedTransport::hidden_request(StagedRequest::Route route, int ta
 
 bool StagedTransport::drain() noexcept { return agent_ ? agent_->drain() : true; }
 
-std::uint64_t* StagedTransport::node_flags(int rank) const { return agent_->control_of(rank).barrier_flags(); }
+std::uint64_t* StagedTransport::node_flags(int rank) const { return agent_->barrier_flags(rank); }
 
 std::string StagedTransport::describe() const {
   if (!agent_) return {};
