@@ -84,6 +84,8 @@ def run_mpi(cp, mpi, n, iters, first, count):
     up = mpi.rank - 1 if mpi.rank > 0 else MPI.PROC_NULL
     down = mpi.rank + 1 if mpi.rank < mpi.size - 1 else MPI.PROC_NULL
     a, b = initial(cp, n, first, count), initial(cp, n, first, count)
+    step(a, b)  # the sweep's kernel is compiled at its first call: before the clock starts
+    b = initial(cp, n, first, count)
     send, recv = np.empty(n), np.empty(n)
     cp.cuda.Device().synchronize()
     mpi.Barrier()
@@ -156,6 +158,7 @@ def run_meshmem(cp, mpi, n, iters, first, count):
         grids = [cp.asarray(w.local(np.float64, (count + 2, n))) for w in wins]
         halos = [comm.make_halo(w, sends) for w in wins]
         with stream:
+            step(grids[0], grids[1])  # the sweep's kernel is compiled at its first call: before the clock starts
             for i in range(2):
                 grids[i][:] = initial(cp, n, first, count)
         stream.synchronize()
