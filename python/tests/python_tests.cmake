@@ -20,9 +20,11 @@ if(MESHMEM_MPIEXEC_IS_OPEN_MPI)
   list(APPEND _mpi_flags --oversubscribe --bind-to none)
 endif()
 
-# meshmem_add_python_test(NAME <name> FILES <test files> RANKS <n>... [ENV ...] [LABELS ...] [TIMEOUT s])
+# meshmem_add_python_test(NAME <name> FILES <test files> RANKS <n>... [ENV ...] [LABELS ...] [TIMEOUT s] [EST s])
+# EST: seconds per rank count on 1 x H200 (ranks sharing the GPU), required with LABELS gpu: the
+# fast GPU tier's budget counts it (tests/gpu/check_tier_budget.py).
 function(meshmem_add_python_test)
-  cmake_parse_arguments(T "" "NAME;TIMEOUT" "FILES;RANKS;ENV;LABELS" ${ARGN})
+  cmake_parse_arguments(T "" "NAME;TIMEOUT;EST" "FILES;RANKS;ENV;LABELS" ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 300)
   endif()
@@ -63,12 +65,13 @@ endif()
 
 # Device windows with CuPy and PyTorch, on one node and with every route forced.
 set(_gpu test_device.py)
-meshmem_add_python_test(NAME python.gpu.one_node FILES ${_gpu} RANKS 2 4 LABELS gpu ENV MESHMEM_TIMEOUT=120)
-meshmem_add_python_test(NAME python.gpu.ipc FILES ${_gpu} RANKS 2 LABELS gpu
+meshmem_add_python_test(NAME python.gpu.one_node FILES ${_gpu} RANKS 2 4 LABELS gpu EST 12 ENV MESHMEM_TIMEOUT=120)
+meshmem_add_python_test(NAME python.gpu.ipc FILES ${_gpu} RANKS 2 LABELS gpu EST 8
   ENV MESHMEM_TIMEOUT=120 MESHMEM_TRANSPORTS=ipc,shm,mpi)
-meshmem_add_python_test(NAME python.gpu.staged FILES ${_gpu} RANKS 2 LABELS gpu
+meshmem_add_python_test(NAME python.gpu.staged FILES ${_gpu} RANKS 2 LABELS gpu EST 10
   ENV MESHMEM_TIMEOUT=120 MESHMEM_TRANSPORTS=staged,shm,mpi)
-meshmem_add_python_test(NAME python.gpu.nccl_simulated FILES ${_gpu} RANKS 2 LABELS gpu
+# The nccl route is the C++ suite's (gpu.nccl_simulated); from Python it runs in the long tier.
+meshmem_add_python_test(NAME python.gpu.nccl_simulated FILES ${_gpu} RANKS 2 LABELS gpu-long
   ENV MESHMEM_TIMEOUT=120 MESHMEM_SIMULATE_NODES=2)
 
 # python -m meshmem.info beside meshmem-info; the Jacobi example against its one-rank run.
@@ -76,4 +79,5 @@ add_test(NAME python.info COMMAND ${MESHMEM_PYTHON_EXE} ${_pytest_args} ${_pytes
 set_tests_properties(python.info PROPERTIES TIMEOUT 300 PROCESSORS 2 LABELS python SKIP_RETURN_CODE 77
   ENVIRONMENT "${_pyenv}")
 # (With NumPy and host windows everywhere, with CuPy where there is a GPU.)
-meshmem_add_python_test(NAME python.examples.jacobi FILES test_jacobi.py RANKS 2 4 LABELS gpu ENV MESHMEM_TIMEOUT=120)
+meshmem_add_python_test(NAME python.examples.jacobi FILES test_jacobi.py RANKS 2 LABELS gpu EST 20 ENV MESHMEM_TIMEOUT=120)
+meshmem_add_python_test(NAME python.examples.jacobi FILES test_jacobi.py RANKS 4 LABELS gpu-long ENV MESHMEM_TIMEOUT=120)
