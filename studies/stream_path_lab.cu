@@ -515,7 +515,8 @@ int main(int argc, char** argv) {
   {
     // This rank's memory, exported; the peer's, imported for its GPU as this process numbers it.
     std::size_t vbytes = kRegions * stride + kSignalBytes;
-    spl::VmmMapping mine(spl::vmm_create(&vbytes, dev), vbytes, dev);
+    const CUmemGenericAllocationHandle made = spl::vmm_create(&vbytes, dev);  // rounds vbytes up first
+    spl::VmmMapping mine(made, vbytes, dev);
     CK(cudaMemset(mine.get() + kRegions * stride, 0, kSignalBytes));
     CK(cudaDeviceSynchronize());
     spl::Fd exported = spl::vmm_export(mine.handle());
