@@ -38,6 +38,24 @@ def src8():
     return np.arange(8, dtype=np.uint8)
 
 
+class CupyLikeStream:
+    ptr = 12345  # cupy.cuda.Stream: the handle as `ptr`
+
+
+class TorchLikeStream:
+    cuda_stream = 12345  # torch.cuda.Stream
+
+
+class ProtocolStream:
+    def __cuda_stream__(self):  # the CUDA stream protocol: (version, handle)
+        return (0, 12345)
+
+
+class InstanceHandleStream:
+    def __init__(self):
+        self.ptr = 12345
+
+
 def bad_cases(comm, win, sig):
     """(name, call, code, words the message must contain) for a put to the right neighbour."""
     right = (comm.rank + 1) % comm.size
@@ -65,6 +83,17 @@ def bad_cases(comm, win, sig):
         ("signal index out of range", lambda: comm.signal(sig, right, 5, 1), inv, "out of range"),
         ("stream on a host window", lambda: comm.put(win, right, src8(), stream=12345), uns, "host windows"),
         ("bad stream object", lambda: comm.put(win, right, src8(), stream="s"), inv, "stream must be"),
+        # Each way a framework's stream names its handle is read as a stream (and refused here).
+        ("cupy-style stream on a host window", lambda: comm.put(win, right, src8(), stream=CupyLikeStream()), uns,
+         "host windows"),
+        ("torch-style stream on a host window", lambda: comm.put(win, right, src8(), stream=TorchLikeStream()), uns,
+         "host windows"),
+        ("__cuda_stream__ stream on a host window",
+         lambda: comm.put(win, right, src8(), stream=ProtocolStream()), uns, "host windows"),
+        ("stream handle in an instance attribute",
+         lambda: comm.put(win, right, src8(), stream=InstanceHandleStream()), uns, "host windows"),
+        ("object without a stream handle", lambda: comm.put(win, right, src8(), stream=object()), inv,
+         "stream must be"),
         ("get into a read-only array", lambda: comm.get(ro, win, right), inv, "read-only"),
         ("get into a non-contiguous array", lambda: comm.get(np.zeros(16, np.uint8)[::2], win, right), inv,
          "not C-contiguous"),
