@@ -124,9 +124,9 @@ class DeviceRuntime {
   virtual void write_words(const WindowState& sig, std::size_t index, std::size_t count, std::uint64_t value,
                            const char* call) = 0;
   virtual std::unique_ptr<DeviceHaloPlan> make_halo_plan(const DeviceHaloSpec& spec) = 0;
-  // Frees the memory of a device window once the device's earlier work is done, without
-  // waiting for it; raises Error(Timeout) (once) where the work before an earlier free has
-  // not ended within MESHMEM_TIMEOUT. The state is empty afterwards either way.
+  // Frees the memory of a device window once the device's earlier work is done; raises
+  // Error(Timeout) when that takes longer than MESHMEM_TIMEOUT (the memory is released
+  // later, when the work finishes). The state is empty afterwards either way.
   virtual void retire(WindowState& state, const char* call) = 0;
   // retire() of several windows with one bounded wait; logs instead of raising.
   virtual void retire_all(const std::vector<WindowState*>& states, const char* call) noexcept = 0;

@@ -39,14 +39,7 @@ void CudaDeviceRuntime::note_own_stream_route(const std::string& route) {
 }
 
 void CudaDeviceRuntime::create_local(WindowState& state, const std::string& what) {
-  try {
-    create_device_part(state, gpu_.device(), gpu_.granularity(), setup_stream_.get(), what);
-  } catch (const Error&) {
-    // Memory of windows freed before may still wait for the device's earlier work (retire):
-    // a failed allocation is tried once more after it is released.
-    if (!releaser_.pending() || !releaser_.wait_all(timeout_)) throw;
-    create_device_part(state, gpu_.device(), gpu_.granularity(), setup_stream_.get(), what);
-  }
+  create_device_part(state, gpu_.device(), gpu_.granularity(), setup_stream_.get(), what);
   state.peer.assign(static_cast<std::size_t>(size_), nullptr);
   state.peer[static_cast<std::size_t>(rank_)] = state.local;
 }
@@ -163,18 +156,12 @@ std::unique_ptr<DeviceHaloPlan> CudaDeviceRuntime::make_halo_plan(const DeviceHa
 }
 
 void CudaDeviceRuntime::retire(WindowState& state, const char* call) {
-  // The memory goes once the work issued before the free has ended, on the releaser's
-  // thread: a stream of this rank's may wait for a peer that sends only after its own free,
-  // so the caller must not wait for it. Only work that outlives the timeout is an error.
-  releaser_.submit(state);
-  if (timeout_.count() == 0) return;  // no timeout: the work is never overdue
-  const WindowReleaser::Overdue late = releaser_.take_overdue(timeout_);
-  if (late.ticket != 0)
+  const std::uint64_t ticket = releaser_.submit(state);
+  if (!releaser_.wait(ticket, timeout_))
     throw Error(ErrorCode::Timeout,
-                where(call) + ": work issued on this GPU before an earlier free has not finished (or a graph capture on this GPU is still open) after " +
-                    describe_timeout(late.waited) +
-                    " (a stream waiting for a signal or a barrier that never comes?); this window is freed, and the "
-                    "memory of both is released once that work ends");
+                where(call) + ": work issued on this GPU before the free has not finished (or a graph capture on this GPU is still open) after " + describe_timeout(timeout_) +
+                    " (a stream waiting for a signal or a barrier that never comes?); the window's memory is released "
+                    "once that work ends");
 }
 
 void CudaDeviceRuntime::retire_all(const std::vector<WindowState*>& states, const char* call) noexcept {

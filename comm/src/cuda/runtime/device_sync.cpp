@@ -204,7 +204,6 @@ std::uint64_t WindowReleaser::submit(WindowState& state) {
     std::lock_guard<std::mutex> lock(shared_->mutex);
     shared_->jobs.push_back(std::move(job));
     ticket = ++shared_->submitted;
-    shared_->submitted_at.emplace_back(ticket, std::chrono::steady_clock::now());
   }
   if (!thread_.joinable()) thread_ = std::thread(&WindowReleaser::serve, shared_, device_);
   shared_->wake.notify_all();
@@ -221,35 +220,6 @@ bool WindowReleaser::wait(std::uint64_t ticket, std::chrono::milliseconds timeou
   const bool ok = shared_->done.wait_for(lock, timeout, done);
   stuck_ = !ok;
   return ok;
-}
-
-bool WindowReleaser::wait_all(std::chrono::milliseconds timeout) {
-  std::uint64_t ticket = 0;
-  {
-    std::lock_guard<std::mutex> lock(shared_->mutex);
-    if (shared_->released >= shared_->submitted) return true;
-    ticket = shared_->submitted;
-  }
-  return wait(ticket, timeout);
-}
-
-bool WindowReleaser::pending() {
-  std::lock_guard<std::mutex> lock(shared_->mutex);
-  return shared_->released < shared_->submitted;
-}
-
-WindowReleaser::Overdue WindowReleaser::take_overdue(std::chrono::milliseconds age) {
-  std::lock_guard<std::mutex> lock(shared_->mutex);
-  auto& at = shared_->submitted_at;
-  while (!at.empty() && at.front().first <= shared_->released) at.pop_front();
-  const auto now = std::chrono::steady_clock::now();
-  for (const auto& [ticket, when] : at) {
-    if (ticket <= reported_) continue;
-    if (now - when < age) break;  // younger ones follow
-    reported_ = shared_->submitted;  // one report for every job waiting behind the same work
-    return Overdue{ticket, std::chrono::duration_cast<std::chrono::milliseconds>(now - when)};
-  }
-  return Overdue{};
 }
 
 void relax_capture_mode_of_this_thread() noexcept {

@@ -15,7 +15,6 @@
 #include <mutex>
 #include <string>
 #include <thread>
-#include <utility>
 #include <vector>
 
 #include "window_state.hpp"
@@ -108,17 +107,6 @@ class WindowReleaser {
   std::uint64_t submit(WindowState& state);
   // Whether every job up to `ticket` is released within `timeout` (0: waits for ever).
   bool wait(std::uint64_t ticket, std::chrono::milliseconds timeout);
-  // Whether every job submitted so far is released within `timeout` (0: waits for ever).
-  bool wait_all(std::chrono::milliseconds timeout);
-  // Whether a job waits for the device's earlier work.
-  bool pending();
-  // The oldest job still waiting for the device that was submitted over `age` ago and not
-  // reported before: its ticket and how long it has waited (ticket 0: none). Reports it once.
-  struct Overdue {
-    std::uint64_t ticket = 0;
-    std::chrono::milliseconds waited{0};
-  };
-  Overdue take_overdue(std::chrono::milliseconds age);
 
  private:
   struct Job {
@@ -130,8 +118,6 @@ class WindowReleaser {
     std::condition_variable wake, done;
     std::deque<Job> jobs;
     std::uint64_t submitted = 0, released = 0;
-    // When each job not yet released was submitted, oldest first (ticket, time).
-    std::deque<std::pair<std::uint64_t, std::chrono::steady_clock::time_point>> submitted_at;
     bool stop = false, finished = false;
   };
   static void serve(std::shared_ptr<Shared> shared, int device);
@@ -142,7 +128,6 @@ class WindowReleaser {
   std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
   std::thread thread_;
   bool stuck_ = false;
-  std::uint64_t reported_ = 0;  // take_overdue() has told of the jobs up to this ticket
 };
 
 }  // namespace meshmem::detail
