@@ -144,8 +144,23 @@ namespace {
 // __cuda_array_interface__ and their streams' handles there), and in its own attributes only
 // where it has any.
 bool has_attribute(py::handle obj, PyObject* name) {
-  if (_PyType_Lookup(Py_TYPE(obj.ptr()), name) != nullptr) return true;
-  return Py_TYPE(obj.ptr())->tp_dictoffset != 0 && py::hasattr(obj, name);
+  PyTypeObject* type = Py_TYPE(obj.ptr());
+  if (type->tp_getattro != PyObject_GenericGetAttr) return py::hasattr(obj, name);  // __getattr__ and the like
+  if (_PyType_Lookup(type, name) != nullptr) return true;
+  return type->tp_dictoffset != 0 && py::hasattr(obj, name);
+}
+
+// obj.name, or a null object where it has none (an unset __slots__ member is found on the type
+// but raises AttributeError).
+py::object attribute_or_null(py::handle obj, PyObject* name) {
+  if (!has_attribute(obj, name)) return py::object();
+  PyObject* value = PyObject_GetAttr(obj.ptr(), name);
+  if (value == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw py::error_already_set();
+    PyErr_Clear();
+    return py::object();
+  }
+  return py::reinterpret_steal<py::object>(value);
 }
 
 bool has_cuda_array_interface(py::handle obj) {
@@ -236,12 +251,12 @@ Stream stream_of(py::handle s, const char* call) {
   static PyObject* const protocol = PyUnicode_InternFromString("__cuda_stream__");
   static PyObject* const torch_handle = PyUnicode_InternFromString("cuda_stream");
   static PyObject* const cupy_handle = PyUnicode_InternFromString("ptr");
-  if (has_attribute(s, protocol)) {
-    py::tuple t = s.attr(protocol)().cast<py::tuple>();
+  if (py::object f = attribute_or_null(s, protocol)) {
+    py::tuple t = f().cast<py::tuple>();
     return from_int(t[1]);
   }
-  if (has_attribute(s, torch_handle)) return from_int(s.attr(torch_handle));  // torch.cuda.Stream
-  if (has_attribute(s, cupy_handle)) return from_int(s.attr(cupy_handle));    // cupy.cuda.Stream
+  if (py::object h = attribute_or_null(s, torch_handle)) return from_int(h);  // torch.cuda.Stream
+  if (py::object h = attribute_or_null(s, cupy_handle)) return from_int(h);   // cupy.cuda.Stream
   invalid(std::string(call) + ": stream must be None, an integer handle, a cupy.cuda.Stream or a "
                               "torch.cuda.Stream; got " + type_name(s));
 }

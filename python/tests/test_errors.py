@@ -56,6 +56,19 @@ class InstanceHandleStream:
         self.ptr = 12345
 
 
+class GetattrStream:
+    __slots__ = ()
+
+    def __getattr__(self, name):
+        if name == "ptr":
+            return 12345
+        raise AttributeError(name)
+
+
+class UnsetSlotStream:
+    __slots__ = ("ptr",)  # never set: found on the type, absent on the object
+
+
 def bad_cases(comm, win, sig):
     """(name, call, code, words the message must contain) for a put to the right neighbour."""
     right = (comm.rank + 1) % comm.size
@@ -93,6 +106,10 @@ def bad_cases(comm, win, sig):
         ("stream handle in an instance attribute",
          lambda: comm.put(win, right, src8(), stream=InstanceHandleStream()), uns, "host windows"),
         ("object without a stream handle", lambda: comm.put(win, right, src8(), stream=object()), inv,
+         "stream must be"),
+        ("stream handle from __getattr__", lambda: comm.put(win, right, src8(), stream=GetattrStream()), uns,
+         "host windows"),
+        ("unset __slots__ handle", lambda: comm.put(win, right, src8(), stream=UnsetSlotStream()), inv,
          "stream must be"),
         ("get into a read-only array", lambda: comm.get(ro, win, right), inv, "read-only"),
         ("get into a non-contiguous array", lambda: comm.get(np.zeros(16, np.uint8)[::2], win, right), inv,
