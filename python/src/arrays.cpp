@@ -200,7 +200,10 @@ void span_of(Span& out, py::handle obj, bool writable, const std::string& call, 
     return;
   }
   // PyTorch: the tensor's own accessors (its __cuda_array_interface__ is slow and CPU tensors have none).
-  if (py::hasattr(obj, "data_ptr") && py::hasattr(obj, "element_size") && py::hasattr(obj, "is_contiguous")) {
+  static PyObject* const data_ptr = PyUnicode_InternFromString("data_ptr");
+  static PyObject* const element_size = PyUnicode_InternFromString("element_size");
+  static PyObject* const is_contiguous = PyUnicode_InternFromString("is_contiguous");
+  if (has_attribute(obj, data_ptr) && has_attribute(obj, element_size) && has_attribute(obj, is_contiguous)) {
     if (!obj.attr("is_contiguous")().cast<bool>())
       invalid(at() + " (a torch tensor) is not contiguous; pass tensor.contiguous(); nothing was written");
     out.ptr = reinterpret_cast<void*>(obj.attr("data_ptr")().cast<std::uintptr_t>());
