@@ -17,7 +17,7 @@ endif()
 # staged_bench: the staged transport (forced with MESHMEM_TRANSPORTS=staged,shm,mpi) against
 # D2H / H2D copies and the driver's host-staged cudaMemcpyPeerAsync (bench/README.md).
 if(MESHMEM_HAVE_CUDA)
-  add_executable(staged_bench staged_bench.cu)
+  add_executable(staged_bench staged_bench.cu staged_bench_pingpong.cu)
   target_link_libraries(staged_bench PRIVATE meshmem::meshmem)
 endif()
 # cross_host_bench: device windows between two nodes (separate hosts or simulated): meshmem's

@@ -22,8 +22,13 @@
 //   d2h, h2d           cudaMemcpyAsync between rank 0's GPU and pinned host memory
 //   both-ways          the staged pipeline's two halves at once: d2h on one GPU and h2d on the
 //                      other (rank 0's process drives both), each on its own stream
+//   staged_put_signal meshmem-pingpong-one-way: rank 0 put_signals to rank 1, whose stream
+//                      waits for the signal and put_signals back, stream-ordered on both sides;
+//                      half the round trip (sizes up to 64 MiB); meshmem-host-call and
+//                      meshmem-wait-host-call: rank 0's host time in one put_signal and in one
+//                      wait_until of that loop (staged_bench_pingpong.cu)
 // Benchmarks staged_put (rank 0 -> rank 1; driver-staged this GPU -> the other) and
-// staged_get (the reverse). Prints an OSU-style table and the target ratios; --csv appends
+// staged_get (the reverse), then staged_put_signal. Prints an OSU-style table and the target ratios; --csv appends
 // the rows in the bench/results format.
 //   mpirun -np 2 staged_bench [--csv FILE --commit C --machine M --date D]
 //                             [--min-bytes N] [--max-bytes N] [--iters N] [--reps N] [--call-times]
@@ -55,6 +60,8 @@
 
 #include "bench_check.hpp"
 #include "results_csv.hpp"
+#include "staged_bench_data.cuh"
+#include "staged_bench_pingpong.hpp"
 
 namespace {
 
@@ -64,69 +71,16 @@ using Clock = std::chrono::steady_clock;
 constexpr std::size_t kKiB = std::size_t{1} << 10;
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 constexpr std::size_t kGiB = std::size_t{1} << 30;
-constexpr std::size_t kGuard = 4 * kKiB;          // bytes past the destination that must stay untouched
-constexpr unsigned char kPoison = 0xEE;
+using staged_data::kGuard;
+using staged_data::kPoison;
 constexpr std::size_t kLoopBytes = 4 * kGiB;      // a timed loop moves at most this much (at least 3 ops)
 constexpr std::size_t kRatioFrom = 64 * kMiB;     // the summary's ratios: sizes from here up
 
-// ---- the data check: a pseudo-random byte pattern made and compared on the GPU ----
-
-__device__ __forceinline__ unsigned char pattern_byte(unsigned long long seed, std::size_t i) {
-  unsigned long long z = seed + static_cast<unsigned long long>(i >> 3) * 0x9E3779B97F4A7C15ull;  // splitmix64
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return static_cast<unsigned char>(z >> ((i & 7) * 8));
-}
-
-__global__ void fill_pattern(unsigned char* p, std::size_t n, unsigned long long seed) {
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    p[i] = pattern_byte(seed, i);
-}
-
-// out[0] += bytes of p[0, n) that differ from the pattern (constant < 0) or from `constant`;
-// out[1] = min(out[1], the first such index).
-__global__ void count_mismatches(const unsigned char* p, std::size_t n, unsigned long long seed, int constant,
-                                 unsigned long long* out) {
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  unsigned long long count = 0, first = ~0ull;
-  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const unsigned char want = constant < 0 ? pattern_byte(seed, i) : static_cast<unsigned char>(constant);
-    if (p[i] != want) {
-      if (count == 0) first = i;
-      ++count;
-    }
-  }
-  if (count != 0) {
-    atomicAdd(&out[0], count);
-    atomicMin(&out[1], first);
-  }
-}
-
-constexpr int kBlocks = 1024, kThreads = 256;
-
-void fill(void* p, std::size_t n, unsigned long long seed, cudaStream_t s) {
-  fill_pattern<<<kBlocks, kThreads, 0, s>>>(static_cast<unsigned char*>(p), n, seed);
-  CK(cudaGetLastError());
-  CK(cudaStreamSynchronize(s));
-}
-
-struct Mismatch {
-  unsigned long long count = 0, first = ~0ull;
-};
-
-// Compares p[0, n) (a buffer of the current GPU) with the pattern (constant < 0) or a byte.
-Mismatch compare(const void* p, std::size_t n, unsigned long long seed, int constant, unsigned long long* counters,
-                 cudaStream_t s) {
-  Mismatch m;
-  CK(cudaMemcpyAsync(counters, &m, sizeof(m), cudaMemcpyHostToDevice, s));
-  count_mismatches<<<kBlocks, kThreads, 0, s>>>(static_cast<const unsigned char*>(p), n, seed, constant, counters);
-  CK(cudaGetLastError());
-  CK(cudaMemcpyAsync(&m, counters, sizeof(m), cudaMemcpyDeviceToHost, s));
-  CK(cudaStreamSynchronize(s));
-  return m;
-}
+using staged_data::compare;
+using staged_data::count_mismatches;
+using staged_data::fill;
+using staged_data::fill_pattern;
+using staged_data::Mismatch;
 
 // ---- command line ----
 
@@ -568,6 +522,27 @@ int measure(const Setup& cfg) {
           }
           if (std::strcmp(v.name, "d2h") == 0) record(bench_name, "d2h-host-call-first", size, v.best_first_op_ns / 1e3, -1);
         }
+      }
+    }
+  }
+
+  // The put_signal ping-pong (sizes up to 64 MiB): one way, and each call's host time.
+  if (staged) {
+    std::vector<std::size_t> pingpong_sizes;
+    for (std::size_t size : sizes)
+      if (size <= 64 * kMiB) pingpong_sizes.push_back(size);
+    if (!pingpong_sizes.empty()) {
+      const auto rows = staged_pingpong::put_signal_pingpong(comm, win, pingpong_sizes, cfg.iters, cfg.reps, s, counters, g_rank);
+      for (const auto& r : rows) {
+        if (!r.ok) failed = true;
+        if (!origin) continue;
+        if (!r.ok) {
+          std::printf("  %-10s %-17s %12zu   (left out: the data check failed)\n", "staged_put_signal", "meshmem-pingpong", r.size);
+          continue;
+        }
+        record("staged_put_signal", "meshmem-pingpong-one-way", r.size, r.one_way_us, static_cast<double>(r.size) / r.one_way_us / 1e3);
+        record("staged_put_signal", "meshmem-host-call", r.size, r.put_signal_call_us, -1);
+        record("staged_put_signal", "meshmem-wait-host-call", r.size, r.wait_call_us, -1);
       }
     }
   }
