@@ -28,8 +28,8 @@
 //                      meshmem-wait-host-call: rank 0's host time in one put_signal and in one
 //                      wait_until of that loop (staged_bench_pingpong.cu)
 // Benchmarks staged_put (rank 0 -> rank 1; driver-staged this GPU -> the other) and
-// staged_get (the reverse), then staged_put_signal. Prints an OSU-style table and the target ratios; --csv appends
-// the rows in the bench/results format.
+// staged_get (the reverse), then staged_put_signal. Prints an OSU-style table and the target
+// ratios; --csv appends the rows in the bench/results format.
 //   mpirun -np 2 staged_bench [--csv FILE --commit C --machine M --date D]
 //                             [--min-bytes N] [--max-bytes N] [--iters N] [--reps N] [--call-times]
 //     --call-times: also prints each meshmem call's host time, of every timed loop
