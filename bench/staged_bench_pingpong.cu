@@ -30,8 +30,9 @@ std::vector<Row> put_signal_pingpong(meshmem::Comm& comm, const meshmem::Window&
     Row row;
     row.size = size;
     const int iters = static_cast<int>(std::max<std::size_t>(3, std::min<std::size_t>(iters_wanted, kLoopBytes / size)));
-    const unsigned long long seed = 0x3000ull + size + static_cast<unsigned long long>(rank);
-    staged_data::fill(src, size, seed, s);
+    // Each rank sends its own pattern; the check reads the peer's.
+    const auto seed_of = [size](int r) { return 0x3000ull + size + static_cast<unsigned long long>(r); };
+    staged_data::fill(src, size, seed_of(rank), s);
     CK(cudaMemsetAsync(win.local(), staged_data::kPoison, size + staged_data::kGuard, s));
     CK(cudaStreamSynchronize(s));
     comm.barrier();
@@ -63,7 +64,7 @@ std::vector<Row> put_signal_pingpong(meshmem::Comm& comm, const meshmem::Window&
     CK(cudaStreamSynchronize(s));
     comm.barrier();
     // Every byte: this rank's part holds the peer's pattern, the guard behind it still poison.
-    const staged_data::Mismatch data = staged_data::compare(win.local(), size, 0x3000ull + size + peer, -1, counters, s);
+    const staged_data::Mismatch data = staged_data::compare(win.local(), size, seed_of(peer), -1, counters, s);
     const staged_data::Mismatch tail = staged_data::compare(static_cast<const char*>(win.local()) + size, staged_data::kGuard,
                                                             0, staged_data::kPoison, counters, s);
     if (data.count != 0 || tail.count != 0)
