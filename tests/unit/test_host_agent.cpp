@@ -10,10 +10,12 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cuda/agent/host_agent.hpp"
 #include "meshmem/error.hpp"
+#include "meshmem/ipc/awake_clock.hpp"
 
 using meshmem::Error;
 using meshmem::ErrorCode;
@@ -182,4 +184,159 @@ TEST(HostAgentCore, KeepsTheFirstErrorAndHandsItOverOnce) {
   core.note_error("after the first was raised", ErrorCode::Timeout);
   EXPECT_EQ(core.take_error(&code), "after the first was raised");
   EXPECT_EQ(code, ErrorCode::Timeout);
+}
+
+// ---- words the GPU or another process ends (the staging agent's lanes and hidden peers) ----
+
+TEST(HostAgentCore, AReturnedWordComesBackOnceItsCounterGetsThere) {
+  std::vector<std::uint64_t> words(1, 0);
+  Core core(words.data(), words.size(), kShort);
+  std::size_t w = 99;
+  ASSERT_TRUE(core.try_take_word(&w));
+  std::uint64_t lane_counter = 0;
+  core.return_when(w, &lane_counter, 3, 8, Core::Return::Always);
+  std::size_t again = 99;
+  lane_counter = 2;
+  EXPECT_FALSE(core.try_take_word(&again)) << "a word came back before its lane's counter reached its end";
+  __atomic_store_n(&lane_counter, 3, __ATOMIC_RELEASE);
+  ASSERT_TRUE(core.try_take_word(&again));
+  EXPECT_EQ(again, w);
+  EXPECT_FALSE(core.try_take_word(&again)) << "the word came back twice";
+}
+
+TEST(HostAgentCore, AWordWhoseEndCarriesARetiredBitIsNeverLentAgain) {
+  constexpr std::uint64_t kGivenUp = std::uint64_t(1) << 62;
+  std::vector<std::uint64_t> words(2, 0);
+  Core core(words.data(), words.size(), kShort, 2, kGivenUp);
+  std::size_t a = 99, b = 99;
+  ASSERT_TRUE(core.try_take_word(&a));
+  ASSERT_TRUE(core.try_take_word(&b));
+  core.return_when(a, &words[a], 4, 4, Core::Return::UnlessRetired);
+  core.return_when(b, &words[b], 6, 6, Core::Return::UnlessRetired);
+  words[a] = 4 | kGivenUp;  // its caller's wait gave up: the reader may still write its end
+  words[b] = 6;
+  std::size_t w = 99;
+  ASSERT_TRUE(core.try_take_word(&w));
+  EXPECT_EQ(w, b);
+  EXPECT_FALSE(core.try_take_word(&w)) << "a word marked given up was lent again";
+  EXPECT_TRUE(core.returns_on(&words[a]).empty()) << "the given-up word's return is still pending";
+}
+
+TEST(HostAgentCore, RetireDropsAReturnOnlyWhileItsTransferHasNotEnded) {
+  std::vector<std::uint64_t> words(2, 0);
+  Core core(words.data(), words.size(), kShort);
+  std::size_t a = 99, b = 99;
+  ASSERT_TRUE(core.try_take_word(&a));
+  ASSERT_TRUE(core.try_take_word(&b));
+  core.return_when(a, &words[a], 2, 2, Core::Return::UnlessRetired);
+  core.return_when(b, &words[b], 4, 4, Core::Return::UnlessRetired);
+  EXPECT_FALSE(core.retire(a, 3)) << "retired another transfer's return";
+  EXPECT_TRUE(core.retire(a, 2));
+  EXPECT_FALSE(core.retire(a, 2)) << "retired twice";
+  words[b] = 4;  // b ended by itself: it goes back as usual
+  EXPECT_FALSE(core.retire(b, 4)) << "an ended transfer's word was retired";
+  words[a] = 2;  // a late end of the retired transfer
+  std::size_t w = 99;
+  ASSERT_TRUE(core.try_take_word(&w));
+  EXPECT_EQ(w, b);
+  EXPECT_FALSE(core.try_take_word(&w)) << "a retired word came back";
+}
+
+TEST(HostAgentCore, ReturnsOnListsTheWordsWaitingForOneCounterOldestFirst) {
+  std::vector<std::uint64_t> words(4, 0);
+  Core core(words.data(), words.size(), kShort);
+  std::uint64_t lane0 = 0, lane1 = 0;
+  std::size_t w[3];
+  for (auto& x : w) ASSERT_TRUE(core.try_take_word(&x));
+  core.return_when(w[0], &lane0, 1, 10, Core::Return::Always);
+  core.return_when(w[1], &lane1, 1, 12, Core::Return::Always);
+  core.return_when(w[2], &lane0, 2, 14, Core::Return::Always);
+  using Pending = std::vector<std::pair<std::size_t, std::uint64_t>>;
+  EXPECT_EQ(core.returns_on(&lane0), (Pending{{w[0], 10}, {w[2], 14}}));
+  EXPECT_EQ(core.returns_on(&lane1), (Pending{{w[1], 12}}));
+  lane0 = 1;
+  core.reclaim();
+  EXPECT_EQ(core.returns_on(&lane0), (Pending{{w[2], 14}})) << "an ended return is still listed";
+}
+
+TEST(HostAgentCore, TicketsGoUpByTheStepAndAreNumberedBeforeTheThreadSeesThem) {
+  std::vector<std::uint64_t> words(4, 0);
+  Core core(words.data(), words.size(), kShort, 2);
+  std::vector<std::uint64_t> seen;
+  for (int i = 0; i < 3; ++i) {
+    std::size_t w = 99;
+    ASSERT_TRUE(core.try_take_word(&w));
+    const std::uint64_t t = core.submit(FakeRequest{w, 0, i}, [&](const FakeRequest& r) {
+      seen.push_back(r.ticket);
+      EXPECT_EQ(r.payload, i);
+    });
+    EXPECT_EQ(t, seen.back());
+  }
+  EXPECT_EQ(seen, (std::vector<std::uint64_t>{2, 4, 6}));
+}
+
+TEST(HostAgentCore, WaitUntilEndedCountsEndsAndOutsideWorkAndSeesAStop) {
+  using Clock = meshmem::ipc::AwakeClock;
+  std::vector<std::uint64_t> words(2, 0);
+  Core core(words.data(), words.size(), kShort);
+  EXPECT_EQ(core.wait_until_ended(Clock::now()), Core::Ended::All);
+  core.submit(FakeRequest{0, 0, 0});
+  core.add_outside_work();
+  EXPECT_EQ(core.wait_until_ended(Clock::now() + kShort), Core::Ended::TimedOut);
+  std::thread ender([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    core.count_ended();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    core.outside_work_ended();
+  });
+  const auto t0 = Clock::now();
+  EXPECT_EQ(core.wait_until_ended(Clock::now() + std::chrono::seconds(5)), Core::Ended::All);
+  EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(30)) << "returned before the outside work ended";
+  ender.join();
+  core.submit(FakeRequest{1, 0, 0});
+  core.request_stop();
+  EXPECT_EQ(core.wait_until_ended(Clock::now() + std::chrono::seconds(5)), Core::Ended::Stopping);
+}
+
+TEST(HostAgentCore, TakingRequestsSeeingStopMovesThemAllAlsoWhenStopping) {
+  std::vector<std::uint64_t> words(4, 0);
+  Core core(words.data(), words.size(), kShort);
+  core.submit(FakeRequest{0, 0, 1});
+  FakeQueue q;
+  EXPECT_FALSE(core.take_requests_seeing_stop(q));
+  core.submit(FakeRequest{1, 0, 2});
+  core.submit(FakeRequest{2, 0, 3});
+  core.request_stop();
+  EXPECT_TRUE(core.take_requests_seeing_stop(q));
+  ASSERT_EQ(q.items.size(), 3u) << "requests queued before the stop were lost (their streams would wait)";
+  EXPECT_EQ(q.items[2].payload, 3);
+}
+
+TEST(HostAgentCore, WaitForRequestsWakesOnASubmitAStopAWakeAndIsBounded) {
+  std::vector<std::uint64_t> words(4, 0);
+  Core core(words.data(), words.size(), kShort);
+  const auto t0 = std::chrono::steady_clock::now();
+  core.wait_for_requests(std::chrono::milliseconds(30), [] { return false; });
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(30));
+  std::atomic<bool> flag{false};
+  auto waits_until = [&](auto poke) {
+    std::thread poker([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      poke();
+    });
+    const auto start = std::chrono::steady_clock::now();
+    core.wait_for_requests(std::chrono::microseconds(0), [&] { return flag.load(); });  // no bound
+    poker.join();
+    return std::chrono::steady_clock::now() - start;
+  };
+  EXPECT_LT(waits_until([&] { core.submit(FakeRequest{0, 0, 0}); }), std::chrono::seconds(5));
+  FakeQueue q;
+  core.take_requests_seeing_stop(q);
+  EXPECT_LT(waits_until([&] {
+              flag = true;
+              core.wake();
+            }),
+            std::chrono::seconds(5));
+  flag = false;
+  EXPECT_LT(waits_until([&] { core.request_stop(); }), std::chrono::seconds(5));
 }

@@ -11,6 +11,7 @@
 #include "node_meeting.hpp"
 #include "topology.hpp"
 #include "transport_registry.hpp"
+#include "cuda/agent/stream_handoff.hpp"
 #include "cuda/runtime/cuda_owners.hpp"
 #include "cuda/runtime/gpu_device.hpp"
 #include "cuda/runtime/stream_ops.hpp"
@@ -64,10 +65,7 @@ class ProxyBarrier final : public StreamBarrier {
   void arrive(Stream stream, bool capturing) override {
     const auto s = static_cast<cudaStream_t>(stream);
     if (!capturing) return proxy_.enqueue(s, where(topo_));
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    cudaGraph_t graph = nullptr;
-    ipc::check_cuda(cudaStreamGetCaptureInfo(s, &status, nullptr, &graph), "cudaStreamGetCaptureInfo", where(topo_));
-    proxy_.capture(s, graph, where(topo_));
+    proxy_.capture(s, capture_of(s, where(topo_)).graph, where(topo_));
   }
   std::string describe() const override {
     return "through a proxy thread over MPI (ranks span nodes or unmapped GPUs)";

@@ -9,6 +9,7 @@
 #include "log.hpp"
 #include "topology.hpp"
 #include "cuda/agent/captured_handoff.hpp"
+#include "cuda/agent/stream_handoff.hpp"
 #include "cuda/proxy/transfer_proxy.hpp"
 #include "cuda/runtime/event_pool.hpp"
 #include "cuda/runtime/gpu_queues.hpp"
@@ -143,10 +144,7 @@ void ProxyTransport::settle() noexcept {
 }
 
 Reach ProxyTransport::reach(int rank, Memory memory) const {
-  if (memory != Memory::Device) return Reach::no("device windows only");
-  if (device_ == nullptr) return Reach::no("device windows are unavailable");
-  if (!no_route_[rank].empty()) return Reach::no(no_route_[rank]);
-  return Reach::yes();
+  return agent_reach(memory, device_ != nullptr, no_route_[rank]);
 }
 
 std::string ProxyTransport::what(const char* op, int target) const {
@@ -223,11 +221,7 @@ bool pageable(const void* p) {
 }
 }  // namespace
 
-void ProxyTransport::raise_earlier_failure(const std::string& where) {
-  ErrorCode code = ErrorCode::Cuda;
-  const std::string error = proxy_->take_error(&code);
-  if (!error.empty()) throw Error(code, where + ": an earlier transfer failed: " + error);
-}
+void ProxyTransport::raise_earlier_failure(const std::string& where) { raise_kept_error(*proxy_, where); }
 
 void ProxyTransport::quiet(Stream) {
   if (proxy_) raise_earlier_failure(std::string(name_) + " transport on rank " + std::to_string(ctx_.topo.rank));
@@ -237,10 +231,8 @@ void ProxyTransport::transfer(ProxyRequest r, Stream stream, const char* name) {
   if (!proxy_) throw Error(ErrorCode::Internal, what(name, r.peer) + ": the transport is not connected");
   raise_earlier_failure(what(name, r.peer));
   const auto s = static_cast<cudaStream_t>(stream);
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  cudaGraph_t graph = nullptr;
-  ipc::check_cuda(cudaStreamGetCaptureInfo(s, &status, nullptr, &graph), "cudaStreamGetCaptureInfo", what(name, r.peer));
-  const bool capturing = status == cudaStreamCaptureStatusActive;
+  const StreamCapture capture = capture_of(s, what(name, r.peer));
+  const bool capturing = capture.active;
   if (capturing && r.bytes > 0 && (r.is_get ? pageable(r.dst) : pageable(r.src)))
     throw Error(ErrorCode::Unsupported, what(name, r.peer) +
                                             ": pageable host memory cannot be captured into a CUDA graph here (it would "
@@ -278,7 +270,7 @@ void ProxyTransport::transfer(ProxyRequest r, Stream stream, const char* name) {
   }
   if (capturing) {
     try {
-      capture_transfer(r, graph, s, name, words);
+      capture_transfer(r, capture.graph, s, name, words);
     } catch (...) {
       if (bounce != nullptr) (void)cudaFreeAsync(bounce, s);
       throw;

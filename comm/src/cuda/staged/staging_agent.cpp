@@ -55,10 +55,7 @@ ChannelReader::Agent StagingAgent::reader_links() {
   a.windows = &windows_;
   a.keep_error = [this](const std::string& message) { keep_error(message); };
   a.answer = [this](std::size_t from, StagedOutgoing answer) -> StagedOutgoing& {
-    {
-      std::lock_guard<std::mutex> lock(ledger_.m);
-      ++ledger_.answers;
-    }
+    core_.add_outside_work();
     return writer_.queue(from, std::move(answer));
   };
   return a;
@@ -88,9 +85,9 @@ VisibleCopier::Agent StagingAgent::copier_links() {
   a.keep_error = [this](const std::string& message, ErrorCode code) { keep_error(message, code); };
   a.fail = [this](const StagedRequest& r, const std::string& message) { fail(r, message); };
   a.end_enqueued = [this](Lane& to, const StagedRequest& r) {
-    std::lock_guard<std::mutex> lock(ledger_.m);
     ++to.ended;
-    if (r.word_is_lent) to.lent.push_back(Lane::LentEnd{to.ended, r.word, r.ticket});
+    if (r.word_is_lent)
+      core_.return_when(r.word, site_.control.lane_done(to.ordinal), to.ended, r.ticket, Core::Return::Always);
   };
   a.ended = [this] { ended(false); };
   return a;
@@ -105,10 +102,9 @@ StreamWatchdog::Agent StagingAgent::watchdog_links() {
   a.keep_error = [this](const std::string& message, ErrorCode code) { keep_error(message, code); };
   a.unended = [this](const Lane& lane) {
     std::vector<std::pair<std::uint64_t*, std::uint64_t>> ends;
-    std::lock_guard<std::mutex> lock(ledger_.m);
-    for (const Lane::LentEnd& l : lane.lent) {
-      std::uint64_t* done = site_.control.transfer(l.word);
-      if (__atomic_load_n(done, __ATOMIC_ACQUIRE) < l.ticket) ends.emplace_back(done, l.ticket);
+    for (const auto& [word, ticket] : core_.returns_on(site_.control.lane_done(lane.ordinal))) {
+      std::uint64_t* done = site_.control.transfer(word);
+      if (__atomic_load_n(done, __ATOMIC_ACQUIRE) < ticket) ends.emplace_back(done, ticket);
     }
     return ends;
   };
@@ -121,6 +117,9 @@ std::string agent_name(int rank) { return "staged transport on rank " + std::to_
 
 StagingAgent::StagingAgent(Setup setup)
     : site_(site_of(setup)),
+      // Tickets go up by 2: a put with source completion has its source read written as
+      // ticket - 1, which no earlier transfer of its word can have reached.
+      core_(site_.control.transfer(0), site_.control.transfer_count(), site_.timeout, 2, cuda::kTransferGivenUp),
       faults_(std::move(setup.faults)),
       trace_(setup.trace_prefix.empty() ? "" : setup.trace_prefix + "." + std::to_string(setup.rank),
              setup.trace_prefix.empty() ? 0 : kTraceSteps),
@@ -140,7 +139,6 @@ StagingAgent::StagingAgent(Setup setup)
                                             std::to_string(setup.ranks) +
                                             " in the Comm leave too few of the staging pool's control words");
   std::memset(site_.control.base, 0, ControlWords::kBytes);
-  for (std::size_t i = site_.control.transfer_count(); i-- > 0;) ledger_.free_words.push_back(i);
   pulse_ = std::make_shared<WorkerPulse>("the staging agent of rank " + std::to_string(site_.rank));
   register_worker_pulse(pulse_);
   thread_ = std::thread([this] { run(); });
@@ -162,22 +160,9 @@ StagingAgent::~StagingAgent() {
 }
 
 void StagingAgent::stop() noexcept {
-  {
-    std::lock_guard<std::mutex> lock(ledger_.m);
-    ledger_.stop = true;
-  }
-  ledger_.cv.notify_all();
+  core_.request_stop();
   if (thread_.joinable()) thread_.join();
   if (pulse_) pulse_->stop();  // the agent may live on (window attachments): not "stuck"
-}
-
-bool StagingAgent::try_take_word(std::size_t* word) {
-  std::lock_guard<std::mutex> lock(ledger_.m);
-  reclaim_words();  // every time, not only when none is left: words are reused at once (and so tested)
-  if (ledger_.free_words.empty()) return false;
-  *word = ledger_.free_words.back();
-  ledger_.free_words.pop_back();
-  return true;
 }
 
 std::uint64_t* StagingAgent::lend_word(StagedRequest& r, const std::string& what) {
@@ -206,44 +191,34 @@ bool StagingAgent::try_hold_word(StagedRequest& r) {
   return true;
 }
 
-void StagingAgent::release_word(std::size_t word) {
-  std::lock_guard<std::mutex> lock(ledger_.m);
-  ledger_.free_words.push_back(word);
-}
+void StagingAgent::release_word(std::size_t word) { core_.release_word(word); }
 
+// Free once its last replay's transfer ended: a late end of one whose wait gave up must not
+// move a reused word back (nor one it marked given up be lent again).
 void StagingAgent::release_captured_word(std::size_t word, const std::uint64_t* done, std::uint64_t last) {
-  std::lock_guard<std::mutex> lock(ledger_.m);
   if (last == 0 || __atomic_load_n(done, __ATOMIC_ACQUIRE) >= last)
-    ledger_.free_words.push_back(word);
+    core_.release_word(word);
   else
-    ledger_.released_captured.push_back(CapturedEnd{done, last, word});
+    core_.return_when(word, done, last, last, Core::Return::UnlessRetired);
 }
 
 std::uint64_t StagingAgent::submit(StagedRequest r) {
-  std::lock_guard<std::mutex> lock(ledger_.m);
-  // Even: a put with source completion has its source read written as ticket - 1, which no
-  // earlier transfer of its word can have reached.
-  r.ticket = 2 * ++ledger_.submitted;
-  trace_.record('S', r.peer, r.ticket);
-  ledger_.queue.push_back(r);
-  ledger_.cv.notify_all();
-  return r.ticket;
+  return core_.submit(r, [&](const StagedRequest& numbered) { trace_.record('S', numbered.peer, numbered.ticket); });
 }
 
 void StagingAgent::withdraw(std::uint64_t ticket, std::uint64_t* ready) {
   {
-    std::lock_guard<std::mutex> lock(ledger_.m);
-    ledger_.withdrawn.push_back(ticket);
-    ledger_.withdrawn_count.store(ledger_.withdrawn.size(), std::memory_order_release);
+    std::lock_guard<std::mutex> lock(withdrawn_.m);
+    withdrawn_.tickets.push_back(ticket);
+    withdrawn_.count.store(withdrawn_.tickets.size(), std::memory_order_release);
   }
   __atomic_store_n(ready, ticket, __ATOMIC_RELEASE);  // after the list: the agent looks there once it sees this
 }
 
 void StagingAgent::captured_added() {
-  // Under ledger_.m: the thread either sees the capture when it next decides to sleep, or sleeps
-  // already and gets the notification.
-  { std::lock_guard<std::mutex> lock(ledger_.m); }
-  ledger_.cv.notify_all();
+  // The thread either sees the capture when it next decides to sleep, or sleeps already and
+  // gets the notification.
+  core_.wake();
 }
 
 void StagingAgent::add_window(std::uint64_t id, void* local, std::size_t bytes) { windows_.add(id, local, bytes); }
@@ -290,19 +265,6 @@ void StagingAgent::remove_window(std::uint64_t id) {
                              std::to_string(id) + " did not end before it was freed");
 }
 
-// The first error since the caller last took it is the one its next call raises; later ones
-// are only logged.
-void StagingAgent::keep_error(const std::string& message, ErrorCode code) {
-  std::lock_guard<std::mutex> lock(ledger_.m);
-  keep_error_locked(message, code);
-}
-
-void StagingAgent::keep_error_locked(const std::string& message, ErrorCode code) {
-  if (!ledger_.error.empty()) return;
-  ledger_.error = message;
-  ledger_.error_code = code;
-}
-
 std::string StagingAgent::take_error(ErrorCode* code) {
   *code = ErrorCode::Cuda;
   std::string failed;
@@ -315,18 +277,16 @@ std::string StagingAgent::take_error(ErrorCode* code) {
       seen = now;
     }
   }
-  std::lock_guard<std::mutex> lock(ledger_.m);
-  if (!ledger_.error.empty()) *code = ledger_.error_code;
-  if (!failed.empty()) return ledger_.error.empty() ? failed : std::exchange(ledger_.error, std::string()) + "; " + failed;
-  return std::exchange(ledger_.error, std::string());
+  ErrorCode kept = ErrorCode::Cuda;
+  std::string error = core_.take_error(&kept);
+  if (!error.empty()) *code = kept;
+  if (!failed.empty()) return error.empty() ? failed : error + "; " + failed;
+  return error;
 }
 
 bool StagingAgent::drain() noexcept {
   const auto deadline = Clock::now() + (site_.timeout.count() == 0 ? std::chrono::hours(24 * 365) : site_.timeout);
-  {
-    std::unique_lock<std::mutex> lock(ledger_.m);
-    if (!ledger_.cv.wait_until(lock, deadline, [&] { return (ledger_.handled == ledger_.submitted && ledger_.answers == 0) || ledger_.stop; })) return false;
-  }
+  if (core_.wait_until_ended(deadline) == Core::Ended::TimedOut) return false;
   Backoff backoff;
   auto idle = [&](cudaStream_t stream, int device) {
     CurrentDevice current(device);
@@ -340,38 +300,19 @@ bool StagingAgent::drain() noexcept {
   for (auto& [d, lane] : lanes_)
     if (!idle(lane.stream, d)) return false;
   for (;;) {
-    {
-      std::lock_guard<std::mutex> lock(ledger_.m);
-      reclaim_words();
-      if (ledger_.remote_lent.empty()) break;
-    }
+    core_.reclaim();
+    if (!remote_ends_pending()) break;
     if (Clock::now() > deadline) return false;
     backoff.pause();
   }
   return reader_.stream() == nullptr || idle(reader_.stream(), site_.device);
 }
 
-void StagingAgent::reclaim_words() {
-  for (auto& [d, lane] : lanes_) {
-    const std::uint64_t done = __atomic_load_n(site_.control.lane_done(lane.ordinal), __ATOMIC_ACQUIRE);
-    while (!lane.lent.empty() && lane.lent.front().count <= done) {
-      ledger_.free_words.push_back(lane.lent.front().word);
-      lane.lent.pop_front();
-    }
-  }
-  // A hidden peer (or this rank's incoming stream) wrote the done word itself: its last write;
-  // a released graph's word: its last transfer's end. Either way the word is free once the
-  // done word reached the ticket. One its caller's wait kernel gave up (kTransferGivenUp) is
-  // never lent again, as end_overdue's: the reader may still write its end later.
-  auto ended = [&](const auto& e) {
-    const std::uint64_t done = __atomic_load_n(e.done, __ATOMIC_ACQUIRE);
-    if (done < e.ticket) return false;
-    if ((done & cuda::kTransferGivenUp) == 0) ledger_.free_words.push_back(e.word);
-    return true;
-  };
-  ledger_.remote_lent.erase(std::remove_if(ledger_.remote_lent.begin(), ledger_.remote_lent.end(), ended), ledger_.remote_lent.end());
-  ledger_.released_captured.erase(std::remove_if(ledger_.released_captured.begin(), ledger_.released_captured.end(), ended),
-                           ledger_.released_captured.end());
+bool StagingAgent::remote_ends_pending() {
+  std::lock_guard<std::mutex> lock(remote_.m);
+  auto ended = [](const RemoteEnd& e) { return __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket; };
+  remote_.list.erase(std::remove_if(remote_.list.begin(), remote_.list.end(), ended), remote_.list.end());
+  return !remote_.list.empty();
 }
 
 void StagingAgent::run() {
@@ -389,51 +330,38 @@ void StagingAgent::run() {
   // Hidden peers may post chunks, and replays of captured transfers ring, at any time.
   auto polls = [&] { return !site_.hidden.empty() || captured_->live(); };
   for (;;) {
-    // Outside ledger_.m: a replay's hand-off submits (which takes it).
+    // Outside the core's lock: a replay's hand-off submits (which takes it).
     if (captured_->poll()) last_work = Clock::now();
     const bool working = busy();
     pulse_->turn(pulse_now_ns());
-    {
-      std::unique_lock<std::mutex> lock(ledger_.m);
-      auto woken = [&] { return ledger_.stop || !ledger_.queue.empty(); };
-      // A capture makes polls() true and wakes this thread (captured_added).
-      auto woken_or_polls = [&] { return woken() || polls(); };
-      if (!working && !polls() && !streams_hold_work) {
-        pulse_->sleep(pulse_now_ns());
-        ledger_.cv.wait(lock, woken_or_polls);
-      } else if (!working && !polls()) {
-        ledger_.cv.wait_for(lock, std::chrono::milliseconds(100), woken_or_polls);  // the next look at the streams
-      } else if (!working) {
-        // Poll, yielding for 1 ms after recent work
-        // (the next chunk, or the next exchange of an iterating code, is near: a halo exchange
-        // every few hundred us must not wait for a sleeping agent), then every 20 us, and every
-        // 200 us after 20 ms without work (a first chunk after a quiet spell starts up to that
-        // late).
-        const auto quiet = Clock::now() - last_work;
-        if (quiet < std::chrono::milliseconds(1)) {
-          lock.unlock();
-          std::this_thread::yield();
-          lock.lock();
-        } else {
-          ledger_.cv.wait_for(lock, quiet < std::chrono::milliseconds(20) ? std::chrono::microseconds(20)
-                                                                   : std::chrono::microseconds(200),
-                       woken);
-        }
-      }
-      while (!ledger_.queue.empty()) {
-        waiting.push(ledger_.queue.front());
-        ledger_.queue.pop_front();
-      }
-      // Stopping: after drain (bounded) gave up on sources that never became ready (or on
-      // transfers that found no slot), their done words are set from here so that no
-      // caller's stream waits for ever (MESHMEM_TIMEOUT=0); chunks hidden peers still post
-      // are not carried out.
-      if (ledger_.stop) {
-        lock.unlock();
-        (void)write_counts_after_copies();  // copies already done still free their slots for the peers
-        give_up_all(waiting);
-        return;
-      }
+    // A capture makes polls() true and wakes this thread (captured_added).
+    if (!working && !polls() && !streams_hold_work) {
+      pulse_->sleep(pulse_now_ns());
+      core_.wait_for_requests(std::chrono::microseconds(0), polls);
+    } else if (!working && !polls()) {
+      core_.wait_for_requests(std::chrono::milliseconds(100), polls);  // the next look at the streams
+    } else if (!working) {
+      // Poll, yielding for 1 ms after recent work
+      // (the next chunk, or the next exchange of an iterating code, is near: a halo exchange
+      // every few hundred us must not wait for a sleeping agent), then every 20 us, and every
+      // 200 us after 20 ms without work (a first chunk after a quiet spell starts up to that
+      // late).
+      const auto quiet = Clock::now() - last_work;
+      if (quiet < std::chrono::milliseconds(1))
+        std::this_thread::yield();
+      else
+        core_.wait_for_requests(quiet < std::chrono::milliseconds(20) ? std::chrono::microseconds(20)
+                                                                      : std::chrono::microseconds(200),
+                                [] { return false; });
+    }
+    // Stopping: after drain (bounded) gave up on sources that never became ready (or on
+    // transfers that found no slot), their done words are set from here so that no
+    // caller's stream waits for ever (MESHMEM_TIMEOUT=0); chunks hidden peers still post
+    // are not carried out.
+    if (core_.take_requests_seeing_stop(waiting)) {
+      (void)write_counts_after_copies();  // copies already done still free their slots for the peers
+      give_up_all(waiting);
+      return;
     }
     if (!site_.hidden.empty() && Clock::now() >= next_watch_) {
       watch_readers();
@@ -514,7 +442,7 @@ bool StagingAgent::start_ready(ReadyQueue<StagedRequest>& waiting) {
   };
   return waiting.take_ready(ready, [&](const StagedRequest& r, cudaError_t) {
     trace_.record('R', r.peer, r.ticket);
-    if (r.ready != nullptr && ledger_.withdrawn_count.load(std::memory_order_acquire) != 0 && take_withdrawn(r.ticket)) {
+    if (r.ready != nullptr && withdrawn_.count.load(std::memory_order_acquire) != 0 && take_withdrawn(r.ticket)) {
       end_unstarted(r);  // its caller raised the error already
       ended(false);
       return;
@@ -524,23 +452,19 @@ bool StagingAgent::start_ready(ReadyQueue<StagedRequest>& waiting) {
 }
 
 bool StagingAgent::take_withdrawn(std::uint64_t ticket) {
-  std::lock_guard<std::mutex> lock(ledger_.m);
-  const auto it = std::find(ledger_.withdrawn.begin(), ledger_.withdrawn.end(), ticket);
-  if (it == ledger_.withdrawn.end()) return false;
-  ledger_.withdrawn.erase(it);
-  ledger_.withdrawn_count.store(ledger_.withdrawn.size(), std::memory_order_release);
+  std::lock_guard<std::mutex> lock(withdrawn_.m);
+  const auto it = std::find(withdrawn_.tickets.begin(), withdrawn_.tickets.end(), ticket);
+  if (it == withdrawn_.tickets.end()) return false;
+  withdrawn_.tickets.erase(it);
+  withdrawn_.count.store(withdrawn_.tickets.size(), std::memory_order_release);
   return true;
 }
 
 void StagingAgent::ended(bool answer) {
-  {
-    std::lock_guard<std::mutex> lock(ledger_.m);
-    if (answer)
-      --ledger_.answers;
-    else
-      ++ledger_.handled;
-  }
-  ledger_.cv.notify_all();
+  if (answer)
+    core_.outside_work_ended();
+  else
+    core_.count_ended();
 }
 
 // A transfer that could not be enqueued: the error goes to the caller's next call, and its
@@ -616,10 +540,16 @@ void StagingAgent::execute(const StagedRequest& r) {
     o.dst = reinterpret_cast<std::uint64_t>(r.dst);
   }
   if (r.word_is_lent) {
-    std::lock_guard<std::mutex> lock(ledger_.m);
-    ledger_.remote_lent.push_back(
-        RemoteEnd{r.done, r.ticket, r.word, r.route == StagedRequest::Route::ToHidden ? r.peer : site_.rank, r.peer,
-                  r.ends_at_timeout, std::nullopt});
+    // A hidden peer (or this rank's incoming stream) writes the done word itself, its last
+    // write: the word is free once that reached the ticket, unless its caller's wait kernel gave
+    // up (kTransferGivenUp: the reader may still write its end later).
+    core_.return_when(r.word, r.done, r.ticket, r.ticket, Core::Return::UnlessRetired);
+    std::lock_guard<std::mutex> lock(remote_.m);
+    auto ended = [](const RemoteEnd& e) { return __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket; };
+    remote_.list.erase(std::remove_if(remote_.list.begin(), remote_.list.end(), ended), remote_.list.end());
+    remote_.list.push_back(RemoteEnd{r.done, r.ticket, r.word,
+                                     r.route == StagedRequest::Route::ToHidden ? r.peer : site_.rank, r.peer,
+                                     r.ends_at_timeout, std::nullopt});
   }
   writer_.queue(site_.local_index(r.peer), std::move(o));
 }

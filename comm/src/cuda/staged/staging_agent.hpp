@@ -2,8 +2,8 @@
 // through its region of the node's staging pool (layout: channel_layout.hpp): with one agent
 // where both GPUs are visible here (VisibleCopier), or through a channel with the peer's agent
 // (ChannelWriter here, ChannelReader there). The agent itself keeps the callers' side: the
-// transfers handed over and their done words (its Ledger), the stream-filled slots, the
-// landing windows, the dead-peer and overdue-put watches; its streams are StagingLanes, its
+// transfers handed over and their done words (on a HostAgentCore, as the transfer proxy),
+// the stream-filled slots, the landing windows, the dead-peer and overdue-put watches; its streams are StagingLanes, its
 // slots' turns a SlotRing, its look at its streams a StreamWatchdog. Nothing it enqueues waits
 // for another rank; slow, stalled or dead readers and held lanes are bounded by
 // MESHMEM_TIMEOUT. The design, the watchdogs and the limits: docs/transports/staged.md.
@@ -14,9 +14,7 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -29,6 +27,7 @@
 #include "step_trace.hpp"
 #include "worker_pulse.hpp"
 #include "cuda/agent/captured_handoff.hpp"
+#include "cuda/agent/host_agent.hpp"
 #include "cuda/agent/landing_windows.hpp"
 #include "cuda/runtime/event_pool.hpp"
 #include "cuda/runtime/kernels.hpp"
@@ -158,18 +157,18 @@ class StagingAgent {
  private:
   using Clock = ipc::AwakeClock;  // a whole job suspended and resumed stalls no transfer
   using Lane = StagingLane;
+  using Core = HostAgentCore<StagedRequest>;
 
-  void reclaim_words();  // under ledger_.m
-  bool try_take_word(std::size_t* word);
+  bool try_take_word(std::size_t* word) { return core_.try_take_word(word); }
   void run();
   void give_up_all(ReadyQueue<StagedRequest>& waiting);
   bool start_ready(ReadyQueue<StagedRequest>& waiting);
   bool take_withdrawn(std::uint64_t ticket);  // true (and forgotten) if withdraw() named it
   void give_up_if_context_failed(ReadyQueue<StagedRequest>& waiting);
   bool pump();
-  // The first one since take_error(); takes ledger_.m (keep_error_locked: under ledger_.m).
-  void keep_error(const std::string& message, ErrorCode code = ErrorCode::Cuda);
-  void keep_error_locked(const std::string& message, ErrorCode code);
+  // The first one since take_error() is the one the caller's next call raises; later ones
+  // are only logged (where they are detected).
+  void keep_error(const std::string& message, ErrorCode code = ErrorCode::Cuda) { core_.keep_error(message, code); }
   void fail(const StagedRequest& r, const std::string& message);
   void end_unstarted(const StagedRequest& r);
   void execute(const StagedRequest& r);
@@ -183,6 +182,8 @@ class StagingAgent {
   // (StagedRequest::ends_at_timeout) that their live reader has not ended MESHMEM_TIMEOUT
   // after they were posted in full are ended here.
   void end_overdue();
+  // Whether a transfer a hidden peer (or this rank's answer to a get) is to end has not ended.
+  bool remote_ends_pending();
   // What the agent holds and how far it got, for pulse_ (every ~100 ms, from its thread).
   std::string describe_state(std::size_t waiting) const;
   // Writes the posted counts (and the reader's consumed ones) whose copies are done; true if any.
@@ -195,6 +196,10 @@ class StagingAgent {
   StreamWatchdog::Agent watchdog_links();
 
   StagingSite site_;  // first: the pool is destroyed last, after the lanes stopped using it
+  // The transfers handed over, the done words free and lent (an eager transfer's word goes back
+  // once its lane's counter, or its done word, reaches its end), the counts, the first error,
+  // the stop flag: what the callers' threads and the agent's thread share.
+  Core core_;
   FaultPlan faults_;
   // MESHMEM_STAGED_TRACE: S handed over (caller's thread), R source seen ready, P copy into a
   // slot enqueued (aux: bytes), O posted (aux: 1 for a transfer's last piece); I a peer's
@@ -214,11 +219,6 @@ class StagingAgent {
   LandingWindows windows_;  // where hidden peers' chunks land and their gets are read
 
   EventPool events_;
-  struct CapturedEnd {  // release_captured_word
-    const std::uint64_t* done;
-    std::uint64_t ticket;
-    std::size_t word;
-  };
   struct RemoteEnd {
     const std::uint64_t* done;
     std::uint64_t ticket;
@@ -228,25 +228,21 @@ class StagingAgent {
     bool ends_at_timeout;  // StagedRequest::ends_at_timeout
     std::optional<Clock::time_point> posted;  // when its last descriptor was posted (end_overdue)
   };
-  // What the callers' threads and the agent's thread share, under `m`: the transfers handed
-  // over, the done words free and lent, the counts, the first error, the stop flag.
-  struct Ledger {
+  // Transfers a hidden peer (or this rank's answer to a get) ends, for the watches; their words
+  // go back through core_. Entries whose done word reached the ticket are dropped as new ones
+  // come. Taken before core_'s lock where both are.
+  struct RemoteEnds {
     std::mutex m;
-    std::condition_variable cv;
-    std::deque<StagedRequest> queue;
-    std::vector<std::size_t> free_words;
-    std::vector<CapturedEnd> released_captured;
-    std::vector<RemoteEnd> remote_lent;  // words of transfers a hidden peer (or the answer to a get) ends
-    std::uint64_t submitted = 0;
-    std::uint64_t handled = 0;  // transfers enqueued to their end, or failed
-    std::vector<std::uint64_t> withdrawn;  // tickets withdraw() ended unstarted
-    std::atomic<std::size_t> withdrawn_count{0};  // withdrawn.size(), read without m
-    std::uint64_t answers = 0;  // answers to hidden peers' gets not yet posted to their end
-    bool stop = false;
-    std::string error;
-    ErrorCode error_code = ErrorCode::Cuda;
+    std::vector<RemoteEnd> list;
   };
-  Ledger ledger_;
+  RemoteEnds remote_;
+  // Tickets withdraw() ended unstarted, until the agent sees their ready word.
+  struct Withdrawn {
+    std::mutex m;
+    std::vector<std::uint64_t> tickets;
+    std::atomic<std::size_t> count{0};  // tickets.size(), read without m
+  };
+  Withdrawn withdrawn_;
   std::mutex hand_over_m_;  // callers' threads; guards fill_slots_ too
   FillSlotTable fill_slots_;
   ChannelWriter writer_;  // this rank's channels to hidden peers (after everything it uses)

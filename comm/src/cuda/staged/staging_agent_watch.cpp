@@ -38,17 +38,22 @@ void StagingAgent::watch_readers() {
     // whose stream goes on then finds it.
     std::vector<std::pair<std::uint64_t*, std::uint64_t>> gets;  // (done word, ticket)
     {
-      std::lock_guard<std::mutex> lock(ledger_.m);
+      std::lock_guard<std::mutex> lock(remote_.m);
       // The last chunk of the answer to this rank's get was carried out: its done word is
       // enqueued on the incoming stream.
       auto answered = [&](const RemoteEnd& e) { return reader_.answered(e.word, e.ticket); };
+      // The words of puts to it that ended are free again (core_); those of puts ended here
+      // are never lent again (a few per dead peer, retired before their ends are set): a write
+      // of the dead process's that landed late (a deferred context teardown, MPS) must not move
+      // a reused word back. Gets' words stay lent: they go back once their ends below landed.
       std::vector<const RemoteEnd*> puts;
-      for (const RemoteEnd& e : ledger_.remote_lent) {
+      for (const RemoteEnd& e : remote_.list) {
         if (e.peer != peer || __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket) continue;
-        if (e.writer == peer)
-          puts.push_back(&e);
-        else if (!answered(e))
+        if (e.writer == peer) {
+          if (core_.retire(e.word, e.ticket)) puts.push_back(&e);
+        } else if (!answered(e)) {
           gets.emplace_back(const_cast<std::uint64_t*>(e.done), e.ticket);
+        }
       }
       const std::string message = "staged transport on rank " + std::to_string(site_.rank) + ": rank " +
                                   std::to_string(peer) + "'s process (pid " + std::to_string(hidden_peers_.pid(peer)) +
@@ -56,26 +61,16 @@ void StagingAgent::watch_readers() {
                                   std::to_string(puts.size()) + " put(s) to it and " + std::to_string(gets.size()) +
                                   " get(s) from it ended unfinished, and transfers with it fail";
       log(LogLevel::Warn, message);
-      if (!puts.empty() || !gets.empty()) keep_error_locked(message, ErrorCode::Cuda);
+      if (!puts.empty() || !gets.empty()) keep_error(message, ErrorCode::Cuda);
       // A put's done word is the dead reader's to write: set from here.
       for (const RemoteEnd* e : puts) __atomic_store_n(const_cast<std::uint64_t*>(e->done), e->ticket, __ATOMIC_RELEASE);
-      // The words of puts to it that ended are free again; those of puts ended here are never
-      // lent again (a few per dead peer): a write of the dead process's that landed late (a
-      // deferred context teardown, MPS) must not move a reused word back. Gets' words stay:
-      // reclaim_words takes them back once their ends below landed.
-      ledger_.remote_lent.erase(std::remove_if(ledger_.remote_lent.begin(), ledger_.remote_lent.end(),
-                                        [&](const RemoteEnd& e) {
-                                          if (e.peer != peer || e.writer != peer) return false;
-                                          if (std::find(puts.begin(), puts.end(), &e) == puts.end() &&
-                                              (__atomic_load_n(e.done, __ATOMIC_ACQUIRE) & cuda::kTransferGivenUp) == 0)
-                                            ledger_.free_words.push_back(e.word);
-                                          return true;
-                                        }),
-                         ledger_.remote_lent.end());
+      remote_.list.erase(std::remove_if(remote_.list.begin(), remote_.list.end(),
+                                        [&](const RemoteEnd& e) { return e.peer == peer && e.writer == peer; }),
+                         remote_.list.end());
     }
     // A get's end is this GPU's to write: on the incoming stream, after the copies of the
     // chunks that did come (the caller's stream must not go on while they still write into
-    // its buffer). Outside ledger_.m: a CUDA call may wait (a full queue), and callers take ledger_.m.
+    // its buffer). Outside remote_.m: a CUDA call may wait (a full queue).
     if (!gets.empty()) {
       std::vector<CUstreamBatchMemOpParams> ops;
       for (const auto& [done, ticket] : gets) ops.push_back(stream_write_op(done, ticket));
@@ -91,8 +86,8 @@ void StagingAgent::watch_readers() {
 }
 
 void StagingAgent::mark_posted(std::size_t word, std::uint64_t ticket) {
-  std::lock_guard<std::mutex> lock(ledger_.m);
-  for (RemoteEnd& e : ledger_.remote_lent)
+  std::lock_guard<std::mutex> lock(remote_.m);
+  for (RemoteEnd& e : remote_.list)
     if (e.word == word && e.ticket == ticket) e.posted = Clock::now();
 }
 
@@ -107,12 +102,16 @@ void StagingAgent::end_overdue() {
   const auto now = Clock::now();
   std::vector<std::pair<std::uint64_t*, std::uint64_t>> ends;  // (done word, ticket)
   {
-    std::lock_guard<std::mutex> lock(ledger_.m);
-    for (auto it = ledger_.remote_lent.begin(); it != ledger_.remote_lent.end();) {
+    std::lock_guard<std::mutex> lock(remote_.m);
+    for (auto it = remote_.list.begin(); it != remote_.list.end();) {
       const RemoteEnd& e = *it;
       if (!e.ends_at_timeout || !e.posted || now - *e.posted < site_.timeout ||
           __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket) {
         ++it;
+        continue;
+      }
+      if (!core_.retire(e.word, e.ticket)) {  // it ended meanwhile
+        it = remote_.list.erase(it);
         continue;
       }
       const std::string message =
@@ -121,9 +120,9 @@ void StagingAgent::end_overdue() {
           describe_timeout(site_.timeout) + " of its last descriptor; ended from the host, its data may be incomplete (" +
           slots_.holders() + ")";
       log(LogLevel::Error, message);
-      keep_error_locked(message, ErrorCode::Timeout);
+      keep_error(message, ErrorCode::Timeout);
       ends.emplace_back(const_cast<std::uint64_t*>(e.done), e.ticket);
-      it = ledger_.remote_lent.erase(it);
+      it = remote_.list.erase(it);
     }
   }
   // After the error: a caller whose stream goes on finds it at its next call.

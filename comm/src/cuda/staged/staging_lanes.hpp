@@ -26,12 +26,6 @@ struct StagingLane {
   std::vector<cudaEvent_t> copied;  // per slot: the device-to-host copy into it is done
   std::vector<cudaEvent_t> freed;   // per slot: the host-to-device copy out of it is done
   std::uint64_t ended = 0;          // transfers enqueued to end on this lane (its counter's goal)
-  struct LentEnd {
-    std::uint64_t count;   // the lane's counter at its end
-    std::size_t word;      // its done word
-    std::uint64_t ticket;  // what its end writes there
-  };
-  std::deque<LentEnd> lent;  // eager transfers whose end is enqueued here, oldest first (under the agent's ledger lock)
   std::deque<std::size_t> pieces;  // slots of pieces whose copy out is enqueued here, oldest first
   std::uint64_t pieces_done = 0;   // pieces seen done (their `freed` event, or a later one of the slot)
   StreamWatch watch;

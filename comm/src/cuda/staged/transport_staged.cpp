@@ -21,6 +21,7 @@
 #include "cuda/runtime/stream_ops.hpp"
 #include "cuda/runtime/device_window.hpp"
 #include "cuda/agent/captured_handoff.hpp"
+#include "cuda/agent/stream_handoff.hpp"
 #include "cuda/runtime/kernels.hpp"
 #include "meshmem/error.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
@@ -185,10 +186,7 @@ void StagedTransport::settle() noexcept {
 }
 
 Reach StagedTransport::reach(int rank, Memory memory) const {
-  if (memory != Memory::Device) return Reach::no("device windows only");
-  if (device_ == nullptr) return Reach::no("device windows are unavailable");
-  if (!no_route_[rank].empty()) return Reach::no(no_route_[rank]);
-  return Reach::yes();
+  return agent_reach(memory, device_ != nullptr, no_route_[rank]);
 }
 
 void StagedTransport::connect(const std::vector<bool>& routed) {
@@ -283,11 +281,7 @@ void* StagedTransport::mapped_part(const WindowState& win, int rank, const char*
   throw Error(ErrorCode::Internal, what(op, rank) + ": window #" + std::to_string(win.id) + " is not attached here");
 }
 
-void StagedTransport::raise_earlier_failure(const std::string& where) {
-  ErrorCode code = ErrorCode::Cuda;
-  const std::string error = agent_->take_error(&code);
-  if (!error.empty()) throw Error(code, where + ": an earlier transfer failed: " + error);
-}
+void StagedTransport::raise_earlier_failure(const std::string& where) { raise_kept_error(*agent_, where); }
 
 void StagedTransport::quiet(Stream stream) {
   if (!agent_) return;
@@ -401,11 +395,9 @@ void StagedTransport::complete_on_host(const char* call) {
 void StagedTransport::transfer(StagedRequest r, int peer, Stream stream, const char* name) {
   raise_earlier_failure(what(name, peer));
   const auto s = static_cast<cudaStream_t>(stream);
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  cudaGraph_t graph = nullptr;
-  ipc::check_cuda(cudaStreamGetCaptureInfo(s, &status, nullptr, &graph), "cudaStreamGetCaptureInfo", what(name, peer));
-  if (status == cudaStreamCaptureStatusActive) {
-    capture_transfer(r, graph, peer, s, name);
+  const StreamCapture capture = capture_of(s, what(name, peer));
+  if (capture.active) {
+    capture_transfer(r, capture.graph, peer, s, name);
     return;
   }
   std::uint64_t* ready = agent_->lend_word(r, what(name, peer));

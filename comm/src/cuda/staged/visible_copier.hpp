@@ -35,7 +35,7 @@ class VisibleCopier {
     // A transfer that could not even be ended on the GPU: logged, kept, ended from the host.
     std::function<void(const StagedRequest&, const std::string&)> fail;
     // Its end is enqueued on `lane` (the lane's goal moves on; a lent word goes back once the
-    // lane's counter passes it), under the agent's ledger lock.
+    // lane's counter passes it).
     std::function<void(StagingLane& lane, const StagedRequest&)> end_enqueued;
     // A transfer left the agent's hands.
     std::function<void()> ended;
