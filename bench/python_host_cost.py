@@ -10,7 +10,8 @@ neighbour, then `calls` wait_until on a word already satisfied; rank 0's mean pe
              [--cpp-results CPP_OUTPUT] [--csv out.csv --machine NAME --commit C]
 (bench/python_host_cost.sh runs both and writes the results file.)
 
-Device windows: the stream forms on a CuPy stream (torch where CuPy is absent).
+Device windows: the stream forms on a CuPy stream (torch where CuPy is absent), and once more
+with the stream given as its integer handle (python-handle: what the stream object's lookup costs).
 """
 
 import argparse
@@ -31,17 +32,19 @@ except ImportError:  # meshmem.Comm() is then MPI_COMM_WORLD, MPI initialised by
 
 def measure(memory, calls):
     mpi = WORLD
-    stream, src = None, np.ones(8, np.uint8)
+    stream, handle, src = None, None, np.ones(8, np.uint8)
     if memory == "device":
         meshmem.select_local_device(mpi)
         try:
             import cupy as cp
             stream = cp.cuda.Stream(non_blocking=True)
+            handle = stream.ptr
             src = cp.ones(8, cp.uint8)
             sync = stream.synchronize
         except ImportError:
             import torch
             stream = torch.cuda.Stream()
+            handle = stream.cuda_stream
             src = torch.ones(8, dtype=torch.uint8, device="cuda")
             sync = stream.synchronize
     with meshmem.Comm(mpi) as comm:
@@ -72,8 +75,12 @@ def measure(memory, calls):
                                lambda: wait_until(sig, 1, ">=", 0, stream))
             keywords = timed(lambda: put_signal(win, right, src, sig, 0, 1, op="add", stream=stream),
                              lambda: wait_until(sig, 1, ">=", 0, stream=stream))
+            by_handle = None
+            if handle is not None:
+                by_handle = timed(lambda: put_signal(win, right, src, sig, 0, 1, 0, "add", handle),
+                                  lambda: wait_until(sig, 1, ">=", 0, handle))
         rank, size = comm.rank, comm.size
-    return positional, keywords, rank, size
+    return positional, keywords, by_handle, rank, size
 
 
 def main():
@@ -85,11 +92,13 @@ def main():
     p.add_argument("--commit", default="")
     p.add_argument("--cpp-results", help="the C++ baseline's output (python_host_cost_cpp), to put beside")
     a = p.parse_args()
-    positional, keywords, rank, size = measure(a.memory, a.calls)
+    positional, keywords, by_handle, rank, size = measure(a.memory, a.calls)
     if rank != 0:
         return 0
     rows = [("python", "put_signal", positional[0]), ("python", "wait_until", positional[1]),
             ("python-keywords", "put_signal", keywords[0]), ("python-keywords", "wait_until", keywords[1])]
+    if by_handle is not None:
+        rows += [("python-handle", "put_signal", by_handle[0]), ("python-handle", "wait_until", by_handle[1])]
     if a.cpp_results:
         for line in open(a.cpp_results):
             f = line.split()

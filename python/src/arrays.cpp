@@ -138,29 +138,30 @@ Span::~Span() {
 }
 
 namespace {
-// Whether `obj` has attribute `name` (interned), without raising and clearing an
-// AttributeError for the objects that do not (hasattr costs a NumPy source about 0.5 us per
-// call that way): looked up on its type (CuPy, PyTorch and Numba define
-// __cuda_array_interface__ and their streams' handles there), and in its own attributes only
-// where it has any.
-bool has_attribute(py::handle obj, PyObject* name) {
-  PyTypeObject* type = Py_TYPE(obj.ptr());
-  if (type->tp_getattro != PyObject_GenericGetAttr) return py::hasattr(obj, name);  // __getattr__ and the like
-  if (_PyType_Lookup(type, name) != nullptr) return true;
-  return type->tp_dictoffset != 0 && py::hasattr(obj, name);
+// obj.name, or a null object where it has none, in one lookup (not hasattr, then getattr) and
+// without raising and clearing an AttributeError: for types with the generic lookup Python
+// then skips making the exception. An unset __slots__ member reads as none too.
+py::object attribute_or_null(py::handle obj, PyObject* name) {
+  PyObject* value = nullptr;
+#if PY_VERSION_HEX >= 0x030D0000
+  const int found = PyObject_GetOptionalAttr(obj.ptr(), name, &value);
+#else
+  const int found = _PyObject_LookupAttr(obj.ptr(), name, &value);
+#endif
+  if (found < 0) throw py::error_already_set();
+  return found > 0 ? py::reinterpret_steal<py::object>(value) : py::object();
 }
 
-// obj.name, or a null object where it has none (an unset __slots__ member is found on the type
-// but raises AttributeError).
-py::object attribute_or_null(py::handle obj, PyObject* name) {
-  if (!has_attribute(obj, name)) return py::object();
-  PyObject* value = PyObject_GetAttr(obj.ptr(), name);
-  if (value == nullptr) {
-    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw py::error_already_set();
-    PyErr_Clear();
-    return py::object();
+// Whether `obj` has attribute `name` (interned): where the type's generic lookup answers (CuPy,
+// PyTorch and Numba define __cuda_array_interface__ and their streams' handles on the type; a
+// NumPy array has no instance attributes), without making the attribute's value.
+bool has_attribute(py::handle obj, PyObject* name) {
+  PyTypeObject* type = Py_TYPE(obj.ptr());
+  if (type->tp_getattro == PyObject_GenericGetAttr) {
+    if (_PyType_Lookup(type, name) != nullptr) return true;
+    if (type->tp_dictoffset == 0) return false;
   }
-  return py::reinterpret_steal<py::object>(value);
+  return static_cast<bool>(attribute_or_null(obj, name));
 }
 
 bool has_cuda_array_interface(py::handle obj) {
