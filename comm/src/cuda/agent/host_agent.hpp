@@ -104,7 +104,8 @@ class HostAgentCore {
     cv_.notify_all();
   }
   // Queues a transfer; returns the ticket its done word reaches at its end. `numbered(r)` runs
-  // under the lock with the ticket set, before the thread can see r (a trace's order).
+  // under the lock with the ticket set, before the thread can see r (a trace's order); it must
+  // take no lock (callers hold others while they submit).
   template <class Numbered>
   std::uint64_t submit(Request r, Numbered numbered) {
     std::lock_guard<std::mutex> lock(m_);
@@ -167,8 +168,8 @@ class HostAgentCore {
   }
 
   // ---- the agent thread's side ----
-  // Waits until a request is queued, a stop was asked or `also()` holds (asked under the lock),
-  // at most `most` (zero: no bound).
+  // Waits until a request is queued, a stop was asked or `also()` holds (asked under the lock,
+  // so it must take no lock), at most `most` (zero: no bound).
   template <class Also>
   void wait_for_requests(std::chrono::microseconds most, Also also) {
     std::unique_lock<std::mutex> lock(m_);

@@ -193,8 +193,8 @@ bool StagingAgent::try_hold_word(StagedRequest& r) {
 
 void StagingAgent::release_word(std::size_t word) { core_.release_word(word); }
 
-// Free once its last replay's transfer ended: a late end of one whose wait gave up must not
-// move a reused word back (nor one it marked given up be lent again).
+// Free once its last replay's transfer ended, so that a late end of one whose wait gave up
+// cannot move a reused word back.
 void StagingAgent::release_captured_word(std::size_t word, const std::uint64_t* done, std::uint64_t last) {
   if (last == 0 || __atomic_load_n(done, __ATOMIC_ACQUIRE) >= last)
     core_.release_word(word);
