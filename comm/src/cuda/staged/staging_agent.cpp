@@ -310,8 +310,7 @@ bool StagingAgent::drain() noexcept {
 
 bool StagingAgent::remote_ends_pending() {
   std::lock_guard<std::mutex> lock(remote_.m);
-  auto ended = [](const RemoteEnd& e) { return __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket; };
-  remote_.list.erase(std::remove_if(remote_.list.begin(), remote_.list.end(), ended), remote_.list.end());
+  remote_.drop_ended();
   return !remote_.list.empty();
 }
 
@@ -545,8 +544,7 @@ void StagingAgent::execute(const StagedRequest& r) {
     // up (kTransferGivenUp: the reader may still write its end later).
     core_.return_when(r.word, r.done, r.ticket, r.ticket, Core::Return::UnlessRetired);
     std::lock_guard<std::mutex> lock(remote_.m);
-    auto ended = [](const RemoteEnd& e) { return __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket; };
-    remote_.list.erase(std::remove_if(remote_.list.begin(), remote_.list.end(), ended), remote_.list.end());
+    remote_.drop_ended();
     remote_.list.push_back(RemoteEnd{r.done, r.ticket, r.word,
                                      r.route == StagedRequest::Route::ToHidden ? r.peer : site_.rank, r.peer,
                                      r.ends_at_timeout, std::nullopt});

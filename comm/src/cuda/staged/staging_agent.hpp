@@ -12,6 +12,7 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -227,6 +228,7 @@ class StagingAgent {
     int peer;    // the hidden peer it goes to or comes from: its death ends it (watch_readers)
     bool ends_at_timeout;  // StagedRequest::ends_at_timeout
     std::optional<Clock::time_point> posted;  // when its last descriptor was posted (end_overdue)
+    bool ended() const { return __atomic_load_n(done, __ATOMIC_ACQUIRE) >= ticket; }
   };
   // Transfers a hidden peer (or this rank's answer to a get) ends, for the watches; their words
   // go back through core_. Entries whose done word reached the ticket are dropped as new ones
@@ -234,6 +236,9 @@ class StagingAgent {
   struct RemoteEnds {
     std::mutex m;
     std::vector<RemoteEnd> list;
+    void drop_ended() {  // under m
+      list.erase(std::remove_if(list.begin(), list.end(), [](const RemoteEnd& e) { return e.ended(); }), list.end());
+    }
   };
   RemoteEnds remote_;
   // Tickets withdraw() ended unstarted, until the agent sees their ready word.

@@ -48,7 +48,7 @@ void StagingAgent::watch_readers() {
       // a reused word back. Gets' words stay lent: they go back once their ends below landed.
       std::vector<const RemoteEnd*> puts;
       for (const RemoteEnd& e : remote_.list) {
-        if (e.peer != peer || __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket) continue;
+        if (e.peer != peer || e.ended()) continue;
         if (e.writer == peer) {
           if (core_.retire(e.word, e.ticket)) puts.push_back(&e);
         } else if (!answered(e)) {
@@ -105,8 +105,7 @@ void StagingAgent::end_overdue() {
     std::lock_guard<std::mutex> lock(remote_.m);
     for (auto it = remote_.list.begin(); it != remote_.list.end();) {
       const RemoteEnd& e = *it;
-      if (!e.ends_at_timeout || !e.posted || now - *e.posted < site_.timeout ||
-          __atomic_load_n(e.done, __ATOMIC_ACQUIRE) >= e.ticket) {
+      if (!e.ends_at_timeout || !e.posted || now - *e.posted < site_.timeout || e.ended()) {
         ++it;
         continue;
       }
