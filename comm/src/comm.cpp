@@ -68,14 +68,19 @@ const char* cmp_text(Cmp cmp) {
 
 // Enum values from the caller are checked: a cast integer (SignalOp(7)) would otherwise be
 // applied as some other operation.
-void check_enum(int value, int count, const char* type, const std::string& at) {
+// `at()` names the call: built only for a message, as the checks run on every operation.
+template <class At>
+void check_enum(int value, int count, const char* type, const At& at) {
   if (value < 0 || value >= count)
-    throw Error(ErrorCode::InvalidArgument, at + ": " + type + "(" + std::to_string(value) +
+    throw Error(ErrorCode::InvalidArgument, at() + ": " + type + "(" + std::to_string(value) +
                                                 ") is not one of its " + std::to_string(count) + " values; nothing was done");
 }
-void check_op(SignalOp op, const std::string& at) { check_enum(static_cast<int>(op), 2, "SignalOp", at); }
-void check_cmp(Cmp cmp, const std::string& at) { check_enum(static_cast<int>(cmp), 6, "Cmp", at); }
-void check_memory(Memory memory, const std::string& at) { check_enum(static_cast<int>(memory), 2, "Memory", at); }
+template <class At>
+void check_op(SignalOp op, const At& at) { check_enum(static_cast<int>(op), 2, "SignalOp", at); }
+template <class At>
+void check_cmp(Cmp cmp, const At& at) { check_enum(static_cast<int>(cmp), 6, "Cmp", at); }
+template <class At>
+void check_memory(Memory memory, const At& at) { check_enum(static_cast<int>(memory), 2, "Memory", at); }
 
 std::uint64_t fnv1a(const std::string& s) {
   std::uint64_t h = 1469598103934665603ull;
@@ -374,7 +379,7 @@ Transport& CommImpl::route(const WindowState& win, int target, const char* call)
 
 TransportKind CommImpl::transport(int rank, Memory memory, const char* call) const {
   check_rank(rank, call, "peer");
-  check_memory(memory, where(call));
+  check_memory(memory, [&] { return where(call); });
   if (memory == Memory::Device && !device) return TransportKind::None;
   const Transport* t = routes->find(rank, memory);
   return t ? t->kind() : TransportKind::None;
@@ -382,14 +387,14 @@ TransportKind CommImpl::transport(int rank, Memory memory, const char* call) con
 
 std::string CommImpl::unreachable_reason(int rank, Memory memory, const char* call) const {
   check_rank(rank, call, "peer");
-  check_memory(memory, where(call));
+  check_memory(memory, [&] { return where(call); });
   if (memory == Memory::Device && !device) return "device windows are unavailable: " + device_why;
   return routes->find(rank, memory) ? std::string() : routes->why_none(rank, memory);
 }
 
 std::string CommImpl::skipped_reason(int rank, Memory memory, const char* call) const {
   check_rank(rank, call, "peer");
-  check_memory(memory, where(call));
+  check_memory(memory, [&] { return where(call); });
   if (memory == Memory::Device && !device) return "device windows are unavailable: " + device_why;
   return routes->why_not_earlier(rank, memory);
 }
@@ -423,7 +428,7 @@ std::shared_ptr<WindowState> CommImpl::alloc(std::size_t bytes, Memory memory, b
                       std::to_string(z.id) + ", rank " + std::to_string(r) + " window #" +
                       std::to_string(a.id) + " (every rank must alloc and free in the same order)");
   }
-  check_memory(memory, at);  // the same value on every rank (compared above): refused everywhere
+  check_memory(memory, [&] { return at; });  // the same value on every rank (compared above): refused everywhere
   if (memory == Memory::Device && !device)
     throw Error(ErrorCode::Unsupported, at + ": Memory::Device windows are unavailable: " + device_why);
   if (memory == Memory::Host) {
@@ -493,7 +498,7 @@ void CommImpl::put(const Window& win, int target, std::size_t offset, const void
   const WindowState& w = checked_transfer(win, target, offset, bytes, src, stream, call, "dst_offset", "src");
   SignalUpdate update;
   if (sig != nullptr) {
-    check_op(op, where(call));
+    check_op(op, [&] { return where(call); });
     const WindowState& s = checked(sig->words(), call);
     check_index(s, index, call);
     check_stream(s, stream, call);
@@ -524,7 +529,7 @@ void CommImpl::get(void* dst, const Window& win, int target, std::size_t offset,
 void CommImpl::signal(const Signals& sig, int target, std::size_t index, std::uint64_t value,
                       SignalOp op, Stream stream) {
   const char* call = "comm.signal";
-  check_op(op, where(call));
+  check_op(op, [&] { return where(call); });
   const WindowState& s = checked(sig.words(), call);
   check_rank(target, call, "target");
   check_index(s, index, call);
@@ -536,7 +541,7 @@ void CommImpl::signal(const Signals& sig, int target, std::size_t index, std::ui
 
 void CommImpl::wait_until(const Signals& sig, std::size_t index, std::size_t count, Cmp cmp, std::uint64_t value,
                           Stream stream, const char* call, std::optional<std::uint64_t> then) {
-  check_cmp(cmp, where(call));
+  check_cmp(cmp, [&] { return where(call); });
   const WindowState& s = checked(sig.words(), call);
   if (count == 0) return;
   check_index(s, index, call);

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import meshmem
-from conftest import agree, data, fresh_seed
+from conftest import agree, data, fresh_seed, raises
 
 GPU, WHY = meshmem.gpu_available()
 pytestmark = pytest.mark.skipif(not GPU, reason=f"no GPU: {WHY}")
@@ -140,6 +140,56 @@ def test_put_signal_wait_until_on_the_framework_stream(comm, fw):
         agree(not bad, "; ".join(bad))
         comm.quiet(stream=s)
         s.synchronize()
+        comm.barrier()
+
+
+def test_slices_offsets_and_strided_views(comm, fw):
+    """A slice of a framework's array (its memory starts past its allocation's) with an offset in
+    items of its dtype puts exactly its bytes; a get fills a slice; a strided view, as source or
+    destination, raises and nothing is written (the binding reads each framework's array
+    through its own attributes: this checks what they give)."""
+    seed = fresh_seed()
+    items, first, count, at = 64, 5, 40, 3  # float64 items
+    nbytes = items * 8
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    s = fw.stream()
+    with comm.alloc(nbytes, memory="device") as win:
+        mine = fw.wrap(win.local())
+        fw.fill(mine, POISON, s)
+        s.synchronize()
+        comm.barrier()
+        full = fw.to_device(data(seed, comm.rank, nbytes=nbytes).view(np.float64), s)
+        comm.put(win, right, full[first:first + count], stream=s, elem_offset=at)
+        comm.quiet(stream=s)
+        s.synchronize()
+        comm.barrier()
+        want = np.full(nbytes, POISON, np.uint8)
+        want[at * 8:(at + count) * 8] = data(seed, left, nbytes=nbytes)[first * 8:(first + count) * 8]
+        got = fw.to_host(mine, s)
+        bad = [] if np.array_equal(got, want) else [f"put of a slice: {np.count_nonzero(got != want)} bytes differ"]
+        comm.barrier()
+        strided = full[::2]
+        for what, call in [("strided src", lambda: comm.put(win, right, strided, stream=s)),
+                           ("strided dst", lambda: comm.get(strided, win, right, stream=s))]:
+            why = raises(call, contains="contiguous")
+            if why is not None:
+                bad.append(f"{what}: {why}")
+        s.synchronize()
+        comm.barrier()
+        got = fw.to_host(mine, s)
+        if not np.array_equal(got, want):
+            bad.append(f"after the refused calls: {np.count_nonzero(got != want)} bytes differ")
+        # A get into a slice of a poisoned array: only the slice changes.
+        dst = fw.to_device(np.full(items, -1.0), s)
+        comm.get(dst[first:first + count], win, right, stream=s, elem_offset=at)
+        host_dst = fw.to_host(dst, s).view(np.uint8)
+        expect = np.full(items, -1.0).view(np.uint8).copy()
+        # right's window holds, from item `at` on, what this rank put there (its items from `first` on).
+        expect[first * 8:(first + count) * 8] = data(seed, comm.rank, nbytes=nbytes)[first * 8:(first + count) * 8]
+        if not np.array_equal(host_dst, expect):
+            bad.append(f"get into a slice: {np.count_nonzero(host_dst != expect)} bytes differ")
+        del mine
+        agree(not bad, "; ".join(bad))
         comm.barrier()
 
 

@@ -56,6 +56,20 @@ class InstanceHandleStream:
         self.ptr = 12345
 
 
+def without_ptr():
+    s = InstanceHandleStream()
+    del s.ptr
+    return s
+
+
+class InstanceDeviceArray:
+    """A __cuda_array_interface__ of its own (not its class's); InstanceDeviceArray(False) has none."""
+
+    def __init__(self, interface=True):
+        if interface:
+            self.__cuda_array_interface__ = FakeDeviceArray.__cuda_array_interface__
+
+
 class GetattrStream:
     __slots__ = ()
 
@@ -80,6 +94,9 @@ def bad_cases(comm, win, sig):
         ("non-contiguous src", lambda: comm.put(win, right, np.arange(32, dtype=np.uint8)[::2]), inv, "not C-contiguous"),
         ("2-D column src", lambda: comm.put(win, right, np.zeros((8, 8), np.uint8)[:, 1]), inv, "not C-contiguous"),
         ("src not an array", lambda: comm.put(win, right, [1, 2, 3]), inv, "is not an array"),
+        ("an object without the __cuda_array_interface__ of others of its class",
+         lambda: comm.put(win, right, InstanceDeviceArray(False)), inv, "is not an array"),
+        ("GPU memory in an instance attribute", lambda: comm.put(win, right, InstanceDeviceArray()), inv, "GPU memory"),
         ("GPU memory into a host window", lambda: comm.put(win, right, FakeDeviceArray()), inv, "GPU memory"),
         ("offset past the end", lambda: comm.put(win, right, src8(), N - 4), inv, "past the end"),
         ("elem_offset past the end", lambda: comm.put(win, right, np.zeros(4, np.float64), elem_offset=N // 8 - 3), inv,
@@ -105,6 +122,9 @@ def bad_cases(comm, win, sig):
          lambda: comm.put(win, right, src8(), stream=ProtocolStream()), uns, "host windows"),
         ("stream handle in an instance attribute",
          lambda: comm.put(win, right, src8(), stream=InstanceHandleStream()), uns, "host windows"),
+        # The binding keeps what it learnt of a type, never what one object of it had.
+        ("an object of that class without the handle", lambda: comm.put(win, right, src8(), stream=without_ptr()),
+         inv, "stream must be"),
         ("object without a stream handle", lambda: comm.put(win, right, src8(), stream=object()), inv,
          "stream must be"),
         ("stream handle from __getattr__", lambda: comm.put(win, right, src8(), stream=GetattrStream()), uns,
