@@ -45,7 +45,7 @@ for line in open(table):
     if tier not in ("gpu", "gpu+long"):
         continue
     counts = 1 if ranks.startswith("hosts:") else len(ranks.split())
-    total += float(est) * counts
+    total += float(est.split("/")[0]) * counts  # a gpu+long row's FAST/FULL: the fast entry's
     rows += counts
 total += python_total
 rows += python_rows
