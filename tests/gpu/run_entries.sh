@@ -9,9 +9,10 @@
 #     one at a time (TIER gpu: the fast tier, ctest -L '^gpu$'; gpu-long: ctest -L gpu-long), starts
 #     none whose estimate (tests/gpu/entries.txt) no longer fits before the deadline (default
 #     540 s after the start) and ends one still running there, and writes summary.md (first line
-#     `total: N s`, the test time summed over the entries that ran; then entry, result, seconds,
-#     placement; the entries not run) and the same file named for tests/gpu/runs/, and logs/ of
-#     every entry that did not pass. --only: the entries whose name matches REGEX; --from NAME:
+#     `total: N s`, the test time summed over the entries that ran; then entry, result (with the
+#     count of its cases passed, skipped and failed, GoogleTest's or pytest's), seconds, placement;
+#     the entries not run) and the same file named for tests/gpu/runs/, and logs/ of every entry
+#     that did not pass. --only: the entries whose name matches REGEX; --from NAME:
 #     the tier's entries from NAME on (where an earlier call's deadline stopped). --probe: first
 #     the barrier probe (BarrierTenThousandRounds at 500 rounds under each barrier variant, 2 and
 #     4 ranks: microseconds per barrier, in barrier_probe.txt). A folder build-ip/ (made by
@@ -88,6 +89,20 @@ if [ "${1:-}" = "tier" ]; then
   day=$(date -u +%Y-%m-%d)
   tsv="$build/tests/gpu/entries.tsv"
   field() { awk -F'\t' -v n="$1" -v f="$2" '$1 == n {print $f; exit}' "$tsv"; }
+  cases() {  # what an entry's cases came to, from its log: GoogleTest's or pytest's summary (first rank's)
+    local text p s f
+    text=$(sed 's/\x1b\[[0-9;]*m//g' "$1")
+    p=$(grep -m1 -oE '\[  PASSED  \] [0-9]+ test' <<< "$text" | grep -oE '[0-9]+')
+    if [ -n "$p" ]; then
+      s=$(grep -m1 -oE '\[  SKIPPED \] [0-9]+ test' <<< "$text" | grep -oE '[0-9]+')
+      f=$(grep -m1 -oE '\[  FAILED  \] [0-9]+ test' <<< "$text" | grep -oE '[0-9]+')
+      echo "cases: $p passed${s:+, $s skipped}${f:+, $f failed}"; return
+    fi
+    p=$(grep -m1 -oE '[0-9]+ (passed|failed|skipped|error)[^=]* in [0-9.]+s' <<< "$text")
+    [ -n "$p" ] && { echo "pytest per rank: ${p% in *}"; return; }
+    p=$(grep -cE '\[ +OK \] ' <<< "$text"); s=$(grep -cE '\[  SKIPPED \] [^0-9]' <<< "$text")
+    [ "$p$s" != 00 ] && echo "cases ended before: $p passed, $s skipped"
+  }
   gone() {  # ends what a killed entry left: the build's test processes, by id
     for p in $(pgrep -f "^$build/(tests/gpu|examples)/" || true); do kill -9 "$p" 2>/dev/null; done
   }
@@ -136,11 +151,12 @@ if [ "${1:-}" = "tier" ]; then
     elif grep -q "Timeout" "$log"; then r="FAIL (its CTest timeout)"
     else r=FAIL; fi
     total=$(awk "BEGIN{print $total + $secs}")
+    counted=$(cases "$log"); [ -n "$counted" ] && r="$r ($counted)"
     rows+=("| $name | $r | $secs | $(field "$name" 4) |")
     timing=$(grep -ho '\[ barrier timing \].*' "$log" | head -2 | tr '\n' ' ')
     [ -n "$timing" ] && rows[-1]="| $name | $r | $secs | $(field "$name" 4); $timing |"
     echo "$r $name $secs s"
-    [ "$r" = PASS ] && rm -f "$log"
+    [ "${r%% *}" = PASS ] && rm -f "$log"
   done
   run="$out/$gpus-x-$device-$commit-$day-$tier.md"
   {
