@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the GPU test entries on the GPU machine.
 #
-#   tests/gpu/run_entries.sh tier TIER [--build DIR] [--deadline S] [--only REGEX] [--from NAME] [--probe]
+#   tests/gpu/run_entries.sh tier TIER [--build DIR] [--deadline S] [--only REGEX] [--from NAME]
+#                                      [--rest RUN_FILE...] [--probe]
 #     One tier in one device call, from the repository root, writing under $OUT (or --out DIR):
 #     builds (Release, Ninja, arch 90, 16 jobs: about a minute) into build-gpu/ unless --build
 #     names a build made earlier (carried, or kept from an earlier call; built there if it holds
@@ -13,7 +14,9 @@
 #     count of its cases passed, skipped and failed, GoogleTest's or pytest's), seconds, placement;
 #     the entries not run) and the same file named for tests/gpu/runs/, and logs/ of every entry
 #     that did not pass. --only: the entries whose name matches REGEX; --from NAME:
-#     the tier's entries from NAME on (where an earlier call's deadline stopped). --probe: first
+#     the tier's entries from NAME on (where an earlier call's deadline stopped); --rest RUN_FILE...
+#     (up to the next option): the entries that none of those run files has as PASS or SKIPPED
+#     (a tier run over several calls, or finished in a later session). --probe: first
 #     the barrier probe (BarrierTenThousandRounds at 500 rounds under each barrier variant, 2 and
 #     4 ranks: microseconds per barrier, in barrier_probe.txt). A folder build-ip/ (made by
 #     tests/gpu/bundle_ip.sh and carried) gives launch/meshmem-hosts its `ip`.
@@ -49,7 +52,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 if [ "${1:-}" = "tier" ]; then
   tier=${2:?tier: gpu or gpu-long}; shift 2
   case "$tier" in gpu) labels='^gpu$' ;; gpu-long) labels='^gpu-long$' ;; *) echo "tier: gpu or gpu-long" >&2; exit 2 ;; esac
-  build=""; fresh=""; deadline=540; only=""; from=""; probe=""; out=${OUT:-}
+  build=""; fresh=""; deadline=540; only=""; from=""; probe=""; out=${OUT:-}; done_runs=()
   while [ $# -gt 0 ]; do
     case "$1" in
       --build) build=$2; shift 2 ;;
@@ -57,6 +60,7 @@ if [ "${1:-}" = "tier" ]; then
       --only) only=$2; shift 2 ;;
       --from) from=$2; shift 2 ;;
       --probe) probe=1; shift ;;
+      --rest) shift; while [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; do done_runs+=("$1"); shift; done ;;
       --out) out=$2; shift 2 ;;
       *) echo "unknown option $1" >&2; exit 2 ;;
     esac
@@ -132,7 +136,10 @@ if [ "${1:-}" = "tier" ]; then
 
   mapfile -t entries < <(ctest --test-dir "$build" -N -L "$labels" | sed -n 's/^ *Test *#[0-9]*: //p' |
                          { if [ -n "$only" ]; then grep -E "$only"; else cat; fi; } |
-                         { if [ -n "$from" ]; then sed -n "/^${from//./\\.}\$/,\$p"; else cat; fi; })
+                         { if [ -n "$from" ]; then sed -n "/^${from//./\\.}\$/,\$p"; else cat; fi; } |
+                         { if [ ${#done_runs[@]} -gt 0 ]; then
+                             grep -vxF -f <(sed -n -E 's/^\| ([^ |]+) \| (PASS|SKIPPED)( |\|).*/\1/p' "${done_runs[@]}") || true
+                           else cat; fi; })
   rows=(); notrun=(); total=0; estimate=0
   for name in "${entries[@]}"; do
     # Entries outside entries.txt (the Python ones) have no estimate: about 10 s each on 1 x H200.
@@ -162,7 +169,7 @@ if [ "${1:-}" = "tier" ]; then
   {
     printf 'total: %.0f s\n\n' "$total"
     echo "Tier \`$tier\` (ctest -L '$labels'${only:+, entries matching $only}) on $gpus x $device, meshmem $commit, $day:"
-    echo "${#rows[@]} of ${#entries[@]} entries run${from:+ (from $from on)}, test time summed over them (estimates of entries.txt: $estimate s);"
+    echo "${#rows[@]} of ${#entries[@]} entries run${from:+ (from $from on)}${done_runs:+ (those not passed or skipped in ${done_runs[*]##*/})}, test time summed over them (estimates of entries.txt: $estimate s);"
     echo "$(elapsed) s from the start of the call, the build included. Produced by tests/gpu/run_entries.sh tier."
     echo
     echo "| entry | result | seconds | placement |"
