@@ -20,6 +20,7 @@ namespace meshmem::python {
 
 // Raises meshmem.Error(InvalidArgument): bad input found by the binding, before anything ran.
 [[noreturn]] void invalid(const std::string& message);
+void set_python_error(const Error& e);  // as meshmem.Error, its .code set
 
 struct WindowHolder;
 
@@ -107,6 +108,7 @@ py::object window_array(const std::shared_ptr<WindowHolder>& w, int rank, py::ha
                         std::size_t offset, const char* call);
 
 void bind_arrays(py::module_& m);
+void bind_fast_calls(py::handle comm_type);  // Comm's inner-loop calls (fast_calls.cpp)
 void bind_world(py::module_& m);  // the tests' MPI_COMM_WORLD without mpi4py
 int current_device();  // -1 without the GPU part or a device
 

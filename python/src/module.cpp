@@ -59,39 +59,25 @@ void agree_no_live_arrays(const CommHolder& c, const std::function<long()>& coun
                                 "delete them first; nothing was freed"));
 }
 
-std::size_t byte_offset(py::handle offset, py::handle elem_offset, const Span& s, const char* call) {
-  const auto off = offset.cast<long long>();
-  if (!elem_offset.is_none()) {
-    if (off != 0) invalid(cat(call, ": give offset (bytes) or elem_offset (elements), not both"));
-    const auto e = elem_offset.cast<long long>();
-    if (e < 0) invalid(cat(call, ": elem_offset " + std::to_string(e) + " is negative"));
-    return static_cast<std::size_t>(e) * s.itemsize;
-  }
-  if (off < 0) invalid(cat(call, ": offset " + std::to_string(off) + " is negative"));
-  return static_cast<std::size_t>(off);
-}
-
-void check_side(const WindowHolder& w, const Span& s, const char* call, const char* what) {
-  if (w.memory == Memory::Host && s.device)
-    invalid(cat(call, std::string(": ") + what +
-                          " is GPU memory, but the window is a host window (host windows take host arrays: NumPy)"));
-}
-
 void translate(std::exception_ptr p) {
   try {
     if (p) std::rethrow_exception(p);
   } catch (const Error& e) {
-    py::object code = py::cast(e.code());
-    py::object exc = py::reinterpret_steal<py::object>(PyObject_CallFunction(g_error, "s", e.what()));
-    if (!exc) return;  // the call's own Python error stands
-    PyObject_SetAttrString(exc.ptr(), "code", code.ptr());
-    PyErr_SetObject(g_error, exc.ptr());
+    set_python_error(e);
   }
 }
 
 }  // namespace
 
 void invalid(const std::string& message) { throw Error(ErrorCode::InvalidArgument, message); }
+
+void set_python_error(const Error& e) {
+  py::object code = py::cast(e.code());
+  py::object exc = py::reinterpret_steal<py::object>(PyObject_CallFunction(g_error, "s", e.what()));
+  if (!exc) return;  // the call's own Python error stands
+  PyObject_SetAttrString(exc.ptr(), "code", code.ptr());
+  PyErr_SetObject(g_error, exc.ptr());
+}
 
 Comm& CommHolder::get(const char* call) const {
   if (!comm) throw Error(ErrorCode::InvalidArgument, cat(call, ": the Comm was closed"));
@@ -399,88 +385,6 @@ PYBIND11_MODULE(_meshmem, m) {
            },
            py::arg("count"), py::arg("memory") = "device",
            "Collective: count 64-bit signal words, zero, on every rank")
-      .def("put",
-           [](CommHolder& c, PyWindow& w, int target, py::handle src, py::handle offset, py::handle stream,
-              py::handle elem_offset) {
-             const char* call = "comm.put";
-             Span s;
-             span_of(s, src, false, call, "src");
-             w.check(call);
-             check_side(w, s, call, "src");
-             const std::size_t off = byte_offset(offset, elem_offset, s, call);
-             const Stream st = stream_of(stream, call);
-             Comm& comm = c.get(call);
-             py::gil_scoped_release release;
-             comm.put(w.win, target, off, s.ptr, s.nbytes, st);
-           },
-           py::arg("win"), py::arg("target"), py::arg("src"), py::arg("offset") = 0, py::arg("stream") = py::none(),
-           py::kw_only(), py::arg("elem_offset") = py::none(),
-           "Copies all of src (a contiguous array) into target's part of win at byte offset (or elem_offset "
-           "items of src's dtype)")
-      .def("get",
-           [](CommHolder& c, py::handle dst, PyWindow& w, int target, py::handle offset, py::handle stream,
-              py::handle elem_offset) {
-             const char* call = "comm.get";
-             Span s;
-             span_of(s, dst, true, call, "dst");
-             w.check(call);
-             check_side(w, s, call, "dst");
-             const std::size_t off = byte_offset(offset, elem_offset, s, call);
-             const Stream st = stream_of(stream, call);
-             Comm& comm = c.get(call);
-             py::gil_scoped_release release;
-             comm.get(s.ptr, w.win, target, off, s.nbytes, st);
-           },
-           py::arg("dst"), py::arg("win"), py::arg("target"), py::arg("offset") = 0, py::arg("stream") = py::none(),
-           py::kw_only(), py::arg("elem_offset") = py::none(),
-           "Fills all of dst from target's part of win at byte offset (or elem_offset items of dst's dtype)")
-      .def("put_signal",
-           [](CommHolder& c, PyWindow& w, int target, py::handle src, PySignals& sig, std::size_t index,
-              std::uint64_t value, py::handle offset, py::handle op, py::handle stream, py::handle elem_offset) {
-             const char* call = "comm.put_signal";
-             Span s;
-             span_of(s, src, false, call, "src");
-             w.check(call);
-             sig.check(call);
-             check_side(w, s, call, "src");
-             const std::size_t off = byte_offset(offset, elem_offset, s, call);
-             const SignalOp o = op_of(op, call);
-             const Stream st = stream_of(stream, call);
-             Comm& comm = c.get(call);
-             py::gil_scoped_release release;
-             comm.put_signal(w.win, target, off, s.ptr, s.nbytes, sig.sig, index, value, o, st);
-           },
-           py::arg("win"), py::arg("target"), py::arg("src"), py::arg("sig"), py::arg("index"), py::arg("value"),
-           py::arg("offset") = 0, py::arg("op") = "set", py::arg("stream") = py::none(), py::kw_only(),
-           py::arg("elem_offset") = py::none(),
-           "put, then target's signal word index is set to (op=\"add\": increased by) value; whoever sees "
-           "the signal sees the data")
-      .def("signal",
-           [](CommHolder& c, PySignals& sig, int target, std::size_t index, std::uint64_t value, py::handle op,
-              py::handle stream) {
-             const char* call = "comm.signal";
-             sig.check(call);
-             const SignalOp o = op_of(op, call);
-             const Stream st = stream_of(stream, call);
-             Comm& comm = c.get(call);
-             py::gil_scoped_release release;
-             comm.signal(sig.sig, target, index, value, o, st);
-           },
-           py::arg("sig"), py::arg("target"), py::arg("index"), py::arg("value"), py::arg("op") = "set",
-           py::arg("stream") = py::none())
-      .def("wait_until",
-           [](CommHolder& c, PySignals& sig, std::size_t index, py::handle cmp, std::uint64_t value, py::handle stream) {
-             const char* call = "comm.wait_until";
-             sig.check(call);
-             const Cmp k = cmp_of(cmp, call);
-             const Stream st = stream_of(stream, call);
-             Comm& comm = c.get(call);
-             py::gil_scoped_release release;
-             comm.wait_until(sig.sig, index, k, value, st);
-           },
-           py::arg("sig"), py::arg("index"), py::arg("cmp"), py::arg("value"), py::arg("stream") = py::none(),
-           "Until this rank's word index compares true (cmp: \">=\", meshmem.Cmp.GE, ...): the host waits "
-           "(GIL released) without a stream, the stream waits with one")
       .def("wait_until_all",
            [](CommHolder& c, PySignals& sig, std::size_t first, std::size_t count, py::handle cmp, std::uint64_t value,
               py::handle stream) {
@@ -534,6 +438,8 @@ PYBIND11_MODULE(_meshmem, m) {
         c.close();
         return false;
       });
+
+  bind_fast_calls(m.attr("Comm"));  // put, get, put_signal, signal, wait_until
 
   m.def("gpu_available", [] {
     std::string why;

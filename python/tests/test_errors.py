@@ -158,6 +158,75 @@ def test_bad_input_raises_and_writes_nothing(comm, target):
         check_untouched(comm, win, sig, name)
 
 
+def type_error_cases(comm, win, sig):
+    """Arguments that do not fit a call's parameters: TypeError naming the call, as Python's own."""
+    right = (comm.rank + 1) % comm.size
+    return [
+        ("unexpected keyword", lambda: comm.put(win, right, src8(), strem=None), "unexpected keyword argument 'strem'"),
+        ("a value given twice", lambda: comm.put(win, right, src8(), target=right),
+         "multiple values for argument 'target'"),
+        ("missing argument", lambda: comm.put_signal(win, right, src8(), sig, 0), "missing required argument 'value'"),
+        ("too many by position", lambda: comm.wait_until(sig, 0, ">=", 0, None, 1), "at most 5 positional"),
+        ("elem_offset by position", lambda: comm.put(win, right, src8(), 0, None, 1), "at most 5 positional"),
+        ("a window that is not one", lambda: comm.put(sig, right, src8()), "win must be a meshmem.Window"),
+        ("signals that are not", lambda: comm.put_signal(win, right, src8(), win, 0, 1),
+         "sig must be a meshmem.Signals"),
+        ("None for the window", lambda: comm.get(np.zeros(8, np.uint8), None, right), "win must be a meshmem.Window"),
+        ("a float rank", lambda: comm.put(win, 1.0, src8()), "target must be an integer"),
+        ("a string index", lambda: comm.signal(sig, right, "0", 1), "index must be an integer"),
+        ("a negative index", lambda: comm.wait_until(sig, -1, ">=", 0), "index must be an integer in range"),
+        ("a negative value", lambda: comm.signal(sig, right, 0, -1), "value must be an integer in range"),
+        ("a value past 64 bits", lambda: comm.signal(sig, right, 0, 1 << 64), "value must be an integer in range"),
+        ("a rank past int", lambda: comm.put(win, 1 << 40, src8()), "target must be an integer in range"),
+    ]
+
+
+def test_bad_arguments_raise_type_error_and_write_nothing(comm, target):
+    win, sig = target
+    mine = win.local()
+    mine[:] = POISON
+    del mine
+    for name, call, words in type_error_cases(comm, win, sig):
+        try:
+            call()
+            got = "did not raise"
+        except TypeError as e:
+            got = None if words in str(e) and "comm." in str(e) else f"message {e}"
+        except Exception as e:  # noqa: BLE001 - any other exception is the finding
+            got = f"raised {type(e).__name__}: {e}"
+        agree(got is None, f"{name}: {got}")
+        check_untouched(comm, win, sig, name)
+
+
+def test_keywords_positions_and_index_objects_agree(comm):
+    """The same put_signal by position, by keyword (names made at run time too), with NumPy
+    integers for rank, index and value: every byte and the signal arrive each time."""
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    name = "".join(["str", "eam"])  # not interned
+    forms = [
+        lambda w, s, src: comm.put_signal(w, right, src, s, 0, 1, 8, "add", None),
+        lambda w, s, src: comm.put_signal(w, right, src, s, 0, 1, op="add", offset=8, **{name: None}),
+        lambda w, s, src: comm.put_signal(sig=s, value=np.uint64(1), index=np.int64(0), src=src, target=np.int32(right),
+                                          win=w, op=meshmem.SignalOp.Add, elem_offset=8),
+    ]
+    bad = []
+    for i, form in enumerate(forms):
+        with comm.alloc(64, memory="host") as win, comm.alloc_signals(1, memory="host") as sig:
+            mine = win.local()
+            mine[:] = POISON
+            comm.barrier()
+            src = np.arange(8, dtype=np.uint8) + 10 * comm.rank + i
+            form(win, sig, src)
+            comm.wait_until(sig, 0, ">=", 1)
+            want = np.full(64, POISON, np.uint8)
+            want[8:16] = np.arange(8, dtype=np.uint8) + 10 * left + i
+            if not np.array_equal(mine, want) or sig.read(0) != 1:
+                bad.append(f"form {i}: {np.count_nonzero(mine != want)} bytes differ, signal {sig.read(0)}")
+            del mine
+            comm.barrier()
+    agree(not bad, "; ".join(bad))
+
+
 def test_error_carries_code_and_message(comm, target):
     win, _ = target
     try:
