@@ -7,7 +7,8 @@
 #     builds (Release, Ninja, arch 90, 16 jobs: about a minute) into build-gpu/ unless --build
 #     names a build made earlier (carried, or kept from an earlier call; built there if it holds
 #     none), runs the tier's entries
-#     one at a time (TIER gpu: the fast tier, ctest -L '^gpu$'; gpu-long: ctest -L gpu-long), starts
+#     one at a time (TIER gpu: the fast tier, ctest -L '^gpu$'; gpu-long: ctest -L gpu-long;
+#     python: every Python entry, ctest -L python, in a build made with the package), starts
 #     none whose estimate (tests/gpu/entries.txt) no longer fits before the deadline (default
 #     540 s after the start) and ends one still running there, and writes summary.md (first line
 #     `total: N s`, the test time summed over the entries that ran; then entry, result (with the
@@ -50,8 +51,12 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
 if [ "${1:-}" = "tier" ]; then
-  tier=${2:?tier: gpu or gpu-long}; shift 2
-  case "$tier" in gpu) labels='^gpu$' ;; gpu-long) labels='^gpu-long$' ;; *) echo "tier: gpu or gpu-long" >&2; exit 2 ;; esac
+  tier=${2:?tier: gpu, gpu-long or python}; shift 2
+  case "$tier" in
+    gpu) labels='^gpu$' ;; gpu-long) labels='^gpu-long$' ;;
+    python) labels='^python$' ;;  # every Python entry, host and device (a build with the package)
+    *) echo "tier: gpu, gpu-long or python" >&2; exit 2 ;;
+  esac
   build=""; fresh=""; deadline=540; only=""; from=""; probe=""; out=${OUT:-}; done_runs=()
   while [ $# -gt 0 ]; do
     case "$1" in
@@ -90,6 +95,7 @@ if [ "${1:-}" = "tier" ]; then
   # The device machine's copy of the tree may carry another HEAD than the tree it came from: the
   # developer's machine passes MESHMEM_COMMIT.
   commit=${MESHMEM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  commit=${commit//[^A-Za-z0-9._-]/-}  # the run file's name comes back from the device machine only so
   day=$(date -u +%Y-%m-%d)
   tsv="$build/tests/gpu/entries.tsv"
   field() { awk -F'\t' -v n="$1" -v f="$2" '$1 == n {print $f; exit}' "$tsv"; }
