@@ -273,10 +273,11 @@ class StoppedProxy : public RealUse, public ::testing::WithParamInterface<const 
       if (const std::string why = staged_cannot_be_forced(); !why.empty()) GTEST_SKIP() << why;
     }
     ScopedEnv fault("MESHMEM_FAULT", plan.c_str());
-    std::optional<ScopedEnv> transports, channels;
+    std::optional<ScopedEnv> transports, channels, agents_only;
     if (staged) {
       transports.emplace("MESHMEM_TRANSPORTS", "staged,shm,mpi");
       channels.emplace("MESHMEM_STAGED_CHANNELS", "always");  // through rank 1's agent
+      agents_only.emplace("MESHMEM_STAGED_STREAM_PATH", "off");
     }
     make_comm();
     const TransportKind route = n >= 2 && me == 0 ? comm->transport(1, Memory::Device) : TransportKind::Mpi;
@@ -385,6 +386,7 @@ TEST_P(StalledFill, StreamFilledPutBehindATimedOutOneLeavesItsSlotAlone) {
   ScopedEnv transports("MESHMEM_TRANSPORTS", "staged,shm,mpi");
   ScopedEnv fill("MESHMEM_STAGED_STREAM_FILL", "on");
   ScopedEnv channels("MESHMEM_STAGED_CHANNELS", "always");  // through rank 1's agent
+  ScopedEnv agents_only("MESHMEM_STAGED_STREAM_PATH", "off");
   const std::string plan = "1:staged.carry:stop=" + std::to_string(kStopMs);
   ScopedEnv fault("MESHMEM_FAULT", plan.c_str());
   make_comm();
@@ -451,6 +453,7 @@ TEST_P(StalledFill, ASlotHeldByATimedOutPutIsNeverFilledAgain) {
   ScopedEnv transports("MESHMEM_TRANSPORTS", "staged,shm,mpi");
   ScopedEnv fill("MESHMEM_STAGED_STREAM_FILL", "on");
   ScopedEnv channels("MESHMEM_STAGED_CHANNELS", "always");
+  ScopedEnv agents_only("MESHMEM_STAGED_STREAM_PATH", "off");
   const std::string plan = "1:staged.copy_in:delay=" + std::to_string(kDelayMs);
   ScopedEnv fault("MESHMEM_FAULT", plan.c_str());
   make_comm();

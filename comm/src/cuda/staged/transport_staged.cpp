@@ -80,16 +80,18 @@ namespace {
 // window releaser's thread after the Comm is gone.
 class StagedAttachment final : public WindowAttachment {
  public:
-  StagedAttachment(std::shared_ptr<StagingAgent> a, std::uint64_t id) : agent(std::move(a)), window(id) {}
+  StagedAttachment(std::shared_ptr<StagingAgent> a, std::shared_ptr<StreamPath> p, std::uint64_t id)
+      : agent(std::move(a)), stream_path(std::move(p)), window(id) {}
   ~StagedAttachment() override {
     // Hidden peers' chunks (and answers to their gets) stop being enqueued for this window,
     // then no queued or running copy may touch a mapping or the window once it is gone.
     agent->remove_window(window);
-    if (!agent->drain())
+    if (!agent->drain() || (stream_path && !stream_path->drain()))
       log(LogLevel::Error, "staged transport: transfers still running when a window was freed; its mappings of "
                            "peers' memory are released anyway");
   }
   std::shared_ptr<StagingAgent> agent;
+  std::shared_ptr<StreamPath> stream_path;
   std::uint64_t window;
   std::vector<ipc::PeerMapping> parts;  // by rank
 };
@@ -153,6 +155,7 @@ StagedTransport::StagedTransport(const CommContext& ctx)
   const Topology& topo = ctx_.topo;
   no_route_.assign(static_cast<std::size_t>(topo.size), std::string());
   peer_device_.assign(static_cast<std::size_t>(topo.size), -1);
+  seen_device_.assign(static_cast<std::size_t>(topo.size), -1);
   for (int r = 0; r < topo.size; ++r)
     if (!topo.same_node(r))
       no_route_[r] = "rank " + std::to_string(r) + " is on another node (staging is through the node's pinned memory)";
@@ -164,8 +167,7 @@ StagedTransport::StagedTransport(const CommContext& ctx)
       (void)cudaGetLastError();
       d = -1;  // hidden (CUDA_VISIBLE_DEVICES isolation): that rank's agent copies onto its GPU
     }
-    if (r != topo.rank && kStagingChannels.get(ctx.options) == Channels::Always) d = -1;  // the peer's agent drives its GPU
-    peer_device_[r] = d;
+    seen_device_[r] = d;
   }
 }
 
@@ -180,7 +182,7 @@ void StagedTransport::stop() noexcept {
 }
 
 void StagedTransport::settle() noexcept {
-  if (agent_ && !agent_->drain())
+  if (!drain())
     log(LogLevel::Error, "~Comm: staged transfers of rank " + std::to_string(ctx_.topo.rank) +
                              " did not end within MESHMEM_TIMEOUT; the ranks part anyway");
 }
@@ -201,12 +203,16 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
   if (topo.node_ranks.size() > kMaxNodeRanks)
     throw Error(ErrorCode::Unsupported, what + ": more than " + std::to_string(kMaxNodeRanks) + " ranks on a node");
   for (std::size_t i = 0; i < topo.node_ranks.size(); ++i)
-    if (peer_device_[topo.node_ranks[i]] < 0) mine.bits[i / 8] |= static_cast<std::uint8_t>(1u << (i % 8));
+    if (seen_device_[topo.node_ranks[i]] < 0) mine.bits[i / 8] |= static_cast<std::uint8_t>(1u << (i % 8));
   std::vector<HiddenBits> all(static_cast<std::size_t>(topo.size));
   ctx_.boot.allgather(&mine, all.data(), sizeof(HiddenBits), what);
   const std::size_t me = topo.node_index(topo.rank);
-  for (int r : topo.node_ranks)
-    if (all[r].bits[me / 8] & (1u << (me % 8))) peer_device_[r] = -1;
+  const bool channels_always = kStagingChannels.get(ctx_.options) == Channels::Always;
+  for (int r : topo.node_ranks) {
+    if (all[r].bits[me / 8] & (1u << (me % 8))) seen_device_[r] = -1;
+    // `always`: the peer's agent drives its GPU, through the channel.
+    peer_device_[r] = (channels_always && r != topo.rank) ? -1 : seen_device_[r];
+  }
   std::vector<int> devices{device_->device()};
   for (int r = 0; r < topo.size; ++r)
     if (routed[r] && peer_device_[r] >= 0 && std::find(devices.begin(), devices.end(), peer_device_[r]) == devices.end())
@@ -244,6 +250,18 @@ void StagedTransport::connect(const std::vector<bool>& routed) {
     agent_ = std::make_shared<StagingAgent>(std::move(setup));
   });
   board_->open(agent_.get());
+  const std::size_t stream_path_bytes = kStagedStreamPath.get(ctx_.options);
+  StreamPath::Setup path;
+  for (int r = 0; r < topo.size; ++r)
+    if (routed[r] && r != topo.rank && seen_device_[r] >= 0) path.peer_devices.push_back(seen_device_[r]);
+  if (stream_path_bytes > 0 && !path.peer_devices.empty()) {
+    path.device = device_->device();
+    path.slot_bytes = stream_path_bytes;
+    path.split = kStagedStreamPathSplit.get(ctx_.options) == StreamPathSplit::On;
+    path.rank = topo.rank;
+    path.timeout = ctx_.options.timeout;
+    stream_path_ = std::make_shared<StreamPath>(path);
+  }
   log(LogLevel::Info, "staged transport: pool " + layout + "; " + std::to_string(slots_) + " slots of " +
                           std::to_string(chunk_) + " bytes per rank");
 }
@@ -253,16 +271,18 @@ std::unique_ptr<WindowAttachment> StagedTransport::attach(WindowState& win, cons
   const Topology& topo = ctx_.topo;
   const auto& memory = static_cast<const DeviceWindowMemory&>(*win.storage);
   std::vector<ipc::UniqueFd> received = exchange_part_fds(ctx_, win, what);
-  auto attachment = std::make_unique<StagedAttachment>(agent_, win.id);
+  auto attachment = std::make_unique<StagedAttachment>(agent_, stream_path_, win.id);
   attachment->parts.resize(static_cast<std::size_t>(topo.size));
   agent_->add_window(win.id, win.local, win.bytes);
   agreed_step(ctx_.boot, what, [&] {
     for (int r : topo.node_ranks) {
       if (!routed[r]) continue;
       if (r == topo.rank) continue;  // this rank's own part: win.local
-      if (peer_device_[r] < 0) continue;  // hidden: that rank's agent copies into its part
-      CurrentDevice current(peer_device_[r]);
-      attachment->parts[r] = ipc::PeerMapping::import(received[r].get(), memory.bytes, peer_device_[r]);
+      // Hidden (or left to that rank's agent, with no stream path): that rank's agent copies into its part.
+      const int device = peer_device_[r] >= 0 ? peer_device_[r] : stream_path_ ? seen_device_[r] : -1;
+      if (device < 0) continue;
+      CurrentDevice current(device);
+      attachment->parts[r] = ipc::PeerMapping::import(received[r].get(), memory.bytes, device);
     }
   });
   return attachment;
@@ -499,10 +519,49 @@ StagedRequest StagedTransport::request(void* dst, int dst_device, const void* sr
   return r;
 }
 
+// The stream path: a transfer small enough, with a rank whose GPU this process sees, outside
+// capture. Why: through the agents a 4 KiB put took 23 us on 1 x H200 (two host threads between
+// its copies), as stream work 6.4 us (studies/stream_path_lab). Why not larger: one transfer's
+// two copies run one after the other there (4 MiB: 25.6 GB/s against the agents' pipeline).
+// Memory of the caller's that the driver does not know (pageable) goes through the agents: a
+// copy from or to it would hold the calling thread.
+bool StagedTransport::by_stream_path(int peer, std::size_t bytes, const void* mine, cudaStream_t stream,
+                                     const char* name) const {
+  if (!stream_path_ || seen_device_[peer] < 0 || bytes > stream_path_->max_bytes()) return false;
+  if (bytes > 0) {
+    cudaPointerAttributes attributes{};
+    const bool known = cudaPointerGetAttributes(&attributes, mine) == cudaSuccess;
+    (void)cudaGetLastError();
+    if (!known || attributes.type == cudaMemoryTypeUnregistered) return false;
+  }
+  return !capture_of(stream, what(name, peer)).active;
+}
+
+void StagedTransport::stream_path_transfer(const StreamPath::Transfer& t, int peer, cudaStream_t stream,
+                                           const char* name) {
+  raise_earlier_failure(what(name, peer));
+  // Earlier puts of this stream to that rank that have not landed (source completion) land
+  // first: a signal comes after them, a get reads what they wrote.
+  if (source_completion_) wait_for_landing(stream, peer, name);
+  stream_path_->run(t, stream, what(name, peer));
+}
+
 void StagedTransport::put(const WindowState& win, int target, std::size_t offset, const void* src, std::size_t bytes,
                           const SignalUpdate& signal, Stream stream) {
   if (bytes == 0 && signal.sig == nullptr) return;
   const char* name = signal.sig != nullptr ? "put_signal" : "put";
+  if (by_stream_path(target, bytes, src, static_cast<cudaStream_t>(stream), name)) {
+    StreamPath::Transfer t;
+    t.dst = static_cast<char*>(mapped_part(win, target, name)) + offset;
+    t.src = src;
+    t.width = t.dst_pitch = t.src_pitch = bytes;
+    t.peer_device = seen_device_[target];
+    if (signal.sig != nullptr) t.signal = static_cast<std::uint64_t*>(mapped_part(*signal.sig, target, name)) + signal.index;
+    t.value = signal.value;
+    t.op = signal.op;
+    stream_path_transfer(t, target, static_cast<cudaStream_t>(stream), name);
+    return;
+  }
   StagedRequest r;
   if (peer_device_[target] < 0) {
     r = hidden_request(StagedRequest::Route::ToHidden, target, win, offset, bytes, 1, bytes, bytes);
@@ -526,6 +585,18 @@ void StagedTransport::put_strided(const WindowState& win, int target, std::size_
                                   const void* src, std::size_t src_pitch, std::size_t width, std::size_t height,
                                   Stream stream) {
   if (width == 0 || height == 0) return;
+  if (by_stream_path(target, width * height, src, static_cast<cudaStream_t>(stream), "put (strided)")) {
+    StreamPath::Transfer t;
+    t.dst = static_cast<char*>(mapped_part(win, target, "put")) + dst_offset;
+    t.src = src;
+    t.width = width;
+    t.rows = height;
+    t.dst_pitch = dst_pitch;
+    t.src_pitch = src_pitch;
+    t.peer_device = seen_device_[target];
+    stream_path_transfer(t, target, static_cast<cudaStream_t>(stream), "put (strided)");
+    return;
+  }
   StagedRequest r;
   if (peer_device_[target] < 0) {
     r = hidden_request(StagedRequest::Route::ToHidden, target, win, dst_offset, width, height, dst_pitch, src_pitch);
@@ -541,6 +612,16 @@ void StagedTransport::put_strided(const WindowState& win, int target, std::size_
 void StagedTransport::get(void* dst, const WindowState& win, int target, std::size_t offset, std::size_t bytes,
                           Stream stream) {
   if (bytes == 0) return;
+  if (by_stream_path(target, bytes, dst, static_cast<cudaStream_t>(stream), "get")) {
+    StreamPath::Transfer t;
+    t.kind = StreamPath::Transfer::Kind::Get;
+    t.dst = dst;
+    t.src = static_cast<const char*>(mapped_part(win, target, "get")) + offset;
+    t.width = t.dst_pitch = t.src_pitch = bytes;
+    t.peer_device = seen_device_[target];
+    stream_path_transfer(t, target, static_cast<cudaStream_t>(stream), "get");
+    return;
+  }
   StagedRequest r;
   if (peer_device_[target] < 0) {
     r = hidden_request(StagedRequest::Route::FromHidden, target, win, offset, bytes, 1, bytes, bytes);
@@ -573,7 +654,10 @@ StagedRequest StagedTransport::hidden_request(StagedRequest::Route route, int ta
   return r;
 }
 
-bool StagedTransport::drain() noexcept { return agent_ ? agent_->drain() : true; }
+bool StagedTransport::drain() noexcept {
+  const bool agent = agent_ ? agent_->drain() : true;
+  return (stream_path_ ? stream_path_->drain() : true) && agent;
+}
 
 std::uint64_t* StagedTransport::node_flags(int rank) const { return agent_->barrier_flags(rank); }
 
@@ -581,7 +665,8 @@ std::string StagedTransport::describe() const {
   if (!agent_) return {};
   const std::string held = agent_->held_report();
   return "staging pool " + agent_->pool().describe() + ", " + std::to_string(slots_) + " slots of " +
-         std::to_string(chunk_) + " bytes per rank" + (held.empty() ? "" : "; held back: " + held);
+         std::to_string(chunk_) + " bytes per rank" + (stream_path_ ? "; " + stream_path_->describe() : "") +
+         (held.empty() ? "" : "; held back: " + held);
 }
 
 }  // namespace meshmem::detail

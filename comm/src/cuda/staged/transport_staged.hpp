@@ -19,6 +19,7 @@
 #include "cuda/runtime/block_pool.hpp"
 #include "cuda/barrier/barrier_resources.hpp"
 #include "cuda/staged/staging_agent.hpp"
+#include "cuda/staged/stream_path.hpp"
 
 namespace meshmem::detail {
 
@@ -79,6 +80,10 @@ class StagedTransport final : public Transport, private BarrierResources {
                                std::size_t width, std::size_t rows, std::size_t dst_pitch, std::size_t src_pitch) const;
   // Hands one transfer to the agent; the caller's stream waits for its end.
   void transfer(StagedRequest r, int peer, Stream stream, const char* name);
+  // Whether a transfer of `bytes` with `peer` on `stream`, this rank's side at `mine`, goes by
+  // the stream path (see transport_staged.cpp), and then enqueues it there.
+  bool by_stream_path(int peer, std::size_t bytes, const void* mine, cudaStream_t stream, const char* name) const;
+  void stream_path_transfer(const StreamPath::Transfer& t, int peer, cudaStream_t stream, const char* name);
   bool fills_slot(const StagedRequest& r, cudaStream_t stream) const;
   // Source completion: `stream` waits for the ends of its puts (to `peer` only, where given)
   // that have not landed yet.
@@ -88,6 +93,9 @@ class StagedTransport final : public Transport, private BarrierResources {
   CommContext ctx_;
   GpuDevice* device_;       // null where device windows are unavailable
   std::vector<int> peer_device_;    // by rank: its GPU as this process numbers it, -1 if hidden
+  // By rank: its GPU as this process numbers it where both sides see each other's GPU, -1 if
+  // not; whatever MESHMEM_STAGED_CHANNELS says (the stream path's choice).
+  std::vector<int> seen_device_;
   std::vector<std::string> no_route_;
   std::size_t chunk_;
   std::size_t first_piece_;  // MESHMEM_STAGED_FIRST_PIECE (0: off)
@@ -109,6 +117,7 @@ class StagedTransport final : public Transport, private BarrierResources {
   std::mutex unlanded_m_;
   std::map<StreamKey, std::vector<Unlanded>> unlanded_;
   std::shared_ptr<StagingAgent> agent_;  // shared with window attachments (released later)
+  std::shared_ptr<StreamPath> stream_path_;  // null: off, or no peer's GPU seen here; shared likewise
   std::shared_ptr<HandoffBoard<StagingAgent>> board_;  // shared with captured graphs
 };
 

@@ -107,6 +107,41 @@ inline const TuningKnob<Completion> kStagedCompletion{
     "to the same rank, and `Window::free`, `barrier()` and `~Comm` wait on the host. Puts to one rank land in order, "
     "each signal after its data; puts to different ranks are ordered only by a quiet"};
 
+// Small transfers between GPUs this process both sees, as the caller's stream work: see
+// transport_staged.cpp.
+inline std::size_t parse_staged_stream_path(const char* name, const std::string& raw) {
+  if (raw == "off") return 0;
+  const std::size_t n = parse_bytes(name, raw);
+  if (n < 1 || n > (std::size_t(1) << 20)) bad_knob_value(name, raw, "`off` or a byte count from 1 to 1 MiB");
+  return n;
+}
+inline std::string print_staged_stream_path(const std::size_t& n) { return n == 0 ? "off" : print_number(n); }
+inline const TuningKnob<std::size_t> kStagedStreamPath{
+    Tier::Tuning, "staged", "MESHMEM_STAGED_STREAM_PATH", 0, parse_staged_stream_path,
+    print_staged_stream_path,
+    "staged transport: a put, put_signal, get or strided put of at most this many bytes to a rank whose GPU this "
+    "process sees is enqueued by the caller as stream work, without the staging agents; `off`: every transfer "
+    "through the agents",
+    "A transfer of at most this many bytes (width x rows) with a rank of the node whose GPU this process sees (every "
+    "placement but CUDA_VISIBLE_DEVICES isolation), outside graph capture, is copied by the caller's stream into one "
+    "of 16 pinned slots of this process and out of it into the target (on this process's stream of the target's "
+    "GPU where that is another), its signal after it: no host thread between the copies, and the caller's stream "
+    "goes on once it landed, whatever MESHMEM_STAGED_CHANNELS and MESHMEM_STAGED_COMPLETION say. Larger "
+    "transfers, captured ones and those with hidden GPUs go through the agents. Each rank keeps 16 x this many "
+    "bytes of pinned memory while some pair routes through `staged`. Off by default until the measurement against "
+    "the agents' path chooses the sizes (docs/transports/staged.md)"};
+enum class StreamPathSplit { Off, On };
+inline constexpr std::pair<const char*, StreamPathSplit> kStreamPathSplitChoices[] = {{"off", StreamPathSplit::Off},
+                                                                                     {"on", StreamPathSplit::On}};
+inline const TuningKnob<StreamPathSplit> kStagedStreamPathSplit{
+    Tier::Testing, "staged", "MESHMEM_STAGED_STREAM_PATH_SPLIT", StreamPathSplit::Off,
+    parse_named<kStreamPathSplitChoices>, print_named<kStreamPathSplitChoices>,
+    "staged transport, for tests: the stream path's step on the peer's GPU on a stream of its own even where that "
+    "GPU is this rank's",
+    "For tests on one GPU: the stream path (MESHMEM_STAGED_STREAM_PATH) runs the target's copy and signal on this "
+    "process's own stream of the target's GPU, joined to the caller's stream by events, as it does where the two "
+    "GPUs differ, also where ranks share the GPU"};
+
 // Who drives the target GPU of a pair whose GPUs are both visible here: see transport_staged.cpp.
 enum class Channels { Always, WhenHidden };
 inline constexpr std::pair<const char*, Channels> kChannelChoices[] = {{"always", Channels::Always},
