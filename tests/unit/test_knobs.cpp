@@ -181,6 +181,28 @@ TEST(Knobs, GpuKnobsWithoutTheGpuPart) {
   EXPECT_TRUE(parse({{"MESHMEM_TIMEOUT", "5"}}).notices().empty());
 }
 
+// The staged stream path's size: `off` or 1 byte to 1 MiB (each rank pins 16 slots of it), as
+// the knob's doc says; printed back as given.
+TEST(Knobs, StagedStreamPathSizes) {
+  EXPECT_EQ(parse({}).tuning().count("MESHMEM_STAGED_STREAM_PATH"), 0u);  // off unless set
+  EXPECT_EQ(parse({{"MESHMEM_STAGED_STREAM_PATH", "off"}}).tuning().at("MESHMEM_STAGED_STREAM_PATH"), "off");
+  EXPECT_EQ(parse({{"MESHMEM_STAGED_STREAM_PATH", "65536"}}).tuning().at("MESHMEM_STAGED_STREAM_PATH"), "65536");
+  EXPECT_EQ(parse({{"MESHMEM_STAGED_STREAM_PATH", "1048576"}}).tuning().at("MESHMEM_STAGED_STREAM_PATH"), "1048576");
+  for (const char* bad : {"0", "1048577", "on", "-1", "64K"}) {
+    try {
+      parse({{"MESHMEM_STAGED_STREAM_PATH", bad}});
+      ADD_FAILURE() << "accepted MESHMEM_STAGED_STREAM_PATH=" << bad;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::InvalidArgument) << bad;
+      EXPECT_NE(std::string(e.what()).find("MESHMEM_STAGED_STREAM_PATH='" + std::string(bad) + "' is not valid"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_EQ(parse({{"MESHMEM_STAGED_STREAM_PATH_SPLIT", "on"}}).tuning().at("MESHMEM_STAGED_STREAM_PATH_SPLIT"), "on");
+  EXPECT_THROW(parse({{"MESHMEM_STAGED_STREAM_PATH_SPLIT", "yes"}}), Error);
+}
+
 TEST(Knobs, SettingsSayWhereEachCameFrom) {
   Options o = parse({{"MESHMEM_TIMEOUT", "5"}});
   o.set("MESHMEM_LOG_LEVEL", "debug");

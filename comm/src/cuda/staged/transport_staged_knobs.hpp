@@ -119,9 +119,8 @@ inline std::string print_staged_stream_path(const std::size_t& n) { return n == 
 inline const TuningKnob<std::size_t> kStagedStreamPath{
     Tier::Tuning, "staged", "MESHMEM_STAGED_STREAM_PATH", 0, parse_staged_stream_path,
     print_staged_stream_path,
-    "staged transport: a put, put_signal, get or strided put of at most this many bytes to a rank whose GPU this "
-    "process sees is enqueued by the caller as stream work, without the staging agents; `off`: every transfer "
-    "through the agents",
+    "staged transport: transfers of at most this many bytes with a GPU this process sees go as the caller's stream "
+    "work, not through the agents; `off`",
     "A transfer of at most this many bytes (width x rows) with a rank of the node whose GPU this process sees (every "
     "placement but CUDA_VISIBLE_DEVICES isolation), outside graph capture, is copied by the caller's stream into one "
     "of 16 pinned slots of this process and out of it into the target (on this process's stream of the target's "
