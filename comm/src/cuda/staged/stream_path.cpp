@@ -14,14 +14,15 @@
 
 namespace meshmem::detail {
 
-StreamPath::StreamPath(const Setup& setup) : setup_(setup), last_(setup.slots, nullptr) {
+StreamPath::StreamPath(const Setup& setup) : setup_(setup), slots_(setup.slots) {
   const std::string what = "staged stream path of rank " + std::to_string(setup_.rank);
   CurrentDevice current(setup_.device);
   std::vector<int> devices = setup_.peer_devices;
   devices.push_back(setup_.device);
   std::sort(devices.begin(), devices.end());
   devices.erase(std::unique(devices.begin(), devices.end()), devices.end());
-  const std::size_t bytes = setup_.slot_bytes * setup_.slots;
+  stride_ = (setup_.slot_bytes + 255) / 256 * 256;
+  const std::size_t bytes = stride_ * setup_.slots;
   if (const int numa = ipc::host_numa_node_of(setup_.device); numa >= 0) {
     const std::size_t grain = ipc::host_numa_granularity(numa);
     pinned_.vmm = ipc::SharedHostMemory::create((bytes + grain - 1) / grain * grain, numa, devices);
@@ -34,16 +35,8 @@ StreamPath::StreamPath(const Setup& setup) : setup_(setup), last_(setup.slots, n
     own_done_.push_back(std::make_unique<OwnedEvent>(what));
     ready_.push_back(std::make_unique<OwnedEvent>(what));
   }
-  lanes_.reserve(devices.size());
-  for (int d : devices) {
-    if (d == setup_.device && !setup_.split) continue;  // this GPU's steps run on the caller's stream
-    CurrentDevice on(d);
-    Lane lane;
-    lane.device = d;
-    lane.stream = std::make_unique<OwnedStream>(what);
-    for (std::size_t i = 0; i < setup_.slots; ++i) lane.done.push_back(std::make_unique<OwnedEvent>(what));
-    lanes_.push_back(std::move(lane));
-  }
+  signal_ready_ = std::make_unique<OwnedEvent>(what);
+  own_signalled_ = std::make_unique<OwnedEvent>(what);
 }
 
 StreamPath::~StreamPath() {
@@ -56,88 +49,154 @@ StreamPath::~StreamPath() {
   }
 }
 
-StreamPath::Lane& StreamPath::lane_of(int device, const std::string& what) {
-  for (Lane& l : lanes_)
-    if (l.device == device) return l;
-  throw Error(ErrorCode::Internal, what + ": GPU " + std::to_string(device) + " has no stream of the stream path");
+StreamPath::StreamKey StreamPath::key_of(cudaStream_t stream) {
+  if (stream == cudaStreamLegacy) stream = nullptr;
+  return {stream, stream == cudaStreamPerThread ? std::this_thread::get_id() : std::thread::id()};
 }
 
-void StreamPath::run(const Transfer& t, cudaStream_t stream, const std::string& what) {
+// Under m_. Free for `key`: never used, last used by the same stream (its order covers it), or
+// that use ended.
+bool StreamPath::slot_free_for(std::size_t slot, const StreamKey& key) const {
+  const Slot& s = slots_[slot];
+  if (s.retired) return false;
+  if (s.last.empty() || s.user == key) return true;
+  for (cudaEvent_t e : s.last)
+    if (cudaEventQuery(e) != cudaSuccess) return false;  // not ready, or an error its stream reports
+  return true;
+}
+
+// Under m_: the caller stream's lane on `device`, made on its first transfer there; null where
+// the device's lanes are all taken by other streams.
+StreamPath::Lane* StreamPath::lane_for(int device, const StreamKey& key, const std::string& what) {
+  const auto it = lanes_.find({device, key});
+  if (it != lanes_.end()) return &it->second;
+  std::size_t on_device = 0;
+  for (const auto& [k, lane] : lanes_) on_device += k.first == device;
+  if (on_device >= setup_.lanes_per_device) return nullptr;
+  CurrentDevice on(device);
+  Lane lane;
+  lane.device = device;
+  lane.stream = std::make_unique<OwnedStream>(what);
+  for (std::size_t i = 0; i < setup_.slots; ++i) lane.done.push_back(std::make_unique<OwnedEvent>(what));
+  lane.signalled = std::make_unique<OwnedEvent>(what);
+  return &lanes_.emplace(std::make_pair(device, key), std::move(lane)).first->second;
+}
+
+bool StreamPath::run(const Transfer& t, cudaStream_t stream, const std::string& what) {
+  const StreamKey key = key_of(stream);
+  const bool one_stream = t.peer_device == setup_.device && !setup_.split;
   std::lock_guard<std::mutex> lock(m_);
-  const std::size_t slot = next_;
-  next_ = (next_ + 1) % setup_.slots;
-  if (t.peer_device == setup_.device && !setup_.split)
-    run_on_one_stream(t, slot, stream, what);
-  else
-    run_split(t, slot, stream, lane_of(t.peer_device, what), what);
-  ++transfers_;
+  Lane* lane = one_stream ? nullptr : lane_for(t.peer_device, key, what);
+  if (!one_stream && lane == nullptr) return false;
+  if (t.bytes() == 0) {  // a signal alone: no slot
+    signal_alone(t, stream, lane, what);
+    return true;
+  }
+  std::size_t slot = setup_.slots;
+  for (std::size_t k = 0; k < setup_.slots && slot == setup_.slots; ++k)
+    if (slot_free_for((next_ + k) % setup_.slots, key)) slot = (next_ + k) % setup_.slots;
+  if (slot == setup_.slots) return false;
+  next_ = (slot + 1) % setup_.slots;
+  Touched touched;
+  try {
+    if (one_stream)
+      run_on_one_stream(t, slot, stream, touched, what);
+    else
+      run_split(t, slot, stream, *lane, touched, what);
+  } catch (...) {
+    guard(slot, stream, touched, key);
+    throw;
+  }
+  slots_[slot].user = key;
+  return true;
 }
 
 // Ranks sharing a GPU: both copies and the signal in the caller's stream order.
-void StreamPath::run_on_one_stream(const Transfer& t, std::size_t slot, cudaStream_t stream, const std::string& what) {
+void StreamPath::run_on_one_stream(const Transfer& t, std::size_t slot, cudaStream_t stream, Touched& touched,
+                                   const std::string& what) {
   CurrentDevice current(setup_.device);
-  char* staging = static_cast<char*>(pinned_.base) + slot * setup_.slot_bytes;
-  if (last_[slot] != nullptr)
-    ipc::check_cuda(cudaStreamWaitEvent(stream, last_[slot], 0), "cudaStreamWaitEvent (the slot's last use)", what);
-  if (t.bytes() > 0) {
-    ipc::check_cuda(copy_rows(staging, t.width, t.src, t.src_pitch, t.width, t.rows, stream, cudaMemcpyDefault),
-                    "cudaMemcpyAsync (to the staging slot)", what);
-    ipc::check_cuda(copy_rows(t.dst, t.dst_pitch, staging, t.width, t.width, t.rows, stream, cudaMemcpyDefault),
-                    "cudaMemcpyAsync (from the staging slot)", what);
-  }
+  char* staging = static_cast<char*>(pinned_.base) + slot * stride_;
+  for (cudaEvent_t e : slots_[slot].last)
+    ipc::check_cuda(cudaStreamWaitEvent(stream, e, 0), "cudaStreamWaitEvent (the slot's last use)", what);
+  ipc::check_cuda(copy_rows(staging, t.width, t.src, t.src_pitch, t.width, t.rows, stream),
+                  "cudaMemcpyAsync (to the staging slot)", what);
+  touched.caller = true;
+  ipc::check_cuda(copy_rows(t.dst, t.dst_pitch, staging, t.width, t.width, t.rows, stream),
+                  "cudaMemcpyAsync (from the staging slot)", what);
   if (t.signal != nullptr) signal(t, stream, what);
   cudaEvent_t done = own_done_[slot]->get();
   ipc::check_cuda(cudaEventRecord(done, stream), "cudaEventRecord", what);
-  last_[slot] = done;
+  slots_[slot].last.assign(1, done);
 }
 
-// The peer's GPU is another: its step on this process's stream of it, between two events.
-void StreamPath::run_split(const Transfer& t, std::size_t slot, cudaStream_t stream, Lane& lane,
+// The peer's GPU is another: its step on the caller stream's lane there, between two events.
+void StreamPath::run_split(const Transfer& t, std::size_t slot, cudaStream_t stream, Lane& lane, Touched& touched,
                            const std::string& what) {
-  char* staging = static_cast<char*>(pinned_.base) + slot * setup_.slot_bytes;
+  char* staging = static_cast<char*>(pinned_.base) + slot * stride_;
   cudaEvent_t ready = ready_[slot]->get();
   cudaEvent_t there = lane.done[slot]->get();
   const cudaStream_t peer = lane.stream->get();
   const bool put = t.kind == Transfer::Kind::Put;
   {
     CurrentDevice current(setup_.device);
-    if (put && last_[slot] != nullptr)
-      ipc::check_cuda(cudaStreamWaitEvent(stream, last_[slot], 0), "cudaStreamWaitEvent (the slot's last use)", what);
-    if (put && t.bytes() > 0)
-      ipc::check_cuda(copy_rows(staging, t.width, t.src, t.src_pitch, t.width, t.rows, stream, cudaMemcpyDefault),
+    if (put) {
+      for (cudaEvent_t e : slots_[slot].last)
+        ipc::check_cuda(cudaStreamWaitEvent(stream, e, 0), "cudaStreamWaitEvent (the slot's last use)", what);
+      ipc::check_cuda(copy_rows(staging, t.width, t.src, t.src_pitch, t.width, t.rows, stream),
                       "cudaMemcpyAsync (to the staging slot)", what);
+      touched.caller = true;
+    }
     // A get's read comes after the caller's earlier work (its puts to that rank included).
     ipc::check_cuda(cudaEventRecord(ready, stream), "cudaEventRecord", what);
   }
   {
     CurrentDevice current(lane.device);
     ipc::check_cuda(cudaStreamWaitEvent(peer, ready, 0), "cudaStreamWaitEvent (the caller's stream)", what);
-    if (!put && last_[slot] != nullptr)
-      ipc::check_cuda(cudaStreamWaitEvent(peer, last_[slot], 0), "cudaStreamWaitEvent (the slot's last use)", what);
-    if (t.bytes() > 0) {
-      if (put)
-        ipc::check_cuda(
-            copy_rows(t.dst, t.dst_pitch, staging, t.width, t.width, t.rows, peer, cudaMemcpyDefault),
-            "cudaMemcpyAsync (from the staging slot)", what);
-      else
-        ipc::check_cuda(copy_rows(staging, t.width, t.src, t.src_pitch, t.width, t.rows, peer, cudaMemcpyDefault),
-                        "cudaMemcpyAsync (to the staging slot)", what);
-    }
+    if (!put)
+      for (cudaEvent_t e : slots_[slot].last)
+        ipc::check_cuda(cudaStreamWaitEvent(peer, e, 0), "cudaStreamWaitEvent (the slot's last use)", what);
+    if (put)
+      ipc::check_cuda(copy_rows(t.dst, t.dst_pitch, staging, t.width, t.width, t.rows, peer),
+                      "cudaMemcpyAsync (from the staging slot)", what);
+    else
+      ipc::check_cuda(copy_rows(staging, t.width, t.src, t.src_pitch, t.width, t.rows, peer),
+                      "cudaMemcpyAsync (to the staging slot)", what);
+    touched.lane = &lane;
     if (put && t.signal != nullptr) signal(t, peer, what);
     ipc::check_cuda(cudaEventRecord(there, peer), "cudaEventRecord", what);
   }
   CurrentDevice current(setup_.device);
   ipc::check_cuda(cudaStreamWaitEvent(stream, there, 0), "cudaStreamWaitEvent (the peer GPU's step)", what);
   if (put) {
-    last_[slot] = there;
+    slots_[slot].last.assign(1, there);
     return;
   }
-  if (t.bytes() > 0)
-    ipc::check_cuda(copy_rows(t.dst, t.dst_pitch, staging, t.width, t.width, t.rows, stream, cudaMemcpyDefault),
-                    "cudaMemcpyAsync (from the staging slot)", what);
+  touched.caller = true;  // the caller's stream now waits for the lane: an event there covers both
+  ipc::check_cuda(copy_rows(t.dst, t.dst_pitch, staging, t.width, t.width, t.rows, stream),
+                  "cudaMemcpyAsync (from the staging slot)", what);
   cudaEvent_t done = own_done_[slot]->get();
   ipc::check_cuda(cudaEventRecord(done, stream), "cudaEventRecord", what);
-  last_[slot] = done;
+  slots_[slot].last.assign(1, done);
+}
+
+// A put_signal of no bytes: the signal on the caller's stream, or on its lane between events.
+void StreamPath::signal_alone(const Transfer& t, cudaStream_t stream, Lane* lane, const std::string& what) {
+  CurrentDevice current(setup_.device);
+  if (lane == nullptr) {
+    signal(t, stream, what);
+    ipc::check_cuda(cudaEventRecord(own_signalled_->get(), stream), "cudaEventRecord", what);
+    return;
+  }
+  ipc::check_cuda(cudaEventRecord(signal_ready_->get(), stream), "cudaEventRecord", what);
+  {
+    CurrentDevice on(lane->device);
+    ipc::check_cuda(cudaStreamWaitEvent(lane->stream->get(), signal_ready_->get(), 0),
+                    "cudaStreamWaitEvent (the caller's stream)", what);
+    signal(t, lane->stream->get(), what);
+    ipc::check_cuda(cudaEventRecord(lane->signalled->get(), lane->stream->get()), "cudaEventRecord", what);
+  }
+  ipc::check_cuda(cudaStreamWaitEvent(stream, lane->signalled->get(), 0), "cudaStreamWaitEvent (the peer GPU's step)",
+                  what);
 }
 
 // A set is a stream write (fenced: the data before it lands first); an add needs the atomic of
@@ -152,21 +211,63 @@ void StreamPath::signal(const Transfer& t, cudaStream_t stream, const std::strin
   run_stream_batch(ops, reinterpret_cast<Stream>(stream), "staged stream path signal", setup_.rank);
 }
 
+// Under m_, after a failed step: the slot's next use and drain() wait for what was enqueued;
+// where even that cannot be recorded, the slot is never taken again.
+void StreamPath::guard(std::size_t slot, cudaStream_t stream, const Touched& touched, const StreamKey& key) noexcept {
+  Slot& s = slots_[slot];
+  s.user = key;
+  bool covered = true;
+  if (touched.lane != nullptr) {
+    CurrentDevice on(touched.lane->device);
+    cudaEvent_t e = touched.lane->done[slot]->get();
+    if (cudaEventRecord(e, touched.lane->stream->get()) == cudaSuccess)
+      s.last.assign(1, e);
+    else
+      covered = false;
+  }
+  if (touched.caller) {
+    CurrentDevice on(setup_.device);
+    cudaEvent_t e = own_done_[slot]->get();
+    if (cudaEventRecord(e, stream) == cudaSuccess) {
+      if (touched.lane == nullptr) s.last.clear();
+      s.last.push_back(e);
+    } else {
+      covered = false;
+    }
+  }
+  if (!covered) {
+    s.retired = true;
+    log(LogLevel::Error, "staged stream path of rank " + std::to_string(setup_.rank) + ": slot " + std::to_string(slot) +
+                             " is left out from now on (a transfer through it failed midway)");
+  }
+}
+
+// The events are taken under m_ and polled outside it (a later record of one only adds work
+// that is waited for too); events and lanes live as long as the object.
 bool StreamPath::drain() noexcept {
   std::vector<cudaEvent_t> pending;
-  {
+  bool stuck = false;
+  try {
     std::lock_guard<std::mutex> lock(m_);
-    for (cudaEvent_t e : last_)
-      if (e != nullptr) pending.push_back(e);
+    for (const Slot& s : slots_) pending.insert(pending.end(), s.last.begin(), s.last.end());
+    pending.push_back(own_signalled_->get());
+    for (const auto& [key, lane] : lanes_) pending.push_back(lane.signalled->get());
+    stuck = stuck_;
+  } catch (const std::exception&) {
+    return false;  // no memory for the list: say it did not drain
   }
-  const Deadline deadline(setup_.timeout);
+  // Once a drain timed out, the next ones only look: teardown waits one timeout, not one per window.
+  const Deadline deadline(stuck ? std::chrono::milliseconds(1) : setup_.timeout);
   Backoff backoff;
   for (cudaEvent_t e : pending) {
     cudaError_t q;
     while ((q = cudaEventQuery(e)) == cudaErrorNotReady && !deadline.expired()) backoff.pause();
-    if (q == cudaErrorNotReady) return false;
+    if (q == cudaErrorNotReady) {
+      std::lock_guard<std::mutex> lock(m_);
+      stuck_ = true;
+      return false;
+    }
     // An error of the stream's work is the stream's to report; the copies are over either way.
-    if (q != cudaSuccess) (void)cudaGetLastError();
   }
   return true;
 }

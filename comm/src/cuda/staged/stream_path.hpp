@@ -2,11 +2,13 @@
 // the calling thread as stream work only (MESHMEM_STAGED_STREAM_PATH): the device-to-host copy
 // into a pinned slot of this process, the host-to-device copy out of it, and the signal, with
 // no host thread between them. Where the peer's GPU is this rank's own (ranks sharing a GPU)
-// every step runs on the caller's stream; otherwise the step on the peer's GPU runs on this
-// process's stream of that GPU, joined to the caller's stream by events both ways. A slot's
-// next use waits on the GPU for the event after its last one, so the host never waits for a
-// slot. Transfers under graph capture, to hidden GPUs and over the size go through the staging
-// agent (transport_staged.cpp chooses).
+// every step runs on the caller's stream; otherwise the step on the peer's GPU runs on a stream
+// of this process there that serves the caller's stream alone (a lane), joined to it by events
+// both ways. A slot's next use waits on the GPU for the events after its last one; a slot
+// whose last use was another stream's and has not ended is not taken, so that no stream's
+// transfer waits behind another stream's (which may itself wait for this one). Where no slot
+// or lane is free, `run` declines and the transfer goes through the staging agent, as do
+// captured ones, those with hidden GPUs and larger ones (transport_staged.cpp chooses).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -14,9 +16,12 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "cuda/runtime/block_pool.hpp"
@@ -50,7 +55,8 @@ class StreamPath {
     std::vector<int> peer_devices;    // every other GPU a transfer may name
     std::size_t slot_bytes = 0;       // the largest transfer taken
     std::size_t slots = 16;
-    bool split = false;               // test switch: the peer's step on a stream of its own even on this GPU
+    std::size_t lanes_per_device = 8;  // caller streams served at once on each other GPU
+    bool split = false;               // test switch: the peer's step on a lane even on this GPU
     int rank = -1;
     std::chrono::milliseconds timeout{0};
   };
@@ -60,43 +66,70 @@ class StreamPath {
   StreamPath& operator=(const StreamPath&) = delete;
 
   std::size_t max_bytes() const { return setup_.slot_bytes; }
-  // Enqueues `t` on `stream` (not capturing; the caller checked): the stream goes on once its
-  // data (and signal) landed. Errors raise Error(Cuda) naming `what`; nothing waits on the host.
-  void run(const Transfer& t, cudaStream_t stream, const std::string& what);
+  // Enqueues `t` on `stream` (a stream of this rank's GPU, not capturing: the caller checked),
+  // which goes on once its data (and signal) landed; false, with nothing enqueued, where no
+  // slot or lane is free for it now. Errors raise Error(Cuda) naming `what`; what was enqueued
+  // before stays guarded (its slot's next use and drain() wait for it). Nothing waits on the host.
+  bool run(const Transfer& t, cudaStream_t stream, const std::string& what);
   // Whether every enqueued transfer ended on the GPUs within MESHMEM_TIMEOUT (before a window's
-  // peer mappings go).
+  // peer mappings go); once a drain timed out, later ones only look.
   bool drain() noexcept;
   std::string describe() const;
 
  private:
-  // The peer GPU's side: a stream of this process there and an event per slot on it.
+  // The caller's stream as the caller means it: the legacy stream whether named by null or
+  // cudaStreamLegacy, each thread's per-thread stream apart.
+  using StreamKey = std::pair<cudaStream_t, std::thread::id>;
+  static StreamKey key_of(cudaStream_t stream);
+  // A caller stream's side on another GPU: a stream of this process there, an event per slot
+  // and one for signals alone.
   struct Lane {
     int device = -1;
     std::unique_ptr<OwnedStream> stream;
     std::vector<std::unique_ptr<OwnedEvent>> done;  // by slot: after this lane's step on it
+    std::unique_ptr<OwnedEvent> signalled;          // after a signal without data
   };
-  // The slots: host-NUMA VMM memory mapped for every GPU of the Comm here, or where the device
-  // has none, a block of the pool's portable pinned memory; neither given back through
-  // cudaFreeHost, which waits for every kernel of the device (block_pool.hpp).
+  struct Slot {
+    std::vector<cudaEvent_t> last;  // the events after its last use (empty: never used)
+    StreamKey user{};               // the caller stream of that use
+    bool retired = false;           // a failed use left work that no event covers: never taken again
+  };
+  // What a transfer enqueued so far, for guarding the slot if a later step fails.
+  struct Touched {
+    bool caller = false;
+    Lane* lane = nullptr;
+  };
+  // The slots and lanes: host-NUMA VMM memory mapped for every GPU of the Comm here, or where
+  // the device has none, a block of the pool's portable pinned memory (block_pool.hpp), neither
+  // given back while a copy may still use it.
   struct PinnedSlots {
     ipc::SharedHostMemory vmm;
     PooledBlock block;
     void* base = nullptr;
   };
-  Lane& lane_of(int device, const std::string& what);
-  void run_on_one_stream(const Transfer& t, std::size_t slot, cudaStream_t stream, const std::string& what);
-  void run_split(const Transfer& t, std::size_t slot, cudaStream_t stream, Lane& lane, const std::string& what);
+  bool slot_free_for(std::size_t slot, const StreamKey& key) const;
+  Lane* lane_for(int device, const StreamKey& key, const std::string& what);
+  void run_on_one_stream(const Transfer& t, std::size_t slot, cudaStream_t stream, Touched& touched,
+                         const std::string& what);
+  void run_split(const Transfer& t, std::size_t slot, cudaStream_t stream, Lane& lane, Touched& touched,
+                 const std::string& what);
+  void signal_alone(const Transfer& t, cudaStream_t stream, Lane* lane, const std::string& what);
   void signal(const Transfer& t, cudaStream_t stream, const std::string& what);
+  // After a step failed: events on every stream that got work, as the slot's last use.
+  void guard(std::size_t slot, cudaStream_t stream, const Touched& touched, const StreamKey& key) noexcept;
 
   Setup setup_;
+  std::size_t stride_ = 0;  // bytes between slots (256-aligned)
   PinnedSlots pinned_;
   std::vector<std::unique_ptr<OwnedEvent>> own_done_;  // by slot, on this rank's GPU: after its step there
   std::vector<std::unique_ptr<OwnedEvent>> ready_;     // by slot, on this rank's GPU: the caller's side ready
-  std::vector<Lane> lanes_;
-  std::mutex m_;  // slot choice and enqueue order, from any thread
-  std::vector<cudaEvent_t> last_;  // by slot: the event after its last use (null: never used)
+  std::unique_ptr<OwnedEvent> signal_ready_;           // the same for a signal without data
+  std::unique_ptr<OwnedEvent> own_signalled_;          // after a signal without data on the caller's stream
+  mutable std::mutex m_;  // everything below, and the enqueue order, from any thread
+  std::map<std::pair<int, StreamKey>, Lane> lanes_;  // by GPU and caller stream
+  std::vector<Slot> slots_;
   std::size_t next_ = 0;
-  std::uint64_t transfers_ = 0;
+  bool stuck_ = false;  // a drain timed out
 };
 
 }  // namespace meshmem::detail

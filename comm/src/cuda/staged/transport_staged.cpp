@@ -86,7 +86,8 @@ class StagedAttachment final : public WindowAttachment {
     // Hidden peers' chunks (and answers to their gets) stop being enqueued for this window,
     // then no queued or running copy may touch a mapping or the window once it is gone.
     agent->remove_window(window);
-    if (!agent->drain() || (stream_path && !stream_path->drain()))
+    const bool agent_drained = agent->drain();
+    if (!agent_drained || (stream_path && !stream_path->drain()))
       log(LogLevel::Error, "staged transport: transfers still running when a window was freed; its mappings of "
                            "peers' memory are released anyway");
   }
@@ -525,8 +526,7 @@ StagedRequest StagedTransport::request(void* dst, int dst_device, const void* sr
 // two copies run one after the other there (4 MiB: 25.6 GB/s against the agents' pipeline).
 // Memory of the caller's that the driver does not know (pageable) goes through the agents: a
 // copy from or to it would hold the calling thread.
-bool StagedTransport::by_stream_path(int peer, std::size_t bytes, const void* mine, cudaStream_t stream,
-                                     const char* name) const {
+bool StagedTransport::by_stream_path(int peer, std::size_t bytes, const void* mine, cudaStream_t stream) const {
   if (!stream_path_ || seen_device_[peer] < 0 || bytes > stream_path_->max_bytes()) return false;
   if (bytes > 0) {
     cudaPointerAttributes attributes{};
@@ -534,23 +534,34 @@ bool StagedTransport::by_stream_path(int peer, std::size_t bytes, const void* mi
     (void)cudaGetLastError();
     if (!known || attributes.type == cudaMemoryTypeUnregistered) return false;
   }
-  return !capture_of(stream, what(name, peer)).active;
+  // A stream of this rank's GPU (the null stream: its own), not capturing nor invalidated by a
+  // capture: the agents' path handles or refuses the others as before.
+  CurrentDevice current(device_->device());
+  int stream_device = -1;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamGetDevice(stream, &stream_device) != cudaSuccess ||
+      cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return stream_device == device_->device() && status == cudaStreamCaptureStatusNone;
 }
 
-void StagedTransport::stream_path_transfer(const StreamPath::Transfer& t, int peer, cudaStream_t stream,
+bool StagedTransport::stream_path_transfer(const StreamPath::Transfer& t, int peer, cudaStream_t stream,
                                            const char* name) {
   raise_earlier_failure(what(name, peer));
   // Earlier puts of this stream to that rank that have not landed (source completion) land
   // first: a signal comes after them, a get reads what they wrote.
   if (source_completion_) wait_for_landing(stream, peer, name);
-  stream_path_->run(t, stream, what(name, peer));
+  CurrentDevice current(device_->device());
+  return stream_path_->run(t, stream, what(name, peer));
 }
 
 void StagedTransport::put(const WindowState& win, int target, std::size_t offset, const void* src, std::size_t bytes,
                           const SignalUpdate& signal, Stream stream) {
   if (bytes == 0 && signal.sig == nullptr) return;
   const char* name = signal.sig != nullptr ? "put_signal" : "put";
-  if (by_stream_path(target, bytes, src, static_cast<cudaStream_t>(stream), name)) {
+  if (by_stream_path(target, bytes, src, static_cast<cudaStream_t>(stream))) {
     StreamPath::Transfer t;
     t.dst = static_cast<char*>(mapped_part(win, target, name)) + offset;
     t.src = src;
@@ -559,8 +570,7 @@ void StagedTransport::put(const WindowState& win, int target, std::size_t offset
     if (signal.sig != nullptr) t.signal = static_cast<std::uint64_t*>(mapped_part(*signal.sig, target, name)) + signal.index;
     t.value = signal.value;
     t.op = signal.op;
-    stream_path_transfer(t, target, static_cast<cudaStream_t>(stream), name);
-    return;
+    if (stream_path_transfer(t, target, static_cast<cudaStream_t>(stream), name)) return;
   }
   StagedRequest r;
   if (peer_device_[target] < 0) {
@@ -585,7 +595,7 @@ void StagedTransport::put_strided(const WindowState& win, int target, std::size_
                                   const void* src, std::size_t src_pitch, std::size_t width, std::size_t height,
                                   Stream stream) {
   if (width == 0 || height == 0) return;
-  if (by_stream_path(target, width * height, src, static_cast<cudaStream_t>(stream), "put (strided)")) {
+  if (by_stream_path(target, width * height, src, static_cast<cudaStream_t>(stream))) {
     StreamPath::Transfer t;
     t.dst = static_cast<char*>(mapped_part(win, target, "put")) + dst_offset;
     t.src = src;
@@ -594,8 +604,7 @@ void StagedTransport::put_strided(const WindowState& win, int target, std::size_
     t.dst_pitch = dst_pitch;
     t.src_pitch = src_pitch;
     t.peer_device = seen_device_[target];
-    stream_path_transfer(t, target, static_cast<cudaStream_t>(stream), "put (strided)");
-    return;
+    if (stream_path_transfer(t, target, static_cast<cudaStream_t>(stream), "put (strided)")) return;
   }
   StagedRequest r;
   if (peer_device_[target] < 0) {
@@ -612,15 +621,14 @@ void StagedTransport::put_strided(const WindowState& win, int target, std::size_
 void StagedTransport::get(void* dst, const WindowState& win, int target, std::size_t offset, std::size_t bytes,
                           Stream stream) {
   if (bytes == 0) return;
-  if (by_stream_path(target, bytes, dst, static_cast<cudaStream_t>(stream), "get")) {
+  if (by_stream_path(target, bytes, dst, static_cast<cudaStream_t>(stream))) {
     StreamPath::Transfer t;
     t.kind = StreamPath::Transfer::Kind::Get;
     t.dst = dst;
     t.src = static_cast<const char*>(mapped_part(win, target, "get")) + offset;
     t.width = t.dst_pitch = t.src_pitch = bytes;
     t.peer_device = seen_device_[target];
-    stream_path_transfer(t, target, static_cast<cudaStream_t>(stream), "get");
-    return;
+    if (stream_path_transfer(t, target, static_cast<cudaStream_t>(stream), "get")) return;
   }
   StagedRequest r;
   if (peer_device_[target] < 0) {

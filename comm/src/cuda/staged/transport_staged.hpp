@@ -82,8 +82,9 @@ class StagedTransport final : public Transport, private BarrierResources {
   void transfer(StagedRequest r, int peer, Stream stream, const char* name);
   // Whether a transfer of `bytes` with `peer` on `stream`, this rank's side at `mine`, goes by
   // the stream path (see transport_staged.cpp), and then enqueues it there.
-  bool by_stream_path(int peer, std::size_t bytes, const void* mine, cudaStream_t stream, const char* name) const;
-  void stream_path_transfer(const StreamPath::Transfer& t, int peer, cudaStream_t stream, const char* name);
+  bool by_stream_path(int peer, std::size_t bytes, const void* mine, cudaStream_t stream) const;
+  // False where the stream path declined it (no free slot or lane): it goes through the agents.
+  bool stream_path_transfer(const StreamPath::Transfer& t, int peer, cudaStream_t stream, const char* name);
   bool fills_slot(const StagedRequest& r, cudaStream_t stream) const;
   // Source completion: `stream` waits for the ends of its puts (to `peer` only, where given)
   // that have not landed yet.

@@ -126,7 +126,8 @@ inline const TuningKnob<std::size_t> kStagedStreamPath{
     "of 16 pinned slots of this process and out of it into the target (on this process's stream of the target's "
     "GPU where that is another), its signal after it: no host thread between the copies, and the caller's stream "
     "goes on once it landed, whatever MESHMEM_STAGED_CHANNELS and MESHMEM_STAGED_COMPLETION say. Larger "
-    "transfers, captured ones and those with hidden GPUs go through the agents. Each rank keeps 16 x this many "
+    "transfers, captured ones, those from or into pageable memory, those with hidden GPUs and those that find no "
+    "slot free of other streams' unfinished transfers go through the agents. Each rank keeps 16 x this many "
     "bytes of pinned memory while some pair routes through `staged`. Off by default until the measurement against "
     "the agents' path chooses the sizes (docs/transports/staged.md)"};
 enum class StreamPathSplit { Off, On };
