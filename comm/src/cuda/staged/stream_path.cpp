@@ -14,6 +14,22 @@
 
 namespace meshmem::detail {
 
+namespace {
+// Relaxed stream-capture mode for the calling (the user's) thread while it queries events: a
+// query may count as an unsafe call where another thread captures in global mode, which would
+// fail it and invalidate that capture.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode() noexcept { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCaptureMode() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+}  // namespace
+
 StreamPath::StreamPath(const Setup& setup) : setup_(setup), slots_(setup.slots) {
   const std::string what = "staged stream path of rank " + std::to_string(setup_.rank);
   CurrentDevice current(setup_.device);
@@ -60,6 +76,7 @@ bool StreamPath::slot_free_for(std::size_t slot, const StreamKey& key) const {
   const Slot& s = slots_[slot];
   if (s.retired) return false;
   if (s.last.empty() || s.user == key) return true;
+  RelaxedCaptureMode relaxed;
   for (cudaEvent_t e : s.last)
     if (cudaEventQuery(e) != cudaSuccess) return false;  // not ready, or an error its stream reports
   return true;
@@ -258,6 +275,7 @@ bool StreamPath::drain() noexcept {
   }
   // Once a drain timed out, the next ones only look: teardown waits one timeout, not one per window.
   const Deadline deadline(stuck ? std::chrono::milliseconds(1) : setup_.timeout);
+  RelaxedCaptureMode relaxed;
   Backoff backoff;
   for (cudaEvent_t e : pending) {
     cudaError_t q;
