@@ -35,7 +35,10 @@
 // with 4 slots and 5 destination regions, a slot reused before its copy out shows).
 //   mpirun -np 2 stream_path_lab [--sizes 8,16,64,...,4M] [--iters 1000] [--warmup 20]
 //     [--min-iters 50] [--budget-ms 40] [--busy 1,full|none] [--busy-us 1000]
-//     [--signal memop|kernel] [--same-gpu] [--limit-s 300] [--csv F --commit C --machine M --date D]
+//     [--signal memop|kernel] [--same-gpu] [--pad-d2h BYTES] [--pad-h2d BYTES] [--limit-s 300]
+//     [--csv F --commit C --machine M --date D]
+// --pad-d2h / --pad-h2d: each put's copy into / out of its slot copies at least that many bytes
+// (the ping-pong step between 1 and 2 KiB: which copy is handled otherwise below it).
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <mpi.h>
@@ -79,6 +82,7 @@ struct Opts {
   std::vector<std::string> busy = {"1", "full"};
   std::uint64_t busy_us = 1000;
   bool signal_kernel = false, same_gpu = false;
+  std::size_t pad_d2h = 0, pad_h2d = 0;  // each put's copy into / out of its slot at least this long
   unsigned limit_s = 300;
   bench::RunInfo run;
 };
@@ -99,6 +103,7 @@ struct Route {
 struct Lab {
   int rank = 0, peer = 1, dev = 0;
   bool signal_kernel = false;
+  std::size_t pad_d2h = 0, pad_h2d = 0;  // --pad-d2h / --pad-h2d
   std::size_t stride = 0;          // a region's or a slot's bytes
   cudaStream_t cs = nullptr;       // the caller's stream
   std::uint8_t* src = nullptr;     // kRegions regions of device memory
@@ -155,11 +160,11 @@ void put(Lab& L, Route& to, std::size_t bytes, long i, bool join, std::uint64_t*
   std::uint8_t* slot = L.slots + static_cast<std::size_t>(i % kSlots) * L.stride;
   const std::size_t region = static_cast<std::size_t>(i % kRegions) * L.stride;
   if (!join) PK(cudaStreamWaitEvent(L.cs, landed, 0));
-  PK(cudaMemcpyAsync(slot, L.src + region, bytes, cudaMemcpyDeviceToHost, L.cs));
+  PK(cudaMemcpyAsync(slot, L.src + region, std::max(bytes, L.pad_d2h), cudaMemcpyDeviceToHost, L.cs));
   PK(cudaEventRecord(read, L.cs));
   if (to.device != L.dev) PK(cudaSetDevice(to.device));
   PK(cudaStreamWaitEvent(to.stream, read, 0));
-  PK(cudaMemcpyAsync(to.dst + region, slot, bytes, cudaMemcpyHostToDevice, to.stream));
+  PK(cudaMemcpyAsync(to.dst + region, slot, std::max(bytes, L.pad_h2d), cudaMemcpyHostToDevice, to.stream));
   if (word != nullptr) write_signal(L, to.stream, word, value);
   PK(cudaEventRecord(landed, to.stream));
   if (to.device != L.dev) PK(cudaSetDevice(L.dev));
@@ -326,7 +331,7 @@ unsigned long long check(Lab& L, const RowDef& row, std::size_t bytes, long n, c
       if (got[b] != want[b]) {
         if (here++ == 0) first = b;
       }
-    if (span > bytes && got[bytes] != kPoison) ++here;
+    if (span > bytes && bytes >= L.pad_h2d && got[bytes] != kPoison) ++here;  // a padded copy writes past it
     if (here != 0)
       std::fprintf(stderr, "rank %d: %s, %zu bytes: destination %d has %zu bad bytes (first at %zu%s)\n", L.rank,
                    row.name.c_str(), bytes, d, here, first, first == bytes ? ": the byte after it" : "");
@@ -407,7 +412,7 @@ std::vector<std::string> split(const std::string& s) {
     std::fprintf(stderr,
                  "stream_path_lab: %s\nusage: mpirun -np 2 stream_path_lab [--sizes LIST] [--iters N] [--warmup N] "
                  "[--min-iters N] [--budget-ms MS] [--busy 1,full|none] [--busy-us US] [--signal memop|kernel] "
-                 "[--same-gpu] [--limit-s S] [--csv F --commit C --machine M --date D]\n",
+                 "[--same-gpu] [--pad-d2h BYTES] [--pad-h2d BYTES] [--limit-s S] [--csv F --commit C --machine M --date D]\n",
                  why.c_str());
   MPI_Abort(MPI_COMM_WORLD, 2);
   std::exit(2);
@@ -438,6 +443,11 @@ Opts parse(int argc, char** argv, int rank) {
       if (s != "memop" && s != "kernel") usage(rank, "--signal memop or kernel");
       o.signal_kernel = s == "kernel";
     } else if (a == "--same-gpu") o.same_gpu = true;
+    else if ((a == "--pad-d2h" || a == "--pad-h2d") && has) {
+      std::size_t b = 0;
+      if (!bench::parse_bytes(argv[++i], &b) || b > (std::size_t(64) << 20)) usage(rank, a + ": 0 to 64M bytes");
+      (a == "--pad-d2h" ? o.pad_d2h : o.pad_h2d) = b;
+    }
     else usage(rank, "unknown argument " + a);
   }
   for (const auto& b : o.busy)
@@ -508,7 +518,7 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, dev));
-  std::size_t stride = *std::max_element(o.sizes.begin(), o.sizes.end());
+  std::size_t stride = std::max({*std::max_element(o.sizes.begin(), o.sizes.end()), o.pad_d2h, o.pad_h2d});
   stride = (stride + 1 + 65535) / 65536 * 65536;  // room for the poisoned byte after a region
   int failed_rows = 0;
   std::vector<bench::ResultRow> csv;
@@ -563,6 +573,8 @@ int main(int argc, char** argv) {
     L.peer = peer;
     L.dev = dev;
     L.signal_kernel = o.signal_kernel;
+    L.pad_d2h = o.pad_d2h;
+    L.pad_h2d = o.pad_h2d;
     L.stride = stride;
     L.cs = cs;
     L.src = src.get();
@@ -641,8 +653,9 @@ int main(int argc, char** argv) {
       int peer_access = 0;
       if (dev != tdev) CK(cudaDeviceCanAccessPeer(&peer_access, dev, tdev));
       std::printf("# target: the peer's cuMemCreate memory imported here; slots: shm_open + cudaHostRegister; signal: %s;"
-                  " peer access %s (never enabled)\n",
-                  o.signal_kernel ? "kernel" : "cuStreamWriteValue64", dev == tdev ? "n/a" : peer_access ? "possible" : "none");
+                  " peer access %s (never enabled); puts' copies padded to at least %zu (d2h) / %zu (h2d) bytes%s\n",
+                  o.signal_kernel ? "kernel" : "cuStreamWriteValue64", dev == tdev ? "n/a" : peer_access ? "possible" : "none",
+                  o.pad_d2h, o.pad_h2d, o.pad_h2d > 0 ? " (the byte after a destination is not checked below that)" : "");
       std::printf("# us: mean over the timed ops (after %ld warm-up; up to %.0f ms, %ld-%ld ops); GB/s = 1e9 B/s; host us: "
                   "rank 0's enqueue time per op; busy: %llu us kernels of rank 1\n",
                   o.warmup, o.budget_ms, std::max<long>(o.min_iters, kRegions), o.iters,
