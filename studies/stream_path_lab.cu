@@ -35,7 +35,7 @@
 // with 4 slots and 5 destination regions, a slot reused before its copy out shows).
 //   mpirun -np 2 stream_path_lab [--sizes 8,16,64,...,4M] [--iters 1000] [--warmup 20]
 //     [--min-iters 50] [--budget-ms 40] [--busy 1,full|none] [--busy-us 1000]
-//     [--signal memop|kernel] [--same-gpu] [--pad-d2h BYTES] [--pad-h2d BYTES] [--limit-s 300]
+//     [--signal memop|kernel|copy] [--same-gpu] [--pad-d2h BYTES] [--pad-h2d BYTES] [--limit-s 300]
 //     [--csv F --commit C --machine M --date D]
 // --pad-d2h / --pad-h2d: each put's copy into / out of its slot copies at least that many bytes
 // (the ping-pong step between 1 and 2 KiB: which copy is handled otherwise below it).
@@ -81,7 +81,7 @@ struct Opts {
   double budget_ms = 40;
   std::vector<std::string> busy = {"1", "full"};
   std::uint64_t busy_us = 1000;
-  bool signal_kernel = false, same_gpu = false;
+  bool signal_kernel = false, signal_copy = false, same_gpu = false;
   std::size_t pad_d2h = 0, pad_h2d = 0;  // each put's copy into / out of its slot at least this long
   unsigned limit_s = 300;
   bench::RunInfo run;
@@ -103,6 +103,9 @@ struct Route {
 struct Lab {
   int rank = 0, peer = 1, dev = 0;
   bool signal_kernel = false;
+  bool signal_copy = false;               // --signal copy: an 8-byte copy from one of `values`
+  std::uint64_t* values = nullptr;        // pinned: kValues rotating words, then the graph's value
+  unsigned long long next_value = 0;
   std::size_t pad_d2h = 0, pad_h2d = 0;  // --pad-d2h / --pad-h2d
   std::size_t stride = 0;          // a region's or a slot's bytes
   cudaStream_t cs = nullptr;       // the caller's stream
@@ -135,8 +138,19 @@ void step(Lab& L, CUresult rc, const char* call, int line) {
 }
 #define PK(call) step(L, (call), #call, __LINE__)
 
+constexpr std::size_t kValues = 64;  // more than a row keeps in flight: every signalled row joins each op
+
 void write_signal(Lab& L, cudaStream_t s, std::uint64_t* word, std::uint64_t value) {
-  if (L.signal_kernel) {
+  if (L.signal_copy) {
+    // A copy engine's write, in stream order after the data: no work for the GPU's front end or
+    // SMs, which the target's process may hold for its time slice.
+    std::uint64_t* from = L.values + kValues;  // the captured put's: kGraphValue, never rewritten
+    if (!L.capturing) {
+      from = L.values + L.next_value++ % kValues;
+      *from = value;
+    }
+    PK(cudaMemcpyAsync(word, from, sizeof(std::uint64_t), cudaMemcpyHostToDevice, s));
+  } else if (L.signal_kernel) {
     signal_kernel<<<1, 1, 0, s>>>(word, value);
     PK(cudaGetLastError());
   } else {
@@ -411,7 +425,7 @@ std::vector<std::string> split(const std::string& s) {
   if (rank == 0)
     std::fprintf(stderr,
                  "stream_path_lab: %s\nusage: mpirun -np 2 stream_path_lab [--sizes LIST] [--iters N] [--warmup N] "
-                 "[--min-iters N] [--budget-ms MS] [--busy 1,full|none] [--busy-us US] [--signal memop|kernel] "
+                 "[--min-iters N] [--budget-ms MS] [--busy 1,full|none] [--busy-us US] [--signal memop|kernel|copy] "
                  "[--same-gpu] [--pad-d2h BYTES] [--pad-h2d BYTES] [--limit-s S] [--csv F --commit C --machine M --date D]\n",
                  why.c_str());
   MPI_Abort(MPI_COMM_WORLD, 2);
@@ -440,8 +454,9 @@ Opts parse(int argc, char** argv, int rank) {
     else if (a == "--limit-s" && has) o.limit_s = static_cast<unsigned>(count(1));
     else if (a == "--signal" && has) {
       const std::string s = argv[++i];
-      if (s != "memop" && s != "kernel") usage(rank, "--signal memop or kernel");
+      if (s != "memop" && s != "kernel" && s != "copy") usage(rank, "--signal memop, kernel or copy");
       o.signal_kernel = s == "kernel";
+      o.signal_copy = s == "copy";
     } else if (a == "--same-gpu") o.same_gpu = true;
     else if ((a == "--pad-d2h" || a == "--pad-h2d") && has) {
       std::size_t b = 0;
@@ -573,6 +588,13 @@ int main(int argc, char** argv) {
     L.peer = peer;
     L.dev = dev;
     L.signal_kernel = o.signal_kernel;
+    L.signal_copy = o.signal_copy;
+    std::uint64_t* values = nullptr;
+    CK(cudaHostAlloc(reinterpret_cast<void**>(&values), (kValues + 1) * sizeof(std::uint64_t), cudaHostAllocPortable));
+    const std::unique_ptr<std::uint64_t, void (*)(std::uint64_t*)> values_owner(
+        values, [](std::uint64_t* p) { (void)cudaFreeHost(p); });
+    values[kValues] = kGraphValue;
+    L.values = values;
     L.pad_d2h = o.pad_d2h;
     L.pad_h2d = o.pad_h2d;
     L.stride = stride;
@@ -654,7 +676,7 @@ int main(int argc, char** argv) {
       if (dev != tdev) CK(cudaDeviceCanAccessPeer(&peer_access, dev, tdev));
       std::printf("# target: the peer's cuMemCreate memory imported here; slots: shm_open + cudaHostRegister; signal: %s;"
                   " peer access %s (never enabled); puts' copies padded to at least %zu (d2h) / %zu (h2d) bytes%s\n",
-                  o.signal_kernel ? "kernel" : "cuStreamWriteValue64", dev == tdev ? "n/a" : peer_access ? "possible" : "none",
+                  o.signal_copy ? "an 8-byte copy" : o.signal_kernel ? "kernel" : "cuStreamWriteValue64", dev == tdev ? "n/a" : peer_access ? "possible" : "none",
                   o.pad_d2h, o.pad_h2d, o.pad_h2d > 0 ? " (the byte after a destination is not checked below that)" : "");
       std::printf("# us: mean over the timed ops (after %ld warm-up; up to %.0f ms, %ld-%ld ops); GB/s = 1e9 B/s; host us: "
                   "rank 0's enqueue time per op; busy: %llu us kernels of rank 1\n",
