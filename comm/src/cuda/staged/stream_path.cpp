@@ -70,18 +70,6 @@ StreamPath::StreamKey StreamPath::key_of(cudaStream_t stream) {
   return {stream, stream == cudaStreamPerThread ? std::this_thread::get_id() : std::thread::id()};
 }
 
-// Under m_. Free for `key`: never used, last used by the same stream (its order covers it), or
-// that use ended.
-bool StreamPath::slot_free_for(std::size_t slot, const StreamKey& key) const {
-  const Slot& s = slots_[slot];
-  if (s.retired) return false;
-  if (s.last.empty() || s.user == key) return true;
-  RelaxedCaptureMode relaxed;
-  for (cudaEvent_t e : s.last)
-    if (cudaEventQuery(e) != cudaSuccess) return false;  // not ready, or an error its stream reports
-  return true;
-}
-
 // Under m_: the caller stream's lane on `device`, made on its first transfer there; null where
 // the device's lanes are all taken by other streams.
 StreamPath::Lane* StreamPath::lane_for(int device, const StreamKey& key, const std::string& what) {
@@ -109,31 +97,31 @@ bool StreamPath::run(const Transfer& t, cudaStream_t stream, const std::string& 
     signal_alone(t, stream, lane, what);
     return true;
   }
-  std::size_t slot = setup_.slots;
-  for (std::size_t k = 0; k < setup_.slots && slot == setup_.slots; ++k)
-    if (slot_free_for((next_ + k) % setup_.slots, key)) slot = (next_ + k) % setup_.slots;
-  if (slot == setup_.slots) return false;
-  next_ = (slot + 1) % setup_.slots;
+  std::size_t slot = 0;
+  const auto ended = [](cudaEvent_t e) {
+    RelaxedCaptureMode relaxed;
+    return cudaEventQuery(e) == cudaSuccess;  // not ready, or an error its stream reports: not free
+  };
+  if (!slots_.choose(key, ended, &slot)) return false;
   Touched touched;
+  cudaEvent_t after = nullptr;
   try {
-    if (one_stream)
-      run_on_one_stream(t, slot, stream, touched, what);
-    else
-      run_split(t, slot, stream, *lane, touched, what);
+    after = one_stream ? run_on_one_stream(t, slot, stream, touched, what)
+                       : run_split(t, slot, stream, *lane, touched, what);
   } catch (...) {
     guard(slot, stream, touched, key);
     throw;
   }
-  slots_[slot].user = key;
+  slots_.used(slot, key, {after});
   return true;
 }
 
 // Ranks sharing a GPU: both copies and the signal in the caller's stream order.
-void StreamPath::run_on_one_stream(const Transfer& t, std::size_t slot, cudaStream_t stream, Touched& touched,
-                                   const std::string& what) {
+cudaEvent_t StreamPath::run_on_one_stream(const Transfer& t, std::size_t slot, cudaStream_t stream,
+                                          Touched& touched, const std::string& what) {
   CurrentDevice current(setup_.device);
   char* staging = static_cast<char*>(pinned_.base) + slot * stride_;
-  for (cudaEvent_t e : slots_[slot].last)
+  for (cudaEvent_t e : slots_.last(slot))
     ipc::check_cuda(cudaStreamWaitEvent(stream, e, 0), "cudaStreamWaitEvent (the slot's last use)", what);
   ipc::check_cuda(copy_rows(staging, t.width, t.src, t.src_pitch, t.width, t.rows, stream),
                   "cudaMemcpyAsync (to the staging slot)", what);
@@ -143,12 +131,12 @@ void StreamPath::run_on_one_stream(const Transfer& t, std::size_t slot, cudaStre
   if (t.signal != nullptr) signal(t, stream, what);
   cudaEvent_t done = own_done_[slot]->get();
   ipc::check_cuda(cudaEventRecord(done, stream), "cudaEventRecord", what);
-  slots_[slot].last.assign(1, done);
+  return done;
 }
 
 // The peer's GPU is another: its step on the caller stream's lane there, between two events.
-void StreamPath::run_split(const Transfer& t, std::size_t slot, cudaStream_t stream, Lane& lane, Touched& touched,
-                           const std::string& what) {
+cudaEvent_t StreamPath::run_split(const Transfer& t, std::size_t slot, cudaStream_t stream, Lane& lane,
+                                  Touched& touched, const std::string& what) {
   char* staging = static_cast<char*>(pinned_.base) + slot * stride_;
   cudaEvent_t ready = ready_[slot]->get();
   cudaEvent_t there = lane.done[slot]->get();
@@ -157,7 +145,7 @@ void StreamPath::run_split(const Transfer& t, std::size_t slot, cudaStream_t str
   {
     CurrentDevice current(setup_.device);
     if (put) {
-      for (cudaEvent_t e : slots_[slot].last)
+      for (cudaEvent_t e : slots_.last(slot))
         ipc::check_cuda(cudaStreamWaitEvent(stream, e, 0), "cudaStreamWaitEvent (the slot's last use)", what);
       ipc::check_cuda(copy_rows(staging, t.width, t.src, t.src_pitch, t.width, t.rows, stream),
                       "cudaMemcpyAsync (to the staging slot)", what);
@@ -170,7 +158,7 @@ void StreamPath::run_split(const Transfer& t, std::size_t slot, cudaStream_t str
     CurrentDevice current(lane.device);
     ipc::check_cuda(cudaStreamWaitEvent(peer, ready, 0), "cudaStreamWaitEvent (the caller's stream)", what);
     if (!put)
-      for (cudaEvent_t e : slots_[slot].last)
+      for (cudaEvent_t e : slots_.last(slot))
         ipc::check_cuda(cudaStreamWaitEvent(peer, e, 0), "cudaStreamWaitEvent (the slot's last use)", what);
     if (put)
       ipc::check_cuda(copy_rows(t.dst, t.dst_pitch, staging, t.width, t.width, t.rows, peer),
@@ -184,16 +172,13 @@ void StreamPath::run_split(const Transfer& t, std::size_t slot, cudaStream_t str
   }
   CurrentDevice current(setup_.device);
   ipc::check_cuda(cudaStreamWaitEvent(stream, there, 0), "cudaStreamWaitEvent (the peer GPU's step)", what);
-  if (put) {
-    slots_[slot].last.assign(1, there);
-    return;
-  }
+  if (put) return there;
   touched.caller = true;  // the caller's stream now waits for the lane: an event there covers both
   ipc::check_cuda(copy_rows(t.dst, t.dst_pitch, staging, t.width, t.width, t.rows, stream),
                   "cudaMemcpyAsync (from the staging slot)", what);
   cudaEvent_t done = own_done_[slot]->get();
   ipc::check_cuda(cudaEventRecord(done, stream), "cudaEventRecord", what);
-  slots_[slot].last.assign(1, done);
+  return done;
 }
 
 // A put_signal of no bytes: the signal on the caller's stream, or on its lane between events.
@@ -231,29 +216,36 @@ void StreamPath::signal(const Transfer& t, cudaStream_t stream, const std::strin
 // Under m_, after a failed step: the slot's next use and drain() wait for what was enqueued;
 // where even that cannot be recorded, the slot is never taken again.
 void StreamPath::guard(std::size_t slot, cudaStream_t stream, const Touched& touched, const StreamKey& key) noexcept {
-  Slot& s = slots_[slot];
-  s.user = key;
   bool covered = true;
-  if (touched.lane != nullptr) {
-    CurrentDevice on(touched.lane->device);
-    cudaEvent_t e = touched.lane->done[slot]->get();
-    if (cudaEventRecord(e, touched.lane->stream->get()) == cudaSuccess)
-      s.last.assign(1, e);
-    else
-      covered = false;
-  }
-  if (touched.caller) {
-    CurrentDevice on(setup_.device);
-    cudaEvent_t e = own_done_[slot]->get();
-    if (cudaEventRecord(e, stream) == cudaSuccess) {
-      if (touched.lane == nullptr) s.last.clear();
-      s.last.push_back(e);
-    } else {
-      covered = false;
+  std::vector<cudaEvent_t> after;
+  try {
+    if (touched.lane != nullptr) {
+      CurrentDevice on(touched.lane->device);
+      cudaEvent_t e = touched.lane->done[slot]->get();
+      if (cudaEventRecord(e, touched.lane->stream->get()) == cudaSuccess)
+        after.push_back(e);
+      else
+        covered = false;
     }
+    if (touched.caller) {
+      CurrentDevice on(setup_.device);
+      cudaEvent_t e = own_done_[slot]->get();
+      if (cudaEventRecord(e, stream) == cudaSuccess)
+        after.push_back(e);
+      else
+        covered = false;
+    }
+    // Nothing touched: the slot's earlier last use still covers it.
+    if (covered && !after.empty()) {
+      std::vector<cudaEvent_t> keep = slots_.last(slot);  // a lane's failed step waited for them, or not
+      keep.insert(keep.end(), after.begin(), after.end());
+      slots_.used(slot, key, std::move(keep));
+    }
+  } catch (...) {
+    covered = false;
   }
   if (!covered) {
-    s.retired = true;
+    slots_.retire(slot);
     log(LogLevel::Error, "staged stream path of rank " + std::to_string(setup_.rank) + ": slot " + std::to_string(slot) +
                              " is left out from now on (a transfer through it failed midway)");
   }
@@ -266,7 +258,7 @@ bool StreamPath::drain() noexcept {
   bool stuck = false;
   try {
     std::lock_guard<std::mutex> lock(m_);
-    for (const Slot& s : slots_) pending.insert(pending.end(), s.last.begin(), s.last.end());
+    pending = slots_.all_last();
     pending.push_back(own_signalled_->get());
     for (const auto& [key, lane] : lanes_) pending.push_back(lane.signalled->get());
     stuck = stuck_;

@@ -26,6 +26,7 @@
 
 #include "cuda/runtime/block_pool.hpp"
 #include "cuda/runtime/cuda_owners.hpp"
+#include "cuda/staged/stream_slot_table.hpp"
 #include "meshmem/ipc/vmm.hpp"
 #include "meshmem/types.hpp"
 
@@ -89,11 +90,6 @@ class StreamPath {
     std::vector<std::unique_ptr<OwnedEvent>> done;  // by slot: after this lane's step on it
     std::unique_ptr<OwnedEvent> signalled;          // after a signal without data
   };
-  struct Slot {
-    std::vector<cudaEvent_t> last;  // the events after its last use (empty: never used)
-    StreamKey user{};               // the caller stream of that use
-    bool retired = false;           // a failed use left work that no event covers: never taken again
-  };
   // What a transfer enqueued so far, for guarding the slot if a later step fails.
   struct Touched {
     bool caller = false;
@@ -107,12 +103,12 @@ class StreamPath {
     PooledBlock block;
     void* base = nullptr;
   };
-  bool slot_free_for(std::size_t slot, const StreamKey& key) const;
   Lane* lane_for(int device, const StreamKey& key, const std::string& what);
-  void run_on_one_stream(const Transfer& t, std::size_t slot, cudaStream_t stream, Touched& touched,
-                         const std::string& what);
-  void run_split(const Transfer& t, std::size_t slot, cudaStream_t stream, Lane& lane, Touched& touched,
-                 const std::string& what);
+  // Each returns the event after its use of the slot.
+  cudaEvent_t run_on_one_stream(const Transfer& t, std::size_t slot, cudaStream_t stream, Touched& touched,
+                                const std::string& what);
+  cudaEvent_t run_split(const Transfer& t, std::size_t slot, cudaStream_t stream, Lane& lane, Touched& touched,
+                        const std::string& what);
   void signal_alone(const Transfer& t, cudaStream_t stream, Lane* lane, const std::string& what);
   void signal(const Transfer& t, cudaStream_t stream, const std::string& what);
   // After a step failed: events on every stream that got work, as the slot's last use.
@@ -127,8 +123,7 @@ class StreamPath {
   std::unique_ptr<OwnedEvent> own_signalled_;          // after a signal without data on the caller's stream
   mutable std::mutex m_;  // everything below, and the enqueue order, from any thread
   std::map<std::pair<int, StreamKey>, Lane> lanes_;  // by GPU and caller stream
-  std::vector<Slot> slots_;
-  std::size_t next_ = 0;
+  StreamSlotTable<cudaEvent_t, StreamKey> slots_;
   bool stuck_ = false;  // a drain timed out
 };
 
