@@ -81,49 +81,57 @@ TEST_F(Staged, PutBehindALongKernelDoesNotDelayAnotherStream) {
   cudaStreamDestroy(b);
 }
 
-// A transfer whose stream waits for a peer holds no other stream's transfer back (the agent
-// starts transfers as their sources become ready, not in call order). Rank 0 first enqueues
-// on stream B a wait for rank 1's signal and a put behind it, then on stream A a put_signal
-// that rank 1 waits for before it sends that signal. Enqueued in call order (before
-// this was fixed) the put on B held A's put_signal: both ranks stalled until MESHMEM_TIMEOUT.
-TEST_F(Staged, AStreamWaitingForAPeerHoldsNoOtherStreamsTransfer) {
-  if (n < 2) GTEST_SKIP() << "needs two ranks";
-  constexpr std::size_t kBytes = (5u << 20) + 3, kOffset = 11;
-  Window win = comm->alloc(2 * kBytes + kOffset);
-  Signals sig = comm->alloc_signals(2);  // 0: rank 1 -> rank 0, go on; 1: rank 0 -> rank 1, A's data
-  DeviceBuffer a_src(kBytes), b_src(kBytes);
-  const auto a_data = pattern(seed, key(kBytes, me, 30), kBytes);
-  const auto b_data = pattern(seed, key(kBytes, me, 31), kBytes);
-  CUDA_OK(cudaMemcpy(a_src.p, a_data.data(), kBytes, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(b_src.p, b_data.data(), kBytes, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemset(win.local(), kPoison, 2 * kBytes + kOffset));
+// Rank 0 first enqueues on stream B a wait for rank 1's signal and `puts` puts of `bytes` behind
+// it, then on stream A a put_signal that rank 1 waits for before it sends that signal; every byte
+// of A's and B's ranges checked at rank 1, and the bytes before them still poisoned.
+void waiting_stream_holds_no_other(Comm& comm, int me, std::uint64_t seed, cudaStream_t s, std::size_t bytes,
+                                   std::size_t puts, std::size_t offset, int kind) {
+  const std::size_t total = offset + (puts + 1) * bytes;
+  Window win = comm.alloc(total);
+  Signals sig = comm.alloc_signals(2);  // 0: rank 1 -> rank 0, go on; 1: rank 0 -> rank 1, A's data
+  DeviceBuffer a_src(bytes), b_src(puts * bytes);
+  const auto a_data = pattern(seed, key(bytes, me, kind), bytes);
+  const auto b_data = pattern(seed, key(bytes, me, kind + 1), puts * bytes);
+  CUDA_OK(cudaMemcpy(a_src.p, a_data.data(), bytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(b_src.p, b_data.data(), puts * bytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(win.local(), kPoison, total));
   cudaStream_t b = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
   CUDA_OK(cudaDeviceSynchronize());
-  comm->barrier();
+  comm.barrier();
   if (me == 0) {
-    comm->wait_until(sig, 0, Cmp::GE, 1, b);
-    comm->put(win, 1, kOffset + kBytes, b_src.p, kBytes, b);
-    comm->put_signal(win, 1, kOffset, a_src.p, kBytes, sig, 1, 1, SignalOp::Set, s);
+    comm.wait_until(sig, 0, Cmp::GE, 1, b);
+    for (std::size_t i = 0; i < puts; ++i)
+      comm.put(win, 1, offset + (i + 1) * bytes, static_cast<const char*>(b_src.p) + i * bytes, bytes, b);
+    comm.put_signal(win, 1, offset, a_src.p, bytes, sig, 1, 1, SignalOp::Set, s);
   } else if (me == 1) {
-    comm->wait_until(sig, 1, Cmp::GE, 1, s);
-    comm->signal(sig, 0, 0, 1, SignalOp::Set, s);
+    comm.wait_until(sig, 1, Cmp::GE, 1, s);
+    comm.signal(sig, 0, 0, 1, SignalOp::Set, s);
   }
   CUDA_OK(cudaStreamSynchronize(s));
   CUDA_OK(cudaStreamSynchronize(b));
-  comm->barrier();
+  comm.barrier();
   if (me == 1) {
-    std::vector<unsigned char> got(2 * kBytes + kOffset);
-    CUDA_OK(cudaMemcpy(got.data(), win.local(), got.size(), cudaMemcpyDeviceToHost));
-    const auto want_a = pattern(seed, key(kBytes, 0, 30), kBytes);
-    const auto want_b = pattern(seed, key(kBytes, 0, 31), kBytes);
-    EXPECT_EQ(first_difference(got.data() + kOffset, want_a.data(), kBytes), -1) << "stream A's put_signal";
-    EXPECT_EQ(first_difference(got.data() + kOffset + kBytes, want_b.data(), kBytes), -1) << "stream B's put";
-    const std::vector<unsigned char> poison(kOffset, kPoison);
-    EXPECT_EQ(first_difference(got.data(), poison.data(), kOffset), -1) << "bytes before the range";
+    std::vector<unsigned char> got(total);
+    CUDA_OK(cudaMemcpy(got.data(), win.local(), total, cudaMemcpyDeviceToHost));
+    const auto want_a = pattern(seed, key(bytes, 0, kind), bytes);
+    const auto want_b = pattern(seed, key(bytes, 0, kind + 1), puts * bytes);
+    EXPECT_EQ(first_difference(got.data() + offset, want_a.data(), bytes), -1) << "stream A's put_signal";
+    EXPECT_EQ(first_difference(got.data() + offset + bytes, want_b.data(), puts * bytes), -1) << "stream B's puts";
+    const std::vector<unsigned char> poison(offset, kPoison);
+    EXPECT_EQ(first_difference(got.data(), poison.data(), offset), -1) << "bytes before the range";
   }
-  comm->barrier();
+  comm.barrier();
   cudaStreamDestroy(b);
+}
+
+// A transfer whose stream waits for a peer holds no other stream's transfer back (the agent
+// starts transfers as their sources become ready, not in call order): one put on B. Enqueued in
+// call order (before this was fixed) the put on B held A's put_signal: both ranks stalled until
+// MESHMEM_TIMEOUT.
+TEST_F(Staged, AStreamWaitingForAPeerHoldsNoOtherStreamsTransfer) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  waiting_stream_holds_no_other(*comm, me, seed, s, (5u << 20) + 3, 1, 11, 30);
 }
 
 // The same with small transfers and more of them on the waiting stream than there are slots
@@ -132,44 +140,7 @@ TEST_F(Staged, AStreamWaitingForAPeerHoldsNoOtherStreamsTransfer) {
 // of them. With the agents (the path off) it is the case above at a small size.
 TEST_F(Staged, AStreamWaitingForAPeerHoldsNoOtherStreamsSmallTransfers) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
-  constexpr std::size_t kBytes = 4096 + 3, kPuts = 20, kOffset = 5;
-  const std::size_t total = kOffset + (kPuts + 1) * kBytes;
-  Window win = comm->alloc(total);
-  Signals sig = comm->alloc_signals(2);  // 0: rank 1 -> rank 0, go on; 1: rank 0 -> rank 1, A's data
-  DeviceBuffer a_src(kBytes), b_src(kPuts * kBytes);
-  const auto a_data = pattern(seed, key(kBytes, me, 32), kBytes);
-  const auto b_data = pattern(seed, key(kBytes, me, 33), kPuts * kBytes);
-  CUDA_OK(cudaMemcpy(a_src.p, a_data.data(), kBytes, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(b_src.p, b_data.data(), kPuts * kBytes, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemset(win.local(), kPoison, total));
-  cudaStream_t b = nullptr;
-  CUDA_OK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
-  CUDA_OK(cudaDeviceSynchronize());
-  comm->barrier();
-  if (me == 0) {
-    comm->wait_until(sig, 0, Cmp::GE, 1, b);
-    for (std::size_t i = 0; i < kPuts; ++i)
-      comm->put(win, 1, kOffset + (i + 1) * kBytes, static_cast<const char*>(b_src.p) + i * kBytes, kBytes, b);
-    comm->put_signal(win, 1, kOffset, a_src.p, kBytes, sig, 1, 1, SignalOp::Set, s);
-  } else if (me == 1) {
-    comm->wait_until(sig, 1, Cmp::GE, 1, s);
-    comm->signal(sig, 0, 0, 1, SignalOp::Set, s);
-  }
-  CUDA_OK(cudaStreamSynchronize(s));
-  CUDA_OK(cudaStreamSynchronize(b));
-  comm->barrier();
-  if (me == 1) {
-    std::vector<unsigned char> got(total);
-    CUDA_OK(cudaMemcpy(got.data(), win.local(), total, cudaMemcpyDeviceToHost));
-    const auto want_a = pattern(seed, key(kBytes, 0, 32), kBytes);
-    const auto want_b = pattern(seed, key(kBytes, 0, 33), kPuts * kBytes);
-    EXPECT_EQ(first_difference(got.data() + kOffset, want_a.data(), kBytes), -1) << "stream A's put_signal";
-    EXPECT_EQ(first_difference(got.data() + kOffset + kBytes, want_b.data(), kPuts * kBytes), -1) << "stream B's puts";
-    const std::vector<unsigned char> poison(kOffset, kPoison);
-    EXPECT_EQ(first_difference(got.data(), poison.data(), kOffset), -1) << "bytes before the range";
-  }
-  comm->barrier();
-  cudaStreamDestroy(b);
+  waiting_stream_holds_no_other(*comm, me, seed, s, 4096 + 3, 20, 5, 32);
 }
 
 // An eager put issued on a stream behind a graph launch whose graph holds a staged
