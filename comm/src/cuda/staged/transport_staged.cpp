@@ -553,8 +553,7 @@ bool StagedTransport::stream_path_transfer(const StreamPath::Transfer& t, int pe
   // Earlier puts of this stream to that rank that have not landed (source completion) land
   // first: a signal comes after them, a get reads what they wrote.
   if (source_completion_) wait_for_landing(stream, peer, name);
-  CurrentDevice current(device_->device());
-  return stream_path_->run(t, stream, what(name, peer));
+  return stream_path_->run(t, stream, what(name, peer));  // each of its steps sets the GPU it drives
 }
 
 void StagedTransport::put(const WindowState& win, int target, std::size_t offset, const void* src, std::size_t bytes,
