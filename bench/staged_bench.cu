@@ -21,7 +21,9 @@
 //                      with peer access off, so that the driver stages through host memory
 //   d2h, h2d           cudaMemcpyAsync between rank 0's GPU and pinned host memory
 //   both-ways          the staged pipeline's two halves at once: d2h on one GPU and h2d on the
-//                      other (rank 0's process drives both), each on its own stream
+//                      other (rank 0's process drives both), each on its own stream; where rank
+//                      0 sees one GPU, both on that GPU (its one link both ways at once, the
+//                      ceiling of any pipeline through one GPU, below min(d2h, h2d))
 //   staged_put_signal meshmem-pingpong-one-way: rank 0 put_signals to rank 1, whose stream
 //                      waits for the signal and put_signals back, stream-ordered on both sides;
 //                      half the round trip (sizes up to 64 MiB); meshmem-host-call and
@@ -318,7 +320,8 @@ int measure(const Setup& cfg) {
   cudaEvent_t s2_join = nullptr;
   CK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
   CK(cudaEventCreateWithFlags(&s2_join, cudaEventDisableTiming));
-  int other = -1;
+  int other = -1;     // driver-staged: another GPU of this process
+  int both_dev = -1;  // both-ways: the GPU of its h2d half (other, or this one)
   if (origin) {
     CK(cudaMalloc(&mbuf, max_size + kGuard));
     CK(cudaMalloc(&cbuf, max_size));
@@ -329,16 +332,19 @@ int measure(const Setup& cfg) {
       other = (cfg.device + 1) % cfg.devices;
       disable_peer_access(cfg.device, other, cfg.device);
       disable_peer_access(other, cfg.device, cfg.device);
-      CK(cudaSetDevice(other));
-      CK(cudaMalloc(&obuf, max_size));
-      CK(cudaMemset(obuf, 0x3c, max_size));
-      CK(cudaStreamCreateWithFlags(&so, cudaStreamNonBlocking));
-      CK(cudaEventCreateWithFlags(&both_join, cudaEventDisableTiming));
-      CK(cudaDeviceSynchronize());
-      CK(cudaSetDevice(cfg.device));
-      CK(cudaMallocHost(&hbuf2, max_size));
-      std::memset(hbuf2, 0x96, max_size);
-      CK(cudaEventCreateWithFlags(&both_fork, cudaEventDisableTiming));
+    }
+    both_dev = other >= 0 ? other : cfg.device;
+    CK(cudaSetDevice(both_dev));
+    CK(cudaMalloc(&obuf, max_size));
+    CK(cudaMemset(obuf, 0x3c, max_size));
+    CK(cudaStreamCreateWithFlags(&so, cudaStreamNonBlocking));
+    CK(cudaEventCreateWithFlags(&both_join, cudaEventDisableTiming));
+    CK(cudaDeviceSynchronize());
+    CK(cudaSetDevice(cfg.device));
+    CK(cudaMallocHost(&hbuf2, max_size));
+    std::memset(hbuf2, 0x96, max_size);
+    CK(cudaEventCreateWithFlags(&both_fork, cudaEventDisableTiming));
+    if (other >= 0) {
       int can = 0;
       CK(cudaDeviceCanAccessPeer(&can, cfg.device, other));
       std::printf("# driver-staged: cudaMemcpyPeerAsync GPU %d <-> GPU %d, peer access not enabled (the driver %s grant it)\n",
@@ -407,7 +413,7 @@ int measure(const Setup& cfg) {
       auto both_op = [&] {
         CK(cudaEventRecord(both_fork, s));
         CK(cudaMemcpyAsync(put ? hbuf : cbuf, put ? cbuf : hbuf, size, put ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, s));
-        CK(cudaSetDevice(other));
+        CK(cudaSetDevice(both_dev));
         CK(cudaStreamWaitEvent(so, both_fork, 0));
         CK(cudaMemcpyAsync(put ? obuf : hbuf2, put ? hbuf2 : obuf, size, put ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, so));
         CK(cudaEventRecord(both_join, so));
@@ -427,7 +433,7 @@ int measure(const Setup& cfg) {
                             {"driver-staged", other >= 0, driver_op},
                             {"d2h", true, d2h_op},
                             {"h2d", true, h2d_op},
-                            {"both-ways", other >= 0, both_op}};
+                            {"both-ways", both_dev >= 0, both_op}};
 
       // 1. The data: put: rank 0's source; get: rank 1's window.
       if (put && origin) fill(mbuf, size, seed, s);
@@ -615,7 +621,7 @@ int measure(const Setup& cfg) {
     if (obuf != nullptr) {
       CK(cudaFreeHost(hbuf2));
       CK(cudaEventDestroy(both_fork));
-      CK(cudaSetDevice(other));
+      CK(cudaSetDevice(both_dev));
       CK(cudaEventDestroy(both_join));
       CK(cudaStreamDestroy(so));
       CK(cudaFree(obuf));

@@ -7,28 +7,13 @@
 #include "backoff.hpp"
 #include "log.hpp"
 #include "cuda/runtime/kernels.hpp"
+#include "cuda/runtime/relaxed_capture_mode.hpp"
 #include "cuda/runtime/stream_ops.hpp"
 #include "cuda/staged/channel_counts.hpp"
 #include "meshmem/error.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
 
 namespace meshmem::detail {
-
-namespace {
-// Relaxed stream-capture mode for the calling (the user's) thread while it queries events: a
-// query may count as an unsafe call where another thread captures in global mode, which would
-// fail it and invalidate that capture.
-class RelaxedCaptureMode {
- public:
-  RelaxedCaptureMode() noexcept { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
-  ~RelaxedCaptureMode() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
-  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
-  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
-
- private:
-  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
-};
-}  // namespace
 
 StreamPath::StreamPath(const Setup& setup) : setup_(setup), slots_(setup.slots) {
   const std::string what = "staged stream path of rank " + std::to_string(setup_.rank);

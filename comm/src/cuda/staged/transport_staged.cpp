@@ -23,6 +23,7 @@
 #include "cuda/agent/captured_handoff.hpp"
 #include "cuda/agent/stream_handoff.hpp"
 #include "cuda/runtime/kernels.hpp"
+#include "cuda/runtime/relaxed_capture_mode.hpp"
 #include "meshmem/error.hpp"
 #include "meshmem/ipc/cuda_driver.hpp"
 #include "meshmem/ipc/vmm.hpp"
@@ -482,6 +483,7 @@ bool StagedTransport::fills_slot(const StagedRequest& r, cudaStream_t stream) co
   // the launch floor (studies/fill_lab, 1 x H200). The slot is 16-aligned and its rows packed, so
   // row r is 4-aligned to its source when the source is and pitch - width is a multiple of 4.
   if (((reinterpret_cast<std::uintptr_t>(r.src) | (r.rows > 1 ? r.src_pitch - r.width : 0)) & 3) != 0) return false;
+  RelaxedCaptureMode relaxed;  // another thread may capture in global mode meanwhile
   cudaPointerAttributes attributes{};
   const bool known = cudaPointerGetAttributes(&attributes, r.src) == cudaSuccess;
   (void)cudaGetLastError();
@@ -528,23 +530,26 @@ StagedRequest StagedTransport::request(void* dst, int dst_device, const void* sr
 // copy from or to it would hold the calling thread.
 bool StagedTransport::by_stream_path(int peer, std::size_t bytes, const void* mine, cudaStream_t stream) const {
   if (!stream_path_ || seen_device_[peer] < 0 || bytes > stream_path_->max_bytes()) return false;
-  if (bytes > 0) {
-    cudaPointerAttributes attributes{};
-    const bool known = cudaPointerGetAttributes(&attributes, mine) == cudaSuccess;
-    (void)cudaGetLastError();
-    if (!known || attributes.type == cudaMemoryTypeUnregistered) return false;
-  }
   // A stream of this rank's GPU (the null stream: its own), not capturing nor invalidated by a
-  // capture: the agents' path handles or refuses the others as before.
-  CurrentDevice current(device_->device());
-  int stream_device = -1;
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamGetDevice(stream, &stream_device) != cudaSuccess ||
-      cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
+  // capture: the agents' path handles or refuses the others as before. Checked before the
+  // pointer query, which a capture in global mode would count as unsafe.
+  {
+    CurrentDevice current(device_->device());
+    int stream_device = -1;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamGetDevice(stream, &stream_device) != cudaSuccess ||
+        cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    if (stream_device != device_->device() || status != cudaStreamCaptureStatusNone) return false;
   }
-  return stream_device == device_->device() && status == cudaStreamCaptureStatusNone;
+  if (bytes == 0) return true;
+  RelaxedCaptureMode relaxed;  // another thread may capture in global mode meanwhile
+  cudaPointerAttributes attributes{};
+  const bool known = cudaPointerGetAttributes(&attributes, mine) == cudaSuccess;
+  (void)cudaGetLastError();
+  return known && attributes.type != cudaMemoryTypeUnregistered;
 }
 
 bool StagedTransport::stream_path_transfer(const StreamPath::Transfer& t, int peer, cudaStream_t stream,
