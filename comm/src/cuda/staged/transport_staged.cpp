@@ -530,22 +530,26 @@ StagedRequest StagedTransport::request(void* dst, int dst_device, const void* sr
 // copy from or to it would hold the calling thread.
 bool StagedTransport::by_stream_path(int peer, std::size_t bytes, const void* mine, cudaStream_t stream) const {
   if (!stream_path_ || seen_device_[peer] < 0 || bytes > stream_path_->max_bytes()) return false;
-  // A stream of this rank's GPU (the null stream: its own), not capturing nor invalidated by a
-  // capture: the agents' path handles or refuses the others as before. Checked before the
-  // pointer query, which a capture in global mode would count as unsafe.
-  {
-    CurrentDevice current(device_->device());
-    int stream_device = -1;
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    if (cudaStreamGetDevice(stream, &stream_device) != cudaSuccess ||
-        cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    if (stream_device != device_->device() || status != cudaStreamCaptureStatusNone) return false;
+  // Not capturing nor invalidated by a capture (the agents' path handles or refuses those as
+  // before), asked before any other CUDA call: under a global-mode capture the queries below
+  // count as unsafe and would invalidate it.
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
   }
+  if (status != cudaStreamCaptureStatusNone) return false;
+  // A stream of this rank's GPU (the null stream: its own), from device memory or registered
+  // host memory; another thread may capture in global mode meanwhile.
+  RelaxedCaptureMode relaxed;
+  CurrentDevice current(device_->device());
+  int stream_device = -1;
+  if (cudaStreamGetDevice(stream, &stream_device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (stream_device != device_->device()) return false;
   if (bytes == 0) return true;
-  RelaxedCaptureMode relaxed;  // another thread may capture in global mode meanwhile
   cudaPointerAttributes attributes{};
   const bool known = cudaPointerGetAttributes(&attributes, mine) == cudaSuccess;
   (void)cudaGetLastError();
