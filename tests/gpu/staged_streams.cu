@@ -1,13 +1,16 @@
 // The staged transport with several streams: a put behind a long kernel holds no other stream,
 // a stream waiting for a peer holds no other stream's transfer (large, and small ones past the
 // stream path's slots), an eager put behind a graph launch, many small transfers on four
-// streams each in order, stream-filled and agent puts on more streams than fill slots.
+// streams each in order, stream-filled and agent puts on more streams than fill slots, small
+// transfers while another thread captures a graph in global mode.
 // Skipped without a GPU.
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <meshmem/meshmem.hpp>
@@ -286,6 +289,82 @@ TEST_F(Staged, StreamFilledAndAgentPutsOnMoreStreamsThanFillSlotsLandWhole) {
   EXPECT_EQ(first_difference(got.data() + total, want.data() + total, 64), -1) << "the tail past the last range";
   comm->barrier();
   for (auto& st : streams) cudaStreamDestroy(st);
+}
+
+// Small puts and a get on this thread while another thread of the process captures a graph in
+// global mode (the default of cudaStreamBeginCapture and of PyTorch's graphs): none of the
+// transfers' CUDA calls may count as unsafe there (a pointer or event query would fail and
+// invalidate that capture). The other thread's graph instantiates and replays; every
+// transfer lands. A warm-up transfer on the stream first: its lanes and slots exist before.
+TEST_F(Staged, SmallTransfersWhileAnotherThreadCapturesInGlobalMode) {
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  constexpr std::size_t kBytes = 4096 + 5, kPuts = 24, kMarks = 256;
+  Window win = comm->alloc(kPuts * kBytes);
+  DeviceBuffer src(kPuts * kBytes), back(kBytes), marks(kMarks);
+  const auto mine = pattern(seed, key(kBytes, me, 60), kPuts * kBytes);
+  CUDA_OK(cudaMemcpy(src.p, mine.data(), mine.size(), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(back.p, kPoison, kBytes));
+  CUDA_OK(cudaMemset(marks.p, 0, kMarks));
+  int device = -1;
+  CUDA_OK(cudaGetDevice(&device));
+  cudaStream_t cs = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
+  comm->put(win, right, 0, src.p, kBytes, s);  // the warm-up
+  CUDA_OK(cudaStreamSynchronize(s));
+  comm->barrier();
+  CUDA_OK(cudaMemset(win.local(), kPoison, kPuts * kBytes));
+  CUDA_OK(cudaDeviceSynchronize());
+  comm->barrier();
+
+  std::atomic<int> phase{0};  // 1: the capture has begun; 2: this thread's transfers are enqueued
+  cudaError_t begun = cudaErrorUnknown, filled = cudaErrorUnknown, ended = cudaErrorUnknown;
+  cudaGraph_t graph = nullptr;
+  std::thread capturer([&] {
+    begun = cudaSetDevice(device);
+    if (begun == cudaSuccess) begun = cudaStreamBeginCapture(cs, cudaStreamCaptureModeGlobal);
+    if (begun == cudaSuccess) filled = cudaMemsetAsync(marks.p, 0x7e, kMarks, cs);
+    phase.store(1);
+    while (phase.load() < 2) std::this_thread::yield();
+    if (begun == cudaSuccess) ended = cudaStreamEndCapture(cs, &graph);
+  });
+  while (phase.load() < 1) std::this_thread::yield();
+  std::string failure;
+  try {
+    for (std::size_t i = 0; i < kPuts; ++i) comm->put(win, right, i * kBytes, src.c() + i * kBytes, kBytes, s);
+    comm->get(back.p, win, right, 0, kBytes, s);
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  phase.store(2);
+  capturer.join();
+  EXPECT_EQ(failure, "") << "a transfer while another thread captured";
+  ASSERT_EQ(begun, cudaSuccess) << cudaGetErrorString(begun);
+  EXPECT_EQ(filled, cudaSuccess) << cudaGetErrorString(filled);
+  EXPECT_EQ(ended, cudaSuccess) << "the other thread's capture ended with " << cudaGetErrorString(ended)
+                                << ": a transfer's CUDA call here counted as unsafe and invalidated it";
+  (void)cudaGetLastError();
+  CUDA_OK(cudaStreamSynchronize(s));
+  comm->barrier();
+  std::vector<unsigned char> got(kPuts * kBytes), got_back(kBytes);
+  CUDA_OK(cudaMemcpy(got.data(), win.local(), got.size(), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(got_back.data(), back.p, kBytes, cudaMemcpyDeviceToHost));
+  const auto want = pattern(seed, key(kBytes, left, 60), kPuts * kBytes);
+  EXPECT_EQ(first_difference(got.data(), want.data(), got.size()), -1) << "the puts from rank " << left;
+  EXPECT_EQ(first_difference(got_back.data(), mine.data(), kBytes), -1) << "the get of what this rank put";
+  if (graph != nullptr) {
+    cudaGraphExec_t exec = nullptr;
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    CUDA_OK(cudaGraphLaunch(exec, cs));
+    CUDA_OK(cudaStreamSynchronize(cs));
+    std::vector<unsigned char> m(kMarks);
+    CUDA_OK(cudaMemcpy(m.data(), marks.p, kMarks, cudaMemcpyDeviceToHost));
+    const std::vector<unsigned char> want_marks(kMarks, 0x7e);
+    EXPECT_EQ(first_difference(m.data(), want_marks.data(), kMarks), -1) << "the other thread's graph's memset";
+    CUDA_OK(cudaGraphExecDestroy(exec));
+    CUDA_OK(cudaGraphDestroy(graph));
+  }
+  CUDA_OK(cudaStreamDestroy(cs));
+  comm->barrier();
 }
 
 }  // namespace
