@@ -21,12 +21,10 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 rounds=${ROUNDS:-3}; machine=${MACHINE:-gpu}; date=${DATE:-$(date +%F)}
 summary=$out/summary.txt
 note() { echo "$*" | tee -a "$summary"; }
-gen=(); ninja=$(command -v ninja || ls /opt/torch/.venv/bin/ninja 2>/dev/null || true)
-[ -n "$ninja" ] && gen=(-G Ninja -DCMAKE_MAKE_PROGRAM="$ninja")
+. "$new_src/bench/build_lib.sh"
 build() {  # src dir targets...
   local src=$1 dir=$2; shift 2
-  cmake -S "$src" -B "$dir" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 > "$out/cmake-$(basename "$src").log" 2>&1 &&
-    cmake --build "$dir" -j "$(nproc)" --target "$@" >> "$out/cmake-$(basename "$src").log" 2>&1
+  bench_build "$src" "$dir" "$out/cmake-$(basename "$src").log" "$@"
 }
 t0=$(date +%s)
 build "$old_src" "$old_src/build" ${OLD_TARGETS:-staged_bench 03_jacobi} & p_old=$!

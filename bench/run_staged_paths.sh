@@ -19,12 +19,10 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 machine=${MACHINE:-gpu}; date=${DATE:-$(date +%F)}
 IFS=, read -r min max <<< "${SIZES:-8,65536}"
-gen=(); ninja=$(command -v ninja || ls /opt/torch/.venv/bin/ninja 2>/dev/null || true)
-[ -n "$ninja" ] && gen=(-G Ninja -DCMAKE_MAKE_PROGRAM="$ninja")
+. "$new_src/bench/build_lib.sh"
 build() {  # src dir targets...
   local src=$1 dir=$2; shift 2
-  cmake -S "$src" -B "$dir" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 > "$out/build-$(basename "$dir").log" 2>&1 &&
-    cmake --build "$dir" -j "$(nproc)" --target "$@" >> "$out/build-$(basename "$dir").log" 2>&1
+  bench_build "$src" "$dir" "$out/build-$(basename "$dir").log" "$@"
 }
 build "$old_src" "$old_src/build" staged_bench 03_jacobi & p_old=$!
 build "$new_src" "$new_src/build-paths" staged_bench 03_jacobi; rc_new=$?
