@@ -41,7 +41,7 @@
 #
 #   tests/gpu/run_entries.sh --pack BUILD PACK
 #     copies BUILD's GPU test binaries, queue_lab, staged_bench, staging_memory_lab, pipeline_lab,
-#     driver_call_lab, fill_lab, timeslice_lab, stream_path_lab, the Jacobi example and meshmem-info (stripped, those that were built) and
+#     driver_call_lab, fill_lab, timeslice_lab, stream_path_lab, release_lab, the Jacobi example and meshmem-info (stripped, those that were built) and
 #     its CTest files into PACK,
 #     recording BUILD's path and this source tree's so the entries run where PACK lands.
 set -uo pipefail
@@ -198,7 +198,7 @@ if [ "${1:-}" = "--pack" ]; then
   for f in "$build"/tests/gpu/test_* "$build"/studies/queue_lab "$build"/launch/meshmem-info \
            "$build"/bench/staged_bench "$build"/studies/staging_memory_lab "$build"/studies/pipeline_lab \
            "$build"/studies/driver_call_lab "$build"/studies/fill_lab "$build"/studies/timeslice_lab \
-           "$build"/studies/stream_path_lab "$build"/examples/03_jacobi; do
+           "$build"/studies/stream_path_lab "$build"/studies/release_lab "$build"/examples/03_jacobi; do
     [ -x "$f" ] || continue
     rel=${f#"$build"/}; mkdir -p "$pack/$(dirname "$rel")"
     strip -o "$pack/$rel" "$f"
