@@ -28,6 +28,7 @@
 #include <thread>
 
 #include "bench_check.hpp"
+#include "busy_work.cuh"
 
 namespace {
 
@@ -43,14 +44,6 @@ __global__ void wait_for_flag(volatile int* flag) {
     __nanosleep(1000);
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
   } while (now - start < 5000000000ull);
-}
-
-__global__ void spin_for(unsigned long long ns) {
-  unsigned long long start = 0, now = 0;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  } while (now - start < ns);
 }
 
 struct Lab {
@@ -141,7 +134,7 @@ void ctx_event_ignores_later_work(Lab& lab) {
   CU(cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING));
   CK(cudaDeviceSynchronize());
   const CUresult rc = cuCtxRecordEvent(lab.ctx, ev);
-  spin_for<<<1, 1, 0, lab.other>>>(static_cast<unsigned long long>(lab.hold_ms) * 1000000ull);
+  bench::busy_kernel<<<1, 1, 0, lab.other>>>(static_cast<unsigned>(lab.hold_ms) * 1000000u);  // <= 3 s fits
   CK(cudaGetLastError());
   const double ready_ms = ms_until_ready(ev);
   CK(cudaStreamSynchronize(lab.other));
@@ -178,7 +171,7 @@ struct HeldCapture {
         return;
       }
       begin_rc = cudaStreamBeginCapture(s, mode);
-      if (begin_rc == cudaSuccess) spin_for<<<1, 1, 0, s>>>(1000);
+      if (begin_rc == cudaSuccess) bench::busy_kernel<<<1, 1, 0, s>>>(1000);
       begun = true;
       std::this_thread::sleep_for(std::chrono::milliseconds(lab.hold_ms));
       cudaGraph_t g = nullptr;
@@ -266,7 +259,7 @@ int main(int argc, char** argv) {
   CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&lab.flag_dev), lab.flag_host, 0));
   CK(cudaStreamCreateWithFlags(&lab.waiting, cudaStreamNonBlocking));
   CK(cudaStreamCreateWithFlags(&lab.other, cudaStreamNonBlocking));
-  spin_for<<<1, 1, 0, lab.other>>>(1000);  // the module loaded before any case
+  bench::busy_kernel<<<1, 1, 0, lab.other>>>(1000);  // the module loaded before any case
   CK(cudaDeviceSynchronize());
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, lab.device));
