@@ -63,6 +63,7 @@ StreamPath::Lane* StreamPath::lane_for(int device, const StreamKey& key, const s
   std::size_t on_device = 0;
   for (const auto& [k, lane] : lanes_) on_device += k.first == device;
   if (on_device >= setup_.lanes_per_device) return nullptr;
+  RelaxedCaptureMode relaxed;  // the caller's stream may be capturing in global mode
   CurrentDevice on(device);
   Lane lane;
   lane.device = device;
