@@ -453,6 +453,7 @@ std::shared_ptr<WindowState> CommImpl::alloc(std::size_t bytes, Memory memory, b
   state->is_signals = signals;
   std::optional<DeviceScope> scope;
   if (memory == Memory::Device) {
+    device->make_room(bytes, call.c_str());
     agreed_step(boot, call, [&] { scope.emplace(*device, nullptr, false, call.c_str()); });
     agreed_step(boot, call, [&] { device->create_local(*state, call); });
   }

@@ -100,6 +100,13 @@ class DeviceRuntime {
   // "device 0 (NVIDIA H200, 0000:18:00.0), ..." for logs and Comm::device_info.
   virtual std::string describe() const = 0;
 
+  // Local, before the allocation's first agreed step: where windows freed earlier still wait
+  // for the device's work and `bytes` do not fit in the device's free memory, waits for
+  // them, at most half of MESHMEM_TIMEOUT (the peers wait in that step with the whole).
+  virtual void make_room(std::size_t bytes, const char* call) {
+    (void)bytes;
+    (void)call;
+  }
   // Local (the Comm agrees on the outcome): this rank's part of a device window
   // (state.local, state.peer[rank], state.storage), zeroed before any peer can write into it.
   virtual void create_local(WindowState& state, const std::string& what) = 0;
@@ -124,9 +131,11 @@ class DeviceRuntime {
   virtual void write_words(const WindowState& sig, std::size_t index, std::size_t count, std::uint64_t value,
                            const char* call) = 0;
   virtual std::unique_ptr<DeviceHaloPlan> make_halo_plan(const DeviceHaloSpec& spec) = 0;
-  // Frees the memory of a device window once the device's earlier work is done; raises
-  // Error(Timeout) when that takes longer than MESHMEM_TIMEOUT (the memory is released
-  // later, when the work finishes). The state is empty afterwards either way.
+  // Frees the memory of a device window once the device's work issued before has ended,
+  // without waiting for work still running (window_releaser.hpp). Raises Error(Timeout) where
+  // work before an earlier free has not ended MESHMEM_TIMEOUT after it (once; this window is
+  // freed all the same), or where the device had to be synchronised and that took longer.
+  // The state is empty afterwards either way.
   virtual void retire(WindowState& state, const char* call) = 0;
   // retire() of several windows with one bounded wait; logs instead of raising.
   virtual void retire_all(const std::vector<WindowState*>& states, const char* call) noexcept = 0;

@@ -22,35 +22,7 @@ TEST_F(RealUse, SignalsReadOnDeviceSignals) {
   CUDA_OK(cudaStreamSynchronize(s0));
 }
 
-// Every rank's stream waits for a signal that its right neighbour sends only after its own
-// Window::free: the free cannot wait for the GPU for ever (stream waits of the memop kind
-// never time out on the GPU, so only the free's bound ends this).
-TEST_F(RealUse, FreeBehindAPendingWaitIsBounded) {
-  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
-  ScopedEnv wait("MESHMEM_STREAM_WAIT", "memop");
-  make_comm();
-  if (n < 2) GTEST_SKIP() << "needs two ranks";
-  Signals sig = comm->alloc_signals(1);
-  Window data = comm->alloc(1 << 20);
-  comm->wait_until(sig, 0, Cmp::GE, 1, s0);
-  const auto t0 = std::chrono::steady_clock::now();
-  std::string what;
-  try {
-    data.free();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
-    what = e.what();
-  }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  EXPECT_LT(seconds, 15.0) << "Window::free behind a pending wait took " << seconds << " s";
-  EXPECT_FALSE(data.valid());
-  if (!what.empty()) EXPECT_NE(what.find("Window::free"), std::string::npos) << what;
-  comm->signal(sig, left, 0, 1, SignalOp::Set, s1);
-  EXPECT_TRUE(finishes(s0, 30)) << "the wait did not end after the signal came";
-  CUDA_OK(cudaStreamSynchronize(s1));
-  comm->barrier(s0);
-  CUDA_OK(cudaStreamSynchronize(s0));
-}
+// (Freeing behind work still running on the GPU: real_use_free.cu.)
 
 // ~Comm while a stream of the user's still runs (a kernel that waits for the test's host
 // flag) must not wait for it for ever: README says every part of ~Comm that waits for the

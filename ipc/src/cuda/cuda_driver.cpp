@@ -21,6 +21,17 @@ void resolve(Fn& fn, const char* symbol) {
   fn = reinterpret_cast<Fn>(p);
 }
 
+// An entry point newer than 12.0, left null where the driver lacks it.
+template <class Fn>
+void resolve_if_there(Fn& fn, const char* symbol, int version) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion(symbol, &p, version, cudaEnableDefault, &status) == cudaSuccess &&
+      status == cudaDriverEntryPointSuccess)
+    fn = reinterpret_cast<Fn>(p);
+  (void)cudaGetLastError();
+}
+
 CudaDriver load() {
   CudaDriver d;
   resolve(d.cuGetErrorString, "cuGetErrorString");
@@ -45,6 +56,7 @@ CudaDriver load() {
   resolve(d.cuCtxPopCurrent, "cuCtxPopCurrent");
   resolve(d.cuCtxGetDevice, "cuCtxGetDevice");
   resolve(d.cuModuleGetLoadingMode, "cuModuleGetLoadingMode");
+  resolve_if_there(d.cuCtxRecordEvent, "cuCtxRecordEvent", 12050);
   return d;
 }
 

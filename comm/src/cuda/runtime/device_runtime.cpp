@@ -156,24 +156,49 @@ std::unique_ptr<DeviceHaloPlan> CudaDeviceRuntime::make_halo_plan(const DeviceHa
 }
 
 void CudaDeviceRuntime::retire(WindowState& state, const char* call) {
-  const std::uint64_t ticket = releaser_.submit(state);
-  if (!releaser_.wait(ticket, timeout_))
+  const std::chrono::milliseconds overdue = releaser_.take_overdue();  // before this free's own
+  if (releaser_.release(state, where(call)) == WindowReleaser::Outcome::TimedOut)
     throw Error(ErrorCode::Timeout,
                 where(call) + ": work issued on this GPU before the free has not finished (or a graph capture on this GPU is still open) after " + describe_timeout(timeout_) +
                     " (a stream waiting for a signal or a barrier that never comes?); the window's memory is released "
                     "once that work ends");
+  if (overdue.count() > 0)
+    throw Error(ErrorCode::Timeout,
+                where(call) + ": work issued on this GPU before an earlier free has not finished after " +
+                    describe_timeout(overdue) +
+                    " (a stream waiting for a signal or a barrier that never comes?); this window is freed, and the "
+                    "memory of both is released once that work ends");
 }
 
 void CudaDeviceRuntime::retire_all(const std::vector<WindowState*>& states, const char* call) noexcept {
   try {
-    std::uint64_t ticket = 0;
-    for (WindowState* s : states) ticket = releaser_.submit(*s);
-    if (ticket != 0 && !releaser_.wait(ticket, timeout_))
+    bool late = false;
+    for (WindowState* s : states) late |= releaser_.release(*s, where(call)) == WindowReleaser::Outcome::TimedOut;
+    // ~Comm: what still waits for the device's work is waited for by the releaser's end.
+    if (late)
       log(LogLevel::Error, where(call) + ": work issued on this GPU has not finished after " + describe_timeout(timeout_) +
                                "; its windows' memory is released once that work ends");
   } catch (const std::exception& e) {
     log(LogLevel::Error, where(call) + ": " + e.what());
   }
+}
+
+void CudaDeviceRuntime::make_room(std::size_t bytes, const char* call) {
+  if (!releaser_.pending()) return;
+  std::size_t free_bytes = 0, total = 0;
+  {
+    CurrentDevice on(gpu_.device());
+    if (cudaMemGetInfo(&free_bytes, &total) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;  // the allocation reports what is wrong
+    }
+  }
+  if (free_bytes >= bytes) return;
+  const auto most = timeout_.count() == 0 ? std::chrono::milliseconds(std::chrono::hours(1)) : timeout_ / 2;
+  if (!releaser_.wait_pending(most))
+    log(LogLevel::Warn, where(call) + ": " + std::to_string(bytes) + " bytes do not fit in the " +
+                            std::to_string(free_bytes) + " free on this GPU, and windows freed earlier still wait for "
+                            "work issued before their free; allocating anyway");
 }
 
 std::unique_ptr<StreamBarrier> CudaDeviceRuntime::make_barrier(const CommContext& ctx, const BarrierContext& bctx) {

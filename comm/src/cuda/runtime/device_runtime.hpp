@@ -18,6 +18,7 @@
 #include "cuda/runtime/cuda_owners.hpp"
 #include "cuda/runtime/device_sync.hpp"
 #include "cuda/runtime/gpu_device.hpp"
+#include "cuda/runtime/window_releaser.hpp"
 
 namespace meshmem::detail {
 
@@ -28,6 +29,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
 
   int device() const override { return gpu_.device(); }
   std::string describe() const override;
+  void make_room(std::size_t bytes, const char* call) override;
   void create_local(WindowState& state, const std::string& what) override;
   void publish(WindowState& state, const std::string& what) override;
   DeviceEntry enter(Stream stream, bool capture, const char* call) override;
@@ -56,7 +58,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   bool halo_sends_at_once_;
   OwnedStream setup_stream_;
   std::optional<LiveCommMark> live_;  // NCCL destroys that run while this Comm lives warn
-  WindowReleaser releaser_;  // before gpu_: its last synchronisation frees the fault record's memory
+  WindowReleaser releaser_;  // before gpu_: its last release frees the fault record's memory
   GpuDevice gpu_;
 };
 

@@ -159,69 +159,6 @@ void StreamSequence::after(cudaStream_t stream, bool capturing, const char* call
   recorded_ = true;
 }
 
-WindowReleaser::WindowReleaser(int device, std::chrono::milliseconds bound) : device_(device), bound_(bound) {}
-
-WindowReleaser::~WindowReleaser() {
-  {
-    std::lock_guard<std::mutex> lock(shared_->mutex);
-    shared_->stop = true;
-  }
-  shared_->wake.notify_all();
-  if (!thread_.joinable()) {
-    if (!blocks_in_quarantine(device_)) return;
-    try {
-      thread_ = std::thread(&WindowReleaser::serve, shared_, device_);  // for the last synchronisation
-    } catch (const std::system_error&) {
-      return;  // the blocks stay quarantined until another synchronisation of this device
-    }
-  }
-  std::unique_lock<std::mutex> lock(shared_->mutex);
-  auto finished = [&] { return shared_->finished; };
-  if (stuck_) {
-    // Its cudaDeviceSynchronize waits for a stream that never finishes: waiting would hang
-    // the caller; the thread keeps the memory (and itself) until the device's work ends.
-  } else if (bound_.count() == 0) {
-    shared_->done.wait(lock, finished);
-  } else if (!shared_->done.wait_for(lock, bound_, finished)) {
-    log(LogLevel::Warn, "meshmem: work issued on GPU " + std::to_string(device_) + " has not finished after " +
-                            describe_timeout(bound_) + "; the Comm's GPU memory is released once that work ends");
-  }
-  const bool done = shared_->finished;
-  lock.unlock();
-  if (done)
-    thread_.join();
-  else
-    thread_.detach();
-}
-
-std::uint64_t WindowReleaser::submit(WindowState& state) {
-  Job job;
-  job.attachments = std::move(state.attachments);
-  job.storage = std::move(state.storage);
-  state.release_memory();  // the rest: the peer table, pointers
-  std::uint64_t ticket = 0;
-  {
-    std::lock_guard<std::mutex> lock(shared_->mutex);
-    shared_->jobs.push_back(std::move(job));
-    ticket = ++shared_->submitted;
-  }
-  if (!thread_.joinable()) thread_ = std::thread(&WindowReleaser::serve, shared_, device_);
-  shared_->wake.notify_all();
-  return ticket;
-}
-
-bool WindowReleaser::wait(std::uint64_t ticket, std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(shared_->mutex);
-  auto done = [&] { return shared_->released >= ticket; };
-  if (timeout.count() == 0) {
-    shared_->done.wait(lock, done);
-    return true;
-  }
-  const bool ok = shared_->done.wait_for(lock, timeout, done);
-  stuck_ = !ok;
-  return ok;
-}
-
 void relax_capture_mode_of_this_thread() noexcept {
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
   (void)cudaThreadExchangeStreamCaptureMode(&mode);
@@ -235,47 +172,6 @@ cudaError_t synchronize_device_between_captures() {
     rc = cudaDeviceSynchronize();
   }
   return rc;
-}
-
-void WindowReleaser::quiesce(int device, const char* why) {
-  const std::uint64_t mark = device_quiescence_began(device);
-  // The memory stays mapped until a capture open on the device ends, or the waiter's
-  // timeout reports it.
-  const cudaError_t rc = synchronize_device_between_captures();
-  if (rc != cudaSuccess)
-    log(LogLevel::Error, std::string(why) + ": cudaDeviceSynchronize: " + cudaGetErrorString(rc) + "; unmapping anyway");
-  device_quiescence_ended(device, mark);
-}
-
-void WindowReleaser::serve(std::shared_ptr<Shared> shared, int device) {
-  (void)cudaSetDevice(device);
-  std::unique_lock<std::mutex> lock(shared->mutex);
-  for (;;) {
-    shared->wake.wait(lock, [&] { return shared->stop || !shared->jobs.empty(); });
-    if (shared->jobs.empty()) break;  // stopping
-    std::deque<Job> jobs;
-    jobs.swap(shared->jobs);
-    const std::uint64_t upto = shared->submitted;
-    lock.unlock();
-    quiesce(device, "releasing window memory");
-    {
-      QuiescedRelease covered(device);  // the jobs' blocks: the synchronisation covered them
-      for (Job& job : jobs) {
-        while (!job.attachments.empty()) job.attachments.pop_back();  // last attached first
-        job.storage.reset();
-      }
-      jobs.clear();
-    }
-    lock.lock();
-    shared->released = upto;
-    shared->done.notify_all();
-  }
-  // The blocks that the Comm's objects gave back after the last window went.
-  lock.unlock();
-  if (blocks_in_quarantine(device)) quiesce(device, "releasing meshmem's GPU memory");
-  lock.lock();
-  shared->finished = true;
-  shared->done.notify_all();
 }
 
 }  // namespace meshmem::detail

@@ -1,23 +1,19 @@
 // What keeps stream-ordered synchronisation right and bounded on one device:
 //   DeviceFaultRecord  where device-side waits report a timeout, read by the next host call
 //   StreamSequence     runs one object's stream work in call order across the caller's streams
-//   WindowReleaser     frees window memory once the device's earlier work is done, without
-//                      letting a wait that never ends hang the caller
+// (WindowReleaser, which frees window memory, is window_releaser.hpp.)
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "window_state.hpp"
 #include "cuda/runtime/block_pool.hpp"
 #include "cuda/runtime/kernels.hpp"
 
@@ -88,46 +84,6 @@ class StreamSequence {
   cudaEvent_t event_ = nullptr;
   cudaStream_t last_ = nullptr;
   bool recorded_ = false;
-};
-
-// Window memory (transport attachments, then this rank's part) released on a thread of its
-// own after cudaDeviceSynchronize: memory may be unmapped only once no kernel or copy
-// issued before the free can still touch it, and a stream that waits for a peer that
-// never comes must bound the caller (MESHMEM_TIMEOUT), not hang it. Each synchronisation
-// also frees the device's quarantined pool blocks (block_pool.hpp).
-class WindowReleaser {
- public:
-  WindowReleaser(int device, std::chrono::milliseconds bound);
-  // Blocks given back before this (the Comm's barrier, transports, fault record) are freed
-  // by one more synchronisation on the thread. Waits for it at most `bound` (not at all
-  // after a wait() that timed out), then leaves the thread be: it frees the memory once
-  // the device's work allows.
-  ~WindowReleaser();
-  // Takes the memory out of `state`; returns a ticket for wait().
-  std::uint64_t submit(WindowState& state);
-  // Whether every job up to `ticket` is released within `timeout` (0: waits for ever).
-  bool wait(std::uint64_t ticket, std::chrono::milliseconds timeout);
-
- private:
-  struct Job {
-    std::vector<std::unique_ptr<WindowAttachment>> attachments;
-    std::unique_ptr<WindowMemory> storage;
-  };
-  struct Shared {
-    std::mutex mutex;
-    std::condition_variable wake, done;
-    std::deque<Job> jobs;
-    std::uint64_t submitted = 0, released = 0;
-    bool stop = false, finished = false;
-  };
-  static void serve(std::shared_ptr<Shared> shared, int device);
-  // A synchronisation, then the quarantined blocks of `device` freed.
-  static void quiesce(int device, const char* why);
-  int device_;
-  std::chrono::milliseconds bound_;
-  std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
-  std::thread thread_;
-  bool stuck_ = false;
 };
 
 }  // namespace meshmem::detail

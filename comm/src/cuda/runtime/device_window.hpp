@@ -17,10 +17,8 @@ namespace meshmem::detail {
 
 class DeviceWindowMemory final : public WindowMemory {
  public:
-  ~DeviceWindowMemory() override {
-    // Work of this device may still use the memory: let it finish before it is unmapped.
-    (void)cudaDeviceSynchronize();
-  }
+  // Destroyed once no work of the device can use it (WindowReleaser, or an allocation that
+  // failed before any peer or kernel saw it).
   ipc::VmmAllocation mine;
   std::size_t bytes = 0;  // as allocated (rounded to the granularity)
   PooledBlock table;      // device copy of WindowState::peer

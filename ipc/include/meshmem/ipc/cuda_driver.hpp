@@ -36,6 +36,8 @@ struct CudaDriver {
   PFN_cuCtxPopCurrent_v4000 cuCtxPopCurrent = nullptr;
   PFN_cuCtxGetDevice_v2000 cuCtxGetDevice = nullptr;
   PFN_cuModuleGetLoadingMode_v11070 cuModuleGetLoadingMode = nullptr;
+  // Null with a driver before CUDA 12.5 (callers fall back).
+  PFN_cuCtxRecordEvent_v12050 cuCtxRecordEvent = nullptr;
 };
 
 // Loads the entry points once. Raises Error(Unsupported) where there is no driver.

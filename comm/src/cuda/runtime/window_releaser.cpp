@@ -1,0 +1,230 @@
+#include "cuda/runtime/window_releaser.hpp"
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <system_error>
+
+#include "backoff.hpp"
+#include "log.hpp"
+#include "cuda/runtime/block_pool.hpp"
+#include "cuda/runtime/device_sync.hpp"
+#include "cuda/runtime/relaxed_capture_mode.hpp"
+#include "meshmem/ipc/cuda_driver.hpp"
+
+namespace meshmem::detail {
+
+namespace {
+// How often the thread looks at events not yet ready: a release a little late costs nothing,
+// a busy thread beside the user's would.
+constexpr std::chrono::microseconds kFirstLook{50}, kSlowestLook{2000};
+}  // namespace
+
+WindowReleaser::WindowReleaser(int device, std::chrono::milliseconds bound) : device_(device), bound_(bound) {}
+
+WindowReleaser::Job WindowReleaser::make_job(const std::string& what, bool* ready) {
+  Job job;
+  *ready = false;
+  const ipc::CudaDriver& driver = ipc::cuda_driver();
+  if (driver.cuCtxRecordEvent == nullptr) return job;  // a driver before 12.5: synchronise
+  RelaxedCaptureMode relaxed;  // another thread may capture in global mode meanwhile
+  CurrentDevice on(device_);
+  CUcontext context = nullptr;
+  if (driver.cuCtxGetCurrent(&context) != CUDA_SUCCESS || context == nullptr) return job;
+  try {
+    job.after = std::make_unique<OwnedEvent>(what);
+  } catch (const std::exception&) {
+    return job;  // no event: synchronise (the memory is still released)
+  }
+  job.mark = device_quiescence_began(device_);
+  // Refused (and the capture invalidated) while a stream of the context captures a graph:
+  // docs/semantics.md says not to free then; the device is synchronised instead, as before.
+  if (driver.cuCtxRecordEvent(context, job.after->get()) != CUDA_SUCCESS) {
+    job.after.reset();
+    (void)cudaGetLastError();
+    return job;
+  }
+  const cudaError_t now = cudaEventQuery(job.after->get());
+  *ready = now != cudaErrorNotReady;
+  if (now != cudaSuccess) (void)cudaGetLastError();
+  return job;
+}
+
+std::uint64_t WindowReleaser::submit(Job job) {
+  std::uint64_t ticket = 0;
+  {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    ticket = job.ticket = ++shared_->submitted;
+    shared_->waiting[ticket] = Waiting{std::chrono::steady_clock::now(), false};
+    shared_->jobs.push_back(std::move(job));
+  }
+  if (!thread_.joinable()) thread_ = std::thread(&WindowReleaser::serve, shared_, device_);
+  shared_->wake.notify_all();
+  return ticket;
+}
+
+WindowReleaser::Outcome WindowReleaser::release(WindowState& state, const std::string& what) {
+  bool ready = false;
+  Job job = make_job(what, &ready);
+  job.attachments = std::move(state.attachments);
+  job.storage = std::move(state.storage);
+  state.release_memory();  // the rest: the peer table, pointers
+  const bool synchronise = job.after == nullptr;
+  const std::uint64_t ticket = submit(std::move(job));
+  if (!ready && !synchronise) return Outcome::Later;
+  return wait(ticket, bound_) ? Outcome::Released : Outcome::TimedOut;
+}
+
+bool WindowReleaser::wait(std::uint64_t ticket, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(shared_->mutex);
+  auto done = [&] { return shared_->waiting.count(ticket) == 0; };
+  if (timeout.count() == 0) {
+    shared_->done.wait(lock, done);
+    return true;
+  }
+  const bool ok = shared_->done.wait_for(lock, timeout, done);
+  if (!ok) {
+    stuck_ = true;
+    reported_ = std::max(reported_, ticket);  // raised by this call: not again by the next
+  }
+  return ok;
+}
+
+std::chrono::milliseconds WindowReleaser::take_overdue() {
+  if (bound_.count() == 0) return std::chrono::milliseconds(0);  // no timeout: never overdue
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  const auto now = std::chrono::steady_clock::now();
+  for (const auto& [ticket, w] : shared_->waiting) {
+    if (ticket <= reported_ || w.work_ended) continue;
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - w.since);
+    if (waited < bound_) break;  // younger ones follow
+    reported_ = shared_->submitted;  // one report for every release waiting behind the same work
+    return waited;
+  }
+  return std::chrono::milliseconds(0);
+}
+
+bool WindowReleaser::pending() {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  return !shared_->waiting.empty();
+}
+
+bool WindowReleaser::wait_pending(std::chrono::milliseconds most) {
+  std::unique_lock<std::mutex> lock(shared_->mutex);
+  return shared_->done.wait_for(lock, most, [&] { return shared_->waiting.empty(); });
+}
+
+WindowReleaser::~WindowReleaser() {
+  // The blocks that the Comm's objects gave back after the last window went.
+  if (blocks_in_quarantine(device_)) {
+    try {
+      bool ready = false;
+      submit(make_job("meshmem::Comm (releasing meshmem's GPU memory)", &ready));
+    } catch (const std::exception&) {
+      // No event or thread: the blocks stay quarantined until another release of this device.
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    shared_->stop = true;
+  }
+  shared_->wake.notify_all();
+  if (!thread_.joinable()) return;
+  std::unique_lock<std::mutex> lock(shared_->mutex);
+  auto finished = [&] { return shared_->finished; };
+  if (stuck_) {
+    // A synchronisation waits for a stream that never finishes: waiting would hang the
+    // caller; the thread keeps the memory (and itself) until the device's work ends.
+  } else if (bound_.count() == 0) {
+    shared_->done.wait(lock, finished);
+  } else if (!shared_->done.wait_for(lock, bound_, finished)) {
+    log(LogLevel::Warn, "meshmem: work issued on GPU " + std::to_string(device_) + " has not finished after " +
+                            describe_timeout(bound_) + "; the Comm's GPU memory is released once that work ends");
+  }
+  const bool done = shared_->finished;
+  lock.unlock();
+  if (done)
+    thread_.join();
+  else
+    thread_.detach();
+}
+
+void WindowReleaser::release_job(Job& job, int device) {
+  std::uint64_t mark = job.mark;
+  if (job.after == nullptr) {
+    mark = device_quiescence_began(device);
+    // The memory stays mapped until a capture open on the device ends, or the caller's bound
+    // reports it.
+    const cudaError_t rc = synchronize_device_between_captures();
+    if (rc != cudaSuccess)
+      log(LogLevel::Error, std::string("releasing window memory: cudaDeviceSynchronize: ") + cudaGetErrorString(rc) +
+                               "; unmapping anyway");
+  }
+  {
+    QuiescedRelease covered(device);  // the job's own blocks: its work has ended
+    while (!job.attachments.empty()) job.attachments.pop_back();  // last attached first
+    job.storage.reset();
+    job.after.reset();
+  }
+  device_quiescence_ended(device, mark);
+}
+
+void WindowReleaser::serve(std::shared_ptr<Shared> shared, int device) {
+  relax_capture_mode_of_this_thread();
+  (void)cudaSetDevice(device);
+  std::vector<Job> mine;  // taken from the queue, released in any order as their work ends
+  std::chrono::microseconds look = kFirstLook;
+  std::unique_lock<std::mutex> lock(shared->mutex);
+  for (;;) {
+    while (!shared->jobs.empty()) {
+      mine.push_back(std::move(shared->jobs.front()));
+      shared->jobs.pop_front();
+    }
+    if (mine.empty()) {
+      if (shared->stop) break;
+      shared->wake.wait(lock, [&] { return shared->stop || !shared->jobs.empty(); });
+      look = kFirstLook;
+      continue;
+    }
+    lock.unlock();
+    std::vector<std::uint64_t> released, ended;
+    for (auto it = mine.begin(); it != mine.end();) {
+      if (it->after != nullptr) {
+        const cudaError_t rc = cudaEventQuery(it->after->get());
+        if (rc == cudaErrorNotReady) {
+          ++it;
+          continue;
+        }
+        if (rc != cudaSuccess) {
+          (void)cudaGetLastError();
+          log(LogLevel::Error, std::string("releasing window memory: cudaEventQuery: ") + cudaGetErrorString(rc) +
+                                   "; unmapping anyway");
+        }
+        ended.push_back(it->ticket);
+      }
+      {
+        // The waiting call may look at it meanwhile: its work is no longer overdue.
+        std::lock_guard<std::mutex> mark(shared->mutex);
+        for (std::uint64_t t : ended) shared->waiting[t].work_ended = true;
+      }
+      ended.clear();
+      release_job(*it, device);
+      released.push_back(it->ticket);
+      it = mine.erase(it);
+    }
+    lock.lock();
+    for (std::uint64_t t : released) shared->waiting.erase(t);
+    if (!released.empty()) {
+      shared->done.notify_all();
+      look = kFirstLook;
+    } else if (!mine.empty()) {
+      shared->wake.wait_for(lock, look, [&] { return !shared->jobs.empty(); });
+      look = std::min(look * 2, kSlowestLook);
+    }
+  }
+  shared->finished = true;
+  shared->done.notify_all();
+}
+
+}  // namespace meshmem::detail

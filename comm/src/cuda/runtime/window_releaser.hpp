@@ -1,0 +1,93 @@
+// WindowReleaser: frees device window memory (transport attachments, then this rank's part)
+// once the work issued on the device before the free has ended, without holding the caller
+// behind work that is still running.
+//
+// The free records an event of the whole context (cuCtxRecordEvent: every stream's work issued
+// so far) on the caller's thread, so no later graph capture is touched by it; a thread of its
+// own polls that event in relaxed capture mode and then detaches and unmaps (VMM unmapping
+// waits for no kernel, and neither touches a capture open on another thread:
+// studies/release_lab). A free whose event is ready at once waits for its release, so
+// alloc/free cycles leave nothing behind; one behind running work returns, and work that has
+// not ended a timeout after its free is reported, once, by the next free. Where the event
+// cannot be recorded (a capture open on the device, a driver before CUDA 12.5) the thread
+// synchronises the device instead and the free waits for it, bounded.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "window_state.hpp"
+#include "cuda/runtime/cuda_owners.hpp"
+
+namespace meshmem::detail {
+
+class WindowReleaser {
+ public:
+  WindowReleaser(int device, std::chrono::milliseconds bound);
+  // Blocks given back before this (the Comm's barrier, transports, fault record) are freed
+  // once the device's work before it has ended. Waits for every release at most `bound` (not
+  // at all after a release that timed out), then leaves the thread be: it frees the memory
+  // once the device's work allows.
+  ~WindowReleaser();
+  WindowReleaser(const WindowReleaser&) = delete;
+  WindowReleaser& operator=(const WindowReleaser&) = delete;
+
+  enum class Outcome {
+    Released,  // released before the call returned
+    Later,     // work before the free still runs: released once it has ended
+    TimedOut,  // the device synchronisation did not end within the bound (released later)
+  };
+  // Takes the memory out of `state` (the ranks have met); `what` names the call for messages.
+  Outcome release(WindowState& state, const std::string& what);
+  // How long the oldest release whose earlier work has not ended has waited, where that is
+  // `bound` or more and it was not reported before (0 otherwise); reported once.
+  std::chrono::milliseconds take_overdue();
+  // Whether releases wait for the device's work.
+  bool pending();
+  // Waits at most `most` until no release waits; true if none does.
+  bool wait_pending(std::chrono::milliseconds most);
+
+ private:
+  struct Job {
+    std::vector<std::unique_ptr<WindowAttachment>> attachments;
+    std::unique_ptr<WindowMemory> storage;
+    std::unique_ptr<OwnedEvent> after;  // the context's work before the free; null: synchronise
+    std::uint64_t mark = 0;             // block_pool.hpp's quiescence mark (with `after`)
+    std::uint64_t ticket = 0;
+  };
+  struct Waiting {
+    std::chrono::steady_clock::time_point since;
+    bool work_ended = false;  // its event is ready: only the detaching is left
+  };
+  struct Shared {
+    std::mutex mutex;
+    std::condition_variable wake, done;
+    std::deque<Job> jobs;
+    std::map<std::uint64_t, Waiting> waiting;  // by ticket: submitted, not yet released
+    std::uint64_t submitted = 0;
+    bool stop = false, finished = false;
+  };
+  // A job whose event records the context's work so far; with `synchronise` where that
+  // cannot be recorded. `ready` says whether that work has ended already.
+  Job make_job(const std::string& what, bool* ready);
+  std::uint64_t submit(Job job);
+  bool wait(std::uint64_t ticket, std::chrono::milliseconds timeout);
+  static void serve(std::shared_ptr<Shared> shared, int device);
+  static void release_job(Job& job, int device);
+  int device_;
+  std::chrono::milliseconds bound_;
+  std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
+  std::thread thread_;
+  std::uint64_t reported_ = 0;  // tickets up to this were reported overdue
+  bool stuck_ = false;
+};
+
+}  // namespace meshmem::detail

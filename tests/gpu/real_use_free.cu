@@ -1,0 +1,216 @@
+// RealUse, freeing behind work still running on the GPU (issue 55, item 4): a free returns
+// once the ranks have met, its memory goes once the work issued before it has ended, a graph
+// capture begun right after it is not touched by that release, an allocation that needs the
+// memory waits for it, and work that never ends is reported by the next free.
+#include "real_use.hpp"
+
+namespace real_use {
+namespace {
+
+// Every rank's stream waits for a signal that its right neighbour sends only after its own
+// Window::free of an unrelated window: nothing is wrong with that program, so the free
+// returns without an error and without waiting for the GPU, and the window's memory is
+// released once the wait has ended (before: every rank's free waited for the whole device and
+// ended in Error(Timeout)).
+TEST_F(RealUse, FreeBehindAPendingWaitReturnsAndReleasesLater) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "10");
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  constexpr std::size_t kBytes = std::size_t(512) << 20;
+  Signals sig = comm->alloc_signals(1);
+  Window data = comm->alloc(kBytes);
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  MPI_Barrier(MPI_COMM_WORLD);
+  std::size_t free_with_window = 0, total = 0;
+  CUDA_OK(cudaMemGetInfo(&free_with_window, &total));
+  comm->wait_until(sig, 0, Cmp::GE, 1, s0);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_NO_THROW(data.free());
+  const double seconds = seconds_since(t0);
+  EXPECT_LT(seconds, 5.0) << "Window::free behind another stream's pending wait took " << seconds << " s";
+  EXPECT_FALSE(data.valid());
+  EXPECT_EQ(cudaStreamQuery(s0), cudaErrorNotReady) << "the wait ended before its signal was sent";
+  MPI_Barrier(MPI_COMM_WORLD);  // every rank has looked before any signal goes
+  comm->signal(sig, left, 0, 1, SignalOp::Set, s1);
+  EXPECT_TRUE(finishes(s0, 30)) << "the wait did not end after the signal came";
+  CUDA_OK(cudaStreamSynchronize(s1));
+  // The window's memory (this rank's part at least) comes back once the wait is over.
+  std::size_t free_now = 0;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  do {
+    CUDA_OK(cudaMemGetInfo(&free_now, &total));
+    if (free_now >= free_with_window + kBytes * 9 / 10) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  } while (std::chrono::steady_clock::now() < end);
+  EXPECT_GE(free_now, free_with_window + kBytes * 9 / 10)
+      << "the freed window's memory was not released after the stream's work ended: " << free_with_window
+      << " bytes free with it, " << free_now << " now";
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+}
+
+// The same wait, but its signal comes only after the timeout: the first free returns, and a
+// free after the timeout raises Error(Timeout) saying that the GPU's earlier work has not
+// ended (the program really is stuck there), once; the memory goes once the wait ends.
+// (Stream waits of the memop kind never time out on the GPU, so only the host can tell.)
+TEST_F(RealUse, FreeBehindAWaitThatOutlivesTheTimeoutSaysSo) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+  ScopedEnv wait("MESHMEM_STREAM_WAIT", "memop");
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  Signals sig = comm->alloc_signals(1);
+  Window first = comm->alloc(1 << 20);
+  Window second = comm->alloc(1 << 20);
+  Window third = comm->alloc(1 << 20);
+  comm->wait_until(sig, 0, Cmp::GE, 1, s0);
+  EXPECT_NO_THROW(first.free());
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  std::string what;
+  try {
+    second.free();
+    ADD_FAILURE() << "a free 2.5 s after one behind a wait that has not ended raised nothing";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+    what = e.what();
+  }
+  EXPECT_FALSE(second.valid());
+  EXPECT_NE(what.find("Window::free"), std::string::npos) << what;
+  EXPECT_NE(what.find("has not finished"), std::string::npos) << what;
+  EXPECT_NO_THROW(third.free()) << "the same stuck work was reported twice";
+  comm->signal(sig, left, 0, 1, SignalOp::Set, s1);
+  EXPECT_TRUE(finishes(s0, 30)) << "the wait did not end after the signal came";
+  CUDA_OK(cudaStreamSynchronize(s1));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+}
+
+// Every rank's stream waits for a signal that its right neighbour sends only after its own
+// Window::free: the free cannot wait for the GPU for ever (stream waits of the memop kind
+// never time out on the GPU, so only the free's bound ends this).
+TEST_F(RealUse, FreeBehindAPendingWaitIsBounded) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+  ScopedEnv wait("MESHMEM_STREAM_WAIT", "memop");
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  Signals sig = comm->alloc_signals(1);
+  Window data = comm->alloc(1 << 20);
+  comm->wait_until(sig, 0, Cmp::GE, 1, s0);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string what;
+  try {
+    data.free();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+    what = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(seconds, 15.0) << "Window::free behind a pending wait took " << seconds << " s";
+  EXPECT_FALSE(data.valid());
+  if (!what.empty()) EXPECT_NE(what.find("Window::free"), std::string::npos) << what;
+  comm->signal(sig, left, 0, 1, SignalOp::Set, s1);
+  EXPECT_TRUE(finishes(s0, 30)) << "the wait did not end after the signal came";
+  CUDA_OK(cudaStreamSynchronize(s1));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+}
+
+// A graph capture in global mode begun right after a free behind a running kernel: the
+// window's memory is released while that capture is open (the kernel ends meanwhile), and the
+// release must not touch it (a device synchronisation there would invalidate it).
+TEST_F(RealUse, ACaptureBegunRightAfterAFreeBehindRunningWorkSurvives) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "20");
+  make_comm();
+  constexpr std::size_t kBytes = std::size_t(256) << 20, kScratch = 1 << 20;
+  void* scratch = nullptr;
+  CUDA_OK(cudaMalloc(&scratch, kScratch));
+  Window data = comm->alloc(kBytes);
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  MPI_Barrier(MPI_COMM_WORLD);
+  std::size_t free_with_window = 0, total = 0;
+  CUDA_OK(cudaMemGetInfo(&free_with_window, &total));
+  spin_kernel<<<1, 1, 0, s0>>>(nullptr, 700'000'000ull);  // 0.7 s
+  CUDA_OK(cudaGetLastError());
+  EXPECT_NO_THROW(data.free());
+  EXPECT_EQ(cudaStreamQuery(s0), cudaErrorNotReady) << "the kernel ended before the free returned (test premise)";
+  const int pattern = 0x40 + me;
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(s1, cudaStreamCaptureModeGlobal));
+  CUDA_OK(cudaMemsetAsync(scratch, pattern, kScratch, s1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the kernel ends, the release runs
+  const cudaError_t ended = cudaStreamEndCapture(s1, &graph);
+  std::size_t free_at_end = 0;
+  CUDA_OK(cudaMemGetInfo(&free_at_end, &total));
+  EXPECT_EQ(ended, cudaSuccess) << "the capture begun after the free ended with " << cudaGetErrorString(ended);
+  EXPECT_GE(free_at_end, free_with_window + kBytes * 9 / 10)
+      << "the window's memory was not released while the capture was open (test premise): " << free_with_window
+      << " bytes free with it, " << free_at_end << " at the capture's end";
+  if (ended == cudaSuccess) {
+    cudaGraphExec_t exec = nullptr;
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    CUDA_OK(cudaGraphLaunch(exec, s1));
+    CUDA_OK(cudaStreamSynchronize(s1));
+    std::vector<unsigned char> back(kScratch, 0);
+    CUDA_OK(cudaMemcpy(back.data(), scratch, kScratch, cudaMemcpyDeviceToHost));
+    std::size_t wrong = 0;
+    for (unsigned char b : back) wrong += b != static_cast<unsigned char>(pattern);
+    EXPECT_EQ(wrong, 0u) << "bytes the replayed graph did not write";
+    CUDA_OK(cudaGraphExecDestroy(exec));
+  }
+  if (graph != nullptr) CUDA_OK(cudaGraphDestroy(graph));
+  (void)cudaGetLastError();
+  EXPECT_TRUE(finishes(s0, 30));
+  CUDA_OK(cudaFree(scratch));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+}
+
+// A window freed behind a running kernel, then one of the same size allocated where the GPU
+// has room for it only once the first is released: the allocation waits for that release (at
+// most half the timeout) instead of failing. The GPU is filled first so that its ranks have
+// room for one window each and half of one more.
+TEST_F(RealUse, AnAllocationAfterAFreeBehindRunningWorkGetsItsMemory) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "20");
+  make_comm();
+  constexpr std::size_t kBytes = std::size_t(1) << 30;
+  int device = -1;
+  CUDA_OK(cudaGetDevice(&device));
+  cudaDeviceProp prop{};
+  CUDA_OK(cudaGetDeviceProperties(&prop, device));
+  std::vector<char> uuids(static_cast<std::size_t>(n) * 16);
+  MPI_Allgather(prop.uuid.bytes, 16, MPI_BYTE, uuids.data(), 16, MPI_BYTE, MPI_COMM_WORLD);
+  int sharing = 0;  // ranks on this GPU
+  for (int r = 0; r < n; ++r) sharing += std::memcmp(uuids.data() + 16 * r, prop.uuid.bytes, 16) == 0;
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  MPI_Barrier(MPI_COMM_WORLD);
+  std::size_t free_bytes = 0, total = 0;
+  CUDA_OK(cudaMemGetInfo(&free_bytes, &total));
+  MPI_Barrier(MPI_COMM_WORLD);  // every rank has looked before any fills
+  const std::size_t room = static_cast<std::size_t>((sharing + 0.5) * static_cast<double>(kBytes));
+  ASSERT_GT(free_bytes, room + (std::size_t(1) << 30)) << "the GPU has too little memory for this test";
+  void* filler = nullptr;
+  CUDA_OK(cudaMalloc(&filler, (free_bytes - room) / static_cast<std::size_t>(sharing)));
+  MPI_Barrier(MPI_COMM_WORLD);
+  Window first = comm->alloc(kBytes);
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  spin_kernel<<<1, 1, 0, s0>>>(nullptr, 1'500'000'000ull);  // 1.5 s
+  CUDA_OK(cudaGetLastError());
+  EXPECT_NO_THROW(first.free());
+  EXPECT_EQ(cudaStreamQuery(s0), cudaErrorNotReady) << "the kernel ended before the free returned (test premise)";
+  Window second;
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_NO_THROW(second = comm->alloc(kBytes)) << "an allocation that fits once a freed window is released";
+  EXPECT_TRUE(second.valid());
+  EXPECT_LT(seconds_since(t0), 10.0);
+  EXPECT_TRUE(finishes(s0, 30));
+  if (second.valid()) second.free();
+  CUDA_OK(cudaFree(filler));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+}
+
+}  // namespace
+}  // namespace real_use
