@@ -192,7 +192,7 @@ CommImpl::~CommImpl() {
       alive.push_back(state);
       if (state->memory == Memory::Device && device) on_device.push_back(state.get());
     }
-  if (!on_device.empty()) {
+  if (device) {  // also with no window left: earlier frees' releases end before the transports stop
     try {
       DeviceScope scope(*device, nullptr, false, "~Comm");
       device->retire_all(on_device, "~Comm");

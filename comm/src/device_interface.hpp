@@ -137,7 +137,8 @@ class DeviceRuntime {
   // freed all the same), or where the device had to be synchronised and that took longer.
   // The state is empty afterwards either way.
   virtual void retire(WindowState& state, const char* call) = 0;
-  // retire() of several windows with one bounded wait; logs instead of raising.
+  // retire() of several windows (none: only the wait), then one bounded wait for every
+  // release still pending, earlier frees' too (the transports stop next); logs instead of raising.
   virtual void retire_all(const std::vector<WindowState*>& states, const char* call) noexcept = 0;
   // Collective: the barrier(stream) variant of this Comm.
   virtual std::unique_ptr<StreamBarrier> make_barrier(const CommContext& ctx, const BarrierContext& bctx) = 0;

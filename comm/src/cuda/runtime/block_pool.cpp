@@ -232,6 +232,7 @@ QuiescedRelease::~QuiescedRelease() { quiesced_device = previous_; }
 
 std::uint64_t device_quiescence_began(int device) noexcept { return pool_of(device)->began(); }
 void device_quiescence_ended(int device, std::uint64_t mark) noexcept { pool_of(device)->ended(mark); }
+bool in_quiesced_release() noexcept { return quiesced_device != -1; }
 bool blocks_in_quarantine(int device) noexcept { return pool_of(device)->quarantined(); }
 std::size_t block_pool_bytes(int device) noexcept { return pool_of(device)->mapped(); }
 

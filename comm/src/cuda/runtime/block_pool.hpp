@@ -9,9 +9,10 @@
 // the very calls that would end a stream's wait). Unmapping VMM memory waits for nothing.
 //
 // Unmapping is not an implicit device synchronisation as cudaFree is: a block given back
-// is quarantined, and its memory is reused or unmapped only after a device synchronisation
-// that began after it was given back has ended (the window releaser's, device_sync.hpp, calls
-// device_quiescence_began / _ended). Until then the chunk stays mapped.
+// is quarantined, and its memory is reused or unmapped only once the device's work issued
+// before it was given back has ended (the window releaser's context events, or its device
+// synchronisation: window_releaser.hpp calls device_quiescence_began / _ended). Until then
+// the chunk stays mapped.
 #pragma once
 
 #include <cstddef>
@@ -86,7 +87,7 @@ T* device_array(PooledBlock& owner, const std::vector<T>& values, const std::str
 std::uint64_t device_quiescence_began(int device) noexcept;
 void device_quiescence_ended(int device, std::uint64_t mark) noexcept;
 // While it lives, blocks of `device` given back on this thread are freed at once: for memory
-// that a device synchronisation which has ended already covers (the releaser's jobs).
+// whose device work has ended (the releaser's jobs).
 class QuiescedRelease {
  public:
   explicit QuiescedRelease(int device) noexcept;
@@ -97,6 +98,8 @@ class QuiescedRelease {
  private:
   int previous_;
 };
+// Whether this thread is inside a QuiescedRelease (of any device).
+bool in_quiesced_release() noexcept;
 // Whether blocks of `device` wait for a device synchronisation to be reused or unmapped.
 bool blocks_in_quarantine(int device) noexcept;
 // Bytes of chunks mapped for `device` now (both kinds), for reports and tests.

@@ -157,7 +157,9 @@ std::unique_ptr<DeviceHaloPlan> CudaDeviceRuntime::make_halo_plan(const DeviceHa
 
 void CudaDeviceRuntime::retire(WindowState& state, const char* call) {
   const std::chrono::milliseconds overdue = releaser_.take_overdue();  // before this free's own
-  if (releaser_.release(state, where(call)) == WindowReleaser::Outcome::TimedOut)
+  bool must_wait = false;
+  const std::uint64_t ticket = releaser_.hand_over(state, where(call), &must_wait);
+  if (must_wait && !releaser_.wait({ticket}, timeout_))
     throw Error(ErrorCode::Timeout,
                 where(call) + ": work issued on this GPU before the free has not finished (or a graph capture on this GPU is still open) after " + describe_timeout(timeout_) +
                     " (a stream waiting for a signal or a barrier that never comes?); the window's memory is released "
@@ -172,10 +174,17 @@ void CudaDeviceRuntime::retire(WindowState& state, const char* call) {
 
 void CudaDeviceRuntime::retire_all(const std::vector<WindowState*>& states, const char* call) noexcept {
   try {
-    bool late = false;
-    for (WindowState* s : states) late |= releaser_.release(*s, where(call)) == WindowReleaser::Outcome::TimedOut;
-    // ~Comm: what still waits for the device's work is waited for by the releaser's end.
-    if (late)
+    for (WindowState* s : states) {
+      bool must_wait = false;
+      (void)releaser_.hand_over(*s, where(call), &must_wait);
+    }
+  } catch (const std::exception& e) {
+    log(LogLevel::Error, where(call) + ": " + e.what());
+  }
+  // The Comm's transports stop next: every release, the earlier frees' too, waits for the
+  // device's work before that, in one bounded wait.
+  try {
+    if (!releaser_.wait(releaser_.all_pending(), timeout_))
       log(LogLevel::Error, where(call) + ": work issued on this GPU has not finished after " + describe_timeout(timeout_) +
                                "; its windows' memory is released once that work ends");
   } catch (const std::exception& e) {

@@ -17,8 +17,12 @@ namespace meshmem::detail {
 
 class DeviceWindowMemory final : public WindowMemory {
  public:
-  // Destroyed once no work of the device can use it (WindowReleaser, or an allocation that
-  // failed before any peer or kernel saw it).
+  ~DeviceWindowMemory() override {
+    // The window releaser destroys it once the device's earlier work has ended. Anywhere
+    // else (a free or ~Comm that raised before its release, an allocation that failed) that
+    // work may still use it: let it finish before it is unmapped.
+    if (!in_quiesced_release()) (void)cudaDeviceSynchronize();
+  }
   ipc::VmmAllocation mine;
   std::size_t bytes = 0;  // as allocated (rounded to the granularity)
   PooledBlock table;      // device copy of WindowState::peer

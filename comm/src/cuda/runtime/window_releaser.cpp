@@ -42,12 +42,11 @@ WindowReleaser::Job WindowReleaser::make_job(const std::string& what, bool* read
   // docs/semantics.md says not to free then; the device is synchronised instead, as before.
   if (driver.cuCtxRecordEvent(context, job.after->get()) != CUDA_SUCCESS) {
     job.after.reset();
-    (void)cudaGetLastError();
     return job;
   }
   const cudaError_t now = cudaEventQuery(job.after->get());
-  *ready = now != cudaErrorNotReady;
-  if (now != cudaSuccess) (void)cudaGetLastError();
+  *ready = now != cudaErrorNotReady;  // an error of the device's: its work is over either way
+  if (now != cudaSuccess && now != cudaErrorNotReady) (void)cudaGetLastError();
   return job;
 }
 
@@ -64,31 +63,53 @@ std::uint64_t WindowReleaser::submit(Job job) {
   return ticket;
 }
 
-WindowReleaser::Outcome WindowReleaser::release(WindowState& state, const std::string& what) {
+std::uint64_t WindowReleaser::hand_over(WindowState& state, const std::string& what, bool* must_wait) {
   bool ready = false;
-  Job job = make_job(what, &ready);
-  job.attachments = std::move(state.attachments);
+  Job job;
+  job.attachments = std::move(state.attachments);  // first: nothing below leaves them to ~WindowState
   job.storage = std::move(state.storage);
   state.release_memory();  // the rest: the peer table, pointers
-  const bool synchronise = job.after == nullptr;
-  const std::uint64_t ticket = submit(std::move(job));
-  if (!ready && !synchronise) return Outcome::Later;
-  return wait(ticket, bound_) ? Outcome::Released : Outcome::TimedOut;
+  *must_wait = false;
+  try {
+    Job made = make_job(what, &ready);
+    job.after = std::move(made.after);
+    job.mark = made.mark;
+  } catch (const std::exception&) {
+    job.after.reset();  // synchronise on the thread
+  }
+  if (ready) {
+    // Released here, not behind other releases on the thread (their detaching may take long).
+    RelaxedCaptureMode relaxed;
+    release_job(job, device_);
+    return 0;
+  }
+  *must_wait = job.after == nullptr;
+  return submit(std::move(job));
 }
 
-bool WindowReleaser::wait(std::uint64_t ticket, std::chrono::milliseconds timeout) {
+bool WindowReleaser::wait(const std::vector<std::uint64_t>& tickets, std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(shared_->mutex);
-  auto done = [&] { return shared_->waiting.count(ticket) == 0; };
+  auto done = [&] {
+    for (std::uint64_t t : tickets)
+      if (t != 0 && shared_->waiting.count(t) != 0) return false;
+    return true;
+  };
   if (timeout.count() == 0) {
     shared_->done.wait(lock, done);
     return true;
   }
   const bool ok = shared_->done.wait_for(lock, timeout, done);
-  if (!ok) {
-    stuck_ = true;
-    reported_ = std::max(reported_, ticket);  // raised by this call: not again by the next
-  }
+  stuck_ = !ok;
+  if (!ok)
+    for (std::uint64_t t : tickets) reported_ = std::max(reported_, t);  // raised by this call: not again
   return ok;
+}
+
+std::vector<std::uint64_t> WindowReleaser::all_pending() {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  std::vector<std::uint64_t> out;
+  for (const auto& [ticket, w] : shared_->waiting) out.push_back(ticket);
+  return out;
 }
 
 std::chrono::milliseconds WindowReleaser::take_overdue() {

@@ -6,9 +6,9 @@
 // so far) on the caller's thread, so no later graph capture is touched by it; a thread of its
 // own polls that event in relaxed capture mode and then detaches and unmaps (VMM unmapping
 // waits for no kernel, and neither touches a capture open on another thread:
-// studies/release_lab). A free whose event is ready at once waits for its release, so
-// alloc/free cycles leave nothing behind; one behind running work returns, and work that has
-// not ended a timeout after its free is reported, once, by the next free. Where the event
+// studies/release_lab). A free whose event is ready at once releases on the caller's thread,
+// so alloc/free cycles leave nothing behind; one behind running work returns, and work that
+// has not ended a timeout after its free is reported, once, by the next free. Where the event
 // cannot be recorded (a capture open on the device, a driver before CUDA 12.5) the thread
 // synchronises the device instead and the free waits for it, bounded.
 #pragma once
@@ -40,13 +40,13 @@ class WindowReleaser {
   WindowReleaser(const WindowReleaser&) = delete;
   WindowReleaser& operator=(const WindowReleaser&) = delete;
 
-  enum class Outcome {
-    Released,  // released before the call returned
-    Later,     // work before the free still runs: released once it has ended
-    TimedOut,  // the device synchronisation did not end within the bound (released later)
-  };
   // Takes the memory out of `state` (the ranks have met); `what` names the call for messages.
-  Outcome release(WindowState& state, const std::string& what);
+  // Where the device's earlier work has ended, the memory is released on this thread before
+  // it returns (0); otherwise a ticket: `*must_wait` says whether the caller has to wait for
+  // it (a device synchronisation on the thread instead of the event), else it goes by itself.
+  std::uint64_t hand_over(WindowState& state, const std::string& what, bool* must_wait);
+  // Whether every one of `tickets` is released within `timeout` (0: waits for ever).
+  bool wait(const std::vector<std::uint64_t>& tickets, std::chrono::milliseconds timeout);
   // How long the oldest release whose earlier work has not ended has waited, where that is
   // `bound` or more and it was not reported before (0 otherwise); reported once.
   std::chrono::milliseconds take_overdue();
@@ -54,6 +54,8 @@ class WindowReleaser {
   bool pending();
   // Waits at most `most` until no release waits; true if none does.
   bool wait_pending(std::chrono::milliseconds most);
+  // Every ticket handed out and not yet released.
+  std::vector<std::uint64_t> all_pending();
 
  private:
   struct Job {
@@ -79,7 +81,6 @@ class WindowReleaser {
   // cannot be recorded. `ready` says whether that work has ended already.
   Job make_job(const std::string& what, bool* ready);
   std::uint64_t submit(Job job);
-  bool wait(std::uint64_t ticket, std::chrono::milliseconds timeout);
   static void serve(std::shared_ptr<Shared> shared, int device);
   static void release_job(Job& job, int device);
   int device_;
