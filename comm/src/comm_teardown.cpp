@@ -193,12 +193,7 @@ CommImpl::~CommImpl() {
       if (state->memory == Memory::Device && device) on_device.push_back(state.get());
     }
   if (device) {  // also with no window left: earlier frees' releases end before the transports stop
-    try {
-      DeviceScope scope(*device, nullptr, false, "~Comm");
-      device->retire_all(on_device, "~Comm");
-    } catch (const std::exception& e) {
-      log(LogLevel::Error, std::string("~Comm: ") + e.what());
-    }
+    device->retire_all(on_device, "~Comm");  // noexcept; makes its device current itself
   }
   for (auto& state : alive) release(*state);
   live_.clear();

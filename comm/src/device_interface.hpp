@@ -138,7 +138,8 @@ class DeviceRuntime {
   // The state is empty afterwards either way.
   virtual void retire(WindowState& state, const char* call) = 0;
   // retire() of several windows (none: only the wait), then one bounded wait for every
-  // release still pending, earlier frees' too (the transports stop next); logs instead of raising.
+  // release still pending, earlier frees' too (the transports stop next); logs instead of
+  // raising, makes its device current itself, and runs with a device fault pending.
   virtual void retire_all(const std::vector<WindowState*>& states, const char* call) noexcept = 0;
   // Collective: the barrier(stream) variant of this Comm.
   virtual std::unique_ptr<StreamBarrier> make_barrier(const CommContext& ctx, const BarrierContext& bctx) = 0;

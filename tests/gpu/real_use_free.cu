@@ -214,5 +214,80 @@ TEST_F(RealUse, AnAllocationAfterAFreeBehindRunningWorkGetsItsMemory) {
   CUDA_OK(cudaStreamSynchronize(s0));
 }
 
+// A free while the application has a CUDA error it has not read yet (an allocation that
+// failed): the free leaves that error for the application's cudaGetLastError. A free whose
+// device work has ended releases on the caller's thread, and the transports' detaching
+// clears the thread's error: that is left to the releaser's own thread then.
+TEST_F(RealUse, AFreeLeavesTheApplicationsCudaErrorForItToRead) {
+  make_comm();
+  Window data = comm->alloc(1 << 20);
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  MPI_Barrier(MPI_COMM_WORLD);
+  void* huge = nullptr;
+  const cudaError_t failed = cudaMalloc(&huge, std::size_t(1) << 60);
+  ASSERT_EQ(failed, cudaErrorMemoryAllocation) << "test premise: a 1 EiB cudaMalloc fails";
+  EXPECT_NO_THROW(data.free());
+  EXPECT_FALSE(data.valid());
+  const cudaError_t left_for_us = cudaGetLastError();
+  EXPECT_EQ(left_for_us, cudaErrorMemoryAllocation)
+      << "Window::free replaced the application's unread CUDA error with " << cudaGetErrorName(left_for_us);
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+}
+
+// A free while this thread captures a graph (docs/semantics.md: not to be done; the context
+// event cannot be recorded then): the free falls back to synchronising the device, which
+// waits for the capture to end; it returns within its bound (Error(Timeout) naming the
+// capture where the capture outlives the timeout), and the memory goes once the capture has
+// ended. The Comm's later calls and its destruction do not wait for that again.
+TEST_F(RealUse, AFreeWhileAGraphCaptureIsOpenIsBoundedAndReleasesAfterIt) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "2");
+  make_comm();
+  constexpr std::size_t kBytes = std::size_t(256) << 20, kScratch = 1 << 20;
+  void* scratch = nullptr;
+  CUDA_OK(cudaMalloc(&scratch, kScratch));
+  Window data = comm->alloc(kBytes);
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  MPI_Barrier(MPI_COMM_WORLD);
+  std::size_t free_with_window = 0, total = 0;
+  CUDA_OK(cudaMemGetInfo(&free_with_window, &total));
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(s1, cudaStreamCaptureModeThreadLocal));
+  CUDA_OK(cudaMemsetAsync(scratch, 0x5a, kScratch, s1));
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string what;
+  try {
+    data.free();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+    what = e.what();
+  }
+  const double seconds = seconds_since(t0);
+  EXPECT_LT(seconds, 10.0) << "Window::free while a graph capture was open took " << seconds << " s";
+  EXPECT_FALSE(data.valid());
+  if (!what.empty()) EXPECT_NE(what.find("graph capture"), std::string::npos) << what;
+  (void)cudaStreamEndCapture(s1, &graph);  // invalidated by the free or not: docs/semantics.md
+  if (graph != nullptr) CUDA_OK(cudaGraphDestroy(graph));
+  (void)cudaGetLastError();
+  std::size_t free_now = 0;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  do {
+    CUDA_OK(cudaMemGetInfo(&free_now, &total));
+    if (free_now >= free_with_window + kBytes * 9 / 10) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  } while (std::chrono::steady_clock::now() < end);
+  EXPECT_GE(free_now, free_with_window + kBytes * 9 / 10)
+      << "the window freed during a capture was not released once the capture ended: " << free_with_window
+      << " bytes free with it, " << free_now << " now";
+  CUDA_OK(cudaFree(scratch));
+  const auto t1 = std::chrono::steady_clock::now();
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  comm.reset();
+  EXPECT_LT(seconds_since(t1), 5.0) << "a barrier and ~Comm after the capture had ended";
+}
+
 }  // namespace
 }  // namespace real_use

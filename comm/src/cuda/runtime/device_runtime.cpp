@@ -159,11 +159,13 @@ void CudaDeviceRuntime::retire(WindowState& state, const char* call) {
   const std::chrono::milliseconds overdue = releaser_.take_overdue();  // before this free's own
   bool must_wait = false;
   const std::uint64_t ticket = releaser_.hand_over(state, where(call), &must_wait);
-  if (must_wait && !releaser_.wait({ticket}, timeout_))
+  if (must_wait && !releaser_.wait({ticket}, timeout_)) {
+    releaser_.give_up({ticket});
     throw Error(ErrorCode::Timeout,
                 where(call) + ": work issued on this GPU before the free has not finished (or a graph capture on this GPU is still open) after " + describe_timeout(timeout_) +
                     " (a stream waiting for a signal or a barrier that never comes?); the window's memory is released "
                     "once that work ends");
+  }
   if (overdue.count() > 0)
     throw Error(ErrorCode::Timeout,
                 where(call) + ": work issued on this GPU before an earlier free has not finished after " +
@@ -173,6 +175,8 @@ void CudaDeviceRuntime::retire(WindowState& state, const char* call) {
 }
 
 void CudaDeviceRuntime::retire_all(const std::vector<WindowState*>& states, const char* call) noexcept {
+  // No DeviceScope: a fault it would raise must not keep the releases from their wait.
+  CurrentDevice on(gpu_.device());
   try {
     for (WindowState* s : states) {
       bool must_wait = false;
@@ -181,12 +185,18 @@ void CudaDeviceRuntime::retire_all(const std::vector<WindowState*>& states, cons
   } catch (const std::exception& e) {
     log(LogLevel::Error, where(call) + ": " + e.what());
   }
+  // After a free's wait for the device timed out, another would time out too: the thread
+  // releases the memory once the work ends.
+  if (releaser_.gave_up()) return;
   // The Comm's transports stop next: every release, the earlier frees' too, waits for the
   // device's work before that, in one bounded wait.
   try {
-    if (!releaser_.wait(releaser_.all_pending(), timeout_))
+    const std::vector<std::uint64_t> pending = releaser_.all_pending();
+    if (!releaser_.wait(pending, timeout_)) {
+      releaser_.give_up(pending);
       log(LogLevel::Error, where(call) + ": work issued on this GPU has not finished after " + describe_timeout(timeout_) +
                                "; its windows' memory is released once that work ends");
+    }
   } catch (const std::exception& e) {
     log(LogLevel::Error, where(call) + ": " + e.what());
   }
@@ -204,7 +214,7 @@ void CudaDeviceRuntime::make_room(std::size_t bytes, const char* call) {
   }
   if (free_bytes >= bytes) return;
   const auto most = timeout_.count() == 0 ? std::chrono::milliseconds(std::chrono::hours(1)) : timeout_ / 2;
-  if (!releaser_.wait_pending(most))
+  if (!releaser_.wait(releaser_.all_pending(), most))
     log(LogLevel::Warn, where(call) + ": " + std::to_string(bytes) + " bytes do not fit in the " +
                             std::to_string(free_bytes) + " free on this GPU, and windows freed earlier still wait for "
                             "work issued before their free; allocating anyway");

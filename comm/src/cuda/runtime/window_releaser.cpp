@@ -23,31 +23,33 @@ constexpr std::chrono::microseconds kFirstLook{50}, kSlowestLook{2000};
 
 WindowReleaser::WindowReleaser(int device, std::chrono::milliseconds bound) : device_(device), bound_(bound) {}
 
-WindowReleaser::Job WindowReleaser::make_job(const std::string& what, bool* ready) {
-  Job job;
+void WindowReleaser::arm(Job& job, const std::string& what, bool* ready) {
   *ready = false;
+  job.after.reset();  // none: the thread synchronises the device instead
   const ipc::CudaDriver& driver = ipc::cuda_driver();
-  if (driver.cuCtxRecordEvent == nullptr) return job;  // a driver before 12.5: synchronise
+  if (driver.cuCtxRecordEvent == nullptr) return;  // a driver before 12.5
   RelaxedCaptureMode relaxed;  // another thread may capture in global mode meanwhile
   CurrentDevice on(device_);
   CUcontext context = nullptr;
-  if (driver.cuCtxGetCurrent(&context) != CUDA_SUCCESS || context == nullptr) return job;
+  if (driver.cuCtxGetCurrent(&context) != CUDA_SUCCESS || context == nullptr) return;
   try {
     job.after = std::make_unique<OwnedEvent>(what);
   } catch (const std::exception&) {
-    return job;  // no event: synchronise (the memory is still released)
+    return;  // no event: synchronise (the memory is still released)
   }
   job.mark = device_quiescence_began(device_);
   // Refused (and the capture invalidated) while a stream of the context captures a graph:
   // docs/semantics.md says not to free then; the device is synchronised instead, as before.
   if (driver.cuCtxRecordEvent(context, job.after->get()) != CUDA_SUCCESS) {
     job.after.reset();
-    return job;
+    return;
   }
+  // An error the application has not read yet stays its own: the query (which may replace
+  // it) and the detaching (which clears the thread's error) are left to the releasing thread.
+  if (cudaPeekAtLastError() != cudaSuccess) return;
   const cudaError_t now = cudaEventQuery(job.after->get());
   *ready = now != cudaErrorNotReady;  // an error of the device's: its work is over either way
-  if (now != cudaSuccess && now != cudaErrorNotReady) (void)cudaGetLastError();
-  return job;
+  if (now != cudaSuccess) (void)cudaGetLastError();
 }
 
 std::uint64_t WindowReleaser::submit(Job job) {
@@ -71,9 +73,7 @@ std::uint64_t WindowReleaser::hand_over(WindowState& state, const std::string& w
   state.release_memory();  // the rest: the peer table, pointers
   *must_wait = false;
   try {
-    Job made = make_job(what, &ready);
-    job.after = std::move(made.after);
-    job.mark = made.mark;
+    arm(job, what, &ready);
   } catch (const std::exception&) {
     job.after.reset();  // synchronise on the thread
   }
@@ -98,11 +98,23 @@ bool WindowReleaser::wait(const std::vector<std::uint64_t>& tickets, std::chrono
     shared_->done.wait(lock, done);
     return true;
   }
-  const bool ok = shared_->done.wait_for(lock, timeout, done);
-  stuck_ = !ok;
-  if (!ok)
-    for (std::uint64_t t : tickets) reported_ = std::max(reported_, t);  // raised by this call: not again
-  return ok;
+  return shared_->done.wait_for(lock, timeout, done);
+}
+
+void WindowReleaser::give_up(const std::vector<std::uint64_t>& tickets) {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  for (std::uint64_t t : tickets) {
+    reported_ = std::max(reported_, t);  // raised by the caller: not again
+    if (shared_->waiting.count(t) != 0) given_up_.push_back(t);
+  }
+}
+
+bool WindowReleaser::gave_up() {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  given_up_.erase(std::remove_if(given_up_.begin(), given_up_.end(),
+                                 [&](std::uint64_t t) { return shared_->waiting.count(t) == 0; }),
+                  given_up_.end());
+  return !given_up_.empty();
 }
 
 std::vector<std::uint64_t> WindowReleaser::all_pending() {
@@ -131,17 +143,14 @@ bool WindowReleaser::pending() {
   return !shared_->waiting.empty();
 }
 
-bool WindowReleaser::wait_pending(std::chrono::milliseconds most) {
-  std::unique_lock<std::mutex> lock(shared_->mutex);
-  return shared_->done.wait_for(lock, most, [&] { return shared_->waiting.empty(); });
-}
-
 WindowReleaser::~WindowReleaser() {
   // The blocks that the Comm's objects gave back after the last window went.
   if (blocks_in_quarantine(device_)) {
     try {
       bool ready = false;
-      submit(make_job("meshmem::Comm (releasing meshmem's GPU memory)", &ready));
+      Job job;
+      arm(job, "meshmem::Comm (releasing meshmem's GPU memory)", &ready);
+      submit(std::move(job));
     } catch (const std::exception&) {
       // No event or thread: the blocks stay quarantined until another release of this device.
     }
@@ -152,9 +161,10 @@ WindowReleaser::~WindowReleaser() {
   }
   shared_->wake.notify_all();
   if (!thread_.joinable()) return;
+  const bool stuck = gave_up();
   std::unique_lock<std::mutex> lock(shared_->mutex);
   auto finished = [&] { return shared_->finished; };
-  if (stuck_) {
+  if (stuck) {
     // A synchronisation waits for a stream that never finishes: waiting would hang the
     // caller; the thread keeps the memory (and itself) until the device's work ends.
   } else if (bound_.count() == 0) {
@@ -209,7 +219,7 @@ void WindowReleaser::serve(std::shared_ptr<Shared> shared, int device) {
       continue;
     }
     lock.unlock();
-    std::vector<std::uint64_t> released, ended;
+    std::vector<std::uint64_t> released;
     for (auto it = mine.begin(); it != mine.end();) {
       if (it->after != nullptr) {
         const cudaError_t rc = cudaEventQuery(it->after->get());
@@ -222,14 +232,10 @@ void WindowReleaser::serve(std::shared_ptr<Shared> shared, int device) {
           log(LogLevel::Error, std::string("releasing window memory: cudaEventQuery: ") + cudaGetErrorString(rc) +
                                    "; unmapping anyway");
         }
-        ended.push_back(it->ticket);
-      }
-      {
         // The waiting call may look at it meanwhile: its work is no longer overdue.
         std::lock_guard<std::mutex> mark(shared->mutex);
-        for (std::uint64_t t : ended) shared->waiting[t].work_ended = true;
+        shared->waiting[it->ticket].work_ended = true;
       }
-      ended.clear();
       release_job(*it, device);
       released.push_back(it->ticket);
       it = mine.erase(it);

@@ -47,13 +47,16 @@ class WindowReleaser {
   std::uint64_t hand_over(WindowState& state, const std::string& what, bool* must_wait);
   // Whether every one of `tickets` is released within `timeout` (0: waits for ever).
   bool wait(const std::vector<std::uint64_t>& tickets, std::chrono::milliseconds timeout);
+  // After a wait for `tickets` that timed out and was reported: they are not reported again,
+  // and while one of them is not released, waiting for the device's work would time out
+  // again: gave_up() says so.
+  void give_up(const std::vector<std::uint64_t>& tickets);
+  bool gave_up();
   // How long the oldest release whose earlier work has not ended has waited, where that is
   // `bound` or more and it was not reported before (0 otherwise); reported once.
   std::chrono::milliseconds take_overdue();
   // Whether releases wait for the device's work.
   bool pending();
-  // Waits at most `most` until no release waits; true if none does.
-  bool wait_pending(std::chrono::milliseconds most);
   // Every ticket handed out and not yet released.
   std::vector<std::uint64_t> all_pending();
 
@@ -77,9 +80,9 @@ class WindowReleaser {
     std::uint64_t submitted = 0;
     bool stop = false, finished = false;
   };
-  // A job whose event records the context's work so far; with `synchronise` where that
-  // cannot be recorded. `ready` says whether that work has ended already.
-  Job make_job(const std::string& what, bool* ready);
+  // Gives `job` an event that records the context's work so far (none where that cannot be
+  // recorded: the thread synchronises the device). `ready`: that work has ended already.
+  void arm(Job& job, const std::string& what, bool* ready);
   std::uint64_t submit(Job job);
   static void serve(std::shared_ptr<Shared> shared, int device);
   static void release_job(Job& job, int device);
@@ -88,7 +91,7 @@ class WindowReleaser {
   std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
   std::thread thread_;
   std::uint64_t reported_ = 0;  // tickets up to this were reported overdue
-  bool stuck_ = false;
+  std::vector<std::uint64_t> given_up_;  // (under shared_->mutex)
 };
 
 }  // namespace meshmem::detail
