@@ -1,5 +1,6 @@
 #include "cuda/runtime/device_runtime.hpp"
 
+#include <algorithm>
 #include <atomic>
 
 #include "backoff.hpp"
@@ -213,7 +214,9 @@ void CudaDeviceRuntime::make_room(std::size_t bytes, const char* call) {
     }
   }
   if (free_bytes >= bytes) return;
-  const auto most = timeout_.count() == 0 ? std::chrono::milliseconds(std::chrono::hours(1)) : timeout_ / 2;
+  // wait() takes 0 for no bound: a timeout of 1 ms still waits a little, not for ever.
+  const auto most = timeout_.count() == 0 ? std::chrono::milliseconds(std::chrono::hours(1))
+                                          : std::max(timeout_ / 2, std::chrono::milliseconds(1));
   if (!releaser_.wait(releaser_.all_pending(), most))
     log(LogLevel::Warn, where(call) + ": " + std::to_string(bytes) + " bytes do not fit in the " +
                             std::to_string(free_bytes) + " free on this GPU, and windows freed earlier still wait for "
