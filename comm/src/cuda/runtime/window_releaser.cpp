@@ -219,12 +219,14 @@ void WindowReleaser::serve(std::shared_ptr<Shared> shared, int device) {
       continue;
     }
     lock.unlock();
-    std::vector<std::uint64_t> released;
-    for (auto it = mine.begin(); it != mine.end();) {
-      if (it->after != nullptr) {
-        const cudaError_t rc = cudaEventQuery(it->after->get());
+    // Every event first, then the releases: one whose detaching takes long does not leave
+    // another's ended work looking overdue meanwhile.
+    std::vector<Job> waiting_still, to_release;
+    for (Job& job : mine) {
+      if (job.after != nullptr) {
+        const cudaError_t rc = cudaEventQuery(job.after->get());
         if (rc == cudaErrorNotReady) {
-          ++it;
+          waiting_still.push_back(std::move(job));
           continue;
         }
         if (rc != cudaSuccess) {
@@ -232,18 +234,25 @@ void WindowReleaser::serve(std::shared_ptr<Shared> shared, int device) {
           log(LogLevel::Error, std::string("releasing window memory: cudaEventQuery: ") + cudaGetErrorString(rc) +
                                    "; unmapping anyway");
         }
-        // The waiting call may look at it meanwhile: its work is no longer overdue.
-        std::lock_guard<std::mutex> mark(shared->mutex);
-        shared->waiting[it->ticket].work_ended = true;
       }
-      release_job(*it, device);
-      released.push_back(it->ticket);
-      it = mine.erase(it);
+      to_release.push_back(std::move(job));  // without an event: its device synchronisation waits
+    }
+    mine = std::move(waiting_still);
+    if (!to_release.empty()) {
+      std::lock_guard<std::mutex> mark(shared->mutex);  // the waiting call may look meanwhile
+      for (const Job& job : to_release)
+        if (job.after != nullptr) shared->waiting[job.ticket].work_ended = true;
+    }
+    for (Job& job : to_release) {
+      release_job(job, device);
+      {
+        std::lock_guard<std::mutex> gone(shared->mutex);
+        shared->waiting.erase(job.ticket);
+      }
+      shared->done.notify_all();
     }
     lock.lock();
-    for (std::uint64_t t : released) shared->waiting.erase(t);
-    if (!released.empty()) {
-      shared->done.notify_all();
+    if (!to_release.empty()) {
       look = kFirstLook;
     } else if (!mine.empty()) {
       shared->wake.wait_for(lock, look, [&] { return !shared->jobs.empty(); });
