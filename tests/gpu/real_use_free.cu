@@ -7,6 +7,36 @@
 namespace real_use {
 namespace {
 
+// Bytes free on this GPU once every rank's window setup has ended (cudaMemGetInfo).
+std::size_t free_gpu_bytes() {
+  std::size_t free_bytes = 0, total = 0;
+  const cudaError_t rc = cudaMemGetInfo(&free_bytes, &total);
+  EXPECT_EQ(rc, cudaSuccess) << "cudaMemGetInfo: " << cudaGetErrorString(rc);
+  return free_bytes;
+}
+
+// A window of `bytes` whose setup has ended on every rank's GPU (free_gpu_bytes counts it).
+Window settled_window(Comm& comm, std::size_t bytes, cudaStream_t stream) {
+  Window w = comm.alloc(bytes);
+  comm.barrier(stream);
+  const cudaError_t rc = cudaStreamSynchronize(stream);
+  EXPECT_EQ(rc, cudaSuccess) << "cudaStreamSynchronize: " << cudaGetErrorString(rc);
+  MPI_Barrier(MPI_COMM_WORLD);
+  return w;
+}
+
+// Whether 90% of `bytes` more than `baseline` are free on this GPU within `seconds` (a freed
+// window's memory coming back); `*now` is the last figure seen.
+bool memory_comes_back(std::size_t baseline, std::size_t bytes, double seconds, std::size_t* now) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  do {
+    *now = free_gpu_bytes();
+    if (*now >= baseline + bytes * 9 / 10) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  } while (std::chrono::steady_clock::now() < end);
+  return false;
+}
+
 // Every rank's stream waits for a signal that its right neighbour sends only after its own
 // Window::free of an unrelated window: nothing is wrong with that program, so the free
 // returns without an error and without waiting for the GPU, and the window's memory is
@@ -18,12 +48,8 @@ TEST_F(RealUse, FreeBehindAPendingWaitReturnsAndReleasesLater) {
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   constexpr std::size_t kBytes = std::size_t(512) << 20;
   Signals sig = comm->alloc_signals(1);
-  Window data = comm->alloc(kBytes);
-  comm->barrier(s0);
-  CUDA_OK(cudaStreamSynchronize(s0));
-  MPI_Barrier(MPI_COMM_WORLD);
-  std::size_t free_with_window = 0, total = 0;
-  CUDA_OK(cudaMemGetInfo(&free_with_window, &total));
+  Window data = settled_window(*comm, kBytes, s0);
+  const std::size_t free_with_window = free_gpu_bytes();
   comm->wait_until(sig, 0, Cmp::GE, 1, s0);
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_NO_THROW(data.free());
@@ -37,13 +63,7 @@ TEST_F(RealUse, FreeBehindAPendingWaitReturnsAndReleasesLater) {
   CUDA_OK(cudaStreamSynchronize(s1));
   // The window's memory (this rank's part at least) comes back once the wait is over.
   std::size_t free_now = 0;
-  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  do {
-    CUDA_OK(cudaMemGetInfo(&free_now, &total));
-    if (free_now >= free_with_window + kBytes * 9 / 10) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  } while (std::chrono::steady_clock::now() < end);
-  EXPECT_GE(free_now, free_with_window + kBytes * 9 / 10)
+  EXPECT_TRUE(memory_comes_back(free_with_window, kBytes, 20, &free_now))
       << "the freed window's memory was not released after the stream's work ended: " << free_with_window
       << " bytes free with it, " << free_now << " now";
   comm->barrier(s0);
@@ -124,12 +144,8 @@ TEST_F(RealUse, ACaptureBegunRightAfterAFreeBehindRunningWorkSurvives) {
   constexpr std::size_t kBytes = std::size_t(256) << 20, kScratch = 1 << 20;
   void* scratch = nullptr;
   CUDA_OK(cudaMalloc(&scratch, kScratch));
-  Window data = comm->alloc(kBytes);
-  comm->barrier(s0);
-  CUDA_OK(cudaStreamSynchronize(s0));
-  MPI_Barrier(MPI_COMM_WORLD);
-  std::size_t free_with_window = 0, total = 0;
-  CUDA_OK(cudaMemGetInfo(&free_with_window, &total));
+  Window data = settled_window(*comm, kBytes, s0);
+  const std::size_t free_with_window = free_gpu_bytes();
   spin_kernel<<<1, 1, 0, s0>>>(nullptr, 700'000'000ull);  // 0.7 s
   CUDA_OK(cudaGetLastError());
   EXPECT_NO_THROW(data.free());
@@ -140,8 +156,7 @@ TEST_F(RealUse, ACaptureBegunRightAfterAFreeBehindRunningWorkSurvives) {
   CUDA_OK(cudaMemsetAsync(scratch, pattern, kScratch, s1));
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the kernel ends, the release runs
   const cudaError_t ended = cudaStreamEndCapture(s1, &graph);
-  std::size_t free_at_end = 0;
-  CUDA_OK(cudaMemGetInfo(&free_at_end, &total));
+  const std::size_t free_at_end = free_gpu_bytes();
   EXPECT_EQ(ended, cudaSuccess) << "the capture begun after the free ended with " << cudaGetErrorString(ended);
   EXPECT_GE(free_at_end, free_with_window + kBytes * 9 / 10)
       << "the window's memory was not released while the capture was open (test premise): " << free_with_window
@@ -185,8 +200,7 @@ TEST_F(RealUse, AnAllocationAfterAFreeBehindRunningWorkGetsItsMemory) {
   comm->barrier(s0);
   CUDA_OK(cudaStreamSynchronize(s0));
   MPI_Barrier(MPI_COMM_WORLD);
-  std::size_t free_bytes = 0, total = 0;
-  CUDA_OK(cudaMemGetInfo(&free_bytes, &total));
+  const std::size_t free_bytes = free_gpu_bytes();
   MPI_Barrier(MPI_COMM_WORLD);  // every rank has looked before any fills
   const std::size_t room = static_cast<std::size_t>((sharing + 0.5) * static_cast<double>(kBytes));
   int enough = free_bytes > room + (std::size_t(1) << 30) ? 1 : 0;
@@ -247,12 +261,8 @@ TEST_F(RealUse, AFreeWhileAGraphCaptureIsOpenIsBoundedAndReleasesAfterIt) {
   constexpr std::size_t kBytes = std::size_t(256) << 20, kScratch = 1 << 20;
   void* scratch = nullptr;
   CUDA_OK(cudaMalloc(&scratch, kScratch));
-  Window data = comm->alloc(kBytes);
-  comm->barrier(s0);
-  CUDA_OK(cudaStreamSynchronize(s0));
-  MPI_Barrier(MPI_COMM_WORLD);
-  std::size_t free_with_window = 0, total = 0;
-  CUDA_OK(cudaMemGetInfo(&free_with_window, &total));
+  Window data = settled_window(*comm, kBytes, s0);
+  const std::size_t free_with_window = free_gpu_bytes();
   cudaGraph_t graph = nullptr;
   CUDA_OK(cudaStreamBeginCapture(s1, cudaStreamCaptureModeThreadLocal));
   CUDA_OK(cudaMemsetAsync(scratch, 0x5a, kScratch, s1));
@@ -272,13 +282,7 @@ TEST_F(RealUse, AFreeWhileAGraphCaptureIsOpenIsBoundedAndReleasesAfterIt) {
   if (graph != nullptr) CUDA_OK(cudaGraphDestroy(graph));
   (void)cudaGetLastError();
   std::size_t free_now = 0;
-  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  do {
-    CUDA_OK(cudaMemGetInfo(&free_now, &total));
-    if (free_now >= free_with_window + kBytes * 9 / 10) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  } while (std::chrono::steady_clock::now() < end);
-  EXPECT_GE(free_now, free_with_window + kBytes * 9 / 10)
+  EXPECT_TRUE(memory_comes_back(free_with_window, kBytes, 10, &free_now))
       << "the window freed during a capture was not released once the capture ended: " << free_with_window
       << " bytes free with it, " << free_now << " now";
   CUDA_OK(cudaFree(scratch));
