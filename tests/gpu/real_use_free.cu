@@ -293,5 +293,62 @@ TEST_F(RealUse, AFreeWhileAGraphCaptureIsOpenIsBoundedAndReleasesAfterIt) {
   EXPECT_LT(seconds_since(t1), 5.0) << "a barrier and ~Comm after the capture had ended";
 }
 
+// Staged forced: rank 0 frees a window behind a 0.5 s kernel, and the other ranks, their free
+// done, put into another window of rank 0 without pause for 3 s, which rank 0's agent
+// carries in. Rank 0's release, once the kernel ended, waits only for the staged transfers
+// handed over before it, not for that traffic (before: for an idle agent, until the traffic
+// stopped). Every byte of the traffic's last puts is checked.
+TEST_F(RealUse, AReleaseBesideOtherWindowsStagedTrafficDoesNotWaitForIt) {
+  const std::string why = staged_cannot_be_forced();
+  if (!why.empty()) GTEST_SKIP() << why;
+  ScopedEnv transports("MESHMEM_TRANSPORTS", "staged,shm,mpi");
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "20");
+  make_comm();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  if (!rank0_reaches_through_staged({1})) GTEST_SKIP() << "rank 1 is not reached through the staged transport";
+  constexpr std::size_t kFreed = std::size_t(256) << 20, kPut = std::size_t(8) << 20;
+  Window busy = comm->alloc(static_cast<std::size_t>(n) * kPut);
+  CUDA_OK(fill_now(busy.local(), kPoison, static_cast<std::size_t>(n) * kPut));
+  const auto mine = pattern(seed, key(55, me, 0), kPut);
+  DeviceBuffer src(kPut);
+  CUDA_OK(upload(src.p, mine.data(), kPut));
+  Window data = settled_window(*comm, kFreed, s0);
+  const std::size_t free_with_window = free_gpu_bytes();
+  if (me == 0) {
+    spin_kernel<<<1, 1, 0, s0>>>(nullptr, 500'000'000ull);  // 0.5 s
+    CUDA_OK(cudaGetLastError());
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_NO_THROW(data.free());
+  if (me == 0) {
+    EXPECT_EQ(cudaStreamQuery(s0), cudaErrorNotReady) << "the kernel ended before the free returned (test premise)";
+    std::size_t free_now = 0;
+    EXPECT_TRUE(memory_comes_back(free_with_window, kFreed, 2.0, &free_now))
+        << "the window's memory was not released within 1.5 s of the kernel's end while other ranks' staged "
+           "transfers into another window went on: "
+        << free_with_window << " bytes free with it, " << free_now << " after " << seconds_since(t0) << " s";
+  } else {
+    int k = 0;
+    while (seconds_since(t0) < 3.0) {
+      cudaStream_t s = k % 2 ? s1 : s0;
+      comm->put(busy, 0, static_cast<std::size_t>(me) * kPut, src.p, kPut, s);
+      if (++k % 4 == 0) CUDA_OK(cudaStreamSynchronize(s));
+    }
+    CUDA_OK(cudaStreamSynchronize(s0));
+    CUDA_OK(cudaStreamSynchronize(s1));
+  }
+  EXPECT_TRUE(finishes(s0, 30));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  if (me == 0)
+    for (int r = 1; r < n; ++r) {
+      const auto want = pattern(seed, key(55, r, 0), kPut);
+      const auto got = to_host(static_cast<const char*>(busy.local()) + static_cast<std::size_t>(r) * kPut, kPut);
+      EXPECT_EQ(first_difference(got.data(), want.data(), kPut), -1) << "rank " << r << "'s last put into rank 0";
+    }
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+}
+
 }  // namespace
 }  // namespace real_use

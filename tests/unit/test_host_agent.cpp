@@ -280,12 +280,12 @@ TEST(HostAgentCore, WaitUntilEndedCountsEndsAndOutsideWorkAndSeesAStop) {
   std::vector<std::uint64_t> words(2, 0);
   Core core(words.data(), words.size(), kShort);
   EXPECT_EQ(core.wait_until_ended(Clock::now()), Core::Ended::All);
-  core.submit(FakeRequest{0, 0, 0});
+  const std::uint64_t first = core.submit(FakeRequest{0, 0, 0});
   core.add_outside_work();
   EXPECT_EQ(core.wait_until_ended(Clock::now() + kShort), Core::Ended::TimedOut);
   std::thread ender([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    core.count_ended();
+    core.count_ended(first);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     core.outside_work_ended();
   });
@@ -339,4 +339,42 @@ TEST(HostAgentCore, WaitForRequestsWakesOnASubmitAStopAWakeAndIsBounded) {
             std::chrono::seconds(5));
   flag = false;
   EXPECT_LT(waits_until([&] { core.request_stop(); }), std::chrono::seconds(5));
+}
+
+// A freed window's drain waits for the transfers handed over before it (tickets up to its
+// mark), in whatever order they end, and not for those handed over later, which another
+// thread may keep coming: wait_through.
+TEST(HostAgentCore, WaitThroughWaitsForTicketsUpToTheMarkOnly) {
+  using Clock = meshmem::ipc::AwakeClock;
+  std::vector<std::uint64_t> words(8, 0);
+  Core core(words.data(), words.size(), kShort, 2);  // the staging agent's ticket step
+  EXPECT_EQ(core.last_ticket(), 0u);
+  EXPECT_EQ(core.wait_through(0, Clock::now()), Core::Ended::All) << "nothing handed over";
+  const std::uint64_t a = core.submit(FakeRequest{0, 0, 0});
+  const std::uint64_t b = core.submit(FakeRequest{1, 0, 0});
+  const std::uint64_t mark = core.last_ticket();
+  EXPECT_EQ(mark, b);
+  const std::uint64_t later = core.submit(FakeRequest{2, 0, 0});
+  EXPECT_GT(later, mark);
+  // Out of order: the later transfer and b end, a does not: not through the mark.
+  core.count_ended(later);
+  core.end(1, b);
+  EXPECT_EQ(core.wait_through(mark, Clock::now() + kShort), Core::Ended::TimedOut)
+      << "a transfer before the mark has not ended";
+  EXPECT_EQ(core.wait_through(a - 1, Clock::now()), Core::Ended::All) << "nothing up to a ticket before a";
+  std::thread ender([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    core.count_ended(a);
+  });
+  const auto t0 = Clock::now();
+  EXPECT_EQ(core.wait_through(mark, Clock::now() + std::chrono::seconds(5)), Core::Ended::All);
+  EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(15)) << "returned before a ended";
+  ender.join();
+  // Transfers handed over after the mark and still running do not hold it.
+  (void)core.submit(FakeRequest{3, 0, 0});
+  (void)core.submit(FakeRequest{4, 0, 0});
+  EXPECT_EQ(core.wait_through(mark, Clock::now()), Core::Ended::All);
+  EXPECT_EQ(core.wait_through(core.last_ticket(), Clock::now() + kShort), Core::Ended::TimedOut);
+  core.request_stop();
+  EXPECT_EQ(core.wait_through(core.last_ticket(), Clock::now() + std::chrono::seconds(5)), Core::Ended::Stopping);
 }

@@ -19,6 +19,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -110,6 +111,7 @@ class HostAgentCore {
   std::uint64_t submit(Request r, Numbered numbered) {
     std::lock_guard<std::mutex> lock(m_);
     r.ticket = ticket_step_ * ++submitted_;
+    open_.insert(r.ticket);
     numbered(static_cast<const Request&>(r));
     const auto graph = graph_words_.find(r.word);
     if (graph != graph_words_.end()) ++graph->second.in_flight;
@@ -135,7 +137,22 @@ class HostAgentCore {
       backoff.pause();
     }
   }
+  // The ticket of the last transfer submitted (0: none yet).
+  std::uint64_t last_ticket() {
+    std::lock_guard<std::mutex> lock(m_);
+    return ticket_step_ * submitted_;
+  }
   enum class Ended { All, Stopping, TimedOut };
+  // Waits until every transfer whose ticket is `mark` or less was counted ended (those
+  // submitted later, or ending out of order, do not hold it), a stop was asked, or `deadline`
+  // passed.
+  Ended wait_through(std::uint64_t mark, ipc::AwakeClock::time_point deadline) {
+    std::unique_lock<std::mutex> lock(m_);
+    const auto through = [&] { return open_.empty() || *open_.begin() > mark; };
+    const bool met = cv_.wait_until(lock, deadline, [&] { return through() || stop_; });
+    if (!met) return Ended::TimedOut;
+    return through() ? Ended::All : Ended::Stopping;
+  }
   // Waits until every transfer submitted was counted ended (end, count_ended) and no outside
   // work is left, a stop was asked, or `deadline` passed.
   Ended wait_until_ended(ipc::AwakeClock::time_point deadline) {
@@ -216,14 +233,16 @@ class HostAgentCore {
       free_words_.push_back(w);
     }
     ++ended_;
+    open_.erase(ticket);
     cv_.notify_all();
   }
-  // A transfer left the thread's hands without end() (its word goes back by return_when, or
-  // was given back already): drain counts it.
-  void count_ended() {
+  // Transfer `ticket` left the thread's hands without end() (its word goes back by
+  // return_when, or was given back already): drain and wait_through count it.
+  void count_ended(std::uint64_t ticket) {
     {
       std::lock_guard<std::mutex> lock(m_);
       ++ended_;
+      open_.erase(ticket);
     }
     cv_.notify_all();
   }
@@ -326,6 +345,7 @@ class HostAgentCore {
   std::vector<PendingReturn> pending_returns_;     // lent words the GPU or a peer ends, in lending order
   std::uint64_t submitted_ = 0;
   std::uint64_t ended_ = 0;
+  std::set<std::uint64_t> open_;  // tickets submitted and not yet counted ended
   std::uint64_t outside_work_ = 0;
   std::string error_;
   ErrorCode error_code_ = ErrorCode::Cuda;

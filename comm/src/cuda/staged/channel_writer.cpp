@@ -84,9 +84,10 @@ bool ChannelWriter::pump() {
       any = any || moved || left;
       if (!left) break;
       const bool answer = o.answer;
+      const std::uint64_t ticket = o.ticket;
       queue.pop_front();
       if (!queue.empty()) queue.front().moved = ipc::AwakeClock::now();  // its turn starts now
-      agent_.ended(answer);
+      agent_.ended(answer, ticket);
     }
   }
   return any;

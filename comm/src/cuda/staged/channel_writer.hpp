@@ -48,8 +48,9 @@ class ChannelWriter {
     // This rank's transfer with done word `word` and `ticket` left its queue (posted in full,
     // or abandoned) and its stream waits with a memory wait: end_overdue's clock starts.
     std::function<void(std::size_t word, std::uint64_t ticket)> posted_in_full;
-    // A transfer left the agent's hands (`answer`: the answer to a peer's get).
-    std::function<void(bool answer)> ended;
+    // Transfer `ticket` left the agent's hands (`answer`: the answer to a peer's get, whose
+    // ticket is the peer's).
+    std::function<void(bool answer, std::uint64_t ticket)> ended;
   };
   explicit ChannelWriter(Agent agent);
 

@@ -73,7 +73,7 @@ ChannelWriter::Agent StagingAgent::writer_links() {
   a.peers = &hidden_peers_;
   a.keep_error = [this](const std::string& message, ErrorCode code) { keep_error(message, code); };
   a.posted_in_full = [this](std::size_t word, std::uint64_t ticket) { mark_posted(word, ticket); };
-  a.ended = [this](bool answer) { ended(answer); };
+  a.ended = [this](bool answer, std::uint64_t ticket) { ended(answer, ticket); };
   return a;
 }
 
@@ -89,7 +89,7 @@ VisibleCopier::Agent StagingAgent::copier_links() {
     if (r.word_is_lent)
       core_.return_when(r.word, site_.control.lane_done(to.ordinal), to.ended, r.ticket, Core::Return::Always);
   };
-  a.ended = [this] { ended(false); };
+  a.ended = [this](std::uint64_t ticket) { ended(false, ticket); };
   return a;
 }
 
@@ -308,6 +308,54 @@ bool StagingAgent::drain() noexcept {
   return reader_.stream() == nullptr || idle(reader_.stream(), site_.device);
 }
 
+bool StagingAgent::drain_through(std::uint64_t mark) noexcept {
+  const auto deadline = Clock::now() + (site_.timeout.count() == 0 ? std::chrono::hours(24 * 365) : site_.timeout);
+  if (core_.wait_through(mark, deadline) == Core::Ended::TimedOut) return false;
+  // What those transfers enqueued is behind an event on each stream; later copies are not.
+  std::vector<std::pair<cudaEvent_t, int>> marks;
+  bool ok = true;
+  auto mark_stream = [&](cudaStream_t stream, int device) {
+    CurrentDevice current(device);
+    cudaEvent_t e = nullptr;
+    if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess || cudaEventRecord(e, stream) != cudaSuccess) {
+      (void)cudaGetLastError();
+      if (e != nullptr) (void)cudaEventDestroy(e);
+      ok = false;  // cannot tell: not drained
+      return;
+    }
+    marks.emplace_back(e, device);
+  };
+  for (auto& [d, lane] : lanes_) mark_stream(lane.stream, d);
+  if (reader_.stream() != nullptr) mark_stream(reader_.stream(), site_.device);
+  Backoff backoff;
+  for (auto& [e, device] : marks) {
+    CurrentDevice current(device);
+    while (ok && cudaEventQuery(e) == cudaErrorNotReady) {
+      if (Clock::now() > deadline) {
+        ok = false;
+        break;
+      }
+      backoff.pause();
+    }
+    (void)cudaGetLastError();
+    (void)cudaEventDestroy(e);
+  }
+  // This rank's transfers up to the mark that hidden peers end (a get's answer of this rank
+  // carries the peer's ticket: remove_window waits for those of the window).
+  auto own_pending = [&] {
+    std::lock_guard<std::mutex> lock(remote_.m);
+    remote_.drop_ended();
+    for (const RemoteEnd& e : remote_.list)
+      if (e.writer != site_.rank && e.ticket <= mark) return true;
+    return false;
+  };
+  while (ok && own_pending()) {
+    if (Clock::now() > deadline) return false;
+    backoff.pause();
+  }
+  return ok;
+}
+
 bool StagingAgent::remote_ends_pending() {
   std::lock_guard<std::mutex> lock(remote_.m);
   remote_.drop_ended();
@@ -426,7 +474,7 @@ void StagingAgent::give_up_if_context_failed(ReadyQueue<StagedRequest>& waiting)
   std::size_t n = 0;
   waiting.take_all([&](const StagedRequest& r) {
     end_unstarted(r);
-    ended(false);
+    ended(false, r.ticket);
     ++n;
   });
   log(LogLevel::Error, message + "; " + std::to_string(n) + " transfer(s) ended unstarted");
@@ -443,7 +491,7 @@ bool StagingAgent::start_ready(ReadyQueue<StagedRequest>& waiting) {
     trace_.record('R', r.peer, r.ticket);
     if (r.ready != nullptr && withdrawn_.count.load(std::memory_order_acquire) != 0 && take_withdrawn(r.ticket)) {
       end_unstarted(r);  // its caller raised the error already
-      ended(false);
+      ended(false, r.ticket);
       return;
     }
     execute(r);
@@ -459,11 +507,11 @@ bool StagingAgent::take_withdrawn(std::uint64_t ticket) {
   return true;
 }
 
-void StagingAgent::ended(bool answer) {
+void StagingAgent::ended(bool answer, std::uint64_t ticket) {
   if (answer)
     core_.outside_work_ended();
   else
-    core_.count_ended();
+    core_.count_ended(ticket);
 }
 
 // A transfer that could not be enqueued: the error goes to the caller's next call, and its

@@ -154,6 +154,13 @@ class StagingAgent {
   // idle and transfers to and from hidden peers ended; bounded by MESHMEM_TIMEOUT (0: no
   // bound, as everywhere); false if not.
   bool drain() noexcept;
+  // The last transfer handed over so far (drain_through's mark).
+  std::uint64_t last_ticket() { return core_.last_ticket(); }
+  // drain() for the transfers up to ticket `mark` only: each left the agent's hands, the
+  // copies enqueued on the lanes and the reader's stream before then ended, and those of them
+  // that hidden peers end have ended. Transfers handed over later do not hold it (a freed
+  // window's release beside another thread's traffic); bounded the same way.
+  bool drain_through(std::uint64_t mark) noexcept;
 
  private:
   using Clock = ipc::AwakeClock;  // a whole job suspended and resumed stalls no transfer
@@ -189,7 +196,9 @@ class StagingAgent {
   std::string describe_state(std::size_t waiting) const;
   // Writes the posted counts (and the reader's consumed ones) whose copies are done; true if any.
   bool write_counts_after_copies();
-  void ended(bool answer);  // a transfer left the agent's hands (enqueued to its end, or failed)
+  // Transfer `ticket` left the agent's hands (enqueued to its end, or failed); `answer`: the
+  // answer to a peer's get (outside work, the peer's ticket).
+  void ended(bool answer, std::uint64_t ticket);
   static StagingSite site_of(Setup& setup);
   ChannelReader::Agent reader_links();  // what reader_ reaches of this agent
   ChannelWriter::Agent writer_links();

@@ -85,9 +85,10 @@ class StagedAttachment final : public WindowAttachment {
       : agent(std::move(a)), stream_path(std::move(p)), window(id) {}
   ~StagedAttachment() override {
     // Hidden peers' chunks (and answers to their gets) stop being enqueued for this window,
-    // then no queued or running copy may touch a mapping or the window once it is gone.
+    // then no queued or running copy may touch a mapping or the window once it is gone: this
+    // rank's transfers handed over before now (later ones cannot name a freed window).
     agent->remove_window(window);
-    const bool agent_drained = agent->drain();
+    const bool agent_drained = agent->drain_through(agent->last_ticket());
     if (!agent_drained || (stream_path && !stream_path->drain()))
       log(LogLevel::Error, "staged transport: transfers still running when a window was freed; its mappings of "
                            "peers' memory are released anyway");

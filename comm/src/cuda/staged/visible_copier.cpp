@@ -71,9 +71,10 @@ bool VisibleCopier::pump() {
     }
     any = any || moved || left;
     if (!left) break;
+    const std::uint64_t ticket = r.ticket;
     transfers_.pop_front();
     if (!transfers_.empty()) transfers_.front().moved = ipc::AwakeClock::now();  // its turn starts now
-    agent_.ended();
+    agent_.ended(ticket);
   }
   return any;
 }

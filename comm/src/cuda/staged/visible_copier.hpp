@@ -37,8 +37,8 @@ class VisibleCopier {
     // Its end is enqueued on `lane` (the lane's goal moves on; a lent word goes back once the
     // lane's counter passes it).
     std::function<void(StagingLane& lane, const StagedRequest&)> end_enqueued;
-    // A transfer left the agent's hands.
-    std::function<void()> ended;
+    // Transfer `ticket` left the agent's hands.
+    std::function<void(std::uint64_t ticket)> ended;
   };
   explicit VisibleCopier(Agent agent) : agent_(std::move(agent)), site_(*agent_.site) {}
 
