@@ -28,6 +28,10 @@ class WindowAttachment {
   // transport whose given-up requests may still read or write the window's memory keeps
   // `memory` (shared) until they end. Detaching itself stays the destructor's.
   virtual void releasing(const std::shared_ptr<WindowMemory>& memory) { (void)memory; }
+  // The window is freed (its ranks have met) and this attachment goes later, once the
+  // device's work issued before now has ended (WindowReleaser): what it waits for then is
+  // what was handed over before now.
+  virtual void freed() {}
 };
 
 struct WindowState {

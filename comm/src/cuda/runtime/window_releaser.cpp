@@ -69,6 +69,7 @@ std::uint64_t WindowReleaser::hand_over(WindowState& state, const std::string& w
   bool ready = false;
   Job job;
   job.attachments = std::move(state.attachments);  // first: nothing below leaves them to ~WindowState
+  for (auto& attachment : job.attachments) attachment->freed();
   job.storage = std::move(state.storage);
   state.release_memory();  // the rest: the peer table, pointers
   *must_wait = false;

@@ -340,13 +340,13 @@ bool StagingAgent::drain_through(std::uint64_t mark) noexcept {
     (void)cudaGetLastError();
     (void)cudaEventDestroy(e);
   }
-  // This rank's transfers up to the mark that hidden peers end (a get's answer of this rank
-  // carries the peer's ticket: remove_window waits for those of the window).
+  // This rank's transfers up to the mark that hidden peers end: its puts, and its gets from
+  // them, whose answers land in this rank's memory.
   auto own_pending = [&] {
     std::lock_guard<std::mutex> lock(remote_.m);
     remote_.drop_ended();
     for (const RemoteEnd& e : remote_.list)
-      if (e.writer != site_.rank && e.ticket <= mark) return true;
+      if (e.ticket <= mark) return true;
     return false;
   };
   while (ok && own_pending()) {

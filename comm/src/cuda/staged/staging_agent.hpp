@@ -158,8 +158,9 @@ class StagingAgent {
   std::uint64_t last_ticket() { return core_.last_ticket(); }
   // drain() for the transfers up to ticket `mark` only: each left the agent's hands, the
   // copies enqueued on the lanes and the reader's stream before then ended, and those of them
-  // that hidden peers end have ended. Transfers handed over later do not hold it (a freed
-  // window's release beside another thread's traffic); bounded the same way.
+  // that hidden peers end (puts, and gets whose answers land here) have ended. Transfers
+  // handed over later do not hold it (a freed window's release, run once the device's work
+  // before the free has ended, beside the rank's later traffic); bounded the same way.
   bool drain_through(std::uint64_t mark) noexcept;
 
  private:

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <iterator>
 #include <mutex>
+#include <optional>
 
 #include "backoff.hpp"
 #include "bootstrap.hpp"
@@ -83,12 +84,14 @@ class StagedAttachment final : public WindowAttachment {
  public:
   StagedAttachment(std::shared_ptr<StagingAgent> a, std::shared_ptr<StreamPath> p, std::uint64_t id)
       : agent(std::move(a)), stream_path(std::move(p)), window(id) {}
+  // This rank's transfers handed over up to the free: later ones cannot name the window.
+  void freed() override { freed_at = agent->last_ticket(); }
   ~StagedAttachment() override {
     // Hidden peers' chunks (and answers to their gets) stop being enqueued for this window,
-    // then no queued or running copy may touch a mapping or the window once it is gone: this
-    // rank's transfers handed over before now (later ones cannot name a freed window).
+    // then no queued or running copy of this rank's transfers before the free may touch a
+    // mapping or the window once it is gone.
     agent->remove_window(window);
-    const bool agent_drained = agent->drain_through(agent->last_ticket());
+    const bool agent_drained = agent->drain_through(freed_at.value_or(agent->last_ticket()));
     if (!agent_drained || (stream_path && !stream_path->drain()))
       log(LogLevel::Error, "staged transport: transfers still running when a window was freed; its mappings of "
                            "peers' memory are released anyway");
@@ -96,6 +99,7 @@ class StagedAttachment final : public WindowAttachment {
   std::shared_ptr<StagingAgent> agent;
   std::shared_ptr<StreamPath> stream_path;
   std::uint64_t window;
+  std::optional<std::uint64_t> freed_at;  // the agent's last ticket at the free
   std::vector<ipc::PeerMapping> parts;  // by rank
 };
 
