@@ -25,6 +25,42 @@ bool stream_ends_by(cudaStream_t stream, const Deadline& deadline, const char* c
   return true;
 }
 
+StreamMarks::~StreamMarks() {
+  for (auto& [event, device] : events_) {
+    CurrentDevice current(device);
+    (void)cudaEventDestroy(event);
+  }
+}
+
+void StreamMarks::add(cudaStream_t stream, int device) {
+  CurrentDevice current(device);
+  cudaEvent_t e = nullptr;
+  if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess || cudaEventRecord(e, stream) != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (e != nullptr) (void)cudaEventDestroy(e);
+    all_marked_ = false;
+    return;
+  }
+  events_.emplace_back(e, device);
+}
+
+bool StreamMarks::ended_by(const Deadline& deadline) {
+  Backoff backoff;
+  bool ended = all_marked_;
+  for (auto& [event, device] : events_) {
+    CurrentDevice current(device);
+    while (cudaEventQuery(event) == cudaErrorNotReady) {
+      if (deadline.expired()) {
+        (void)cudaGetLastError();
+        return false;
+      }
+      backoff.pause();
+    }
+    (void)cudaGetLastError();  // an error of the device's: its work is over either way
+  }
+  return ended;
+}
+
 OwnedStream::OwnedStream(const std::string& what) {
   ipc::check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", what);
 }

@@ -5,6 +5,8 @@
 #include <cuda_runtime_api.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace meshmem::detail {
 
@@ -36,6 +38,25 @@ class OwnedStream {
 
  private:
   cudaStream_t stream_ = nullptr;
+};
+
+// Events recorded on streams, each with its stream's device current: whether the work each
+// stream held when it was marked has ended, whatever is enqueued after. Owns the events.
+class StreamMarks {
+ public:
+  StreamMarks() = default;
+  StreamMarks(const StreamMarks&) = delete;
+  StreamMarks& operator=(const StreamMarks&) = delete;
+  ~StreamMarks();
+  // Marks the work on `stream` so far; where no event can be made or recorded, ended_by says no.
+  void add(cudaStream_t stream, int device);
+  // Whether every marked piece of work ended before `deadline` (polled with a backoff; each
+  // event is waited for, an unmarked stream or a deadline that passed makes it false).
+  bool ended_by(const Deadline& deadline);
+
+ private:
+  std::vector<std::pair<cudaEvent_t, int>> events_;  // with the device to make current
+  bool all_marked_ = true;
 };
 
 // An event for ordering only (no timing), destroyed with the object.

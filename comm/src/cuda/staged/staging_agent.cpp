@@ -227,40 +227,15 @@ void StagingAgent::remove_window(std::uint64_t id) {
   // Chunks from hidden peers (incoming stream) and answers to their gets (this GPU's lane) are
   // enqueued under this lock: none is being enqueued into or from the window now, and none
   // will be. What was enqueued before is behind an event on each of those streams.
-  std::vector<cudaEvent_t> enqueued;
+  StreamMarks enqueued;
   {
     const auto lock = windows_.lock();
     windows_.erase_locked(id);
     if (reader_.stream() == nullptr) return;
-    CurrentDevice current(site_.device);
-    for (cudaStream_t stream : {reader_.stream(), lanes_.at(site_.device).stream}) {
-      cudaEvent_t e = nullptr;
-      if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess || cudaEventRecord(e, stream) != cudaSuccess) {
-        (void)cudaGetLastError();
-        if (e) (void)cudaEventDestroy(e);
-        e = nullptr;
-      }
-      enqueued.push_back(e);
-    }
+    for (cudaStream_t stream : {reader_.stream(), lanes_.at(site_.device).stream}) enqueued.add(stream, site_.device);
   }
   // Those copies end before the window's memory goes (bounded), whatever else is in flight.
-  Deadline deadline(site_.timeout);
-  Backoff backoff;
-  bool ended = true;
-  for (cudaEvent_t e : enqueued) {
-    if (e == nullptr) ended = false;
-    while (ended && e != nullptr && cudaEventQuery(e) == cudaErrorNotReady) {
-      if (deadline.expired()) {
-        ended = false;
-        break;
-      }
-      backoff.pause();
-    }
-  }
-  (void)cudaGetLastError();
-  for (cudaEvent_t e : enqueued)
-    if (e) (void)cudaEventDestroy(e);
-  if (!ended)
+  if (!enqueued.ended_by(Deadline(site_.timeout)))
     log(LogLevel::Error, "staged transport on rank " + std::to_string(site_.rank) + ": copies between hidden peers and window #" +
                              std::to_string(id) + " did not end before it was freed");
 }
@@ -309,57 +284,28 @@ bool StagingAgent::drain() noexcept {
 }
 
 bool StagingAgent::drain_through(std::uint64_t mark) noexcept {
-  const auto deadline = Clock::now() + (site_.timeout.count() == 0 ? std::chrono::hours(24 * 365) : site_.timeout);
-  if (core_.wait_through(mark, deadline) == Core::Ended::TimedOut) return false;
+  const Deadline deadline(site_.timeout);
+  const auto until = Clock::now() + (site_.timeout.count() == 0 ? std::chrono::hours(24 * 365) : site_.timeout);
+  if (core_.wait_through(mark, until) == Core::Ended::TimedOut) return false;
   // What those transfers enqueued is behind an event on each stream; later copies are not.
-  std::vector<std::pair<cudaEvent_t, int>> marks;
-  bool ok = true;
-  auto mark_stream = [&](cudaStream_t stream, int device) {
-    CurrentDevice current(device);
-    cudaEvent_t e = nullptr;
-    if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess || cudaEventRecord(e, stream) != cudaSuccess) {
-      (void)cudaGetLastError();
-      if (e != nullptr) (void)cudaEventDestroy(e);
-      ok = false;  // cannot tell: not drained
-      return;
-    }
-    marks.emplace_back(e, device);
-  };
-  for (auto& [d, lane] : lanes_) mark_stream(lane.stream, d);
-  if (reader_.stream() != nullptr) mark_stream(reader_.stream(), site_.device);
+  StreamMarks enqueued;
+  for (auto& [d, lane] : lanes_) enqueued.add(lane.stream, d);
+  if (reader_.stream() != nullptr) enqueued.add(reader_.stream(), site_.device);
+  if (!enqueued.ended_by(deadline)) return false;
+  // Those that hidden peers end: this rank's puts, and its gets from them, whose answers land
+  // in this rank's memory.
   Backoff backoff;
-  for (auto& [e, device] : marks) {
-    CurrentDevice current(device);
-    while (ok && cudaEventQuery(e) == cudaErrorNotReady) {
-      if (Clock::now() > deadline) {
-        ok = false;
-        break;
-      }
-      backoff.pause();
-    }
-    (void)cudaGetLastError();
-    (void)cudaEventDestroy(e);
-  }
-  // This rank's transfers up to the mark that hidden peers end: its puts, and its gets from
-  // them, whose answers land in this rank's memory.
-  auto own_pending = [&] {
-    std::lock_guard<std::mutex> lock(remote_.m);
-    remote_.drop_ended();
-    for (const RemoteEnd& e : remote_.list)
-      if (e.ticket <= mark) return true;
-    return false;
-  };
-  while (ok && own_pending()) {
-    if (Clock::now() > deadline) return false;
+  while (remote_ends_pending(mark)) {
+    if (deadline.expired()) return false;
     backoff.pause();
   }
-  return ok;
+  return true;
 }
 
-bool StagingAgent::remote_ends_pending() {
+bool StagingAgent::remote_ends_pending(std::uint64_t through) {
   std::lock_guard<std::mutex> lock(remote_.m);
   remote_.drop_ended();
-  return !remote_.list.empty();
+  return std::any_of(remote_.list.begin(), remote_.list.end(), [&](const RemoteEnd& e) { return e.ticket <= through; });
 }
 
 void StagingAgent::run() {

@@ -191,8 +191,9 @@ class StagingAgent {
   // (StagedRequest::ends_at_timeout) that their live reader has not ended MESHMEM_TIMEOUT
   // after they were posted in full are ended here.
   void end_overdue();
-  // Whether a transfer a hidden peer (or this rank's answer to a get) is to end has not ended.
-  bool remote_ends_pending();
+  // Whether a transfer a hidden peer (or this rank's answer to a get) is to end, of ticket
+  // `through` or less, has not ended.
+  bool remote_ends_pending(std::uint64_t through = UINT64_MAX);
   // What the agent holds and how far it got, for pulse_ (every ~100 ms, from its thread).
   std::string describe_state(std::size_t waiting) const;
   // Writes the posted counts (and the reader's consumed ones) whose copies are done; true if any.
