@@ -158,10 +158,14 @@ std::unique_ptr<DeviceHaloPlan> CudaDeviceRuntime::make_halo_plan(const DeviceHa
 
 void CudaDeviceRuntime::retire(WindowState& state, const char* call) {
   const std::chrono::milliseconds overdue = releaser_.take_overdue();  // before this free's own
-  bool must_wait = false;
-  const std::uint64_t ticket = releaser_.hand_over(state, where(call), &must_wait);
-  if (must_wait && !releaser_.wait({ticket}, timeout_)) {
-    releaser_.give_up({ticket});
+  const WindowReleaser::Handed handed = releaser_.hand_over(state, where(call));
+  if (handed.then == WindowReleaser::Then::CaptureRefused)
+    throw Error(ErrorCode::Unsupported,
+                where(call) + ": a graph capture is open on GPU " + std::to_string(gpu_.device()) +
+                    " (CUDA refused the context event cuCtxRecordEvent and invalidated that capture; free windows "
+                    "outside graph captures); the window is freed, and its memory is released once the capture ends");
+  if (handed.then == WindowReleaser::Then::Wait && !releaser_.wait({handed.ticket}, timeout_)) {
+    releaser_.give_up({handed.ticket});
     throw Error(ErrorCode::Timeout,
                 where(call) + ": work issued on this GPU before the free has not finished (or a graph capture on this GPU is still open) after " + describe_timeout(timeout_) +
                     " (a stream waiting for a signal or a barrier that never comes?); the window's memory is released "
@@ -179,10 +183,7 @@ void CudaDeviceRuntime::retire_all(const std::vector<WindowState*>& states, cons
   // No DeviceScope: a fault it would raise must not keep the releases from their wait.
   CurrentDevice on(gpu_.device());
   try {
-    for (WindowState* s : states) {
-      bool must_wait = false;
-      (void)releaser_.hand_over(*s, where(call), &must_wait);
-    }
+    for (WindowState* s : states) (void)releaser_.hand_over(*s, where(call));
   } catch (const std::exception& e) {
     log(LogLevel::Error, where(call) + ": " + e.what());
   }

@@ -19,37 +19,55 @@ namespace {
 // How often the thread looks at events not yet ready: a release a little late costs nothing,
 // a busy thread beside the user's would.
 constexpr std::chrono::microseconds kFirstLook{50}, kSlowestLook{2000};
+
+bool capture_refused(CUresult rc) {
+  switch (rc) {
+    case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED:
+    case CUDA_ERROR_STREAM_CAPTURE_INVALIDATED:
+    case CUDA_ERROR_STREAM_CAPTURE_MERGE:
+    case CUDA_ERROR_STREAM_CAPTURE_UNMATCHED:
+    case CUDA_ERROR_STREAM_CAPTURE_UNJOINED:
+    case CUDA_ERROR_STREAM_CAPTURE_ISOLATION:
+    case CUDA_ERROR_STREAM_CAPTURE_IMPLICIT:
+    case CUDA_ERROR_CAPTURED_EVENT:
+    case CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD:
+      return true;
+    default:
+      return false;
+  }
+}
 }  // namespace
 
 WindowReleaser::WindowReleaser(int device, std::chrono::milliseconds bound) : device_(device), bound_(bound) {}
 
-void WindowReleaser::arm(Job& job, const std::string& what, bool* ready) {
-  *ready = false;
+WindowReleaser::Armed WindowReleaser::arm(Job& job, const std::string& what) {
   job.after.reset();  // none: the thread synchronises the device instead
   const ipc::CudaDriver& driver = ipc::cuda_driver();
-  if (driver.cuCtxRecordEvent == nullptr) return;  // a driver before 12.5
+  if (driver.cuCtxRecordEvent == nullptr) return Armed::Synchronise;  // a driver before 12.5
   RelaxedCaptureMode relaxed;  // another thread may capture in global mode meanwhile
   CurrentDevice on(device_);
   CUcontext context = nullptr;
-  if (driver.cuCtxGetCurrent(&context) != CUDA_SUCCESS || context == nullptr) return;
+  if (driver.cuCtxGetCurrent(&context) != CUDA_SUCCESS || context == nullptr) return Armed::Synchronise;
   try {
     job.after = std::make_unique<OwnedEvent>(what);
   } catch (const std::exception&) {
-    return;  // no event: synchronise (the memory is still released)
+    return Armed::Synchronise;  // no event: synchronise (the memory is still released)
   }
   job.mark = device_quiescence_began(device_);
-  // Refused (and the capture invalidated) while a stream of the context captures a graph:
-  // docs/semantics.md says not to free then; the device is synchronised instead, as before.
-  if (driver.cuCtxRecordEvent(context, job.after->get()) != CUDA_SUCCESS) {
+  // Refused, and the capture invalidated, while a stream of the context captures a graph
+  // (studies/release_lab: in every capture mode of either thread).
+  const CUresult recorded = driver.cuCtxRecordEvent(context, job.after->get());
+  if (recorded != CUDA_SUCCESS) {
     job.after.reset();
-    return;
+    return capture_refused(recorded) ? Armed::CaptureRefused : Armed::Synchronise;
   }
   // An error the application has not read yet stays its own: the query (which may replace
   // it) and the detaching (which clears the thread's error) are left to the releasing thread.
-  if (cudaPeekAtLastError() != cudaSuccess) return;
+  if (cudaPeekAtLastError() != cudaSuccess) return Armed::Pending;
   const cudaError_t now = cudaEventQuery(job.after->get());
-  *ready = now != cudaErrorNotReady;  // an error of the device's: its work is over either way
   if (now != cudaSuccess) (void)cudaGetLastError();
+  // An error of the device's: its work is over either way.
+  return now != cudaErrorNotReady ? Armed::Ready : Armed::Pending;
 }
 
 std::uint64_t WindowReleaser::submit(Job job) {
@@ -65,27 +83,32 @@ std::uint64_t WindowReleaser::submit(Job job) {
   return ticket;
 }
 
-std::uint64_t WindowReleaser::hand_over(WindowState& state, const std::string& what, bool* must_wait) {
-  bool ready = false;
+WindowReleaser::Handed WindowReleaser::hand_over(WindowState& state, const std::string& what) {
   Job job;
   job.attachments = std::move(state.attachments);  // first: nothing below leaves them to ~WindowState
   for (auto& attachment : job.attachments) attachment->freed();
   job.storage = std::move(state.storage);
   state.release_memory();  // the rest: the peer table, pointers
-  *must_wait = false;
+  Armed armed = Armed::Synchronise;
   try {
-    arm(job, what, &ready);
+    armed = arm(job, what);
   } catch (const std::exception&) {
     job.after.reset();  // synchronise on the thread
   }
-  if (ready) {
-    // Released here, not behind other releases on the thread (their detaching may take long).
-    RelaxedCaptureMode relaxed;
-    release_job(job, device_);
-    return 0;
+  Handed handed;
+  switch (armed) {
+    case Armed::Ready: {
+      // Released here, not behind other releases on the thread (their detaching may take long).
+      RelaxedCaptureMode relaxed;
+      release_job(job, device_);
+      return handed;
+    }
+    case Armed::Pending: handed.then = Then::Return; break;
+    case Armed::Synchronise: handed.then = Then::Wait; break;
+    case Armed::CaptureRefused: handed.then = Then::CaptureRefused; break;
   }
-  *must_wait = job.after == nullptr;
-  return submit(std::move(job));
+  handed.ticket = submit(std::move(job));
+  return handed;
 }
 
 bool WindowReleaser::wait(const std::vector<std::uint64_t>& tickets, std::chrono::milliseconds timeout) {
@@ -148,9 +171,8 @@ WindowReleaser::~WindowReleaser() {
   // The blocks that the Comm's objects gave back after the last window went.
   if (blocks_in_quarantine(device_)) {
     try {
-      bool ready = false;
       Job job;
-      arm(job, "meshmem::Comm (releasing meshmem's GPU memory)", &ready);
+      (void)arm(job, "meshmem::Comm (releasing meshmem's GPU memory)");
       submit(std::move(job));
     } catch (const std::exception&) {
       // No event or thread: the blocks stay quarantined until another release of this device.

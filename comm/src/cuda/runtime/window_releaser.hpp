@@ -9,8 +9,9 @@
 // studies/release_lab). A free whose event is ready at once releases on the caller's thread,
 // so alloc/free cycles leave nothing behind; one behind running work returns, and work that
 // has not ended a timeout after its free is reported, once, by the next free. Where the event
-// cannot be recorded (a capture open on the device, a driver before CUDA 12.5) the thread
-// synchronises the device instead and the free waits for it, bounded.
+// cannot be recorded the thread synchronises the device instead: a driver before CUDA 12.5
+// (the free waits for it, bounded), or a graph capture open on the device, which CUDA has
+// invalidated by then (the free says so at once; the memory goes once the capture ends).
 #pragma once
 
 #include <chrono>
@@ -40,11 +41,21 @@ class WindowReleaser {
   WindowReleaser(const WindowReleaser&) = delete;
   WindowReleaser& operator=(const WindowReleaser&) = delete;
 
+  // What the caller of hand_over does next.
+  enum class Then {
+    Return,         // released already, or released by the thread once the work ends
+    Wait,           // no event: the thread synchronises the device; wait for the ticket
+    CaptureRefused  // a graph capture is open on the device (CUDA refused the event and
+                    // invalidated the capture): the thread releases once it has ended
+  };
+  struct Handed {
+    std::uint64_t ticket = 0;  // 0: released on the caller's thread
+    Then then = Then::Return;
+  };
   // Takes the memory out of `state` (the ranks have met); `what` names the call for messages.
   // Where the device's earlier work has ended, the memory is released on this thread before
-  // it returns (0); otherwise a ticket: `*must_wait` says whether the caller has to wait for
-  // it (a device synchronisation on the thread instead of the event), else it goes by itself.
-  std::uint64_t hand_over(WindowState& state, const std::string& what, bool* must_wait);
+  // it returns; otherwise the thread of this releaser releases it.
+  Handed hand_over(WindowState& state, const std::string& what);
   // Whether every one of `tickets` is released within `timeout` (0: waits for ever).
   bool wait(const std::vector<std::uint64_t>& tickets, std::chrono::milliseconds timeout);
   // After a wait for `tickets` that timed out and was reported: they are not reported again,
@@ -80,9 +91,10 @@ class WindowReleaser {
     std::uint64_t submitted = 0;
     bool stop = false, finished = false;
   };
+  enum class Armed { Ready, Pending, Synchronise, CaptureRefused };
   // Gives `job` an event that records the context's work so far (none where that cannot be
-  // recorded: the thread synchronises the device). `ready`: that work has ended already.
-  void arm(Job& job, const std::string& what, bool* ready);
+  // recorded: the thread synchronises the device). Ready: that work has ended already.
+  Armed arm(Job& job, const std::string& what);
   std::uint64_t submit(Job job);
   static void serve(std::shared_ptr<Shared> shared, int device);
   static void release_job(Job& job, int device);
