@@ -52,29 +52,10 @@ bool TransferProxy::remove_window(std::uint64_t id) {
 }
 
 bool TransferProxy::wait_streams() {
-  std::vector<cudaEvent_t> marks;
-  bool ok = true;
-  for (auto& [peer, streams] : streams_) {
-    for (cudaStream_t s : {streams.in->get(), streams.out->get()}) {
-      cudaEvent_t e = nullptr;
-      if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess || cudaEventRecord(e, s) != cudaSuccess) {
-        (void)cudaGetLastError();
-        if (e != nullptr) (void)cudaEventDestroy(e);
-        ok = false;
-        continue;
-      }
-      marks.push_back(e);
-    }
-  }
-  const Deadline deadline(timeout_);
-  Backoff backoff;
-  for (cudaEvent_t e : marks) {
-    cudaError_t rc;
-    while ((rc = cudaEventQuery(e)) == cudaErrorNotReady && !deadline.expired()) backoff.pause();
-    if (rc != cudaSuccess) ok = false;
-    (void)cudaEventDestroy(e);
-  }
-  return ok;
+  StreamMarks marks;
+  for (auto& [peer, streams] : streams_)
+    for (cudaStream_t s : {streams.in->get(), streams.out->get()}) marks.add(s, device_);
+  return marks.ended_by(Deadline(timeout_));
 }
 
 void TransferProxy::send_header(int peer, const Message& m) {

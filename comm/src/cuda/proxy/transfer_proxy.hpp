@@ -72,7 +72,8 @@ class TransferProxy {
 
   void add_window(std::uint64_t id, void* local, std::size_t bytes);
   // Nothing more is enqueued into the window; returns once what was has ended (bounded):
-  // what the wire still holds (it may read or write the window later), then the streams.
+  // what the wire still holds (it may read or write the window later), then the streams
+  // (StreamMarks: a device error counts as ended, as it does for the staged agent).
   bool remove_window(std::uint64_t id);
 
   // Waits until every transfer handed over ended (bounded by MESHMEM_TIMEOUT); false if not.
