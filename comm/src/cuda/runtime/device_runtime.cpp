@@ -163,7 +163,10 @@ void CudaDeviceRuntime::retire(WindowState& state, const char* call) {
     throw Error(ErrorCode::Unsupported,
                 where(call) + ": a graph capture is open on GPU " + std::to_string(gpu_.device()) +
                     " (CUDA refused the context event cuCtxRecordEvent and invalidated that capture; free windows "
-                    "outside graph captures); the window is freed, and its memory is released once the capture ends");
+                    "outside graph captures); the window is freed, and its memory is released once the capture ends" +
+                    (overdue.count() > 0 ? "; work issued before an earlier free has not finished after " +
+                                               describe_timeout(overdue) + " either"
+                                         : std::string()));
   if (handed.then == WindowReleaser::Then::Wait && !releaser_.wait({handed.ticket}, timeout_)) {
     releaser_.give_up({handed.ticket});
     throw Error(ErrorCode::Timeout,
