@@ -147,7 +147,12 @@ void CommImpl::free_window(WindowState& state, bool in_destructor) {
                       std::to_string(mine) + ", rank " + std::to_string(r) + " frees #" +
                       std::to_string(all[r]));
   live_.erase(state.id);
-  retire(state, call);
+  try {
+    retire(state, call);
+  } catch (const Error& e) {
+    if (!unconfirmed) throw;
+    throw Error(e.code(), std::string(e.message()) + "; before the meeting: " + unconfirmed->message());
+  }
   if (unconfirmed)
     throw Error(unconfirmed->code(), where(call) + ": window #" + std::to_string(mine) +
                                          " was freed on every rank, but this rank's transfers before it are not "

@@ -134,8 +134,10 @@ class DeviceRuntime {
   // Frees the memory of a device window once the device's work issued before has ended,
   // without waiting for work still running (window_releaser.hpp). Raises Error(Timeout) where
   // work before an earlier free has not ended MESHMEM_TIMEOUT after it (once; this window is
-  // freed all the same), or where the device had to be synchronised and that took longer.
-  // The state is empty afterwards either way.
+  // freed all the same), or where the device had to be synchronised and that took longer;
+  // Error(Unsupported) at once where a graph capture is open on the device (its memory goes
+  // at the next free, an allocation that needs it, or ~Comm). The state is empty afterwards
+  // either way.
   virtual void retire(WindowState& state, const char* call) = 0;
   // retire() of several windows (none: only the wait), then one bounded wait for every
   // release still pending, earlier frees' too (the transports stop next); logs instead of

@@ -38,7 +38,11 @@ void StreamMarks::add(cudaStream_t stream, int device) {
   if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess || cudaEventRecord(e, stream) != cudaSuccess) {
     (void)cudaGetLastError();
     if (e != nullptr) (void)cudaEventDestroy(e);
-    all_marked_ = false;
+    // A failed context refuses events too, and its work is over; a stream with nothing
+    // queued has nothing to wait for.
+    const cudaError_t state = cudaStreamQuery(stream);
+    (void)cudaGetLastError();
+    if (state == cudaErrorNotReady) all_marked_ = false;
     return;
   }
   events_.emplace_back(e, device);

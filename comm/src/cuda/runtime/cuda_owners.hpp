@@ -48,7 +48,8 @@ class StreamMarks {
   StreamMarks(const StreamMarks&) = delete;
   StreamMarks& operator=(const StreamMarks&) = delete;
   ~StreamMarks();
-  // Marks the work on `stream` so far; where no event can be made or recorded, ended_by says no.
+  // Marks the work on `stream` so far; where no event can be made or recorded, ended_by says
+  // no, unless the stream holds no work or its context has failed (its work is over).
   void add(cudaStream_t stream, int device);
   // Whether every marked piece of work ended before `deadline` (polled with a backoff; each
   // event is waited for, an unmarked stream or a deadline that passed makes it false).

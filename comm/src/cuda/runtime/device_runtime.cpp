@@ -163,7 +163,8 @@ void CudaDeviceRuntime::retire(WindowState& state, const char* call) {
     throw Error(ErrorCode::Unsupported,
                 where(call) + ": a graph capture is open on GPU " + std::to_string(gpu_.device()) +
                     " (CUDA refused the context event cuCtxRecordEvent and invalidated that capture; free windows "
-                    "outside graph captures); the window is freed, and its memory is released once the capture ends" +
+                    "outside graph captures); the window is freed, and its memory is released after the capture, at the next "
+                    "free, an allocation that needs it, or ~Comm" +
                     (overdue.count() > 0 ? "; work issued before an earlier free has not finished after " +
                                                describe_timeout(overdue) + " either"
                                          : std::string()));
@@ -187,6 +188,13 @@ void CudaDeviceRuntime::retire_all(const std::vector<WindowState*>& states, cons
   CurrentDevice on(gpu_.device());
   try {
     for (WindowState* s : states) (void)releaser_.hand_over(*s, where(call));
+  } catch (const std::exception& e) {
+    log(LogLevel::Error, where(call) + ": " + e.what());
+  }
+  // Windows freed during a capture: behind an event now, or, with a capture still open, a
+  // device synchronisation on the thread once it has ended (not waited for).
+  try {
+    if (!releaser_.release_refused(where(call))) releaser_.synchronise_refused();
   } catch (const std::exception& e) {
     log(LogLevel::Error, where(call) + ": " + e.what());
   }
@@ -218,6 +226,7 @@ void CudaDeviceRuntime::make_room(std::size_t bytes, const char* call) {
     }
   }
   if (free_bytes >= bytes) return;
+  (void)releaser_.release_refused(where(call));  // windows freed during a capture: behind an event now
   // wait() takes 0 for no bound: a timeout of 1 ms still waits a little, not for ever.
   const auto most = timeout_.count() == 0 ? std::chrono::milliseconds(std::chrono::hours(1))
                                           : std::max(timeout_ / 2, std::chrono::milliseconds(1));

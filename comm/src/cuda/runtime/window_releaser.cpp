@@ -100,15 +100,76 @@ WindowReleaser::Handed WindowReleaser::hand_over(WindowState& state, const std::
     case Armed::Ready: {
       // Released here, not behind other releases on the thread (their detaching may take long).
       RelaxedCaptureMode relaxed;
+      follow(job, true);
       release_job(job, device_);
       return handed;
     }
-    case Armed::Pending: handed.then = Then::Return; break;
-    case Armed::Synchronise: handed.then = Then::Wait; break;
-    case Armed::CaptureRefused: handed.then = Then::CaptureRefused; break;
+    case Armed::Pending:
+      follow(job, false);
+      handed.then = Then::Return;
+      break;
+    case Armed::Synchronise:
+      handed.then = Then::Wait;
+      break;
+    case Armed::CaptureRefused: {
+      std::lock_guard<std::mutex> lock(refused_mutex_);
+      refused_.push_back(std::move(job));
+      handed.then = Then::CaptureRefused;
+      return handed;
+    }
   }
   handed.ticket = submit(std::move(job));
   return handed;
+}
+
+void WindowReleaser::follow(const Job& armed, bool ready) {
+  std::vector<Job> kept;
+  {
+    std::lock_guard<std::mutex> lock(refused_mutex_);
+    kept.swap(refused_);
+  }
+  // The event covers every stream's work before it, so the work before those frees too.
+  for (Job& job : kept) {
+    job.after = armed.after;
+    job.mark = armed.mark;
+    if (ready) {
+      RelaxedCaptureMode relaxed;
+      release_job(job, device_);
+    } else {
+      submit(std::move(job));
+    }
+  }
+}
+
+bool WindowReleaser::release_refused(const std::string& what) {
+  {
+    std::lock_guard<std::mutex> lock(refused_mutex_);
+    if (refused_.empty()) return true;
+  }
+  Job probe;
+  Armed armed = Armed::Synchronise;
+  try {
+    armed = arm(probe, what);
+  } catch (const std::exception&) {
+    return false;
+  }
+  if (armed != Armed::Ready && armed != Armed::Pending) return false;
+  follow(probe, armed == Armed::Ready);
+  return true;
+}
+
+void WindowReleaser::synchronise_refused() {
+  std::vector<Job> kept;
+  {
+    std::lock_guard<std::mutex> lock(refused_mutex_);
+    kept.swap(refused_);
+  }
+  std::vector<std::uint64_t> tickets;
+  for (Job& job : kept) {
+    job.after.reset();
+    tickets.push_back(submit(std::move(job)));
+  }
+  if (!tickets.empty()) give_up(tickets);
 }
 
 bool WindowReleaser::wait(const std::vector<std::uint64_t>& tickets, std::chrono::milliseconds timeout) {
@@ -163,11 +224,20 @@ std::chrono::milliseconds WindowReleaser::take_overdue() {
 }
 
 bool WindowReleaser::pending() {
+  {
+    std::lock_guard<std::mutex> lock(refused_mutex_);
+    if (!refused_.empty()) return true;
+  }
   std::lock_guard<std::mutex> lock(shared_->mutex);
   return !shared_->waiting.empty();
 }
 
 WindowReleaser::~WindowReleaser() {
+  try {
+    synchronise_refused();  // where ~Comm could not give them an event
+  } catch (const std::exception&) {
+    // No thread: the memory stays mapped until the process ends.
+  }
   // The blocks that the Comm's objects gave back after the last window went.
   if (blocks_in_quarantine(device_)) {
     try {

@@ -9,9 +9,13 @@
 // studies/release_lab). A free whose event is ready at once releases on the caller's thread,
 // so alloc/free cycles leave nothing behind; one behind running work returns, and work that
 // has not ended a timeout after its free is reported, once, by the next free. Where the event
-// cannot be recorded the thread synchronises the device instead: a driver before CUDA 12.5
-// (the free waits for it, bounded), or a graph capture open on the device, which CUDA has
-// invalidated by then (the free says so at once; the memory goes once the capture ends).
+// cannot be recorded:
+// * a graph capture open on the device (CUDA refused the event and invalidated the capture):
+//   the free says so at once, and the release waits for the next event recorded outside a
+//   capture (the next free, an allocation that needs the memory, ~Comm), not for a device
+//   synchronisation, which would invalidate the application's next capture too;
+// * a driver before CUDA 12.5, or no event to be had: the thread synchronises the device,
+//   and the free waits for that (bounded by the caller's timeout).
 #pragma once
 
 #include <chrono>
@@ -46,7 +50,7 @@ class WindowReleaser {
     Return,         // released already, or released by the thread once the work ends
     Wait,           // no event: the thread synchronises the device; wait for the ticket
     CaptureRefused  // a graph capture is open on the device (CUDA refused the event and
-                    // invalidated the capture): the thread releases once it has ended
+                    // invalidated the capture): kept for the next event (release_refused)
   };
   struct Handed {
     std::uint64_t ticket = 0;  // 0: released on the caller's thread
@@ -66,7 +70,13 @@ class WindowReleaser {
   // How long the oldest release whose earlier work has not ended has waited, where that is
   // `bound` or more and it was not reported before (0 otherwise); reported once.
   std::chrono::milliseconds take_overdue();
-  // Whether releases wait for the device's work.
+  // Releases kept from frees during a capture go behind an event recorded now; false where
+  // none can be recorded (a capture is still open): they stay kept.
+  bool release_refused(const std::string& what);
+  // At ~Comm, where release_refused could not: the thread synchronises the device for them
+  // once the capture has ended; not waited for (gave_up() says so).
+  void synchronise_refused();
+  // Whether releases wait for the device's work, or for an event (kept ones).
   bool pending();
   // Every ticket handed out and not yet released.
   std::vector<std::uint64_t> all_pending();
@@ -75,7 +85,7 @@ class WindowReleaser {
   struct Job {
     std::vector<std::unique_ptr<WindowAttachment>> attachments;
     std::unique_ptr<WindowMemory> storage;
-    std::unique_ptr<OwnedEvent> after;  // the context's work before the free; null: synchronise
+    std::shared_ptr<OwnedEvent> after;  // the context's work before the free; null: synchronise
     std::uint64_t mark = 0;             // block_pool.hpp's quiescence mark (with `after`)
     std::uint64_t ticket = 0;
   };
@@ -96,6 +106,8 @@ class WindowReleaser {
   // recorded: the thread synchronises the device). Ready: that work has ended already.
   Armed arm(Job& job, const std::string& what);
   std::uint64_t submit(Job job);
+  // Gives the kept releases `armed`'s event (and mark): released here where it is ready.
+  void follow(const Job& armed, bool ready);
   static void serve(std::shared_ptr<Shared> shared, int device);
   static void release_job(Job& job, int device);
   int device_;
@@ -104,6 +116,8 @@ class WindowReleaser {
   std::thread thread_;
   std::uint64_t reported_ = 0;  // tickets up to this were reported overdue
   std::vector<std::uint64_t> given_up_;  // (under shared_->mutex)
+  std::mutex refused_mutex_;
+  std::vector<Job> refused_;  // freed during a capture: waiting for an event (under refused_mutex_)
 };
 
 }  // namespace meshmem::detail
