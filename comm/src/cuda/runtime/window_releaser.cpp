@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <system_error>
+#include <utility>
 
 #include "backoff.hpp"
 #include "log.hpp"
@@ -122,12 +123,13 @@ WindowReleaser::Handed WindowReleaser::hand_over(WindowState& state, const std::
   return handed;
 }
 
+std::vector<WindowReleaser::Job> WindowReleaser::take_refused() {
+  std::lock_guard<std::mutex> lock(refused_mutex_);
+  return std::exchange(refused_, {});
+}
+
 void WindowReleaser::follow(const Job& armed, bool ready) {
-  std::vector<Job> kept;
-  {
-    std::lock_guard<std::mutex> lock(refused_mutex_);
-    kept.swap(refused_);
-  }
+  std::vector<Job> kept = take_refused();
   // The event covers every stream's work before it, so the work before those frees too.
   for (Job& job : kept) {
     job.after = armed.after;
@@ -159,11 +161,7 @@ bool WindowReleaser::release_refused(const std::string& what) {
 }
 
 void WindowReleaser::synchronise_refused() {
-  std::vector<Job> kept;
-  {
-    std::lock_guard<std::mutex> lock(refused_mutex_);
-    kept.swap(refused_);
-  }
+  std::vector<Job> kept = take_refused();
   std::vector<std::uint64_t> tickets;
   for (Job& job : kept) {
     job.after.reset();

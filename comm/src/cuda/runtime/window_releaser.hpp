@@ -106,6 +106,7 @@ class WindowReleaser {
   // recorded: the thread synchronises the device). Ready: that work has ended already.
   Armed arm(Job& job, const std::string& what);
   std::uint64_t submit(Job job);
+  std::vector<Job> take_refused();  // the kept releases, none left kept
   // Gives the kept releases `armed`'s event (and mark): released here where it is ready.
   void follow(const Job& armed, bool ready);
   static void serve(std::shared_ptr<Shared> shared, int device);
