@@ -48,6 +48,10 @@ bool Deadline::expired() const {
   return timeout_.count() != 0 && ipc::AwakeClock::now() >= end_;
 }
 
+ipc::AwakeClock::time_point Deadline::until() const {
+  return timeout_.count() == 0 ? ipc::AwakeClock::now() + std::chrono::hours(24 * 365) : end_;
+}
+
 std::chrono::milliseconds Deadline::remaining() const {
   if (timeout_.count() == 0) return std::chrono::milliseconds(0);
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(

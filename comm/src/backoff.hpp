@@ -47,6 +47,8 @@ class Deadline {
   bool expired() const;
   std::chrono::milliseconds timeout() const { return timeout_; }
   std::chrono::milliseconds remaining() const;  // zero when none is set
+  // The time a wait_until may wait to: the end, or a year from now where none is set.
+  ipc::AwakeClock::time_point until() const;
 
  private:
   std::chrono::milliseconds timeout_;

@@ -38,3 +38,18 @@ TEST(Backoff, ZeroNeverSleeps) {
                             microseconds(5000000)})
     EXPECT_EQ(Backoff::sleep_after(waited, microseconds(0)), microseconds(0)) << waited.count() << " us";
 }
+
+// Deadline::until is what waits on a condition variable wait to: the deadline's end, or far
+// ahead (a year) where no timeout is set, never now.
+TEST(Deadline, UntilIsTheEndOrAYearAheadWithoutATimeout) {
+  using meshmem::detail::Deadline;
+  using meshmem::ipc::AwakeClock;
+  const auto before = AwakeClock::now();
+  const Deadline two(seconds(2));
+  const auto after = AwakeClock::now();
+  EXPECT_GE(two.until(), before + seconds(2));
+  EXPECT_LE(two.until(), after + seconds(2));
+  const Deadline none(milliseconds(0));
+  EXPECT_GE(none.until(), after + std::chrono::hours(24 * 364));
+  EXPECT_FALSE(none.expired());
+}

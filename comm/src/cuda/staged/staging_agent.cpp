@@ -260,13 +260,13 @@ std::string StagingAgent::take_error(ErrorCode* code) {
 }
 
 bool StagingAgent::drain() noexcept {
-  const auto deadline = Clock::now() + (site_.timeout.count() == 0 ? std::chrono::hours(24 * 365) : site_.timeout);
-  if (core_.wait_until_ended(deadline) == Core::Ended::TimedOut) return false;
+  const Deadline deadline(site_.timeout);
+  if (core_.wait_until_ended(deadline.until()) == Core::Ended::TimedOut) return false;
   Backoff backoff;
   auto idle = [&](cudaStream_t stream, int device) {
     CurrentDevice current(device);
     while (cudaStreamQuery(stream) == cudaErrorNotReady) {
-      if (Clock::now() > deadline) return false;
+      if (deadline.expired()) return false;
       backoff.pause();
     }
     (void)cudaGetLastError();
@@ -277,7 +277,7 @@ bool StagingAgent::drain() noexcept {
   for (;;) {
     core_.reclaim();
     if (!remote_ends_pending()) break;
-    if (Clock::now() > deadline) return false;
+    if (deadline.expired()) return false;
     backoff.pause();
   }
   return reader_.stream() == nullptr || idle(reader_.stream(), site_.device);
@@ -285,8 +285,7 @@ bool StagingAgent::drain() noexcept {
 
 bool StagingAgent::drain_through(std::uint64_t mark) noexcept {
   const Deadline deadline(site_.timeout);
-  const auto until = Clock::now() + (site_.timeout.count() == 0 ? std::chrono::hours(24 * 365) : site_.timeout);
-  if (core_.wait_through(mark, until) == Core::Ended::TimedOut) return false;
+  if (core_.wait_through(mark, deadline.until()) == Core::Ended::TimedOut) return false;
   // What those transfers enqueued is behind an event on each stream; later copies are not.
   StreamMarks enqueued;
   for (auto& [d, lane] : lanes_) enqueued.add(lane.stream, d);
