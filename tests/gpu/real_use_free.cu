@@ -264,8 +264,13 @@ TEST_F(RealUse, AFreeLeavesTheApplicationsCudaErrorForItToRead) {
 // Error(Unsupported) naming the capture, under any MESHMEM_TIMEOUT (before: it waited for a
 // device synchronisation that waits for the capture to end, which this thread ends only after
 // the free: the whole timeout, and for ever with MESHMEM_TIMEOUT=0). The memory goes behind
-// the next event recorded outside a capture: the next free (`by_comm_end` false), or ~Comm.
-void free_during_own_capture(std::unique_ptr<Comm>& comm, cudaStream_t s0, cudaStream_t s1, bool by_comm_end) {
+// the next event recorded outside a capture: the next free, or ~Comm after the capture, or,
+// where ~Comm comes while the capture is still open, the releaser thread's synchronisation,
+// which ~Comm does not wait for.
+enum class ReleasedBy { NextFree, CommEnd, CommEndDuringCapture };
+
+void free_during_own_capture(std::unique_ptr<Comm>& comm, cudaStream_t s0, cudaStream_t s1, ReleasedBy by) {
+  const bool by_comm_end = by != ReleasedBy::NextFree;
   constexpr std::size_t kBytes = std::size_t(256) << 20, kScratch = 1 << 20;
   void* scratch = nullptr;
   CUDA_OK(cudaMalloc(&scratch, kScratch));
@@ -289,10 +294,24 @@ void free_during_own_capture(std::unique_ptr<Comm>& comm, cudaStream_t s0, cudaS
   EXPECT_EQ(code, ErrorCode::Unsupported) << what;
   EXPECT_NE(what.find("graph capture"), std::string::npos) << what;
   EXPECT_FALSE(data.valid());
+  if (by == ReleasedBy::CommEndDuringCapture) {
+    const auto t_end = std::chrono::steady_clock::now();
+    comm.reset();
+    EXPECT_LT(seconds_since(t_end), 5.0) << "~Comm while this thread's graph capture was open";
+  }
   const cudaError_t ended = cudaStreamEndCapture(s1, &graph);
   EXPECT_EQ(ended, cudaErrorStreamCaptureInvalidated) << "the free's message says CUDA invalidated the capture";
   if (graph != nullptr) CUDA_OK(cudaGraphDestroy(graph));
   (void)cudaGetLastError();
+  std::size_t free_now = 0;
+  if (by == ReleasedBy::CommEndDuringCapture) {
+    EXPECT_TRUE(memory_comes_back(free_with_window, freed_here, 10, &free_now))
+        << "the window freed during a capture was not released after ~Comm during the capture and the "
+           "capture's end: "
+        << free_with_window << " bytes free with it, " << free_now << " now";
+    CUDA_OK(cudaFree(scratch));
+    return;
+  }
   // A capture begun after the end of that one is not touched by meshmem's thread meanwhile.
   CUDA_OK(cudaStreamBeginCapture(s1, cudaStreamCaptureModeGlobal));
   CUDA_OK(cudaMemsetAsync(scratch, 0x3c, kScratch, s1));
@@ -309,7 +328,6 @@ void free_during_own_capture(std::unique_ptr<Comm>& comm, cudaStream_t s0, cudaS
     Window next = settled_window(*comm, 1 << 20, s0);
     next.free();
   }
-  std::size_t free_now = 0;
   EXPECT_TRUE(memory_comes_back(free_with_window, freed_here, 10, &free_now))
       << "the window freed during a capture was not released by the " << (by_comm_end ? "~Comm" : "next free")
       << " after the capture: " << free_with_window << " bytes free with it, " << free_now << " now";
@@ -325,13 +343,19 @@ void free_during_own_capture(std::unique_ptr<Comm>& comm, cudaStream_t s0, cudaS
 TEST_F(RealUse, AFreeWhileAGraphCaptureIsOpenSaysSoAtOnceAndTheNextFreeReleasesIt) {
   ScopedEnv timeout("MESHMEM_TIMEOUT", "20");
   make_comm();
-  free_during_own_capture(comm, s0, s1, false);
+  free_during_own_capture(comm, s0, s1, ReleasedBy::NextFree);
 }
 
 TEST_F(RealUse, AFreeWhileAGraphCaptureIsOpenWithoutATimeoutSaysSoAtOnceAndCommEndReleasesIt) {
   ScopedEnv timeout("MESHMEM_TIMEOUT", "0");
   make_comm();
-  free_during_own_capture(comm, s0, s1, true);
+  free_during_own_capture(comm, s0, s1, ReleasedBy::CommEnd);
+}
+
+TEST_F(RealUse, ACommEndWhileAGraphCaptureIsOpenReleasesAWindowFreedInItOnceItEnds) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "20");
+  make_comm();
+  free_during_own_capture(comm, s0, s1, ReleasedBy::CommEndDuringCapture);
 }
 
 // Staged forced: rank 0 frees a window behind a 0.5 s kernel, and the other ranks, their free
