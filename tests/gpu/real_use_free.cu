@@ -197,27 +197,35 @@ TEST_F(RealUse, ACaptureBegunRightAfterAFreeBehindRunningWorkSurvives) {
   CUDA_OK(cudaStreamSynchronize(s0));
 }
 
+// Fills this GPU so that its ranks have room for one window of `bytes` each and half of one
+// more (collective); nullptr on every rank where a GPU has too little free memory.
+void* fill_leaving_room_for_one_window_each(std::size_t bytes) {
+  const int sharing = ranks_on_this_gpu();
+  MPI_Barrier(MPI_COMM_WORLD);
+  const std::size_t free_bytes = free_gpu_bytes();
+  MPI_Barrier(MPI_COMM_WORLD);  // every rank has looked before any fills
+  const std::size_t room = static_cast<std::size_t>((sharing + 0.5) * static_cast<double>(bytes));
+  int enough = free_bytes > room + (std::size_t(1) << 30) ? 1 : 0;
+  MPI_Allreduce(MPI_IN_PLACE, &enough, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);  // every rank skips, or none
+  if (enough == 0) return nullptr;
+  void* filler = nullptr;
+  const cudaError_t rc = cudaMalloc(&filler, (free_bytes - room) / static_cast<std::size_t>(sharing));
+  EXPECT_EQ(rc, cudaSuccess) << "cudaMalloc of the filler: " << cudaGetErrorString(rc);
+  MPI_Barrier(MPI_COMM_WORLD);
+  return rc == cudaSuccess ? filler : nullptr;
+}
+
 // A window freed behind a running kernel, then one of the same size allocated where the GPU
 // has room for it only once the first is released: the allocation waits for that release (at
-// most half the timeout) instead of failing. The GPU is filled first so that its ranks have
-// room for one window each and half of one more.
+// most half the timeout) instead of failing.
 TEST_F(RealUse, AnAllocationAfterAFreeBehindRunningWorkGetsItsMemory) {
   ScopedEnv timeout("MESHMEM_TIMEOUT", "20");
   make_comm();
   constexpr std::size_t kBytes = std::size_t(1) << 30;
-  const int sharing = ranks_on_this_gpu();
   comm->barrier(s0);
   CUDA_OK(cudaStreamSynchronize(s0));
-  MPI_Barrier(MPI_COMM_WORLD);
-  const std::size_t free_bytes = free_gpu_bytes();
-  MPI_Barrier(MPI_COMM_WORLD);  // every rank has looked before any fills
-  const std::size_t room = static_cast<std::size_t>((sharing + 0.5) * static_cast<double>(kBytes));
-  int enough = free_bytes > room + (std::size_t(1) << 30) ? 1 : 0;
-  MPI_Allreduce(MPI_IN_PLACE, &enough, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);  // every rank skips, or none
-  if (enough == 0) GTEST_SKIP() << "a GPU has too little free memory for this test";
-  void* filler = nullptr;
-  CUDA_OK(cudaMalloc(&filler, (free_bytes - room) / static_cast<std::size_t>(sharing)));
-  MPI_Barrier(MPI_COMM_WORLD);
+  void* filler = fill_leaving_room_for_one_window_each(kBytes);
+  if (filler == nullptr) GTEST_SKIP() << "a GPU has too little free memory for this test";
   Window first = comm->alloc(kBytes);
   comm->barrier(s0);
   CUDA_OK(cudaStreamSynchronize(s0));
@@ -233,6 +241,51 @@ TEST_F(RealUse, AnAllocationAfterAFreeBehindRunningWorkGetsItsMemory) {
   EXPECT_TRUE(finishes(s0, 30));
   if (second.valid()) second.free();
   CUDA_OK(cudaFree(filler));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+}
+
+// A window freed while this thread captures a graph (refused: its release waits for the next
+// context event), then, the capture ended, one of the same size allocated where the GPU has
+// room for it only once the first is released: the allocation releases it first.
+TEST_F(RealUse, AnAllocationAfterAFreeDuringAGraphCaptureGetsItsMemory) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "20");
+  make_comm();
+  constexpr std::size_t kBytes = std::size_t(1) << 30, kScratch = 1 << 20;
+  void* scratch = nullptr;
+  CUDA_OK(cudaMalloc(&scratch, kScratch));
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  void* filler = fill_leaving_room_for_one_window_each(kBytes);
+  if (filler == nullptr) {
+    CUDA_OK(cudaFree(scratch));
+    GTEST_SKIP() << "a GPU has too little free memory for this test";
+  }
+  Window first = settled_window(*comm, kBytes, s0);
+  CUDA_OK(cudaStreamBeginCapture(s1, cudaStreamCaptureModeThreadLocal));
+  CUDA_OK(cudaMemsetAsync(scratch, 0x5a, kScratch, s1));
+  ErrorCode code = ErrorCode::Internal;
+  std::string what = "(no error)";
+  try {
+    first.free();
+  } catch (const Error& e) {
+    code = e.code();
+    what = e.what();
+  }
+  EXPECT_EQ(code, ErrorCode::Unsupported) << what;
+  cudaGraph_t graph = nullptr;
+  EXPECT_EQ(cudaStreamEndCapture(s1, &graph), cudaErrorStreamCaptureInvalidated);
+  if (graph != nullptr) CUDA_OK(cudaGraphDestroy(graph));
+  (void)cudaGetLastError();
+  MPI_Barrier(MPI_COMM_WORLD);  // every rank's capture has ended
+  Window second;
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_NO_THROW(second = comm->alloc(kBytes)) << "an allocation that fits once the window freed during the capture is released";
+  EXPECT_TRUE(second.valid());
+  EXPECT_LT(seconds_since(t0), 10.0);
+  if (second.valid()) second.free();
+  CUDA_OK(cudaFree(filler));
+  CUDA_OK(cudaFree(scratch));
   comm->barrier(s0);
   CUDA_OK(cudaStreamSynchronize(s0));
 }
