@@ -8,7 +8,10 @@
 #     OLD_SRC  a source tree of the code before (`git archive <rev> | tar -x -C build-old-src`;
 #              carried: /build*/ is ignored), built in OLD_SRC/build (staged_bench, 03_jacobi)
 #     OUT      where paths.csv, bench.txt and the build logs go
-#   Environment: SIZES (staged_bench --min-bytes,--max-bytes; default 8,65536), MACHINE, DATE.
+#   Environment: SIZES (staged_bench --min-bytes,--max-bytes; default 8,65536), JACOBI_SIZES (grid
+#   sides, default 4096: one halo row is 8 x that many bytes), JACOBI_HALOS (03_jacobi --halo
+#   values, default meshmem; e.g. "meshmem meshmem-putsignal mpi"), MACHINE, DATE.
+#   The stream path's threshold: JACOBI_SIZES="512 1024 2048 3072 3584 4096 4608 6144" (4 to 48 KiB rows).
 # Builds with Ninja where it is found (the GPU machines' /opt/torch/.venv/bin/ninja), this tree
 # into build-paths/.
 set -uo pipefail
@@ -19,6 +22,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 machine=${MACHINE:-gpu}; date=${DATE:-$(date +%F)}
 IFS=, read -r min max <<< "${SIZES:-8,65536}"
+jacobi_sizes=${JACOBI_SIZES:-4096}; jacobi_halos=${JACOBI_HALOS:-meshmem}
 . "$new_src/bench/build_lib.sh"
 build() {  # src dir targets...
   local src=$1 dir=$2; shift 2
@@ -35,9 +39,14 @@ run() {  # label build-dir variables...
   env "$@" timeout 120 mpirun -np 2 --bind-to none "$dir/bench/staged_bench" --min-bytes "$min" --max-bytes "$max" \
     --call-times --csv "$csv" --commit "$label" --machine "$machine" --date "$date" >> "$log" 2>&1 ||
     { echo "FAILED staged_bench $label" | tee -a "$log"; status=1; }
-  env "$@" MESHMEM_TRANSPORTS=staged,shm,mpi timeout 60 mpirun -np 2 --bind-to none "$dir/examples/03_jacobi" --size 4096 \
-    --iters 2000 --halo=meshmem --decomp=rows --check --csv "$csv" --commit "$label" --machine "$machine" --date "$date" \
-    >> "$log" 2>&1 || { echo "FAILED jacobi $label" | tee -a "$log"; status=1; }
+  local n halo
+  for halo in $jacobi_halos; do
+    for n in $jacobi_sizes; do
+      env "$@" MESHMEM_TRANSPORTS=staged,shm,mpi timeout 60 mpirun -np 2 --bind-to none "$dir/examples/03_jacobi" --size "$n" \
+        --iters 2000 --halo="$halo" --decomp=rows --check --csv "$csv" --commit "$label" --machine "$machine" --date "$date" \
+        >> "$log" 2>&1 || { echo "FAILED jacobi $label $halo $n" | tee -a "$log"; status=1; }
+    done
+  done
 }
 for ((k = 1; k <= rounds; k++)); do
   run "old-r$k" "$old_src/build" BENCH_SIDE=old
