@@ -104,6 +104,50 @@ TEST_F(ProcessDeath, KilledPeerGivesErrorsNotHangs) {
   EXPECT_LT(seconds_since(t0), 30.0) << "~Signals and ~Comm with a killed peer";
 }
 
+// A peer killed while this rank's free of a window waits behind a running kernel of its own
+// (the free returned once the ranks met; the release is left to meshmem's thread): the release
+// still runs once the kernel ends and the memory comes back, and the next free and ~Comm
+// report the dead peer within a bound. Run by gpu.killed_peer_pending_release.
+TEST_F(ProcessDeath, KilledPeerWhileAReleaseIsPendingLeavesItToEnd) {
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "5");  // longer than the kernel: its work is not overdue
+  make_comm();
+  if (n != 2) GTEST_SKIP() << "written for two ranks (one survivor, one victim)";
+  constexpr std::size_t kBytes = std::size_t(256) << 20;
+  Window data = comm->alloc(kBytes);
+  Window other = comm->alloc(1 << 20);
+  comm->barrier(s0);
+  CUDA_OK(cudaStreamSynchronize(s0));
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (me == 0) {
+    spin_kernel<<<1, 1, 0, s0>>>(nullptr, 3'000'000'000ull);  // 3 s
+    CUDA_OK(cudaGetLastError());
+  }
+  EXPECT_NO_THROW(data.free());
+  if (me == 1) std::raise(SIGKILL);
+  // The victim's process and its context are gone, its own window's memory with them: what
+  // comes back from here on is this rank's release.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  ASSERT_EQ(cudaStreamQuery(s0), cudaErrorNotReady) << "the kernel ended before the peer was gone (test premise)";
+  const std::size_t free_before_release = free_gpu_bytes();
+  std::size_t free_now = 0;
+  EXPECT_TRUE(memory_comes_back(free_before_release, kBytes, 10, &free_now))
+      << "the window freed behind a kernel was not released after the kernel's end, its peer dead: "
+      << free_before_release << " bytes free before, " << free_now << " after 10 s";
+  EXPECT_TRUE(finishes(s0, 30));
+  auto t0 = std::chrono::steady_clock::now();
+  try {
+    other.free();
+    ADD_FAILURE() << "Window::free with a killed peer returned without an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank(s) 1 did not arrive"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(seconds_since(t0), 15.0) << "Window::free with a killed peer";
+  t0 = std::chrono::steady_clock::now();
+  comm.reset();
+  EXPECT_LT(seconds_since(t0), 30.0) << "~Comm with a killed peer";
+}
+
 // Three ranks of one node through the staged transport; rank 2 dies (MESHMEM_FAULT
 // 2:staged.carry:kill: as its agent takes the first chunk of rank 0's 32 MiB put) while rank
 // 0's staging slots hold that put's chunks. Rank 0's put is reported; its next put, to rank 1,

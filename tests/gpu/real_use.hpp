@@ -110,6 +110,26 @@ inline double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// Bytes free on this GPU (cudaMemGetInfo): what a freed window's release gives back shows here.
+inline std::size_t free_gpu_bytes() {
+  std::size_t free_bytes = 0, total = 0;
+  const cudaError_t rc = cudaMemGetInfo(&free_bytes, &total);
+  EXPECT_EQ(rc, cudaSuccess) << "cudaMemGetInfo: " << cudaGetErrorString(rc);
+  return free_bytes;
+}
+
+// Whether 90% of `bytes` more than `baseline` are free on this GPU within `seconds` (a freed
+// window's memory coming back); `*now` is the last figure seen.
+inline bool memory_comes_back(std::size_t baseline, std::size_t bytes, double seconds, std::size_t* now) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  do {
+    *now = free_gpu_bytes();
+    if (*now >= baseline + bytes * 9 / 10) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  } while (std::chrono::steady_clock::now() < end);
+  return false;
+}
+
 // After transfers with a rank that was killed: the next quiet must raise, naming the end of
 // that rank's process.
 inline void expect_process_end_reported(Comm& comm, cudaStream_t stream, int dead, const char* what) {

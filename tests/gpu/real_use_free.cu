@@ -7,14 +7,6 @@
 namespace real_use {
 namespace {
 
-// Bytes free on this GPU once every rank's window setup has ended (cudaMemGetInfo).
-std::size_t free_gpu_bytes() {
-  std::size_t free_bytes = 0, total = 0;
-  const cudaError_t rc = cudaMemGetInfo(&free_bytes, &total);
-  EXPECT_EQ(rc, cudaSuccess) << "cudaMemGetInfo: " << cudaGetErrorString(rc);
-  return free_bytes;
-}
-
 // How many ranks use this rank's GPU (collective): frees on them all give memory back to
 // what cudaMemGetInfo shows here.
 int ranks_on_this_gpu() {
@@ -38,18 +30,6 @@ Window settled_window(Comm& comm, std::size_t bytes, cudaStream_t stream) {
   EXPECT_EQ(rc, cudaSuccess) << "cudaStreamSynchronize: " << cudaGetErrorString(rc);
   MPI_Barrier(MPI_COMM_WORLD);
   return w;
-}
-
-// Whether 90% of `bytes` more than `baseline` are free on this GPU within `seconds` (a freed
-// window's memory coming back); `*now` is the last figure seen.
-bool memory_comes_back(std::size_t baseline, std::size_t bytes, double seconds, std::size_t* now) {
-  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  do {
-    *now = free_gpu_bytes();
-    if (*now >= baseline + bytes * 9 / 10) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  } while (std::chrono::steady_clock::now() < end);
-  return false;
 }
 
 // Every rank's stream waits for a signal that its right neighbour sends only after its own
