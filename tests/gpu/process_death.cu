@@ -33,6 +33,22 @@ __global__ void spin_then_trap(std::uint64_t ns) {
   __trap();
 }
 
+// Window::free with `dead` killed meets no one: Error(Timeout) naming that rank, within 15 s,
+// and the handle is spent.
+void expect_free_names_the_dead_peer(Window& window, int dead) {
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    window.free();
+    ADD_FAILURE() << "Window::free with a killed peer returned without an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank(s) " + std::to_string(dead) + " did not arrive"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_LT(seconds_since(t0), 15.0) << "Window::free with a killed peer";
+  EXPECT_FALSE(window.valid());
+}
+
 class ProcessDeath : public RealUse {
  protected:
   void TearDown() override {
@@ -88,17 +104,8 @@ TEST_F(ProcessDeath, KilledPeerGivesErrorsNotHangs) {
   // proxy thread's meeting) does.
   expect_timeout("barrier(stream)", {"waited for rank 1", "rank(s) 1"});
   // Teardown: free meets the (dead) peer on the host, ~Comm too; both bounded.
-  auto t0 = std::chrono::steady_clock::now();
-  try {
-    data.free();
-    ADD_FAILURE() << "Window::free with a killed peer returned without an error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
-    EXPECT_NE(std::string(e.what()).find("rank(s) 1 did not arrive"), std::string::npos) << e.what();
-  }
-  EXPECT_LT(seconds_since(t0), 15.0) << "Window::free with a killed peer";
-  EXPECT_FALSE(data.valid());
-  t0 = std::chrono::steady_clock::now();
+  expect_free_names_the_dead_peer(data, 1);
+  const auto t0 = std::chrono::steady_clock::now();
   sig = Signals();
   comm.reset();
   EXPECT_LT(seconds_since(t0), 30.0) << "~Signals and ~Comm with a killed peer";
@@ -134,16 +141,8 @@ TEST_F(ProcessDeath, KilledPeerWhileAReleaseIsPendingLeavesItToEnd) {
       << "the window freed behind a kernel was not released after the kernel's end, its peer dead: "
       << free_before_release << " bytes free before, " << free_now << " after 10 s";
   EXPECT_TRUE(finishes(s0, 30));
-  auto t0 = std::chrono::steady_clock::now();
-  try {
-    other.free();
-    ADD_FAILURE() << "Window::free with a killed peer returned without an error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
-    EXPECT_NE(std::string(e.what()).find("rank(s) 1 did not arrive"), std::string::npos) << e.what();
-  }
-  EXPECT_LT(seconds_since(t0), 15.0) << "Window::free with a killed peer";
-  t0 = std::chrono::steady_clock::now();
+  expect_free_names_the_dead_peer(other, 1);
+  const auto t0 = std::chrono::steady_clock::now();
   comm.reset();
   EXPECT_LT(seconds_since(t0), 30.0) << "~Comm with a killed peer";
 }
