@@ -114,7 +114,8 @@ TEST_F(ProcessDeath, KilledPeerGivesErrorsNotHangs) {
 // A peer killed while this rank's free of a window waits behind a running kernel of its own
 // (the free returned once the ranks met; the release is left to meshmem's thread): the release
 // still runs once the kernel ends and the memory comes back, and the next free and ~Comm
-// report the dead peer within a bound. Run by gpu.killed_peer_pending_release.
+// report the dead peer within a bound. Run by gpu.killed_peer_pending_release (ipc) and
+// gpu.killed_peer_pending_release_staged (the staged agent detaches the window).
 TEST_F(ProcessDeath, KilledPeerWhileAReleaseIsPendingLeavesItToEnd) {
   ScopedEnv timeout("MESHMEM_TIMEOUT", "5");  // longer than the kernel: its work is not overdue
   make_comm();
@@ -123,6 +124,7 @@ TEST_F(ProcessDeath, KilledPeerWhileAReleaseIsPendingLeavesItToEnd) {
   // context; its window's memory stays while this rank maps it, until this rank's release), so
   // that only this rank's release passes the check.
   constexpr std::size_t kBytes = std::size_t(4) << 30;
+  const std::size_t freed_here = kBytes * static_cast<std::size_t>(ranks_on_this_gpu());
   Window data = comm->alloc(kBytes);
   Window other = comm->alloc(1 << 20);
   comm->barrier(s0);
@@ -133,14 +135,20 @@ TEST_F(ProcessDeath, KilledPeerWhileAReleaseIsPendingLeavesItToEnd) {
     CUDA_OK(cudaGetLastError());
   }
   EXPECT_NO_THROW(data.free());
-  if (me == 1) std::raise(SIGKILL);
+  // The victim dies once the survivor's free has returned too (its part of the meeting done).
+  int token = 0;
+  if (me == 0) MPI_Send(&token, 1, MPI_INT, 1, 0, MPI_COMM_WORLD);
+  if (me == 1) {
+    MPI_Recv(&token, 1, MPI_INT, 0, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    std::raise(SIGKILL);
+  }
   // The victim's process and its context are gone: what comes back from here on is this rank's
-  // release (its window, and its mapping of the victim's).
+  // release (its window, and where the GPU is shared, its mapping of the victim's).
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
   ASSERT_EQ(cudaStreamQuery(s0), cudaErrorNotReady) << "the kernel ended before the peer was gone (test premise)";
   const std::size_t free_before_release = free_gpu_bytes();
   std::size_t free_now = 0;
-  EXPECT_TRUE(memory_comes_back(free_before_release, kBytes, 10, &free_now))
+  EXPECT_TRUE(memory_comes_back(free_before_release, freed_here, 10, &free_now))
       << "the window freed behind a kernel was not released after the kernel's end, its peer dead: "
       << free_before_release << " bytes free before, " << free_now << " after 10 s";
   EXPECT_TRUE(finishes(s0, 30));

@@ -130,6 +130,21 @@ inline bool memory_comes_back(std::size_t baseline, std::size_t bytes, double se
   return false;
 }
 
+// How many ranks use this rank's GPU (collective): frees on them all give memory back to
+// what cudaMemGetInfo shows here.
+inline int ranks_on_this_gpu() {
+  int device = -1, n = 0;
+  cudaDeviceProp prop{};
+  EXPECT_EQ(cudaGetDevice(&device), cudaSuccess);
+  EXPECT_EQ(cudaGetDeviceProperties(&prop, device), cudaSuccess);
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  std::vector<char> uuids(static_cast<std::size_t>(n) * 16);
+  MPI_Allgather(prop.uuid.bytes, 16, MPI_BYTE, uuids.data(), 16, MPI_BYTE, MPI_COMM_WORLD);
+  int sharing = 0;
+  for (int r = 0; r < n; ++r) sharing += std::memcmp(uuids.data() + 16 * r, prop.uuid.bytes, 16) == 0;
+  return sharing;
+}
+
 // After transfers with a rank that was killed: the next quiet must raise, naming the end of
 // that rank's process.
 inline void expect_process_end_reported(Comm& comm, cudaStream_t stream, int dead, const char* what) {
