@@ -162,6 +162,37 @@ TEST_F(RealUse, ACaptureBegunRightAfterAFreeBehindRunningWorkSurvives) {
   CUDA_OK(cudaStreamSynchronize(s0));
 }
 
+// Begins a thread-local capture on `stream` (a memset of `scratch` in it) and frees `window`
+// meanwhile: the free says so at once, Error(Unsupported) naming the capture, and the handle
+// is spent. The capture stays open.
+void free_refused_in_own_capture(Window& window, cudaStream_t stream, DeviceBuffer& scratch) {
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  CUDA_OK(cudaMemsetAsync(scratch.p, 0x5a, scratch.bytes, stream));
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string what = "(no error)";
+  ErrorCode code = ErrorCode::Internal;
+  try {
+    window.free();
+  } catch (const Error& e) {
+    code = e.code();
+    what = e.what();
+  }
+  const double seconds = seconds_since(t0);
+  EXPECT_LT(seconds, 5.0) << "Window::free while a graph capture was open took " << seconds << " s";
+  EXPECT_EQ(code, ErrorCode::Unsupported) << what;
+  EXPECT_NE(what.find("graph capture"), std::string::npos) << what;
+  EXPECT_FALSE(window.valid());
+}
+
+// Ends the capture that a refused free invalidated (CUDA refused the free's context event).
+void end_invalidated_capture(cudaStream_t stream) {
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+  EXPECT_EQ(ended, cudaErrorStreamCaptureInvalidated) << "the free's message says CUDA invalidated the capture";
+  if (graph != nullptr) CUDA_OK(cudaGraphDestroy(graph));
+  (void)cudaGetLastError();
+}
+
 // Fills this GPU so that its ranks have room for one window of `bytes` each and half of one
 // more (collective); null on every rank where a GPU has too little free memory or a fill
 // could not be allocated.
@@ -225,22 +256,8 @@ TEST_F(RealUse, AnAllocationAfterAFreeDuringAGraphCaptureGetsItsMemory) {
   const auto filler = fill_leaving_room_for_one_window_each(kBytes);
   if (!filler) GTEST_SKIP() << "a GPU has too little free memory for this test";
   Window first = settled_window(*comm, kBytes, s0);
-  CUDA_OK(cudaStreamBeginCapture(s1, cudaStreamCaptureModeThreadLocal));
-  CUDA_OK(cudaMemsetAsync(scratch.p, 0x5a, kScratch, s1));
-  ErrorCode code = ErrorCode::Internal;
-  std::string what = "(no error)";
-  try {
-    first.free();
-  } catch (const Error& e) {
-    code = e.code();
-    what = e.what();
-  }
-  EXPECT_EQ(code, ErrorCode::Unsupported) << what;
-  EXPECT_NE(what.find("graph capture"), std::string::npos) << what;
-  cudaGraph_t graph = nullptr;
-  EXPECT_EQ(cudaStreamEndCapture(s1, &graph), cudaErrorStreamCaptureInvalidated);
-  if (graph != nullptr) CUDA_OK(cudaGraphDestroy(graph));
-  (void)cudaGetLastError();
+  free_refused_in_own_capture(first, s1, scratch);
+  end_invalidated_capture(s1);
   MPI_Barrier(MPI_COMM_WORLD);  // every rank's capture has ended
   Window second;
   const auto t0 = std::chrono::steady_clock::now();
@@ -295,32 +312,13 @@ void free_during_own_capture(std::unique_ptr<Comm>& comm, cudaStream_t s0, cudaS
   Window data = settled_window(*comm, window_bytes, s0);
   const std::size_t free_with_window = free_gpu_bytes();
   const std::size_t freed_here = window_bytes * static_cast<std::size_t>(ranks_on_this_gpu());
-  cudaGraph_t graph = nullptr;
-  CUDA_OK(cudaStreamBeginCapture(s1, cudaStreamCaptureModeThreadLocal));
-  CUDA_OK(cudaMemsetAsync(scratch.p, 0x5a, kScratch, s1));
-  const auto t0 = std::chrono::steady_clock::now();
-  std::string what = "(no error)";
-  ErrorCode code = ErrorCode::Internal;
-  try {
-    data.free();
-  } catch (const Error& e) {
-    code = e.code();
-    what = e.what();
-  }
-  const double seconds = seconds_since(t0);
-  EXPECT_LT(seconds, 5.0) << "Window::free while a graph capture was open took " << seconds << " s";
-  EXPECT_EQ(code, ErrorCode::Unsupported) << what;
-  EXPECT_NE(what.find("graph capture"), std::string::npos) << what;
-  EXPECT_FALSE(data.valid());
+  free_refused_in_own_capture(data, s1, scratch);
   if (by == ReleasedBy::CommEndDuringCapture) {
     const auto t_end = std::chrono::steady_clock::now();
     comm.reset();
     EXPECT_LT(seconds_since(t_end), 5.0) << "~Comm while this thread's graph capture was open";
   }
-  const cudaError_t ended = cudaStreamEndCapture(s1, &graph);
-  EXPECT_EQ(ended, cudaErrorStreamCaptureInvalidated) << "the free's message says CUDA invalidated the capture";
-  if (graph != nullptr) CUDA_OK(cudaGraphDestroy(graph));
-  (void)cudaGetLastError();
+  end_invalidated_capture(s1);
   std::size_t free_now = 0;
   if (by == ReleasedBy::CommEndDuringCapture) {
     EXPECT_TRUE(memory_comes_back(free_with_window, freed_here, 10, &free_now))
@@ -333,7 +331,7 @@ void free_during_own_capture(std::unique_ptr<Comm>& comm, cudaStream_t s0, cudaS
   CUDA_OK(cudaStreamBeginCapture(s1, cudaStreamCaptureModeGlobal));
   CUDA_OK(cudaMemsetAsync(scratch.p, 0x3c, kScratch, s1));
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  graph = nullptr;
+  cudaGraph_t graph = nullptr;
   CUDA_OK(cudaStreamEndCapture(s1, &graph));
   CUDA_OK(cudaGraphDestroy(graph));
   MPI_Barrier(MPI_COMM_WORLD);  // every rank's capture has ended: the next free may record its event
