@@ -111,27 +111,61 @@ TEST_F(ProcessDeath, KilledPeerGivesErrorsNotHangs) {
   EXPECT_LT(seconds_since(t0), 30.0) << "~Signals and ~Comm with a killed peer";
 }
 
+// Whether process `pid` of this host has ended (gone, or a zombie: its files, GPU ones
+// included, closed) within `seconds`.
+bool process_ends(int pid, double seconds) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  do {
+    FILE* f = std::fopen(path.c_str(), "r");
+    if (f == nullptr) return true;
+    char line[512] = {};
+    const bool read = std::fgets(line, sizeof line, f) != nullptr;
+    std::fclose(f);
+    const char* paren = read ? std::strrchr(line, ')') : nullptr;
+    if (paren != nullptr && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X')) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  } while (std::chrono::steady_clock::now() < end);
+  return false;
+}
+
+// This GPU's free memory once it has not moved for 300 ms (within `seconds`; the last figure).
+std::size_t settled_free_gpu_bytes(double seconds) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  std::size_t last = free_gpu_bytes();
+  while (std::chrono::steady_clock::now() < end) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    const std::size_t now = free_gpu_bytes();
+    if (now == last) break;
+    last = now;
+  }
+  return last;
+}
+
 // A peer killed while this rank's free of a window waits behind a running kernel of its own
 // (the free returned once the ranks met; the release is left to meshmem's thread): the release
 // still runs once the kernel ends and the memory comes back, and the next free and ~Comm
 // report the dead peer within a bound. Run by gpu.killed_peer_pending_release (ipc) and
 // gpu.killed_peer_pending_release_staged (the staged agent detaches the window).
 TEST_F(ProcessDeath, KilledPeerWhileAReleaseIsPendingLeavesItToEnd) {
-  ScopedEnv timeout("MESHMEM_TIMEOUT", "5");  // longer than the kernel: its work is not overdue
+  ScopedEnv timeout("MESHMEM_TIMEOUT", "10");  // longer than the kernel: its work is not overdue
   make_comm();
   if (n != 2) GTEST_SKIP() << "written for two ranks (one survivor, one victim)";
-  // Far larger than what the victim's end gives back to a GPU that the ranks share (its
-  // context; its window's memory stays while this rank maps it, until this rank's release), so
-  // that only this rank's release passes the check.
+  // This rank's window, and where the victim shares the GPU and its window is mapped here
+  // (ipc; the staged channel maps none), the victim's too: they stay until this rank's
+  // release. Far larger than anything else that could come back meanwhile.
   constexpr std::size_t kBytes = std::size_t(4) << 30;
-  const std::size_t freed_here = kBytes * static_cast<std::size_t>(ranks_on_this_gpu());
+  const bool victim_mapped_here = comm->transport(1 - me, Memory::Device) != TransportKind::Staged;
+  const std::size_t freed_here = kBytes * static_cast<std::size_t>(victim_mapped_here ? ranks_on_this_gpu() : 1);
+  int victim_pid = static_cast<int>(getpid());
+  MPI_Bcast(&victim_pid, 1, MPI_INT, 1, MPI_COMM_WORLD);
   Window data = comm->alloc(kBytes);
   Window other = comm->alloc(1 << 20);
   comm->barrier(s0);
   CUDA_OK(cudaStreamSynchronize(s0));
   MPI_Barrier(MPI_COMM_WORLD);
   if (me == 0) {
-    spin_kernel<<<1, 1, 0, s0>>>(nullptr, 3'000'000'000ull);  // 3 s
+    spin_kernel<<<1, 1, 0, s0>>>(nullptr, 6'000'000'000ull);  // 6 s
     CUDA_OK(cudaGetLastError());
   }
   EXPECT_NO_THROW(data.free());
@@ -142,15 +176,16 @@ TEST_F(ProcessDeath, KilledPeerWhileAReleaseIsPendingLeavesItToEnd) {
     MPI_Recv(&token, 1, MPI_INT, 0, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
     std::raise(SIGKILL);
   }
-  // The victim's process and its context are gone: what comes back from here on is this rank's
-  // release (its window, and where the GPU is shared, its mapping of the victim's).
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  // Once the victim's process has ended and what its end gives back is back (its context, and
+  // its window where this rank does not map it), what comes back is this rank's release.
+  ASSERT_TRUE(process_ends(victim_pid, 10)) << "the killed victim (pid " << victim_pid << ") did not end (test premise)";
+  const std::size_t free_before_release = settled_free_gpu_bytes(2);
   ASSERT_EQ(cudaStreamQuery(s0), cudaErrorNotReady) << "the kernel ended before the peer was gone (test premise)";
-  const std::size_t free_before_release = free_gpu_bytes();
   std::size_t free_now = 0;
   EXPECT_TRUE(memory_comes_back(free_before_release, freed_here, 10, &free_now))
       << "the window freed behind a kernel was not released after the kernel's end, its peer dead: "
-      << free_before_release << " bytes free before, " << free_now << " after 10 s";
+      << free_before_release << " bytes free before, " << free_now << " after 10 s (expected "
+      << freed_here << " more)";
   EXPECT_TRUE(finishes(s0, 30));
   expect_free_names_the_dead_peer(other, 1);
   const auto t0 = std::chrono::steady_clock::now();
