@@ -4,8 +4,8 @@
 // last use have all ended, so that no stream's transfer waits on the GPU behind another
 // stream's (which may itself wait for this one). So a use waits on the GPU for the slot's last
 // one only where that was its own stream's and failed midway (not joined to the stream in
-// full): one driver call less per transfer. A slot that a failed use left with work no event
-// covers is retired: never taken again. Used under the stream path's lock.
+// full): one driver call less per transfer. A slot that a failed use left with work no event covers is retired: never
+// taken again. Used under the stream path's lock.
 //
 // CUDA-free (an event and a stream are opaque here): tests/unit/test_stream_slot_table.cpp.
 #pragma once
