@@ -1,6 +1,5 @@
 // StreamSlotTable (the staged stream path's slots): taken in rotation; a stream reuses its own
-// slot without asking (waiting on the GPU only after its own use that failed midway); another
-// stream's slot only once every event after its last use ended;
+// slot without asking; another stream's slot only once every event after its last use ended;
 // none given where all are held by other streams' unfinished uses; a retired slot never again.
 #include <gtest/gtest.h>
 
@@ -110,29 +109,4 @@ TEST(StreamSlotTable, AllLastListsWhatADrainWaitsFor) {
   t.used(s, "b", {2, 3});
   const std::vector<int> all = t.all_last();
   EXPECT_EQ(std::multiset<int>(all.begin(), all.end()), (std::multiset<int>{1, 2, 3}));
-}
-
-TEST(StreamSlotTable, OnlyAStreamsOwnUseThatFailedMidwayIsWaitedFor) {
-  Table t(2);
-  Events ev;
-  std::size_t s = 0;
-  ASSERT_TRUE(t.choose("a", ev, &s));
-  EXPECT_FALSE(t.must_wait_for_last_use(s, "a")) << "never used";
-  t.used(s, "a", {1});
-  ASSERT_TRUE(t.choose("a", ev, &s));
-  t.used(s, "a", {2}, /*joined=*/false);  // failed midway: work on a lane the stream never joined
-  ASSERT_TRUE(t.choose("a", ev, &s));
-  EXPECT_EQ(s, 0u);
-  EXPECT_FALSE(t.must_wait_for_last_use(s, "a")) << "a's own joined use is behind a's stream";
-  ASSERT_TRUE(t.choose("a", ev, &s));
-  EXPECT_EQ(s, 1u);
-  EXPECT_TRUE(t.must_wait_for_last_use(s, "a")) << "a's own use that failed midway";
-  EXPECT_EQ(t.last(s), std::vector<int>{2});
-  // Another stream takes a slot only once its events ended: nothing left to wait for.
-  t.used(s, "a", {3});
-  ev.ended = {1, 3};
-  ASSERT_TRUE(t.choose("b", ev, &s));
-  EXPECT_FALSE(t.must_wait_for_last_use(s, "b"));
-  t.used(s, "b", {4}, false);
-  EXPECT_FALSE(t.must_wait_for_last_use(s, "a")) << "b's use is a's to ask about in choose, not to wait for";
 }

@@ -89,14 +89,11 @@ bool StreamPath::run(const Transfer& t, cudaStream_t stream, const std::string& 
     return cudaEventQuery(e) == cudaSuccess;  // not ready, or an error its stream reports: not free
   };
   if (!slots_.choose(key, ended, &slot)) return false;
-  // What this use waits for on the GPU (stream_slot_table.hpp: mostly nothing).
-  static const std::vector<cudaEvent_t> kNothing;
-  const std::vector<cudaEvent_t>& before = slots_.must_wait_for_last_use(slot, key) ? slots_.last(slot) : kNothing;
   Touched touched;
   cudaEvent_t after = nullptr;
   try {
-    after = one_stream ? run_on_one_stream(t, slot, before, stream, touched, what)
-                       : run_split(t, slot, before, stream, *lane, touched, what);
+    after = one_stream ? run_on_one_stream(t, slot, stream, touched, what)
+                       : run_split(t, slot, stream, *lane, touched, what);
   } catch (...) {
     guard(slot, stream, touched, key);
     throw;
@@ -106,11 +103,11 @@ bool StreamPath::run(const Transfer& t, cudaStream_t stream, const std::string& 
 }
 
 // Ranks sharing a GPU: both copies and the signal in the caller's stream order.
-cudaEvent_t StreamPath::run_on_one_stream(const Transfer& t, std::size_t slot, const std::vector<cudaEvent_t>& before,
-                                          cudaStream_t stream, Touched& touched, const std::string& what) {
+cudaEvent_t StreamPath::run_on_one_stream(const Transfer& t, std::size_t slot, cudaStream_t stream,
+                                          Touched& touched, const std::string& what) {
   CurrentDevice current(setup_.device);
   char* staging = static_cast<char*>(pinned_.base) + slot * stride_;
-  for (cudaEvent_t e : before)
+  for (cudaEvent_t e : slots_.last(slot))
     ipc::check_cuda(cudaStreamWaitEvent(stream, e, 0), "cudaStreamWaitEvent (the slot's last use)", what);
   ipc::check_cuda(copy_rows(staging, t.width, t.src, t.src_pitch, t.width, t.rows, stream),
                   "cudaMemcpyAsync (to the staging slot)", what);
@@ -124,8 +121,8 @@ cudaEvent_t StreamPath::run_on_one_stream(const Transfer& t, std::size_t slot, c
 }
 
 // The peer's GPU is another: its step on the caller stream's lane there, between two events.
-cudaEvent_t StreamPath::run_split(const Transfer& t, std::size_t slot, const std::vector<cudaEvent_t>& before,
-                                  cudaStream_t stream, Lane& lane, Touched& touched, const std::string& what) {
+cudaEvent_t StreamPath::run_split(const Transfer& t, std::size_t slot, cudaStream_t stream, Lane& lane,
+                                  Touched& touched, const std::string& what) {
   char* staging = static_cast<char*>(pinned_.base) + slot * stride_;
   cudaEvent_t ready = ready_[slot]->get();
   cudaEvent_t there = lane.done[slot]->get();
@@ -134,7 +131,7 @@ cudaEvent_t StreamPath::run_split(const Transfer& t, std::size_t slot, const std
   {
     CurrentDevice current(setup_.device);
     if (put) {
-      for (cudaEvent_t e : before)
+      for (cudaEvent_t e : slots_.last(slot))
         ipc::check_cuda(cudaStreamWaitEvent(stream, e, 0), "cudaStreamWaitEvent (the slot's last use)", what);
       ipc::check_cuda(copy_rows(staging, t.width, t.src, t.src_pitch, t.width, t.rows, stream),
                       "cudaMemcpyAsync (to the staging slot)", what);
@@ -147,7 +144,7 @@ cudaEvent_t StreamPath::run_split(const Transfer& t, std::size_t slot, const std
     CurrentDevice current(lane.device);
     ipc::check_cuda(cudaStreamWaitEvent(peer, ready, 0), "cudaStreamWaitEvent (the caller's stream)", what);
     if (!put)
-      for (cudaEvent_t e : before)
+      for (cudaEvent_t e : slots_.last(slot))
         ipc::check_cuda(cudaStreamWaitEvent(peer, e, 0), "cudaStreamWaitEvent (the slot's last use)", what);
     if (put)
       ipc::check_cuda(copy_rows(t.dst, t.dst_pitch, staging, t.width, t.width, t.rows, peer),
@@ -228,7 +225,7 @@ void StreamPath::guard(std::size_t slot, cudaStream_t stream, const Touched& tou
     if (covered && !after.empty()) {
       std::vector<cudaEvent_t> keep = slots_.last(slot);  // a lane's failed step waited for them, or not
       keep.insert(keep.end(), after.begin(), after.end());
-      slots_.used(slot, key, std::move(keep), false);  // the caller's stream may not have joined the lane
+      slots_.used(slot, key, std::move(keep));
     }
   } catch (...) {
     covered = false;

@@ -4,8 +4,7 @@
 // no host thread between them. Where the peer's GPU is this rank's own (ranks sharing a GPU)
 // every step runs on the caller's stream; otherwise the step on the peer's GPU runs on a stream
 // of this process there that serves the caller's stream alone (a lane), joined to it by events
-// both ways. A slot's next use comes after its last one: the caller stream's own is behind it
-// already (a use that failed midway is waited for on the GPU); a slot
+// both ways. A slot's next use waits on the GPU for the events after its last one; a slot
 // whose last use was another stream's and has not ended is not taken, so that no stream's
 // transfer waits behind another stream's (which may itself wait for this one). Where no slot
 // or lane is free, `run` declines and the transfer goes through the staging agent, as do
@@ -105,12 +104,11 @@ class StreamPath {
     void* base = nullptr;
   };
   Lane* lane_for(int device, const StreamKey& key, const std::string& what);
-  // Each waits for `before` (what of the slot's last use its stream is not past) and returns the
-  // event after its use of the slot.
-  cudaEvent_t run_on_one_stream(const Transfer& t, std::size_t slot, const std::vector<cudaEvent_t>& before,
-                                cudaStream_t stream, Touched& touched, const std::string& what);
-  cudaEvent_t run_split(const Transfer& t, std::size_t slot, const std::vector<cudaEvent_t>& before, cudaStream_t stream,
-                        Lane& lane, Touched& touched, const std::string& what);
+  // Each returns the event after its use of the slot.
+  cudaEvent_t run_on_one_stream(const Transfer& t, std::size_t slot, cudaStream_t stream, Touched& touched,
+                                const std::string& what);
+  cudaEvent_t run_split(const Transfer& t, std::size_t slot, cudaStream_t stream, Lane& lane, Touched& touched,
+                        const std::string& what);
   void signal_alone(const Transfer& t, cudaStream_t stream, Lane* lane, const std::string& what);
   void signal(const Transfer& t, cudaStream_t stream, const std::string& what);
   // After a step failed: events on every stream that got work, as the slot's last use.

@@ -2,10 +2,8 @@
 // transfer may take. Slots are taken in rotation; a slot is free for a stream if it was never
 // used, if that stream used it last (its own order covers the reuse), or if the events after its
 // last use have all ended, so that no stream's transfer waits on the GPU behind another
-// stream's (which may itself wait for this one). So a use waits on the GPU for the slot's last
-// one only where that was its own stream's and failed midway (not joined to the stream in
-// full): one driver call less per transfer. A slot that a failed use left with work no event covers is retired: never
-// taken again. Used under the stream path's lock.
+// stream's (which may itself wait for this one). A slot that a failed use left with work no
+// event covers is retired: never taken again. Used under the stream path's lock.
 //
 // CUDA-free (an event and a stream are opaque here): tests/unit/test_stream_slot_table.cpp.
 #pragma once
@@ -38,19 +36,10 @@ class StreamSlotTable {
   }
   // The events after the slot's last use (empty: never used): its next use waits for them.
   const std::vector<Event>& last(std::size_t slot) const { return slots_[slot].last; }
-  // A use of the slot by `key`, every piece of it before `after`; `joined`: every piece of it
-  // is also ordered before `key`'s later work (false after a use that failed midway).
-  void used(std::size_t slot, const Key& key, std::vector<Event> after, bool joined = true) {
+  // A use of the slot by `key`, every piece of it before `after`.
+  void used(std::size_t slot, const Key& key, std::vector<Event> after) {
     slots_[slot].user = key;
     slots_[slot].last = std::move(after);
-    slots_[slot].joined = joined;
-  }
-  // Whether the use of a slot just chosen by `key` must wait for the events after its last use:
-  // only where that use was `key`'s own and not joined to it. Another stream's ended (choose
-  // asked), and `key`'s own joined one is behind `key`'s later work already.
-  bool must_wait_for_last_use(std::size_t slot, const Key& key) const {
-    const Slot& s = slots_[slot];
-    return !s.last.empty() && s.user == key && !s.joined;
   }
   void retire(std::size_t slot) { slots_[slot].retired = true; }
   bool retired(std::size_t slot) const { return slots_[slot].retired; }
@@ -65,7 +54,6 @@ class StreamSlotTable {
   struct Slot {
     std::vector<Event> last;
     Key user{};
-    bool joined = false;
     bool retired = false;
   };
   template <class Ended>
