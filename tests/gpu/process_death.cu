@@ -155,8 +155,9 @@ TEST_F(ProcessDeath, KilledPeerWhileAReleaseIsPendingLeavesItToEnd) {
   // (ipc; the staged channel maps none), the victim's too: they stay until this rank's
   // release. Far larger than anything else that could come back meanwhile.
   constexpr std::size_t kBytes = std::size_t(4) << 30;
+  const int sharing = ranks_on_this_gpu();  // collective: every rank, whatever its routes
   const bool victim_mapped_here = comm->transport(1 - me, Memory::Device) != TransportKind::Staged;
-  const std::size_t freed_here = kBytes * static_cast<std::size_t>(victim_mapped_here ? ranks_on_this_gpu() : 1);
+  const std::size_t freed_here = kBytes * static_cast<std::size_t>(victim_mapped_here ? sharing : 1);
   int victim_pid = static_cast<int>(getpid());
   MPI_Bcast(&victim_pid, 1, MPI_INT, 1, MPI_COMM_WORLD);
   Window data = comm->alloc(kBytes);
