@@ -7,6 +7,8 @@
 // each surviving process with a verdict line, since the dead rank can meet no collective (no
 // Comm teardown, no verdict agreed over MPI, no MPI_Finalize). An exception from a call is a
 // failure of the case (gtest catches it) like any other, and the verdict still comes.
+#include <meshmem/ipc/pidfd.hpp>
+
 #include "real_use.hpp"
 #include "verdict.hpp"
 
@@ -111,22 +113,15 @@ TEST_F(ProcessDeath, KilledPeerGivesErrorsNotHangs) {
   EXPECT_LT(seconds_since(t0), 30.0) << "~Signals and ~Comm with a killed peer";
 }
 
-// Whether process `pid` of this host has ended (gone, or a zombie: its files, GPU ones
+// Whether the watched process ends (its pidfd says so: gone or a zombie, its files, GPU ones
 // included, closed) within `seconds`.
-bool process_ends(int pid, double seconds) {
+bool ends_within(const ipc::ProcessWatch& watch, double seconds) {
   const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
-  do {
-    FILE* f = std::fopen(path.c_str(), "r");
-    if (f == nullptr) return true;
-    char line[512] = {};
-    const bool read = std::fgets(line, sizeof line, f) != nullptr;
-    std::fclose(f);
-    const char* paren = read ? std::strrchr(line, ')') : nullptr;
-    if (paren != nullptr && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X')) return true;
+  while (!watch.ended()) {
+    if (std::chrono::steady_clock::now() >= end) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  } while (std::chrono::steady_clock::now() < end);
-  return false;
+  }
+  return true;
 }
 
 // This GPU's free memory once it has not moved for 300 ms (within `seconds`; the last figure).
@@ -160,6 +155,7 @@ TEST_F(ProcessDeath, KilledPeerWhileAReleaseIsPendingLeavesItToEnd) {
   const std::size_t freed_here = kBytes * static_cast<std::size_t>(victim_mapped_here ? sharing : 1);
   int victim_pid = static_cast<int>(getpid());
   MPI_Bcast(&victim_pid, 1, MPI_INT, 1, MPI_COMM_WORLD);
+  const ipc::ProcessWatch victim(me == 0 ? victim_pid : -1);  // made while the victim lives
   Window data = comm->alloc(kBytes);
   Window other = comm->alloc(1 << 20);
   comm->barrier(s0);
@@ -179,7 +175,8 @@ TEST_F(ProcessDeath, KilledPeerWhileAReleaseIsPendingLeavesItToEnd) {
   }
   // Once the victim's process has ended and what its end gives back is back (its context, and
   // its window where this rank does not map it), what comes back is this rank's release.
-  ASSERT_TRUE(process_ends(victim_pid, 10)) << "the killed victim (pid " << victim_pid << ") did not end (test premise)";
+  ASSERT_TRUE(victim.watching()) << "no pidfd for the victim (pid " << victim_pid << "): its end cannot be seen (test premise)";
+  ASSERT_TRUE(ends_within(victim, 10)) << "the killed victim (pid " << victim_pid << ") did not end (test premise)";
   const std::size_t free_before_release = settled_free_gpu_bytes(2);
   ASSERT_EQ(cudaStreamQuery(s0), cudaErrorNotReady) << "the kernel ended before the peer was gone (test premise)";
   std::size_t free_now = 0;
